@@ -1,0 +1,350 @@
+"""HTTP/1.1 served with h11 directly on trio streams.
+
+Both the router and the mock engine serve through this: it reads a request
+head and body within their time limits, runs the handler while watching the
+client socket (a client that goes away cancels the handler at once), and
+writes whatever the handler sends, streamed or whole.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import h11
+import trio
+
+from llmgw_core.openai_errors import error_body
+
+log = logging.getLogger(__name__)
+
+_RECV = 65536
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+JSON = [(b"content-type", b"application/json")]
+
+
+@attrs.frozen
+class ServerLimits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+
+
+@attrs.define(slots=True)
+class Request:
+    method: bytes
+    target: bytes
+    headers: list[tuple[bytes, bytes]]  # names lower-cased by h11
+    body: bytes = b""
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def path(self) -> bytes:
+        return self.target.partition(b"?")[0]
+
+
+class RequestRejected(Exception):
+    """Raised by the server itself for a request it will not hand to the handler."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Responder:
+    """What a handler writes its answer through."""
+
+    __slots__ = ("_conn", "_stream", "closing", "started")
+
+    def __init__(self, conn: h11.Connection, stream: trio.abc.Stream, closing: bool) -> None:
+        self._conn = conn
+        self._stream = stream
+        self.closing = closing  # ask the client to close after this response
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.closing:
+            headers = [*headers, (b"connection", b"close")]
+        self.started = True
+        await self._stream.send_all(self._conn.send(h11.Response(status_code=status, headers=headers)))  # type: ignore[arg-type]
+
+    async def send(self, data: bytes) -> None:
+        if data:
+            await self._stream.send_all(self._conn.send(h11.Data(data=data)))  # type: ignore[arg-type]
+
+    async def end(self) -> None:
+        await self._stream.send_all(self._conn.send(h11.EndOfMessage()))  # type: ignore[arg-type]
+
+    async def whole(
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
+    ) -> None:
+        if self.closing:
+            headers = [*headers, (b"connection", b"close")]
+        self.started = True
+        conn = self._conn
+        out = conn.send(
+            h11.Response(
+                status_code=status,
+                headers=[*headers, (b"content-length", str(len(body)).encode())],  # type: ignore[list-item]
+            )
+        )
+        out += conn.send(h11.Data(data=body))  # type: ignore[operator]
+        out += conn.send(h11.EndOfMessage())  # type: ignore[operator]
+        await self._stream.send_all(out)
+
+    async def error(self, status: int, message: str) -> None:
+        await self.whole(status, error_body(status, message))
+
+    async def abort(self) -> None:
+        """Close the connection mid-answer: the client sees a truncated response."""
+        await self._stream.aclose()
+
+    async def send_raw(self, data: bytes) -> None:
+        """Bytes outside HTTP framing (the mock engine's garbage mode); the connection closes after."""
+        self.started = True
+        await self._stream.send_all(data)
+
+
+Handler = Callable[[Request, Responder], Awaitable[None]]
+
+
+class HTTPServer:
+    """Serves one handler on any number of listeners; `draining` closes idle keep-alives."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.draining = False
+        self.busy = 0  # connections inside a request, for graceful shutdown
+        self.idle_done = trio.Event()
+        self._idle_scopes: set[trio.CancelScope] = set()
+        self._accepting = trio.CancelScope()
+
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept on every listener until `shutdown`; returns when every connection has ended."""
+        async with trio.open_nursery() as connections:
+            with self._accepting:
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(self._accept_loop, listener, connections)
+                    task_status.started(listeners)
+            for listener in listeners:
+                await listener.aclose()
+
+    async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                    log.error("accept failed (%s); retrying in 100 ms", exc)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            connections.start_soon(self.serve_connection, stream)
+
+    async def shutdown(self, grace_s: float) -> bool:
+        """Stop accepting, close idle keep-alives, wait up to `grace_s` for requests in flight.
+
+        Returns True when every request finished in time.
+        """
+        self._accepting.cancel()
+        self.draining = True
+        for scope in self._idle_scopes:
+            scope.cancel()
+        if self.busy == 0:
+            self.idle_done.set()
+        with trio.move_on_after(grace_s):
+            await self.idle_done.wait()
+            return True
+        return False
+
+    async def serve_connection(self, stream: trio.SocketStream) -> None:
+        try:
+            await _Connection(self, stream).run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("connection handler failed")
+        finally:
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await stream.aclose()
+
+
+class _Connection:
+    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+        self.server = server
+        self.stream = stream
+        self.conn = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
+        )
+
+    async def _next_event(self) -> Any:
+        conn = self.conn
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await self.stream.receive_some(_RECV)
+                conn.receive_data(data)
+                continue
+            return event
+
+    async def run(self) -> None:
+        server = self.server
+        first = True
+        while not server.draining:
+            try:
+                request = await self._read_request(first)
+            except RequestRejected as exc:
+                await self._reject(exc.status, exc.message)
+                return
+            except h11.RemoteProtocolError as exc:
+                await self._reject(exc.error_status_hint, f"malformed request: {exc}")
+                return
+            if request is None:
+                return
+            first = False
+            server.busy += 1
+            try:
+                await self._respond(request)
+            finally:
+                server.busy -= 1
+                if server.draining and server.busy == 0:
+                    server.idle_done.set()
+            if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
+                return
+            try:
+                self.conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+
+    async def _read_request(self, first: bool) -> Request | None:
+        limits = self.server.limits
+        conn = self.conn
+        idle_scope = trio.CancelScope()
+        # An idle keep-alive connection may be closed by drain(); one inside a
+        # request may not.
+        if not first:
+            idle_scope.deadline = trio.current_time() + limits.keepalive_timeout_s
+            self.server._idle_scopes.add(idle_scope)
+        try:
+            with idle_scope:
+                if not first and not conn.trailing_data[0]:
+                    data = await self.stream.receive_some(_RECV)
+                    conn.receive_data(data)
+                    if not data:
+                        return None
+        finally:
+            self.server._idle_scopes.discard(idle_scope)
+        if idle_scope.cancelled_caught:
+            return None
+        with trio.move_on_after(limits.header_timeout_s) as head_scope:
+            event = await self._next_event()
+        if head_scope.cancelled_caught:
+            raise RequestRejected(408, "request headers did not arrive in time")
+        if isinstance(event, h11.ConnectionClosed):
+            return None
+        if not isinstance(event, h11.Request):
+            raise RequestRejected(400, "expected a request")
+        request = Request(method=event.method, target=event.target, headers=list(event.headers))
+        request.body = await self._read_body(request)
+        return request
+
+    async def _read_body(self, request: Request) -> bytes:
+        limits = self.server.limits
+        length = request.header(b"content-length")
+        if length is not None and int(length) > limits.max_body_bytes:
+            raise RequestRejected(
+                413, f"request body of {int(length)} bytes exceeds the limit of {limits.max_body_bytes}"
+            )
+        if self.conn.they_are_waiting_for_100_continue:
+            await self.stream.send_all(
+                self.conn.send(h11.InformationalResponse(status_code=100, headers=[]))  # type: ignore[arg-type]
+            )
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(limits.body_timeout_s) as scope:
+            while True:
+                event = await self._next_event()
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > limits.max_body_bytes:
+                        raise RequestRejected(
+                            413, f"request body exceeds the limit of {limits.max_body_bytes} bytes"
+                        )
+                    chunks.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(chunks)
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise trio.BrokenResourceError("client closed during the body")
+        assert scope.cancelled_caught
+        raise RequestRejected(408, "request body did not arrive in time")
+
+    async def _respond(self, request: Request) -> None:
+        responder = Responder(self.conn, self.stream, closing=self.server.draining)
+        returned = broken = False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_client, nursery.cancel_scope)
+            try:
+                await self.server.handler(request, responder)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                broken = True
+            except Exception:
+                log.exception("handler failed on %s %s", request.method, request.target)
+            returned = True
+            nursery.cancel_scope.cancel()
+        if broken:
+            raise trio.BrokenResourceError("the client went away")
+        if returned and not responder.started:
+            await responder.error(500, "internal error: the handler sent no response")
+
+    async def _watch_client(self, handler_scope: trio.CancelScope) -> None:
+        """Cancel the handler as soon as the client goes away mid-request."""
+        try:
+            data = await self.stream.receive_some(_RECV)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            data = b""
+        if data:
+            # A pipelined next request: keep it for the next cycle, stop watching.
+            self.conn.receive_data(data)
+            return
+        handler_scope.cancel()
+
+    async def _reject(self, status: int, message: str) -> None:
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        body = error_body(status, message)
+        try:
+            out = self.conn.send(
+                h11.Response(
+                    status_code=status,
+                    headers=[  # type: ignore[list-item]
+                        *JSON,
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                )
+            )
+            out += self.conn.send(h11.Data(data=body))  # type: ignore[operator]
+            out += self.conn.send(h11.EndOfMessage())  # type: ignore[operator]
+        except h11.LocalProtocolError:
+            return
+        with trio.move_on_after(2):
+            await self.stream.send_all(out)

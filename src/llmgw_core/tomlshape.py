@@ -1,0 +1,152 @@
+"""Reading user-written TOML tables with errors that name the key path.
+
+Every config module reads through `Table`, so a typo, a wrong type or an
+out-of-range value is reported the same way: file, key path, what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; `str()` is the whole message for the user."""
+
+    def __init__(self, file: str, path: str, message: str) -> None:
+        self.file = file
+        self.path = path
+        self.message = message
+        where = f"{file}: {path}" if path else file
+        super().__init__(f"{where}: {message}")
+
+
+_MISSING: Any = object()
+
+
+def _type_name(value: object) -> str:
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
+
+
+class Table:
+    """One TOML table being read; keys that are never read are reported by `finish`."""
+
+    def __init__(self, data: Mapping[str, Any], file: str, path: str = "") -> None:
+        self._data = data
+        self._file = file
+        self.path = path
+        self._read: set[str] = set()
+
+    def _key_path(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str | None, message: str) -> NoReturn:
+        raise ConfigError(self._file, self._key_path(key) if key else self.path, message)
+
+    def has(self, key: str) -> bool:
+        return key in self._data
+
+    def _get(self, key: str, default: Any) -> Any:
+        self._read.add(key)
+        if key in self._data:
+            return self._data[key]
+        if default is _MISSING:
+            self.fail(key, "is required")
+        return default
+
+    def text(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, str):
+            self.fail(key, f"must be a string, not {_type_name(value)}")
+        if not value.strip():
+            self.fail(key, "must not be empty")
+        return value
+
+    def boolean(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, bool):
+            self.fail(key, f"must be true or false, not {_type_name(value)}")
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING, *, min: int | None = None) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(key, f"must be an integer, not {_type_name(value)}")
+        if min is not None and value < min:
+            self.fail(key, f"must be at least {min}, not {value}")
+        return value
+
+    def number(self, key: str, default: Any = _MISSING, *, min: float | None = None) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(key, f"must be a number, not {_type_name(value)}")
+        if min is not None and value < min:
+            self.fail(key, f"must be at least {min}, not {value}")
+        return float(value)
+
+    def texts(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, list):
+            self.fail(key, f"must be an array of strings, not {_type_name(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                self.fail(f"{key}[{i}]", f"must be a string, not {_type_name(item)}")
+        return tuple(value)
+
+    def labels(self, key: str, default: Any = _MISSING) -> Any:
+        """A table of string values, such as labels."""
+        value = self._get(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, dict):
+            self.fail(key, f"must be a table of strings, not {_type_name(value)}")
+        for k, v in value.items():
+            if not isinstance(v, str):
+                self.fail(f"{key}.{k}", f"must be a string, not {_type_name(v)}")
+        return dict(value)
+
+    def table(self, key: str, *, required: bool = False) -> Table:
+        value = self._get(key, _MISSING if required else {})
+        if not isinstance(value, dict):
+            self.fail(key, f"must be a table, not {_type_name(value)}")
+        return Table(value, self._file, self._key_path(key))
+
+    def tables(self, key: str) -> Iterator[Table]:
+        """An array of tables (`[[key]]`); each is yielded with its index in the path."""
+        value = self._get(key, [])
+        if not isinstance(value, list):
+            self.fail(key, f"must be an array of tables ([[{key}]]), not {_type_name(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                self.fail(f"{key}[{i}]", f"must be a table, not {_type_name(item)}")
+            yield Table(item, self._file, f"{self._key_path(key)}[{i}]")
+
+    def finish(self) -> None:
+        """Reject keys nobody read: a typo must not pass silently."""
+        unknown = sorted(set(self._data) - self._read)
+        if unknown:
+            self.fail(unknown[0], "is not a known key" + _did_you_mean(unknown[0], self._read))
+
+
+def _did_you_mean(key: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,1 @@
+"""The llmgw server: the OpenAI-compatible router (and, later, the control plane)."""

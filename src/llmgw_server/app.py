@@ -1,0 +1,85 @@
+"""The server daemon: one nursery owns the HTTP front, the health prober and shutdown."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import attrs
+import httpx
+import trio
+
+from llmgw_core.config import Config
+from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_server.health import probe_forever
+from llmgw_server.router import Router
+
+log = logging.getLogger("llmgw.server")
+
+
+@attrs.frozen
+class Running:
+    """What `main` hands to `task_status.started` once it serves."""
+
+    port: int
+    router: Router
+    http: HTTPServer
+
+
+async def main(
+    config: Config,
+    *,
+    stop: trio.Event | None = None,
+    task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or `stop`), then shut down gracefully."""
+    s = config.server
+    router = Router(config)
+    http = HTTPServer(
+        router.handle,
+        ServerLimits(
+            max_body_bytes=s.max_body_bytes,
+            header_timeout_s=s.header_timeout_s,
+            body_timeout_s=s.body_timeout_s,
+            keepalive_timeout_s=s.keepalive_timeout_s,
+        ),
+    )
+    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
+    port = listeners[0].socket.getsockname()[1]
+    timeout = httpx.Timeout(config.router.health_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            await nursery.start(http.serve, listeners)
+            await nursery.start(probe_forever, router, client)
+            log.info("llmgw router listening on http://%s:%d", s.listen.host, port)
+            task_status.started(Running(port=port, router=router, http=http))
+            stop = stop or trio.Event()
+            async with trio.open_nursery() as waiters:
+                waiters.start_soon(_first_signal, signals, stop)
+                await stop.wait()
+                waiters.cancel_scope.cancel()
+        log.info("shutting down: no new connections; waiting up to %s s", s.shutdown_grace_s)
+        router.draining = True
+        if not await http.shutdown(s.shutdown_grace_s):
+            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
+        nursery.cancel_scope.cancel()
+    for pool in router.pools.values():
+        pool.close()
+    log.info("stopped")
+
+
+async def _first_signal(signals: trio.abc.ReceiveChannel[int] | object, stop: trio.Event) -> None:
+    async for signum in signals:  # type: ignore[attr-defined]
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+        return
+
+
+def run(config: Config) -> int:
+    try:
+        trio.run(main, config)
+    except OSError as exc:
+        print(f"llmgw-server: cannot listen on {config.server.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,101 @@
+"""Choosing a replica: pure decisions, time passed in.
+
+Least outstanding requests over available replicas (power of two choices once
+there are many), optional session affinity, and ejection after consecutive
+failures until a health probe brings the replica back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Collection
+
+import attrs
+
+from llmgw_core.catalog import Endpoint
+
+_P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
+_AFFINITY_MAX = 100_000
+
+
+@attrs.define(eq=False, slots=True)
+class Replica:
+    endpoint: Endpoint
+    outstanding: int = 0
+    healthy: bool = True  # what the last health probe said
+    ejected: bool = False  # too many consecutive failures; waits for a good probe
+    probe_after: float = 0.0  # when an ejected replica may be probed again
+    failures: int = 0  # consecutive
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.ejected
+
+
+@attrs.define(eq=False)
+class Balancer:
+    """The replicas of one model."""
+
+    replicas: list[Replica]
+    eject_after_failures: int = 3
+    eject_cooldown_s: float = 10.0
+    rng: random.Random = attrs.field(factory=random.Random)
+    _affinity: OrderedDict[str, Replica] = attrs.field(factory=OrderedDict)
+    _turn: int = 0
+
+    def pick(
+        self, *, exclude: Collection[Replica] = (), session: str | None = None
+    ) -> Replica | None:
+        if session is not None:
+            pinned = self._affinity.get(session)
+            if pinned is not None and pinned.available and pinned not in exclude:
+                self._affinity.move_to_end(session)
+                return pinned
+        candidates = [r for r in self.replicas if r.available and r not in exclude]
+        if not candidates:
+            return None
+        if len(candidates) > _P2C_ABOVE:
+            a, b = self.rng.sample(candidates, 2)
+            chosen = a if a.outstanding <= b.outstanding else b
+        else:
+            # Rotate the starting point so ties do not always land on the first replica.
+            self._turn = (self._turn + 1) % len(candidates)
+            rotated = candidates[self._turn :] + candidates[: self._turn]
+            chosen = min(rotated, key=lambda r: r.outstanding)
+        if session is not None:
+            self._affinity[session] = chosen
+            self._affinity.move_to_end(session)
+            if len(self._affinity) > _AFFINITY_MAX:
+                self._affinity.popitem(last=False)
+        return chosen
+
+    def succeeded(self, replica: Replica) -> None:
+        replica.failures = 0
+
+    def failed(self, replica: Replica, now: float) -> bool:
+        """Count a failure; returns True when it ejects the replica."""
+        replica.failures += 1
+        if not replica.ejected and replica.failures >= self.eject_after_failures:
+            replica.ejected = True
+            replica.probe_after = now + self.eject_cooldown_s
+            return True
+        return False
+
+    def due_for_probe(self, replica: Replica, now: float) -> bool:
+        return not replica.ejected or now >= replica.probe_after
+
+    def probed(self, replica: Replica, ok: bool, now: float) -> None:
+        if replica.ejected:
+            if ok:
+                replica.ejected = False
+                replica.failures = 0
+                replica.healthy = True
+            else:
+                replica.probe_after = now + self.eject_cooldown_s
+            return
+        replica.healthy = ok
+
+    @property
+    def healthy_count(self) -> int:
+        return sum(1 for r in self.replicas if r.available)

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible front: authenticate, pick a replica, relay the answer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+
+import trio
+
+from llmgw_core.catalog import Endpoint
+from llmgw_core.config import Config
+from llmgw_core.http_server import JSON, Request, Responder
+from llmgw_core.openai_errors import error_body, sse_error_event
+from llmgw_server.balancer import Balancer, Replica
+from llmgw_server.metrics import RouterMetrics
+from llmgw_server.upstream import Exchange, Pool, UpstreamError
+
+log = logging.getLogger("llmgw.router")
+
+INFERENCE_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"authorization",
+        b"expect",
+    }
+)
+_ERROR_BODY_LIMIT = 1024 * 1024
+
+
+class Router:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tuning = config.router
+        self.digests = config.auth.api_key_digests
+        self.metrics = RouterMetrics()
+        self.pools: dict[Endpoint, Pool] = {}
+        self.balancers: dict[str, Balancer] = {}
+        self.ready = False  # the first health probe round is done
+        self.draining = False
+        for model in config.catalog.models:
+            replicas = []
+            for endpoint in model.endpoints:
+                if endpoint not in self.pools:
+                    self.pools[endpoint] = Pool(endpoint, self.tuning.connect_timeout_s)
+                replicas.append(Replica(endpoint))
+            self.balancers[model.name] = Balancer(
+                replicas,
+                eject_after_failures=self.tuning.eject_after_failures,
+                eject_cooldown_s=self.tuning.eject_cooldown_s,
+            )
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        path = request.path
+        if path in INFERENCE_PATHS:
+            if request.method != b"POST":
+                await responder.error(405, f"{path.decode()} takes POST")
+                return
+            await self._proxy(request, responder)
+        elif request.method not in (b"GET", b"HEAD"):
+            await responder.error(405 if path in _GET_PATHS else 404, "no such route")
+        elif path == b"/v1/models":
+            if self._authorized(request):
+                await responder.whole(200, self._models())
+            else:
+                await responder.error(401, "a valid API key is required (Authorization: Bearer)")
+        elif path == b"/healthz":
+            await responder.whole(200, b'{"status": "ok"}')
+        elif path == b"/readyz":
+            ok = self.ready and not self.draining
+            await responder.whole(200 if ok else 503, json.dumps(self._readiness()).encode())
+        elif path == b"/metrics":
+            await responder.whole(
+                200, self.metrics.render(self.balancers), [(b"content-type", b"text/plain; version=0.0.4")]
+            )
+        else:
+            await responder.error(404, f"no route {path.decode(errors='replace')}")
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.digests:
+            return True
+        value = request.header(b"authorization")
+        if value is None or not value[:7].lower() == b"bearer ":
+            return False
+        return hashlib.sha256(value[7:].strip()).hexdigest() in self.digests
+
+    def _models(self) -> bytes:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            for name, balancer in self.balancers.items()
+            if balancer.healthy_count
+        ]
+        return json.dumps({"object": "list", "data": data}).encode()
+
+    def _readiness(self) -> dict[str, object]:
+        return {
+            "ready": self.ready and not self.draining,
+            "draining": self.draining,
+            "models": {name: b.healthy_count for name, b in self.balancers.items()},
+        }
+
+    async def _proxy(self, request: Request, responder: Responder) -> None:
+        if not self._authorized(request):
+            await responder.error(401, "a valid API key is required (Authorization: Bearer)")
+            return
+        try:
+            body = json.loads(request.body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            await responder.error(400, f"the request body is not valid JSON: {exc}")
+            return
+        if not isinstance(body, dict):
+            await responder.error(400, "the request body must be a JSON object")
+            return
+        model = body.get("model")
+        if model is None:
+            await responder.error(404, "no model given: set the 'model' field")
+            return
+        if not isinstance(model, str):
+            await responder.error(400, "'model' must be a string")
+            return
+        balancer = self.balancers.get(model)
+        if balancer is None:
+            await responder.error(404, f"the model {model!r} does not exist")
+            return
+        metrics = self.metrics
+        metrics.in_flight[model] += 1
+        status = 0
+        try:
+            status = await self._forward(model, balancer, request, responder, body.get("stream") is True)
+        finally:
+            metrics.in_flight[model] -= 1
+            metrics.requests[(model, status)] += 1  # status 0: the client went away
+
+    async def _forward(
+        self, model: str, balancer: Balancer, request: Request, responder: Responder, stream: bool
+    ) -> int:
+        tuning = self.tuning
+        session_value = request.header(tuning.session_header.encode())
+        session = session_value.decode("latin-1") if session_value else None
+        headers = [(k, v) for k, v in request.headers if k not in _HOP_BY_HOP]
+        tried: list[Replica] = []
+        last_error: tuple[int, bytes] | None = None
+        for attempt in range(1 + tuning.retries):
+            replica = balancer.pick(exclude=tried, session=session)
+            if replica is None:
+                break
+            if attempt:
+                self.metrics.retries[model] += 1
+            tried.append(replica)
+            replica.outstanding += 1
+            try:
+                started = time.monotonic()
+                exchange: Exchange | None = None
+                with trio.move_on_after(tuning.first_byte_timeout_s) as scope:
+                    try:
+                        exchange = await self.pools[replica.endpoint].open(
+                            request.method, request.target, headers, request.body
+                        )
+                    except UpstreamError as exc:
+                        last_error = (502, error_body(502, str(exc)))
+                        self._failed(model, balancer, replica, str(exc))
+                        continue
+                if exchange is None:
+                    assert scope.cancelled_caught
+                    message = f"{replica.endpoint} sent no answer within {tuning.first_byte_timeout_s} s"
+                    last_error = (504, error_body(504, message))
+                    self._failed(model, balancer, replica, message)
+                    continue
+                try:
+                    ttfb = time.monotonic() - started
+                    if exchange.status >= 500:
+                        try:
+                            text = await exchange.read_body(_ERROR_BODY_LIMIT)
+                        except UpstreamError:
+                            text = error_body(502, f"{replica.endpoint} answered {exchange.status}")
+                        last_error = (exchange.status, text)
+                        self._failed(model, balancer, replica, f"answered {exchange.status}")
+                        continue
+                    self.metrics.ttfb[model].observe(ttfb)
+                    await self._relay(model, balancer, replica, exchange, responder, stream)
+                    self.metrics.latency[model].observe(time.monotonic() - started)
+                    return exchange.status
+                finally:
+                    exchange.release()
+            finally:
+                replica.outstanding -= 1
+        if last_error is None:
+            await responder.error(503, f"no healthy replica for the model {model!r}")
+            return 503
+        status, text = last_error
+        await responder.whole(status, text, _content_type_of(text))
+        return status
+
+    async def _relay(
+        self,
+        model: str,
+        balancer: Balancer,
+        replica: Replica,
+        exchange: Exchange,
+        responder: Responder,
+        stream: bool,
+    ) -> None:
+        headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
+        framed = any(k == b"content-length" for k, _ in exchange.headers)
+        if framed:
+            headers.append((b"content-length", _header(exchange.headers, b"content-length")))
+        await responder.start(exchange.status, headers)
+        try:
+            async for data in exchange.body():
+                await responder.send(data)
+        except UpstreamError as exc:
+            self._failed(model, balancer, replica, str(exc))
+            sse = _header(exchange.headers, b"content-type").startswith(b"text/event-stream")
+            if sse and not framed:
+                await responder.send(sse_error_event(502, f"the engine stream broke: {exc}"))
+                await responder.end()
+            else:
+                await responder.abort()
+            return
+        balancer.succeeded(replica)
+        await responder.end()
+
+    def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
+        if balancer.failed(replica, trio.current_time()):
+            self.metrics.ejections[(model, replica.endpoint.url)] += 1
+            log.warning(
+                "ejected %s for %s after %d failures in a row (last: %s)",
+                replica.endpoint, model, replica.failures, why,
+            )
+
+
+_GET_PATHS = frozenset({b"/v1/models", b"/healthz", b"/readyz", b"/metrics"})
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for key, value in headers:
+        if key == name:
+            return value
+    return b""
+
+
+def _content_type_of(body: bytes) -> list[tuple[bytes, bytes]]:
+    return JSON if body[:1] == b"{" else [(b"content-type", b"text/plain")]

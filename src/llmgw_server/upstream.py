@@ -1,0 +1,188 @@
+"""HTTP/1.1 to the engines: h11 on trio streams, with keep-alive pools.
+
+An `Exchange` is one request to one engine. The caller reads the response
+head, then the body piece by piece as the engine writes it, and releases the
+exchange: a connection that finished cleanly goes back to its pool, any
+other is closed (so a cancelled client request closes its upstream at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import h11
+import trio
+
+from llmgw_core.catalog import Endpoint
+
+_RECV = 65536
+_MAX_IDLE = 256
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached, broke the connection, or spoke garbage."""
+
+    def __init__(self, message: str, *, connect: bool = False, silent: bool = False) -> None:
+        super().__init__(message)
+        self.connect = connect  # nothing reached the engine
+        self.silent = silent  # the connection closed before the engine sent a byte
+
+
+class _Conn:
+    __slots__ = ("h11", "stream")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+
+
+class Pool:
+    """Idle keep-alive connections to one engine."""
+
+    def __init__(self, endpoint: Endpoint, connect_timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.connect_timeout_s = connect_timeout_s
+        self._host = f"{endpoint.host}:{endpoint.port}".encode()
+        self._idle: list[_Conn] = []
+
+    async def _connect(self) -> _Conn:
+        with trio.move_on_after(self.connect_timeout_s) as scope:
+            try:
+                stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
+            except OSError as exc:
+                raise UpstreamError(f"cannot connect to {self.endpoint}: {exc}", connect=True) from None
+        if scope.cancelled_caught:
+            raise UpstreamError(f"connecting to {self.endpoint} timed out", connect=True)
+        return _Conn(stream)
+
+    def _give_back(self, conn: _Conn) -> None:
+        if len(self._idle) < _MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.stream.socket.close()
+
+    async def open(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Exchange:
+        """Send a request and read the response head; the body is read from the Exchange."""
+        head = [(b"host", self._host), *headers, (b"content-length", str(len(body)).encode())]
+        target = self.endpoint.prefix.encode() + target
+        while self._idle:
+            exchange = Exchange(self, self._idle.pop())
+            try:
+                await self._send(exchange._conn, method, target, head, body)
+                await exchange.read_head()
+            except (trio.BrokenResourceError, OSError, h11.LocalProtocolError):
+                exchange.release()  # the engine had closed this idle connection
+                continue
+            except UpstreamError as exc:
+                exchange.release()
+                if exc.silent:
+                    continue  # closed before a single byte: stale, not a failure
+                raise
+            return exchange
+        exchange = Exchange(self, await self._connect())
+        try:
+            await self._send(exchange._conn, method, target, head, body)
+        except (trio.BrokenResourceError, OSError) as exc:
+            exchange.release()
+            raise UpstreamError(f"sending to {self.endpoint} failed: {exc}", connect=True) from None
+        try:
+            await exchange.read_head()
+        except BaseException:
+            exchange.release()
+            raise
+        return exchange
+
+    @staticmethod
+    async def _send(
+        conn: _Conn, method: bytes, target: bytes, head: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        c = conn.h11
+        data = c.send(h11.Request(method=method, target=target, headers=head))  # type: ignore[arg-type]
+        assert data is not None
+        if body:
+            data += c.send(h11.Data(data=body))  # type: ignore[operator]
+        data += c.send(h11.EndOfMessage())  # type: ignore[operator]
+        await conn.stream.send_all(data)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.stream.socket.close()
+        self._idle.clear()
+
+
+class Exchange:
+    __slots__ = ("_conn", "_done", "_pool", "_received", "headers", "status")
+
+    def __init__(self, pool: Pool, conn: _Conn) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._done = False
+        self._received = 0
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    async def _next_event(self) -> object:
+        c = self._conn.h11
+        while True:
+            try:
+                event = c.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise UpstreamError(f"{self._pool.endpoint} answered garbage: {exc}") from None
+            if event is h11.NEED_DATA:
+                try:
+                    data = await self._conn.stream.receive_some(_RECV)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise UpstreamError(
+                        f"{self._pool.endpoint} broke the connection: {exc}",
+                        silent=not self._received,
+                    ) from None
+                self._received += len(data)
+                c.receive_data(data)
+                continue
+            return event
+
+    async def read_head(self) -> None:
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+                self.headers = list(event.headers)  # type: ignore[arg-type]
+                return
+            if isinstance(event, h11.ConnectionClosed):
+                raise UpstreamError(
+                    f"{self._pool.endpoint} closed the connection without answering",
+                    silent=not self._received,
+                )
+            # InformationalResponse (1xx): keep reading.
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._done = True
+                return
+            else:
+                raise UpstreamError(f"{self._pool.endpoint} closed the connection mid-answer")
+
+    async def read_body(self, limit: int) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for data in self.body():
+            size += len(data)
+            if size > limit:
+                raise UpstreamError(f"{self._pool.endpoint} answered more than {limit} bytes")
+            parts.append(data)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Back to the pool if the exchange finished cleanly, otherwise closed."""
+        conn = self._conn
+        if self._done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+            conn.h11.start_next_cycle()
+            self._pool._give_back(conn)
+        else:
+            conn.stream.socket.close()
