@@ -48,6 +48,8 @@ class Table:
         return f"{self.path}.{key}" if self.path else key
 
     def fail(self, key: str | None, message: str) -> NoReturn:
+        if key is not None and key not in self._data and message.startswith("is required"):
+            message += self._typo_hint(key)
         raise ConfigError(self._file, self._key_path(key) if key else self.path, message)
 
     def has(self, key: str) -> bool:
@@ -60,6 +62,14 @@ class Table:
         if default is _MISSING:
             self.fail(key, "is required")
         return default
+
+    def _typo_hint(self, key: str) -> str:
+        """Point at an unknown key that looks like a misspelling of `key`."""
+        import difflib
+
+        unread = [k for k in self._data if k not in self._read]
+        close = difflib.get_close_matches(key, unread, n=1)
+        return f" (is {close[0]!r} a misspelling of it?)" if close else ""
 
     def text(self, key: str, default: Any = _MISSING) -> Any:
         value = self._get(key, default)

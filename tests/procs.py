@@ -1,0 +1,126 @@
+"""Real processes on free loopback ports, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    def __init__(self, argv: Sequence[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = list(argv)
+        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
+        self._log_file = self.log.open("wb")
+        self.popen = subprocess.Popen(
+            self.argv,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_http(self, path: str, timeout: float = 15.0, status: int = 200) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise AssertionError(f"{self.argv} exited {self.popen.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + path, timeout=1).status_code == status:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"{self.url}{path} never answered {status}:\n{self.output()}")
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signum)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+        self._log_file.close()
+
+
+class Procs:
+    """Starts processes and stops every one of them at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.all: list[Proc] = []
+
+    def mock(
+        self, model: str = "m", *flags: str, port: int | None = None, wait: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        port = port or free_port()
+        proc = Proc(
+            [sys.executable, "-m", "llmgw_core.mock_engine", "serve", model, "--port", str(port), *flags],
+            port,
+            env,
+        )
+        self.all.append(proc)
+        if wait:
+            proc.wait_http("/health")
+        return proc
+
+    def router(self, config: str, *, server: str = "", wait: bool = True) -> Proc:
+        """A router on a free port; `server` holds more lines for its [server] table."""
+        port = free_port()
+        path = self.tmp / f"router-{port}.toml"
+        path.write_text(f'[server]\nlisten = "127.0.0.1:{port}"\n{server}\n' + config)
+        proc = Proc([sys.executable, "-m", "llmgw_server", "--config", str(path)], port)
+        self.all.append(proc)
+        if wait:
+            proc.wait_http("/readyz")
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.all:
+            proc.stop()
+
+
+def models_toml(models: dict[str, Sequence[str]]) -> str:
+    return "".join(
+        f'\n[[models]]\nname = "{name}"\nendpoints = [{", ".join(repr(u) for u in urls)}]\n'.replace(
+            "'", '"'
+        )
+        for name, urls in models.items()
+    )
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text page (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()) and (want or not rest):
+            return float(value)
+    return 0.0
