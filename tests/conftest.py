@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from procs import Procs  # noqa: E402
+from procs import Procs
 
 
 @pytest.fixture

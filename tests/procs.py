@@ -25,7 +25,9 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.argv = list(argv)
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
+        self.log = (
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
+        )
         self._log_file = self.log.open("wb")
         self.popen = subprocess.Popen(
             self.argv,
@@ -42,7 +44,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise AssertionError(f"{self.argv} exited {self.popen.returncode}:\n{self.output()}")
+                raise AssertionError(
+                    f"{self.argv} exited {self.popen.returncode}:\n{self.output()}"
+                )
             try:
                 if httpx.get(self.url + path, timeout=1).status_code == status:
                     return
@@ -74,12 +78,25 @@ class Procs:
         self.all: list[Proc] = []
 
     def mock(
-        self, model: str = "m", *flags: str, port: int | None = None, wait: bool = True,
+        self,
+        model: str = "m",
+        *flags: str,
+        port: int | None = None,
+        wait: bool = True,
         env: dict[str, str] | None = None,
     ) -> Proc:
         port = port or free_port()
         proc = Proc(
-            [sys.executable, "-m", "llmgw_core.mock_engine", "serve", model, "--port", str(port), *flags],
+            [
+                sys.executable,
+                "-m",
+                "llmgw_core.mock_engine",
+                "serve",
+                model,
+                "--port",
+                str(port),
+                *flags,
+            ],
             port,
             env,
         )
@@ -121,6 +138,10 @@ def metric(text: str, name: str, **labels: str) -> float:
             continue
         key, _, value = line.rpartition(" ")
         base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()) and (want or not rest):
+        if (
+            base == name
+            and all(f'{k}="{v}"' in rest for k, v in labels.items())
+            and (want or not rest)
+        ):
             return float(value)
     return 0.0

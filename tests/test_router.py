@@ -43,7 +43,9 @@ def test_plain_and_streaming_through_openai_client(procs: Procs) -> None:
     pieces = [
         chunk.choices[0].delta.content or ""
         for chunk in api.chat.completions.create(
-            model="m", messages=CHAT["messages"], stream=True  # type: ignore[arg-type]
+            model="m",
+            messages=CHAT["messages"],
+            stream=True,  # type: ignore[arg-type]
         )
         if chunk.choices
     ]
@@ -57,7 +59,9 @@ def test_plain_and_streaming_through_openai_client(procs: Procs) -> None:
 
 
 def test_stream_relayed_chunk_by_chunk_with_comments(procs: Procs) -> None:
-    engine = procs.mock("m", "--mock-tokens", "6", "--mock-tokens-per-second", "10", "--mock-sse-ping")
+    engine = procs.mock(
+        "m", "--mock-tokens", "6", "--mock-tokens-per-second", "10", "--mock-sse-ping"
+    )
     router = procs.router(models_toml({"m": [engine.url]}))
     arrivals = []
     with httpx.stream(
@@ -105,7 +109,9 @@ def test_session_affinity_keeps_one_replica(procs: Procs) -> None:
 def test_retries_past_a_dead_replica(procs: Procs) -> None:
     live = procs.mock("m")
     dead = f"http://127.0.0.1:{free_port()}"
-    router = procs.router(models_toml({"m": [dead, live.url]}) + "\n[router]\nhealth_interval_s = 60\n", wait=False)
+    router = procs.router(
+        models_toml({"m": [dead, live.url]}) + "\n[router]\nhealth_interval_s = 60\n", wait=False
+    )
     router.wait_http("/healthz")
     api = client(router.url)
     for _ in range(6):
@@ -133,7 +139,15 @@ def test_ejection_and_recovery(procs: Procs) -> None:
 
     httpx.post(flaky.url + "/mock/control", json={"fail_status": 0})
     wait_until(
-        lambda: metric(httpx.get(router.url + "/metrics").text, "llmgw_replica_available", model="m", endpoint=flaky.url) == 1,
+        lambda: (
+            metric(
+                httpx.get(router.url + "/metrics").text,
+                "llmgw_replica_available",
+                model="m",
+                endpoint=flaky.url,
+            )
+            == 1
+        ),
         what="the ejected replica to be probed back",
     )
     seen = {
@@ -159,10 +173,20 @@ def test_client_disconnect_cancels_upstream(procs: Procs) -> None:
     ) as response:
         lines = response.iter_lines()  # kept: a dropped iterator would close the response
         next(lines)
-        assert metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running", model_name="m") == 1
+        assert (
+            metric(
+                httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running", model_name="m"
+            )
+            == 1
+        )
     # The client closed after one line; the engine must stop generating long before its 50 s.
     wait_until(
-        lambda: metric(httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running", model_name="m") == 0,
+        lambda: (
+            metric(
+                httpx.get(engine.url + "/metrics").text, "vllm:num_requests_running", model_name="m"
+            )
+            == 0
+        ),
         timeout=5,
         what="the engine to see the request cancelled",
     )
@@ -180,7 +204,9 @@ def test_stream_broken_mid_way_ends_with_an_error_event(procs: Procs) -> None:
     assert json.loads(events[-1][6:])["error"]["type"] == "upstream_error"
     with pytest.raises(openai.APIError):
         for _ in client(router.url).chat.completions.create(
-            model="m", messages=CHAT["messages"], stream=True  # type: ignore[arg-type]
+            model="m",
+            messages=CHAT["messages"],
+            stream=True,  # type: ignore[arg-type]
         ):
             pass
 
@@ -228,7 +254,11 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
         assert error["code"] == code and error["message"] and error["type"]
 
     check(httpx.post(url, json=CHAT), 401, "invalid_api_key")
-    check(httpx.post(url, json=CHAT, headers={"authorization": "Bearer sk-wrong"}), 401, "invalid_api_key")
+    check(
+        httpx.post(url, json=CHAT, headers={"authorization": "Bearer sk-wrong"}),
+        401,
+        "invalid_api_key",
+    )
     check(httpx.post(url, content=b"{not json", headers=good), 400, "bad_request")
     check(httpx.post(url, json=[1, 2], headers=good), 400, "bad_request")
     check(httpx.post(url, json={"messages": []}, headers=good), 404, "not_found")
@@ -269,7 +299,9 @@ def test_graceful_shutdown_finishes_the_request_in_flight(procs: Procs) -> None:
     result: dict[str, object] = {}
 
     def stream() -> None:
-        with httpx.stream("POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=20) as r:
+        with httpx.stream(
+            "POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=20
+        ) as r:
             result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
 
     reader = threading.Thread(target=stream)
@@ -302,7 +334,9 @@ def test_config_errors_exit_2_without_traceback(tmp_path) -> None:  # type: igno
         path.write_text(text)
         done = subprocess.run(
             [sys.executable, "-m", "llmgw_server", "--config", str(path)],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         assert done.returncode == 2, done
         assert expected in done.stderr and str(path) in done.stderr, done.stderr

@@ -77,14 +77,16 @@ class Responder:
         if self.closing:
             headers = [*headers, (b"connection", b"close")]
         self.started = True
-        await self._stream.send_all(self._conn.send(h11.Response(status_code=status, headers=headers)))  # type: ignore[arg-type]
+        await self._stream.send_all(
+            self._conn.send(h11.Response(status_code=status, headers=headers))
+        )
 
     async def send(self, data: bytes) -> None:
         if data:
-            await self._stream.send_all(self._conn.send(h11.Data(data=data)))  # type: ignore[arg-type]
+            await self._stream.send_all(self._conn.send(h11.Data(data=data)))
 
     async def end(self) -> None:
-        await self._stream.send_all(self._conn.send(h11.EndOfMessage()))  # type: ignore[arg-type]
+        await self._stream.send_all(self._conn.send(h11.EndOfMessage()))
 
     async def whole(
         self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
@@ -96,11 +98,11 @@ class Responder:
         out = conn.send(
             h11.Response(
                 status_code=status,
-                headers=[*headers, (b"content-length", str(len(body)).encode())],  # type: ignore[list-item]
+                headers=[*headers, (b"content-length", str(len(body)).encode())],
             )
         )
-        out += conn.send(h11.Data(data=body))  # type: ignore[operator]
-        out += conn.send(h11.EndOfMessage())  # type: ignore[operator]
+        out += conn.send(h11.Data(data=body))
+        out += conn.send(h11.EndOfMessage())
         await self._stream.send_all(out)
 
     async def error(self, status: int, message: str) -> None:
@@ -111,7 +113,7 @@ class Responder:
         await self._stream.aclose()
 
     async def send_raw(self, data: bytes) -> None:
-        """Bytes outside HTTP framing (the mock engine's garbage mode); the connection closes after."""
+        """Bytes outside HTTP framing (the mock engine's garbage mode); then close."""
         self.started = True
         await self._stream.send_all(data)
 
@@ -272,11 +274,12 @@ class _Connection:
         length = request.header(b"content-length")
         if length is not None and int(length) > limits.max_body_bytes:
             raise RequestRejected(
-                413, f"request body of {int(length)} bytes exceeds the limit of {limits.max_body_bytes}"
+                413,
+                f"request body of {int(length)} bytes exceeds the limit of {limits.max_body_bytes}",
             )
         if self.conn.they_are_waiting_for_100_continue:
             await self.stream.send_all(
-                self.conn.send(h11.InformationalResponse(status_code=100, headers=[]))  # type: ignore[arg-type]
+                self.conn.send(h11.InformationalResponse(status_code=100, headers=[]))
             )
         chunks: list[bytes] = []
         size = 0
@@ -335,15 +338,15 @@ class _Connection:
             out = self.conn.send(
                 h11.Response(
                     status_code=status,
-                    headers=[  # type: ignore[list-item]
+                    headers=[
                         *JSON,
                         (b"content-length", str(len(body)).encode()),
                         (b"connection", b"close"),
                     ],
                 )
             )
-            out += self.conn.send(h11.Data(data=body))  # type: ignore[operator]
-            out += self.conn.send(h11.EndOfMessage())  # type: ignore[operator]
+            out += self.conn.send(h11.Data(data=body))
+            out += self.conn.send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             return
         with trio.move_on_after(2):

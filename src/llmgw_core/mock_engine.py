@@ -9,6 +9,7 @@ Flags (or LLMGW_MOCK_* environment variables) set its pace and failure modes;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -25,10 +26,10 @@ from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
 
 log = logging.getLogger("llmgw.mock_engine")
 
-_WORDS = (
+_WORDS = tuple(
     "the quick brown fox jumps over a lazy dog while gpus hum in the rack and tokens "
-    "stream out one by one to every patient client"
-).split()
+    "stream out one by one to every patient client".split()
+)
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _JSON = [(b"content-type", b"application/json")]
 
@@ -259,7 +260,9 @@ class MockEngine:
             chunks += 1
 
         if chat:
-            await emit({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            await emit(
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            )
         for i, word in enumerate(words):
             await self._pace(1)
             piece = word if i == 0 else " " + word
@@ -268,7 +271,10 @@ class MockEngine:
             else:
                 await emit({"index": 0, "text": piece, "finish_reason": None})
         last: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        last.update({"delta": {}} if chat else {"text": ""})
+        if chat:
+            last["delta"] = {}
+        else:
+            last["text"] = ""
         await emit(last)
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
@@ -303,7 +309,13 @@ class MockEngine:
     def _models(self) -> bytes:
         created = int(time.time())
         data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "llmgw-mock", "root": self.settings.model}
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmgw-mock",
+                "root": self.settings.model,
+            }
             for name in self.settings.served_model_names
         ]
         return json.dumps({"object": "list", "data": data}).encode()
@@ -353,7 +365,11 @@ async def main(
 
 async def _exit_after(seconds: float) -> None:
     await trio.sleep(seconds)
-    print(f"mock engine: exiting after {seconds} s as asked (--mock-exit-after)", file=sys.stderr, flush=True)
+    print(
+        f"mock engine: exiting after {seconds} s as asked (--mock-exit-after)",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(3)
 
 
@@ -363,10 +379,8 @@ def cli(argv: Sequence[str] | None = None) -> None:
     if not argv or argv[0] != "serve":
         argv = ["serve", *argv]
     settings = parse_args(argv, dict(os.environ))
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         trio.run(main, settings)
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

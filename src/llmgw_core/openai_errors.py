@@ -42,7 +42,9 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
         {
             "error": {
                 "message": message,
-                "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                "type": _TYPES.get(
+                    status, "server_error" if status >= 500 else "invalid_request_error"
+                ),
                 "code": code or _CODES.get(status, str(status)),
             }
         }

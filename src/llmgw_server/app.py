@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
 
 import attrs
 import httpx
@@ -69,8 +70,8 @@ async def main(
     log.info("stopped")
 
 
-async def _first_signal(signals: trio.abc.ReceiveChannel[int] | object, stop: trio.Event) -> None:
-    async for signum in signals:  # type: ignore[attr-defined]
+async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
+    async for signum in signals:
         log.info("received %s", signal.Signals(signum).name)
         stop.set()
         return

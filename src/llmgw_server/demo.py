@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -24,8 +25,19 @@ async def demo() -> None:
     engine_ports = [_free_port(), _free_port()]
     engines = [
         subprocess.Popen(
-            [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "demo-model",
-             "--port", str(p), "--mock-tokens", "24", "--mock-tokens-per-second", "40"],
+            [
+                sys.executable,
+                "-m",
+                "llmgw_core.mock_engine",
+                "serve",
+                "demo-model",
+                "--port",
+                str(p),
+                "--mock-tokens",
+                "24",
+                "--mock-tokens-per-second",
+                "40",
+            ],
             start_new_session=True,
         )
         for p in engine_ports
@@ -48,8 +60,8 @@ async def demo() -> None:
                 f"\nllmgw demo: the router is at {url}/v1 in front of two mock engines "
                 f"(ports {engine_ports[0]}, {engine_ports[1]}). Try:\n\n"
                 f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
-                "    -d '{\"model\": \"demo-model\", \"stream\": true, "
-                "\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}]}'\n\n"
+                '    -d \'{"model": "demo-model", "stream": true, '
+                '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
                 f"  curl {url}/metrics\n\nCtrl-C stops it.\n",
                 flush=True,
             )
@@ -60,7 +72,5 @@ async def demo() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         trio.run(demo)
-    except KeyboardInterrupt:
-        pass

@@ -36,7 +36,9 @@ async def probe_forever(
         await trio.sleep(interval)
 
 
-async def _probe(client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica) -> None:
+async def _probe(
+    client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica
+) -> None:
     url = replica.endpoint.url + "/health"
     try:
         response = await client.get(url)

@@ -74,12 +74,16 @@ class RouterMetrics:
                 f"llmgw_replica_ejections_total{_labels(model=model, endpoint=endpoint)} {n}"
             )
         family(
-            "llmgw_upstream_latency_seconds", "histogram", "Time from sending to the engine's last byte."
+            "llmgw_upstream_latency_seconds",
+            "histogram",
+            "Time from sending to the engine's last byte.",
         )
         for model, hist in sorted(self.latency.items()):
             out.extend(hist.render("llmgw_upstream_latency_seconds", _labels(model=model)))
         family(
-            "llmgw_upstream_ttfb_seconds", "histogram", "Time from sending to the engine's response head."
+            "llmgw_upstream_ttfb_seconds",
+            "histogram",
+            "Time from sending to the engine's response head.",
         )
         for model, hist in sorted(self.ttfb.items()):
             out.extend(hist.render("llmgw_upstream_ttfb_seconds", _labels(model=model)))

@@ -82,7 +82,9 @@ class Router:
             await responder.whole(200 if ok else 503, json.dumps(self._readiness()).encode())
         elif path == b"/metrics":
             await responder.whole(
-                200, self.metrics.render(self.balancers), [(b"content-type", b"text/plain; version=0.0.4")]
+                200,
+                self.metrics.render(self.balancers),
+                [(b"content-type", b"text/plain; version=0.0.4")],
             )
         else:
             await responder.error(404, f"no route {path.decode(errors='replace')}")
@@ -91,7 +93,7 @@ class Router:
         if not self.digests:
             return True
         value = request.header(b"authorization")
-        if value is None or not value[:7].lower() == b"bearer ":
+        if value is None or value[:7].lower() != b"bearer ":
             return False
         return hashlib.sha256(value[7:].strip()).hexdigest() in self.digests
 
@@ -137,7 +139,9 @@ class Router:
         metrics.in_flight[model] += 1
         status = 0
         try:
-            status = await self._forward(model, balancer, request, responder, body.get("stream") is True)
+            status = await self._forward(
+                model, balancer, request, responder, body.get("stream") is True
+            )
         finally:
             metrics.in_flight[model] -= 1
             metrics.requests[(model, status)] += 1  # status 0: the client went away
@@ -173,7 +177,9 @@ class Router:
                         continue
                 if exchange is None:
                     assert scope.cancelled_caught
-                    message = f"{replica.endpoint} sent no answer within {tuning.first_byte_timeout_s} s"
+                    message = (
+                        f"{replica.endpoint} sent no answer within {tuning.first_byte_timeout_s} s"
+                    )
                     last_error = (504, error_body(504, message))
                     self._failed(model, balancer, replica, message)
                     continue
@@ -236,7 +242,10 @@ class Router:
             self.metrics.ejections[(model, replica.endpoint.url)] += 1
             log.warning(
                 "ejected %s for %s after %d failures in a row (last: %s)",
-                replica.endpoint, model, replica.failures, why,
+                replica.endpoint,
+                model,
+                replica.failures,
+                why,
             )
 
 

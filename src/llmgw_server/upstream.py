@@ -50,7 +50,9 @@ class Pool:
             try:
                 stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
             except OSError as exc:
-                raise UpstreamError(f"cannot connect to {self.endpoint}: {exc}", connect=True) from None
+                raise UpstreamError(
+                    f"cannot connect to {self.endpoint}: {exc}", connect=True
+                ) from None
         if scope.cancelled_caught:
             raise UpstreamError(f"connecting to {self.endpoint} timed out", connect=True)
         return _Conn(stream)
@@ -99,11 +101,11 @@ class Pool:
         conn: _Conn, method: bytes, target: bytes, head: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
         c = conn.h11
-        data = c.send(h11.Request(method=method, target=target, headers=head))  # type: ignore[arg-type]
+        data = c.send(h11.Request(method=method, target=target, headers=head))
         assert data is not None
         if body:
-            data += c.send(h11.Data(data=body))  # type: ignore[operator]
-        data += c.send(h11.EndOfMessage())  # type: ignore[operator]
+            data += c.send(h11.Data(data=body))
+        data += c.send(h11.EndOfMessage())
         await conn.stream.send_all(data)
 
     def close(self) -> None:
@@ -148,7 +150,7 @@ class Exchange:
             event = await self._next_event()
             if isinstance(event, h11.Response):
                 self.status = event.status_code
-                self.headers = list(event.headers)  # type: ignore[arg-type]
+                self.headers = list(event.headers)
                 return
             if isinstance(event, h11.ConnectionClosed):
                 raise UpstreamError(
