@@ -1,0 +1,89 @@
+"""The balancer's decisions, with no I/O."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw_core.catalog import Endpoint
+from llmgw_server.balancer import Balancer, Replica
+
+
+def replicas(n: int) -> list[Replica]:
+    return [Replica(Endpoint("127.0.0.1", 9000 + i)) for i in range(n)]
+
+
+def test_least_outstanding_wins() -> None:
+    rs = replicas(3)
+    rs[0].outstanding, rs[1].outstanding, rs[2].outstanding = 4, 1, 3
+    assert Balancer(rs).pick() is rs[1]
+
+
+def test_ties_rotate_instead_of_piling_on_the_first() -> None:
+    rs = replicas(3)
+    balancer = Balancer(rs)
+    assert Counter(balancer.pick() for _ in range(30)) == Counter({r: 10 for r in rs})
+
+
+@given(st.lists(st.integers(0, 50), min_size=5, max_size=40), st.integers(0, 2**32))
+def test_power_of_two_choices_never_picks_the_busiest_of_two(loads: list[int], seed: int) -> None:
+    rs = replicas(len(loads))
+    for r, load in zip(rs, loads, strict=True):
+        r.outstanding = load
+    chosen = Balancer(rs, rng=random.Random(seed)).pick()
+    assert chosen is not None
+    # With many replicas the pick is the lighter of two sampled ones: never the single busiest.
+    busiest = max(loads)
+    assert chosen.outstanding < busiest or loads.count(busiest) > 1 or len(set(loads)) == 1
+
+
+def test_excluded_and_unavailable_replicas_are_skipped() -> None:
+    rs = replicas(3)
+    rs[0].healthy = False
+    balancer = Balancer(rs)
+    assert balancer.pick(exclude=[rs[1]]) is rs[2]
+    assert balancer.pick(exclude=[rs[1], rs[2]]) is None
+
+
+def test_session_affinity_holds_while_healthy_then_moves() -> None:
+    rs = replicas(2)
+    balancer = Balancer(rs)
+    first = balancer.pick(session="s")
+    assert first is not None
+    first.outstanding = 10  # still pinned even when busier
+    assert all(balancer.pick(session="s") is first for _ in range(5))
+    first.healthy = False
+    moved = balancer.pick(session="s")
+    assert moved is not None and moved is not first
+    first.healthy = True
+    assert balancer.pick(session="s") is moved
+
+
+def test_ejection_after_consecutive_failures_and_probe_back() -> None:
+    rs = replicas(2)
+    balancer = Balancer(rs, eject_after_failures=3, eject_cooldown_s=10)
+    bad = rs[0]
+    assert not balancer.failed(bad, now=0)
+    balancer.succeeded(bad)  # a success resets the run of failures
+    assert not balancer.failed(bad, now=1)
+    assert not balancer.failed(bad, now=2)
+    assert balancer.failed(bad, now=3)
+    assert not bad.available and balancer.pick(exclude=[rs[1]]) is None
+    assert not balancer.due_for_probe(bad, now=12)
+    assert balancer.due_for_probe(bad, now=13)
+    balancer.probed(bad, ok=False, now=13)
+    assert not bad.available and not balancer.due_for_probe(bad, now=22)
+    balancer.probed(bad, ok=True, now=23)
+    assert bad.available and bad.failures == 0
+
+
+def test_probes_mark_replicas_unhealthy_and_back() -> None:
+    rs = replicas(1)
+    balancer = Balancer(rs)
+    balancer.probed(rs[0], ok=False, now=0)
+    assert balancer.healthy_count == 0 and balancer.pick() is None
+    balancer.probed(rs[0], ok=True, now=1)
+    assert balancer.pick() is rs[0]
