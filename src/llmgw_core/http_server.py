@@ -62,6 +62,11 @@ class RequestRejected(Exception):
         self.message = message
 
 
+class _Upgrade(Exception):
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+
 class Responder:
     """What a handler writes its answer through."""
 
@@ -119,14 +124,47 @@ class Responder:
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
+UpgradeHandler = Callable[[Request, trio.abc.Stream], Awaitable[None]]
+
+
+class ReplayStream(trio.abc.Stream):
+    """A socket stream that first gives back bytes already read from it.
+
+    An upgraded connection (a websocket) is handed over with the request head
+    replayed, so the websocket library performs its own handshake.
+    """
+
+    def __init__(self, replay: bytes, stream: trio.SocketStream) -> None:
+        self._replay = replay
+        self.socket = stream.socket  # lets trio-websocket name the peer
+        self._stream = stream
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._replay:
+            data, self._replay = self._replay, b""
+            await trio.lowlevel.checkpoint()
+            return data
+        return await self._stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 class HTTPServer:
     """Serves one handler on any number of listeners; `draining` closes idle keep-alives."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits) -> None:
+    def __init__(
+        self, handler: Handler, limits: ServerLimits, upgrade: UpgradeHandler | None = None
+    ) -> None:
         self.handler = handler
         self.limits = limits
+        self.upgrade = upgrade  # takes over connections that ask for `Upgrade: websocket`
         self.draining = False
         self.busy = 0  # connections inside a request, for graceful shutdown
         self.idle_done = trio.Event()
@@ -197,6 +235,8 @@ class _Connection:
         self.conn = h11.Connection(
             h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
         )
+        # Bytes of the first request head, kept only where an upgrade may need them.
+        self.raw: bytearray | None = bytearray() if server.upgrade else None
 
     async def _next_event(self) -> Any:
         conn = self.conn
@@ -204,6 +244,8 @@ class _Connection:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 data = await self.stream.receive_some(_RECV)
+                if self.raw is not None:
+                    self.raw += data
                 conn.receive_data(data)
                 continue
             return event
@@ -214,6 +256,10 @@ class _Connection:
         while not server.draining:
             try:
                 request = await self._read_request(first)
+            except _Upgrade as upgrade:
+                assert server.upgrade is not None and self.raw is not None
+                await server.upgrade(upgrade.request, ReplayStream(bytes(self.raw), self.stream))
+                return
             except RequestRejected as exc:
                 await self._reject(exc.status, exc.message)
                 return
@@ -266,6 +312,9 @@ class _Connection:
         if not isinstance(event, h11.Request):
             raise RequestRejected(400, "expected a request")
         request = Request(method=event.method, target=event.target, headers=list(event.headers))
+        if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
+            raise _Upgrade(request)
+        self.raw = None
         request.body = await self._read_body(request)
         return request
 
