@@ -1,0 +1,1 @@
+"""The llmgw agent: runs on each GPU node, dials the control plane, supervises engines."""

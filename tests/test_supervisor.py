@@ -1,0 +1,103 @@
+"""Engine supervision with real processes: readiness, output tail, stop by process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import httpx
+import trio
+
+from llmgw_agent.supervisor import EngineProcess, Transition
+from procs import free_port
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie (in a container nobody may reap an orphan)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def recorder() -> tuple[list[Transition], object]:
+    seen: list[Transition] = []
+
+    async def report(t: Transition) -> None:
+        seen.append(t)
+
+    return seen, report
+
+
+async def test_ready_then_stopped_on_cancel() -> None:
+    seen, report = recorder()
+    port = free_port()
+    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port)]
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client, trio.open_nursery() as nursery:
+            engine = EngineProcess(
+                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client
+            )  # type: ignore[arg-type]
+            pid = await nursery.start(engine.run)
+            while not any(t.state == "ready" for t in seen):
+                await trio.sleep(0.05)
+            assert (await client.get(f"http://127.0.0.1:{port}/v1/models")).status_code == 200
+            nursery.cancel_scope.cancel()
+    assert [t.state for t in seen] == ["starting", "ready", "stopped"]
+    assert not alive(pid)
+
+
+async def test_crash_is_reported_with_the_output_tail() -> None:
+    seen, report = recorder()
+    script = "import sys\nfor i in range(100): print('line', i)\nprint('CUDA out of memory', flush=True)\nsys.exit(3)"
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client:
+            engine = EngineProcess(
+                [sys.executable, "-c", script], dict(os.environ), None, report, client, settle_s=30
+            )  # type: ignore[arg-type]
+            await engine.run()
+    assert [t.state for t in seen] == ["starting", "failed"]
+    failed = seen[-1]
+    assert "status 3" in failed.detail
+    assert failed.output_tail[-1] == "CUDA out of memory"
+    assert len(failed.output_tail) == 40
+
+
+async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None:
+    seen, report = recorder()
+    # The engine ignores SIGTERM and leaves a grandchild that ignores it too.
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client, trio.open_nursery() as nursery:
+            engine = EngineProcess(
+                [sys.executable, "-c", script],
+                dict(os.environ),
+                None,
+                report,
+                client,
+                stop_grace_s=0.5,
+                settle_s=0.2,
+            )  # type: ignore[arg-type]
+            await nursery.start(engine.run)
+            while not engine.tail:
+                await trio.sleep(0.05)
+            grandchild = int(engine.tail[0])
+            nursery.cancel_scope.cancel()
+    assert seen[-1].state == "stopped"
+    await trio.sleep(0.2)
+    assert not alive(grandchild)
+
+
+async def test_a_missing_binary_fails_cleanly() -> None:
+    seen, report = recorder()
+    async with httpx.AsyncClient(timeout=1) as client:
+        await EngineProcess(["/nonexistent/vllm"], {}, None, report, client).run()  # type: ignore[arg-type]
+    assert [t.state for t in seen] == ["failed"] and "cannot start" in seen[0].detail
