@@ -71,7 +71,7 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()
     }
     section = t.table("engines")
-    for kind in section.keys():
+    for kind in section.key_names():
         if kind not in ENGINE_KINDS:
             section.fail(kind, f"is not an engine llmgw knows (one of {', '.join(ENGINE_KINDS)})")
         table = section.table(kind)

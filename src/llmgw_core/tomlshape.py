@@ -52,7 +52,7 @@ class Table:
             message += self._typo_hint(key)
         raise ConfigError(self._file, self._key_path(key) if key else self.path, message)
 
-    def keys(self) -> list[str]:
+    def key_names(self) -> list[str]:
         return list(self._data)
 
     def has(self, key: str) -> bool:
