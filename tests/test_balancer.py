@@ -87,3 +87,22 @@ def test_probes_mark_replicas_unhealthy_and_back() -> None:
     assert balancer.healthy_count == 0 and balancer.pick() is None
     balancer.probed(rs[0], ok=True, now=1)
     assert balancer.pick() is rs[0]
+
+
+def test_set_endpoints_keeps_known_replicas_and_drops_their_sessions() -> None:
+    rs = replicas(2)
+    balancer = Balancer(list(rs))
+    rs[0].outstanding = 3
+    assert balancer.pick(session="s") is rs[1]
+    new = Endpoint("127.0.0.1", 9100)
+    removed = balancer.set_endpoints([rs[0].endpoint, new])
+    assert removed == [rs[1]]
+    assert balancer.replicas[0] is rs[0] and balancer.replicas[0].outstanding == 3
+    assert balancer.pick(session="s") is balancer.replicas[1]  # the session moved
+
+
+def test_a_draining_replica_takes_no_new_requests() -> None:
+    rs = replicas(2)
+    balancer = Balancer(rs)
+    rs[0].draining = True
+    assert all(balancer.pick() is rs[1] for _ in range(4))

@@ -27,10 +27,11 @@ class Replica:
     ejected: bool = False  # too many consecutive failures; waits for a good probe
     probe_after: float = 0.0  # when an ejected replica may be probed again
     failures: int = 0  # consecutive
+    draining: bool = False  # takes no new requests; those in flight finish
 
     @property
     def available(self) -> bool:
-        return self.healthy and not self.ejected
+        return self.healthy and not self.ejected and not self.draining
 
 
 @attrs.define(eq=False)
@@ -69,6 +70,16 @@ class Balancer:
             if len(self._affinity) > _AFFINITY_MAX:
                 self._affinity.popitem(last=False)
         return chosen
+
+    def set_endpoints(self, endpoints: Collection[Endpoint]) -> list[Replica]:
+        """Follow a new replica set; known endpoints keep their state. Returns the removed."""
+        known: dict[Endpoint, Replica] = {r.endpoint: r for r in self.replicas}
+        self.replicas = [known.pop(e) if e in known else Replica(e) for e in endpoints]
+        removed = list(known.values())
+        for session, replica in list(self._affinity.items()):
+            if replica in removed:
+                del self._affinity[session]
+        return removed
 
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0

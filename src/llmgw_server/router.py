@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 import trio
 
@@ -50,16 +51,31 @@ class Router:
         self.ready = False  # the first health probe round is done
         self.draining = False
         for model in config.catalog.models:
-            replicas = []
-            for endpoint in model.endpoints:
-                if endpoint not in self.pools:
-                    self.pools[endpoint] = Pool(endpoint, self.tuning.connect_timeout_s)
-                replicas.append(Replica(endpoint))
-            self.balancers[model.name] = Balancer(
-                replicas,
+            self.set_endpoints(model.name, model.endpoints)
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
+        """The replicas of a model: static from the catalog, or the control plane's ready shards."""
+        balancer = self.balancers.get(model)
+        if balancer is None:
+            balancer = self.balancers[model] = Balancer(
+                [],
                 eject_after_failures=self.tuning.eject_after_failures,
                 eject_cooldown_s=self.tuning.eject_cooldown_s,
             )
+        for endpoint in endpoints:
+            if endpoint not in self.pools:
+                self.pools[endpoint] = Pool(endpoint, self.tuning.connect_timeout_s)
+        balancer.set_endpoints(endpoints)
+        in_use = {r.endpoint for b in self.balancers.values() for r in b.replicas}
+        for endpoint in [e for e in self.pools if e not in in_use]:
+            self.pools.pop(endpoint).close()
+
+    def replica(self, model: str, endpoint: Endpoint) -> Replica | None:
+        balancer = self.balancers.get(model)
+        for replica in balancer.replicas if balancer else ():
+            if replica.endpoint == endpoint:
+                return replica
+        return None
 
     async def handle(self, request: Request, responder: Responder) -> None:
         path = request.path

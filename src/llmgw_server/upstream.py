@@ -44,6 +44,7 @@ class Pool:
         self.connect_timeout_s = connect_timeout_s
         self._host = f"{endpoint.host}:{endpoint.port}".encode()
         self._idle: list[_Conn] = []
+        self.closed = False
 
     async def _connect(self) -> _Conn:
         with trio.move_on_after(self.connect_timeout_s) as scope:
@@ -58,7 +59,7 @@ class Pool:
         return _Conn(stream)
 
     def _give_back(self, conn: _Conn) -> None:
-        if len(self._idle) < _MAX_IDLE:
+        if not self.closed and len(self._idle) < _MAX_IDLE:
             self._idle.append(conn)
         else:
             conn.stream.socket.close()
@@ -109,6 +110,7 @@ class Pool:
         await conn.stream.send_all(data)
 
     def close(self) -> None:
+        self.closed = True
         for conn in self._idle:
             conn.stream.socket.close()
         self._idle.clear()
