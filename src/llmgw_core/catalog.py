@@ -1,7 +1,8 @@
 """The model catalog: the one place where a model entry is validated.
 
-The router reads static endpoints from it; the control plane (later) reads the
-same entries for profiles.
+A model is served either by engines the user runs (`endpoints`, router-only) or
+by replicas the control plane places on GPU nodes (`[models.profile]`), never
+both. The router reads the endpoints; the control plane reads the profiles.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import attrs
 from llmgw_core.tomlshape import Table
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+ENGINES = ("vllm", "sglang", "llamacpp", "mock")
+# The agent sets these from the GPUs it assigns; a profile that set them would
+# let two replicas share a GPU.
+_AGENT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"})
 
 
 @attrs.frozen
@@ -53,14 +60,47 @@ def parse_endpoint(text: str) -> Endpoint:
 
 
 @attrs.frozen
+class Profile:
+    """How the control plane runs a model: engine, weights, parallelism, where it may go."""
+
+    engine: str  # one of ENGINES
+    model: str  # the weights: a Hugging Face id or a local path on the nodes
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    gpu_memory_gib: float = 0.0  # free memory each GPU must have; 0 asks for none
+    gpu_model: str | None = None  # a case-insensitive substring of the GPU name
+    # Dicts are excluded from the hash so that a frozen Profile stays hashable.
+    node_selector: dict[str, str] = attrs.field(factory=dict, hash=False)
+    args: tuple[str, ...] = ()  # passed to the engine after the arguments llmgw builds
+    env: dict[str, str] = attrs.field(factory=dict, hash=False)  # the engine's environment
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+def _default_replicas(entry: ModelEntry) -> int:
+    return 1 if entry.profile is not None else 0
+
+
+@attrs.frozen
 class ModelEntry:
     name: str
-    endpoints: tuple[Endpoint, ...]
+    endpoints: tuple[Endpoint, ...] = ()  # empty for a model with a profile
+    profile: Profile | None = None
+    # Replicas the control plane keeps running: 1 by default with a profile,
+    # 0 for a router-only model.
+    replicas: int = attrs.field(default=attrs.Factory(_default_replicas, takes_self=True))
 
 
 @attrs.frozen
 class Catalog:
     models: tuple[ModelEntry, ...]
+
+    @property
+    def profiled(self) -> tuple[ModelEntry, ...]:
+        """The models the control plane places; when there are none, it does not run."""
+        return tuple(m for m in self.models if m.profile is not None)
 
     def get(self, name: str) -> ModelEntry | None:
         for model in self.models:
@@ -86,9 +126,42 @@ def _read_model(table: Table) -> ModelEntry:
     name = table.text("name")
     if not _MODEL_NAME.match(name):
         table.fail("name", f"{name!r} is not a valid model name (letters, digits, ._:/@+-)")
-    raw = table.texts("endpoints", ())
+    has_endpoints, has_profile = table.has("endpoints"), table.has("profile")
+    if has_endpoints and has_profile:
+        table.fail(
+            "profile",
+            "cannot be combined with endpoints: a model is served either by engines "
+            "you run (endpoints) or by replicas the control plane places (profile)",
+        )
+    if not has_endpoints and not has_profile:
+        # A misspelt key ('endpionts') is the likely cause: report it as such.
+        table.texts("endpoints", ())
+        table.table("profile")
+        table.integer("replicas", 1)
+        table.finish()
+        table.fail(
+            None,
+            f"model {name!r} needs either endpoints (the URLs of engines you run) "
+            "or a [models.profile] (engines the control plane places on GPU nodes)",
+        )
+    if has_endpoints:
+        if table.has("replicas"):
+            table.fail(
+                "replicas", "only applies to a model with a profile; endpoints list every engine"
+            )
+        entry = ModelEntry(name=name, endpoints=_read_endpoints(table))
+    else:
+        replicas = table.integer("replicas", 1, min=0)
+        profile = _read_profile(table.table("profile"))
+        entry = ModelEntry(name=name, profile=profile, replicas=replicas)
+    table.finish()
+    return entry
+
+
+def _read_endpoints(table: Table) -> tuple[Endpoint, ...]:
+    raw = table.texts("endpoints")
     if not raw:
-        table.fail("endpoints", "is required: list the engines' URLs")
+        table.fail("endpoints", "must list at least one engine URL")
     endpoints: list[Endpoint] = []
     for i, text in enumerate(raw):
         try:
@@ -98,5 +171,30 @@ def _read_model(table: Table) -> ModelEntry:
         if endpoint in endpoints:
             table.fail(f"endpoints[{i}]", f"{text!r} is listed twice")
         endpoints.append(endpoint)
-    table.finish()
-    return ModelEntry(name=name, endpoints=tuple(endpoints))
+    return tuple(endpoints)
+
+
+def _read_profile(t: Table) -> Profile:
+    engine = t.text("engine")
+    if engine not in ENGINES:
+        t.fail("engine", f"must be one of {', '.join(ENGINES)}, not {engine!r}")
+    gpu_model = t.text("gpu_model", None)
+    env = t.labels("env", {})
+    for key in env:
+        if not _ENV_NAME.match(key):
+            t.fail(f"env.{key}", "is not a valid environment variable name")
+        if key in _AGENT_ENV:
+            t.fail(f"env.{key}", "is set by the agent from the GPUs it assigns to the replica")
+    profile = Profile(
+        engine=engine,
+        model=t.text("model"),
+        tensor_parallel=t.integer("tensor_parallel", 1, min=1),
+        pipeline_parallel=t.integer("pipeline_parallel", 1, min=1),
+        gpu_memory_gib=t.number("gpu_memory_gib", 0.0, min=0),
+        gpu_model=gpu_model.strip() if gpu_model is not None else None,
+        node_selector=t.labels("node_selector", {}),
+        args=t.texts("args", ()),
+        env=env,
+    )
+    t.finish()
+    return profile

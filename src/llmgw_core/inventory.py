@@ -1,0 +1,121 @@
+"""What a node reports when it registers: its hardware, the engines it can
+launch, and the shards it is running.
+
+Memory is in MiB, as integers: NVML counts bytes, but MiB is exact enough for
+placement (profiles ask for whole GiB), stays readable in JSON and in the
+simulated-inventory TOML, and never needs more than 53 bits.
+
+Every class is frozen attrs with plain field types (str, int, tuples, dicts of
+str, a StrEnum), so one cattrs converter can encode them as JSON unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+@attrs.frozen
+class Gpu:
+    index: int  # the CUDA/NVML index on its node, what CUDA_VISIBLE_DEVICES names
+    uuid: str
+    name: str  # as NVML names it, such as "NVIDIA H100 80GB HBM3"
+    memory_total_mib: int
+    memory_free_mib: int  # when the inventory was taken
+
+
+@attrs.frozen
+class EngineInfo:
+    """An engine the node's agent is configured for."""
+
+    name: str  # vllm | sglang | llamacpp | mock
+    found: bool  # the binary exists and ran for its version
+    version: str = ""
+
+
+@attrs.frozen
+class Inventory:
+    name: str
+    # Where the router and the other ranks reach engines on this node; the
+    # stream's peer address is no guide behind NAT. Empty means `name`.
+    address: str = ""
+    # Dicts are excluded from the hash so that a frozen Inventory stays hashable.
+    labels: dict[str, str] = attrs.field(factory=dict, hash=False)
+    # Fabric membership (ib_domain, nvlink_domain...) cannot be read off the
+    # wire, so the agent's config declares it and it travels here.
+    fabric: dict[str, str] = attrs.field(factory=dict, hash=False)
+    cpus: int = 0
+    memory_mib: int = 0
+    gpus: tuple[Gpu, ...] = ()
+    engines: tuple[EngineInfo, ...] = ()
+
+    @property
+    def host(self) -> str:
+        return self.address or self.name
+
+    def can_launch(self, engine: str) -> bool:
+        return any(e.name == engine and e.found for e in self.engines)
+
+
+class ShardState(enum.StrEnum):
+    PENDING = "pending"  # accepted by the agent, not yet launched
+    STARTING = "starting"  # the process runs, /health does not answer 200 yet
+    READY = "ready"
+    DRAINING = "draining"  # serving in-flight requests only, waiting to be stopped
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class LaunchSpec:
+    """Everything an agent needs to start one shard, and what it reports back.
+
+    The control plane chooses the ports, not the agent: the non-head ranks of a
+    multi-node replica need the head's rendezvous port before any of them
+    starts, and a spec the agent reports back at registration then carries
+    everything a restarted control plane needs to adopt the shard.
+    """
+
+    replica_id: str
+    model_name: str  # the name clients ask for; the engine serves under it
+    engine: str
+    hf_model: str  # the weights: a Hugging Face id or a local path
+    args: tuple[str, ...]
+    env: dict[str, str] = attrs.field(hash=False)
+    tensor_parallel: int
+    pipeline_parallel: int
+    rank: int
+    nodes: tuple[str, ...]  # the node of each rank; nodes[0] is the head
+    gpu_indices: tuple[int, ...]  # this shard's GPUs on its own node
+    head_address: str  # the head node's address, for the HTTP endpoint and rendezvous
+    port: int  # the head's HTTP port
+    dist_port: int  # the head's rendezvous port (used when the replica spans nodes)
+    attempt: int = 0  # consecutive failures before this start; 0 for a fresh replica
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def node(self) -> str:
+        return self.nodes[self.rank]
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def url(self) -> str:
+        """The head's OpenAI-compatible root URL, what the router sends requests to."""
+        host = f"[{self.head_address}]" if ":" in self.head_address else self.head_address
+        return f"http://{host}:{self.port}"
+
+
+@attrs.frozen
+class ShardReport:
+    """A shard as its agent sees it, sent at registration and on every transition."""
+
+    spec: LaunchSpec
+    state: ShardState
+    detail: str = ""  # why it failed, with the engine's last output lines
