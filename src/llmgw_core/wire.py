@@ -1,0 +1,166 @@
+"""The agent stream's messages and their one converter.
+
+Each message is a frozen attrs class; a frame is one JSON text with a "type"
+tag. Decoding never raises anything but `WireError`, whose text says what was
+wrong, so a bad frame closes its own stream with a clear reason and nothing
+else.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.preconf.json import make_converter
+from cattrs.strategies import configure_tagged_union
+
+from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport
+
+PROTOCOL = 1
+MAX_FRAME_BYTES = 1024 * 1024
+
+
+class WireError(Exception):
+    """A frame that cannot be used: not JSON, unknown type, wrong fields, too large."""
+
+
+# Up: agent -> control plane
+
+
+@attrs.frozen
+class Register:
+    """The first frame of every stream: the whole node, and every shard it runs now."""
+
+    protocol: int
+    agent_version: str
+    inventory: Inventory
+    shards: tuple[ShardReport, ...] = ()
+    cordoned: bool = False
+    draining: bool = False
+
+
+@attrs.frozen
+class Heartbeat:
+    seq: int
+
+
+@attrs.frozen
+class ShardUpdate:
+    """One shard's transition, with the engine's last output lines when it failed."""
+
+    report: ShardReport
+    output_tail: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Ack:
+    command_id: int
+    ok: bool = True
+    error: str = ""
+
+
+# Down: control plane -> agent
+
+
+@attrs.frozen
+class Welcome:
+    protocol: int
+    heartbeat_interval_s: float
+
+
+@attrs.frozen
+class Start:
+    command_id: int
+    spec: LaunchSpec
+
+
+@attrs.frozen
+class Drain:
+    command_id: int
+    replica_id: str
+    rank: int
+
+
+@attrs.frozen
+class Stop:
+    command_id: int
+    replica_id: str
+    rank: int
+
+
+@attrs.frozen
+class Mark:
+    """The operator's cordon and drain flags, kept by the agent and reported at registration."""
+
+    command_id: int
+    cordoned: bool
+    draining: bool
+
+
+UpMessage = Register | Heartbeat | ShardUpdate | Ack
+DownMessage = Welcome | Start | Drain | Stop | Mark
+
+_TAGS: dict[type, str] = {
+    Register: "register",
+    Heartbeat: "heartbeat",
+    ShardUpdate: "shard_update",
+    Ack: "ack",
+    Welcome: "welcome",
+    Start: "start",
+    Drain: "drain",
+    Stop: "stop",
+    Mark: "mark",
+}
+
+converter = make_converter(forbid_extra_keys=False)
+for _union in (UpMessage, DownMessage):
+    configure_tagged_union(_union, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
+
+
+def encode(message: UpMessage | DownMessage) -> str:
+    union = UpMessage if isinstance(message, UpMessage) else DownMessage
+    return json.dumps(converter.unstructure(message, union), separators=(",", ":"))
+
+
+def _decode(frame: str | bytes, union: Any, known: set[str]) -> Any:
+    if isinstance(frame, bytes):
+        raise WireError("binary frames are not part of the protocol; send JSON text")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError(f"a frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        data = json.loads(frame)
+    except ValueError as exc:
+        raise WireError(f"the frame is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise WireError("a frame must be a JSON object")
+    tag = data.get("type")
+    if tag not in known:
+        raise WireError(
+            f"unknown message type {tag!r} (expected one of {', '.join(sorted(known))})"
+        )
+    try:
+        return converter.structure(data, union)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise WireError(f"a {tag!r} frame is malformed: {_describe(exc)}") from None
+
+
+def decode_up(frame: str | bytes) -> UpMessage:
+    message: UpMessage = _decode(frame, UpMessage, _UP_TAGS)
+    return message
+
+
+def decode_down(frame: str | bytes) -> DownMessage:
+    message: DownMessage = _decode(frame, DownMessage, _DOWN_TAGS)
+    return message
+
+
+_UP_TAGS = {_TAGS[t] for t in (Register, Heartbeat, ShardUpdate, Ack)}
+_DOWN_TAGS = {_TAGS[t] for t in (Welcome, Start, Drain, Stop, Mark)}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, path="frame"))
+    return f"{type(exc).__name__}: {exc}"
