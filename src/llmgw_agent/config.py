@@ -65,7 +65,10 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
     server = t.text("server")
     parts = urlsplit(server)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        t.fail("server", f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent")
+        t.fail(
+            "server",
+            f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent",
+        )
     inventory = t.text("inventory_file", None)
     engines: dict[str, EngineCommand] = {
         kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()

@@ -376,6 +376,11 @@ async def _exit_after(seconds: float) -> None:
 def cli(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv) == ["--version"]:
+        from llmgw_core import __version__
+
+        print(f"llmgw-mock-engine {__version__}")
+        return
     if not argv or argv[0] != "serve":
         argv = ["serve", *argv]
     settings = parse_args(argv, dict(os.environ))

@@ -1,0 +1,170 @@
+"""What this node has: GPUs from NVML, or a simulated inventory from TOML; engines found.
+
+`python -m llmgw_agent probe` prints the inventory in exactly the format that
+`inventory_file` reads, so a probed node and a simulated one are written alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import tomli_w
+
+from llmgw_agent.config import AgentConfig
+from llmgw_core.inventory import EngineInfo, Gpu, Inventory
+from llmgw_core.tomlshape import ConfigError, Table
+
+log = logging.getLogger("llmgw.agent.inventory")
+
+_MIB = 1024 * 1024
+
+
+@attrs.frozen
+class Hardware:
+    cpus: int
+    memory_mib: int
+    gpus: tuple[Gpu, ...]
+
+
+def host_cpus_and_memory() -> tuple[int, int]:
+    cpus = os.cpu_count() or 0
+    memory_mib = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_mib = int(line.split()[1]) // 1024
+                break
+    except OSError:
+        pass
+    return cpus, memory_mib
+
+
+def gpus_from_nvml(nvml: Any) -> tuple[Gpu, ...]:
+    """Every GPU NVML sees; `nvml` is the pynvml module (a stand-in under test)."""
+    nvml.nvmlInit()
+    try:
+        gpus = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                Gpu(
+                    index=index,
+                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                    name=_text(nvml.nvmlDeviceGetName(handle)),
+                    memory_total_mib=int(memory.total) // _MIB,
+                    memory_free_mib=int(memory.free) // _MIB,
+                )
+            )
+        return tuple(gpus)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def detect_hardware() -> Hardware:
+    """The real machine: NVML where a driver is present, else no GPUs and one clear log line."""
+    cpus, memory_mib = host_cpus_and_memory()
+    try:
+        import pynvml
+
+        gpus = gpus_from_nvml(pynvml)
+    except ImportError:
+        log.warning("nvidia-ml-py is not installed: this node reports no GPUs")
+        gpus = ()
+    except Exception as exc:  # pynvml raises NVMLError subclasses made at import time
+        log.warning("no NVIDIA driver found (%s): this node reports no GPUs", exc)
+        gpus = ()
+    return Hardware(cpus, memory_mib, gpus)
+
+
+def read_simulated(path: Path) -> Hardware:
+    """A simulated inventory, in the format `probe` prints."""
+    file = str(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(file, "", "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(file, "", f"cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
+    t = Table(data, file)
+    cpus = t.integer("cpus", 0, min=0)
+    memory_mib = t.integer("memory_mib", 0, min=0)
+    gpus: list[Gpu] = []
+    for g in t.tables("gpus"):
+        total = g.integer("memory_total_mib", min=1)
+        gpu = Gpu(
+            index=g.integer("index", len(gpus), min=0),
+            uuid=g.text("uuid", f"GPU-sim-{len(gpus)}"),
+            name=g.text("name"),
+            memory_total_mib=total,
+            memory_free_mib=g.integer("memory_free_mib", total, min=0),
+        )
+        if gpu.memory_free_mib > total:
+            g.fail("memory_free_mib", f"{gpu.memory_free_mib} exceeds memory_total_mib {total}")
+        if any(other.index == gpu.index for other in gpus):
+            g.fail("index", f"GPU index {gpu.index} is listed twice")
+        g.finish()
+        gpus.append(gpu)
+    t.finish()
+    return Hardware(cpus, memory_mib, tuple(gpus))
+
+
+def hardware_to_toml(hardware: Hardware) -> str:
+    data = {
+        "cpus": hardware.cpus,
+        "memory_mib": hardware.memory_mib,
+        "gpus": [attrs.asdict(g) for g in hardware.gpus],
+    }
+    return tomli_w.dumps(data)
+
+
+def engine_info(name: str, command: Sequence[str], timeout_s: float = 20.0) -> EngineInfo:
+    """Whether the engine's program exists and runs, and the version it prints."""
+    program = command[0]
+    if shutil.which(program) is None:
+        return EngineInfo(name, found=False, version=f"{program} not found")
+    try:
+        done = subprocess.run(
+            [*command, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return EngineInfo(name, found=False, version=f"{program} does not run: {exc}")
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    if done.returncode != 0:
+        return EngineInfo(
+            name, found=False, version=f"{program} --version exited {done.returncode}"
+        )
+    return EngineInfo(name, found=True, version=lines[-1][:100] if lines else "")
+
+
+def take_inventory(config: AgentConfig) -> Inventory:
+    hardware = read_simulated(config.inventory_file) if config.inventory_file else detect_hardware()
+    engines = tuple(engine_info(kind, e.command) for kind, e in sorted(config.engines.items()))
+    return Inventory(
+        name=config.name,
+        address=config.advertise_host,
+        labels=dict(config.labels),
+        fabric=dict(config.fabric),
+        cpus=hardware.cpus,
+        memory_mib=hardware.memory_mib,
+        gpus=hardware.gpus,
+        engines=engines,
+    )

@@ -1,0 +1,106 @@
+"""Inventory: NVML through a stand-in module, simulated inventories, and the probe's format."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from llmgw_agent.inventory_probe import (
+    Hardware,
+    detect_hardware,
+    engine_info,
+    gpus_from_nvml,
+    hardware_to_toml,
+    read_simulated,
+)
+from llmgw_core.tomlshape import ConfigError
+
+SIM = Path(__file__).parent.parent / "conf" / "sim"
+
+
+class FakeNvml:
+    """Stands in for pynvml: the calls the probe makes, and their shapes."""
+
+    def __init__(self, names: list[str | bytes]) -> None:
+        self.names = names
+        self.calls: list[str] = []
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetName(self, h: int) -> str | bytes:
+        return self.names[h]
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-{h:04d}"
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(total=80 * 1024**3, free=(70 - h) * 1024**3, used=0)
+
+
+def test_gpus_from_nvml() -> None:
+    nvml = FakeNvml(["NVIDIA H100 80GB HBM3", b"NVIDIA H100 80GB HBM3"])  # old pynvml gives bytes
+    gpus = gpus_from_nvml(nvml)
+    assert [(g.index, g.uuid, g.name, g.memory_total_mib, g.memory_free_mib) for g in gpus] == [
+        (0, "GPU-0000", "NVIDIA H100 80GB HBM3", 81920, 71680),
+        (1, "GPU-0001", "NVIDIA H100 80GB HBM3", 81920, 70656),
+    ]
+    assert nvml.calls == ["init", "shutdown"]
+
+
+def test_no_driver_means_no_gpus_and_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = types.ModuleType("pynvml")
+
+    def fail() -> None:
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = fail  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    with caplog.at_level(logging.WARNING):
+        hardware = detect_hardware()
+    assert hardware.gpus == () and hardware.cpus > 0
+    assert "no NVIDIA driver found (NVML Shared Library Not Found)" in caplog.text
+
+
+def test_probe_output_reads_back_as_a_simulated_inventory(tmp_path: Path) -> None:
+    hardware = Hardware(cpus=8, memory_mib=32000, gpus=gpus_from_nvml(FakeNvml(["NVIDIA L4"] * 3)))
+    path = tmp_path / "probed.toml"
+    path.write_text(hardware_to_toml(hardware))
+    assert read_simulated(path) == hardware
+
+
+@pytest.mark.parametrize("path", sorted(SIM.glob("*.toml")), ids=lambda p: p.name)
+def test_simulated_examples_load(path: Path) -> None:
+    assert read_simulated(path).gpus
+
+
+def test_simulated_inventory_errors_name_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[[gpus]]\nname = "H100"\nmemory_total_mib = 100\nmemory_free_mib = 200\n')
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.memory_free_mib: 200 exceeds"):
+        read_simulated(path)
+    path.write_text('[[gpus]]\nname = "H100"\nmemory_total_mb = 100\n')
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.memory_total_mib: is required"):
+        read_simulated(path)
+
+
+def test_engine_info() -> None:
+    mock = engine_info("mock", [sys.executable, "-m", "llmgw_core.mock_engine"])
+    assert mock.found and mock.version.startswith("llmgw-mock-engine")
+    missing = engine_info("vllm", ["/nonexistent/vllm"])
+    assert not missing.found and "not found" in missing.version
