@@ -324,7 +324,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path) -> None:  # type: igno
     cases = {
         '[[models]]\nname = "a"\nendpoints = ["http://x:1"]\n[[models]]\nname = "a"\nendpoints = ["http://y:1"]\n': "models[1].name: duplicates the model name 'a'",
         '[[models]]\nname = "a"\nendpoints = ["http://x:1", "ftp://y"]\n': "models[0].endpoints[1]:",
-        '[[models]]\nname = "a"\nendpionts = ["http://x:1"]\n': "'endpionts'",
+        '[[models]]\nname = "a"\nendpionts = ["http://x:1"]\n': "models[0].endpionts: is not a known key (did you mean 'endpoints'?)",
         '[server]\nlisten = "nowhere"\n[[models]]\nname = "a"\nendpoints = ["http://x:1"]\n': "server.listen:",
         '[[models]]\nname = "a"\nendpoints = "http://x:1"\n': "models[0].endpoints: must be an array of strings",
         "[[models]\n": "is not valid TOML",

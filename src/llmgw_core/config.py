@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from llmgw_core.catalog import Catalog, read_catalog
+from llmgw_core.control_config import ControlSection, read_control
 from llmgw_core.tomlshape import ConfigError, Table
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -33,6 +34,8 @@ def parse_listen(text: str) -> ListenAddress:
 @attrs.frozen
 class ServerSection:
     listen: ListenAddress = ListenAddress("127.0.0.1", 8080)
+    # The agents' stream and the admin API, apart from the inference API.
+    control_listen: ListenAddress = ListenAddress("127.0.0.1", 8081)
     max_body_bytes: int = 16 * 1024 * 1024
     header_timeout_s: float = 10.0  # from the first byte of a request to the end of its head
     body_timeout_s: float = 60.0  # for the whole request body
@@ -64,6 +67,12 @@ class Config:
     router: RouterSection
     auth: AuthSection
     catalog: Catalog
+    control: ControlSection = ControlSection()
+
+    @property
+    def runs_control_plane(self) -> bool:
+        """A control plane runs whenever any model declares a profile."""
+        return bool(self.catalog.profiled)
 
 
 def load_config(path: str | Path) -> Config:
@@ -88,6 +97,7 @@ def parse_config(data: dict[str, object], file: str) -> Config:
         router=_read_router(root.table("router")),
         auth=_read_auth(root.table("auth")),
         catalog=read_catalog(root),
+        control=read_control(root.table("control")),
     )
     root.finish()
     if not config.catalog.models:
@@ -97,14 +107,18 @@ def parse_config(data: dict[str, object], file: str) -> Config:
 
 def _read_server(t: Table) -> ServerSection:
     d = ServerSection()
-    listen = d.listen
-    if t.has("listen"):
+
+    def address(key: str, default: ListenAddress) -> ListenAddress:
+        if not t.has(key):
+            return default
         try:
-            listen = parse_listen(t.text("listen"))
+            return parse_listen(t.text(key))
         except ValueError as exc:
-            t.fail("listen", str(exc))
+            t.fail(key, str(exc))
+
     section = ServerSection(
-        listen=listen,
+        listen=address("listen", d.listen),
+        control_listen=address("control_listen", d.control_listen),
         max_body_bytes=t.integer("max_body_bytes", d.max_body_bytes, min=1024),
         header_timeout_s=t.number("header_timeout_s", d.header_timeout_s, min=0.1),
         body_timeout_s=t.number("body_timeout_s", d.body_timeout_s, min=0.1),
