@@ -34,6 +34,7 @@ class AgentConfig:
     server: str  # ws:// or wss:// URL of the control plane's agent stream
     state_dir: Path
     advertise_host: str  # how the router and other nodes reach engines on this node
+    bind_host: str  # the address engines listen on
     labels: dict[str, str]
     fabric: dict[str, str]
     inventory_file: Path | None
@@ -98,6 +99,7 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         server=server,
         state_dir=Path(t.text("state_dir", "/var/lib/llmgw-agent")),
         advertise_host=t.text("advertise_host", "127.0.0.1"),
+        bind_host=t.text("bind_host", "0.0.0.0"),
         labels=t.labels("labels", {}),
         fabric=t.labels("fabric", {}),
         inventory_file=Path(inventory) if inventory else None,

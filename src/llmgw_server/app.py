@@ -13,6 +13,8 @@ import trio
 
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_server.admin import AdminAPI
+from llmgw_server.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.health import probe_forever
 from llmgw_server.router import Router
 
@@ -26,6 +28,8 @@ class Running:
     port: int
     router: Router
     http: HTTPServer
+    control_port: int | None = None
+    plane: ControlPlane | None = None
 
 
 async def main(
@@ -49,12 +53,36 @@ async def main(
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]
     timeout = httpx.Timeout(config.router.health_timeout_s)
+    plane: ControlPlane | None = None
+    control: HTTPServer | None = None
+    control_port = None
     async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            if config.runs_control_plane:
+                interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
+                plane = ControlPlane(config, router, heartbeat_interval_s=interval)
+                control = HTTPServer(
+                    AdminAPI(plane).handle, ServerLimits(), upgrade=plane.agents.serve_upgrade
+                )
+                control_listeners = await trio.open_tcp_listeners(
+                    s.control_listen.port, host=s.control_listen.host
+                )
+                control_port = control_listeners[0].socket.getsockname()[1]
+                await nursery.start(plane.run)
+                await nursery.start(control.serve, control_listeners)
+                log.info(
+                    "control plane listening on %s:%d (agents: ws://%s:%d/v1/agent)",
+                    s.control_listen.host,
+                    control_port,
+                    s.control_listen.host,
+                    control_port,
+                )
             await nursery.start(http.serve, listeners)
             await nursery.start(probe_forever, router, client)
             log.info("llmgw router listening on http://%s:%d", s.listen.host, port)
-            task_status.started(Running(port=port, router=router, http=http))
+            task_status.started(
+                Running(port=port, router=router, http=http, control_port=control_port, plane=plane)
+            )
             stop = stop or trio.Event()
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_first_signal, signals, stop)

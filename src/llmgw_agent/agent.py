@@ -1,0 +1,332 @@
+"""The agent daemon: dial the control plane, register, heartbeat, run what it is told.
+
+One nursery owns everything. The engines live in their own nursery, beside the
+connection loop rather than inside it, so that they keep serving while the
+control plane is away; each connection's reader, writer and heartbeat timer
+live in that connection's nursery and end with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import attrs
+import httpx
+import trio
+import trio_websocket
+
+from llmgw_agent.adapters import EngineLaunch, build_command
+from llmgw_agent.config import AgentConfig
+from llmgw_agent.supervisor import EngineProcess, Transition
+from llmgw_agent.validate import problems
+from llmgw_core import __version__
+from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_core.wire import (
+    MAX_FRAME_BYTES,
+    PROTOCOL,
+    Ack,
+    Drain,
+    Heartbeat,
+    Mark,
+    Register,
+    ShardUpdate,
+    Start,
+    Stop,
+    UpMessage,
+    Welcome,
+    WireError,
+    decode_down,
+    encode,
+)
+
+log = logging.getLogger("llmgw.agent")
+
+ShardId = tuple[str, int]  # replica id, rank
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Full jitter: a fleet that lost its control plane must not come back in lockstep."""
+    return rng.uniform(0, min(cap_s, base_s * 2 ** min(attempt, 30)))
+
+
+@attrs.define(eq=False)
+class _Shard:
+    spec: LaunchSpec
+    state: ShardState
+    detail: str = ""
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    def report(self) -> ShardReport:
+        return ShardReport(self.spec, self.state, self.detail)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, inventory: Inventory) -> None:
+        self.config = config
+        self.inventory = inventory
+        self.shards: dict[ShardId, _Shard] = {}
+        self.cordoned = False
+        self.draining = False
+        self._outbox: trio.MemorySendChannel[str] | None = None
+        self._engines: trio.Nursery | None = None
+        self._client: httpx.AsyncClient | None = None
+        self.connected = trio.Event()  # set on each registration, for tests and logs
+        self.rng = random.Random()
+        self._load_flags()
+
+    # -- the daemon ---------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with httpx.AsyncClient(timeout=2.0) as client, trio.open_nursery() as nursery:
+            self._client = client
+            engines = await nursery.start(_hold_nursery)
+            self._engines = engines
+            task_status.started()
+            await self._connect_forever()
+
+    async def _connect_forever(self) -> None:
+        attempt = 0
+        while True:
+            registered = False
+            try:
+                registered = await self._session()
+            except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
+                log.warning("control plane %s: %s", self.config.server, _short(exc))
+            except WireError as exc:
+                log.error("the control plane sent a bad frame: %s", exc)
+            attempt = 0 if registered else attempt + 1
+            delay = backoff_delay(
+                attempt, self.config.reconnect_base_s, self.config.reconnect_cap_s, self.rng
+            )
+            log.info("reconnecting in %.2f s", delay)
+            await trio.sleep(delay)
+
+    async def _session(self) -> bool:
+        """One connection, from dial to close; True once it registered."""
+        async with trio_websocket.open_websocket_url(
+            self.config.server, max_message_size=MAX_FRAME_BYTES, connect_timeout=10
+        ) as ws:
+            outbox_send, outbox_receive = trio.open_memory_channel[str](1024)
+            await ws.send_message(encode(self._register()))
+            with trio.fail_after(10):
+                welcome = decode_down(await ws.get_message())
+            if not isinstance(welcome, Welcome):
+                raise WireError(f"expected welcome, got {type(welcome).__name__}")
+            log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+            self._outbox = outbox_send
+            self.connected.set()
+            try:
+                async with trio.open_nursery() as nursery:
+                    inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
+                    nursery.start_soon(_read_frames, ws, inbox_send, nursery.cancel_scope)
+                    nursery.start_soon(_write_frames, ws, outbox_receive, nursery.cancel_scope)
+                    nursery.start_soon(self._heartbeat, welcome.heartbeat_interval_s)
+                    async for frame in inbox_receive:
+                        self._command(decode_down(frame))
+            finally:
+                self._outbox = None
+                self.connected = trio.Event()
+            if ws.closed is not None and ws.closed.reason:
+                log.warning("the control plane closed the stream: %s", ws.closed.reason)
+        return True
+
+    async def _heartbeat(self, interval_s: float) -> None:
+        seq = 0
+        while True:
+            await trio.sleep(interval_s)
+            seq += 1
+            self._send(Heartbeat(seq))
+
+    def _register(self) -> Register:
+        return Register(
+            protocol=PROTOCOL,
+            agent_version=__version__,
+            inventory=self.inventory,
+            shards=tuple(s.report() for s in self.shards.values()),
+            cordoned=self.cordoned,
+            draining=self.draining,
+        )
+
+    def _send(self, message: UpMessage) -> None:
+        if self._outbox is not None:
+            try:
+                self._outbox.send_nowait(encode(message))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the next registration carries every shard's state anyway
+
+    # -- commands ------------------------------------------------------------
+
+    def _command(self, message: object) -> None:
+        if isinstance(message, Start):
+            error = self._start(message.spec)
+            self._send(Ack(message.command_id, ok=not error, error=error))
+        elif isinstance(message, Drain | Stop):
+            shard = self.shards.get((message.replica_id, message.rank))
+            if shard is None:
+                self._send(Ack(message.command_id, ok=False, error="no such shard"))
+                return
+            if isinstance(message, Drain):
+                if shard.state not in (ShardState.STOPPED, ShardState.FAILED):
+                    self._transition(shard, ShardState.DRAINING, "draining on request")
+            else:
+                shard.scope.cancel()
+                if shard.state in (ShardState.FAILED, ShardState.PENDING):
+                    self._transition(shard, ShardState.STOPPED, "stopped on request")
+                    self._forget_later(shard)
+            self._send(Ack(message.command_id))
+        elif isinstance(message, Mark):
+            self.cordoned, self.draining = message.cordoned, message.draining
+            self._save_flags()
+            self._send(Ack(message.command_id))
+        else:
+            self._send(Ack(0, ok=False, error=f"unexpected {type(message).__name__}"))
+
+    def _start(self, spec: LaunchSpec) -> str:
+        key = (spec.replica_id, spec.rank)
+        old = self.shards.get(key)
+        if old is not None:
+            old.scope.cancel()  # a new attempt replaces the old shard
+        in_use = {
+            i
+            for k, s in self.shards.items()
+            if k != key and s.state not in (ShardState.STOPPED, ShardState.FAILED)
+            for i in s.spec.gpu_indices
+        }
+        shard = _Shard(spec, ShardState.PENDING)
+        self.shards[key] = shard
+        found = problems(spec, self.inventory, in_use, self.config.bind_host)
+        if found:
+            reason = "the profile does not fit this node: " + "; ".join(found)
+            self._transition(shard, ShardState.FAILED, reason)
+            return reason
+        self._transition(shard, ShardState.PENDING, "accepted")
+        assert self._engines is not None
+        self._engines.start_soon(self._run_engine, shard)
+        return ""
+
+    async def _run_engine(self, shard: _Shard) -> None:
+        spec = shard.spec
+        config = self.config
+        engine = config.engines[spec.engine]
+        command = build_command(
+            engine.command,
+            EngineLaunch(
+                engine=spec.engine,
+                model=spec.hf_model,
+                served_name=spec.model_name,
+                host=config.bind_host,
+                port=spec.port,
+                gpu_indices=spec.gpu_indices,
+                tensor_parallel=spec.tensor_parallel,
+                pipeline_parallel=spec.pipeline_parallel,
+                args=spec.args,
+                env=tuple(sorted({**engine.env, **spec.env}.items())),
+                nnodes=spec.nnodes,
+                node_rank=spec.rank,
+                master_addr=spec.head_address,
+                master_port=spec.dist_port,
+            ),
+        )
+        log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
+        health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
+        assert self._client is not None
+
+        async def report(t: Transition) -> None:
+            state = ShardState(t.state)
+            if state is ShardState.READY and shard.state is ShardState.DRAINING:
+                return
+            self._transition(shard, state, t.detail, t.output_tail)
+
+        process = EngineProcess(
+            command.argv,
+            {**os.environ, **command.env},
+            health,
+            report,
+            self._client,
+            stop_grace_s=config.stop_grace_s,
+        )
+        with shard.scope:
+            await process.run()
+        if shard.state is ShardState.STOPPED:
+            self._forget_later(shard)
+
+    def _transition(
+        self, shard: _Shard, state: ShardState, detail: str, tail: tuple[str, ...] = ()
+    ) -> None:
+        shard.state, shard.detail = state, detail
+        spec = shard.spec
+        if state is ShardState.FAILED:
+            log.warning("%s rank %d failed: %s", spec.replica_id, spec.rank, detail)
+            for line in tail[-10:]:
+                log.warning("    %s", line)
+        else:
+            log.info("%s rank %d: %s %s", spec.replica_id, spec.rank, state, detail)
+        self._send(ShardUpdate(shard.report(), tail))
+
+    def _forget_later(self, shard: _Shard) -> None:
+        """A stopped shard has been reported; drop it so it is not re-registered forever."""
+        key = (shard.spec.replica_id, shard.spec.rank)
+        if self.shards.get(key) is shard:
+            del self.shards[key]
+
+    # -- flags kept across restarts ---------------------------------------------
+
+    def _flags_path(self) -> str:
+        return str(self.config.state_dir / "flags.json")
+
+    def _load_flags(self) -> None:
+        try:
+            with open(self._flags_path()) as f:
+                data = json.load(f)
+            self.cordoned = bool(data.get("cordoned"))
+            self.draining = bool(data.get("draining"))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def _save_flags(self) -> None:
+        try:
+            self.config.state_dir.mkdir(parents=True, exist_ok=True)
+            with open(self._flags_path(), "w") as f:
+                json.dump({"cordoned": self.cordoned, "draining": self.draining}, f)
+        except OSError as exc:
+            log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
+
+
+async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+    """A nursery that outlives every connection: the engines' home."""
+    async with trio.open_nursery() as nursery:
+        task_status.started(nursery)
+        await trio.sleep_forever()
+
+
+async def _read_frames(
+    ws: trio_websocket.WebSocketConnection,
+    inbox: trio.MemorySendChannel[str | bytes],
+    scope: trio.CancelScope,
+) -> None:
+    async with inbox:
+        try:
+            while True:
+                await inbox.send(await ws.get_message())
+        except trio_websocket.ConnectionClosed:
+            scope.cancel()
+
+
+async def _write_frames(
+    ws: trio_websocket.WebSocketConnection,
+    outbox: trio.MemoryReceiveChannel[str],
+    scope: trio.CancelScope,
+) -> None:
+    try:
+        async for text in outbox:
+            await ws.send_message(text)
+    except trio_websocket.ConnectionClosed:
+        scope.cancel()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]

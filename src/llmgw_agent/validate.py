@@ -1,0 +1,68 @@
+"""Checks a launch spec against this node before anything starts.
+
+An engine that refuses a profile does so after minutes of loading weights;
+these checks take milliseconds and say exactly what is wrong.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Collection
+from pathlib import Path
+
+from llmgw_agent.adapters import MULTI_NODE
+from llmgw_core.inventory import Inventory, LaunchSpec
+
+
+def problems(
+    spec: LaunchSpec, inventory: Inventory, gpus_in_use: Collection[int], bind_host: str
+) -> list[str]:
+    """Every reason this node cannot start `spec`; empty when it can."""
+    found: list[str] = []
+    engine = next((e for e in inventory.engines if e.name == spec.engine), None)
+    if engine is None:
+        found.append(f"no {spec.engine} engine is configured on this node")
+    elif not engine.found:
+        found.append(f"the {spec.engine} engine cannot run here: {engine.version}")
+    if spec.nnodes > 1 and spec.engine not in MULTI_NODE:
+        found.append(f"{spec.engine} cannot span nodes")
+    if spec.tensor_parallel < 1 or spec.pipeline_parallel < 1:
+        found.append("parallel sizes must be at least 1")
+    elif spec.nnodes > 1 and spec.nnodes != spec.pipeline_parallel:
+        found.append(
+            f"{spec.nnodes} nodes cannot hold pipeline_parallel={spec.pipeline_parallel}: "
+            "pipeline stages run one per node"
+        )
+    want = spec.tensor_parallel * (spec.pipeline_parallel if spec.nnodes == 1 else 1)
+    if len(spec.gpu_indices) != want:
+        found.append(f"{len(spec.gpu_indices)} GPUs given where the parallel sizes need {want}")
+    if not 0 <= spec.rank < spec.nnodes:
+        found.append(f"rank {spec.rank} is outside the {spec.nnodes} nodes")
+    present = {g.index for g in inventory.gpus}
+    missing = sorted(set(spec.gpu_indices) - present)
+    if missing:
+        found.append(f"GPUs {missing} do not exist here (this node has {sorted(present)})")
+    busy = sorted(set(spec.gpu_indices) & set(gpus_in_use))
+    if busy:
+        found.append(f"GPUs {busy} are in use by another shard")
+    if spec.hf_model.startswith(("/", "./", "../")) and not Path(spec.hf_model).exists():
+        found.append(f"the model path {spec.hf_model} does not exist on this node")
+    if spec.is_head:
+        reason = port_taken(bind_host, spec.port)
+        if reason:
+            found.append(reason)
+    return found
+
+
+def port_taken(host: str, port: int) -> str | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use on {host}"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None

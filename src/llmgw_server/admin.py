@@ -1,0 +1,160 @@
+"""The admin API on the control port: what the fleet runs, and why something cannot run."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from llmgw_core.http_server import Request, Responder
+from llmgw_server.control.views import ControlView, NodeView, ReplicaView
+
+if TYPE_CHECKING:
+    from llmgw_server.controlplane import ControlPlane
+
+_ACTIONS = {
+    "cordon": (True, True),
+    "uncordon": (True, False),
+    "drain": (False, True),
+    "undrain": (False, False),
+}
+
+
+class AdminAPI:
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        parts = request.path.decode("utf-8", errors="replace").strip("/").split("/")
+        if parts[:2] != ["v1", "admin"]:
+            await responder.error(404, "the admin API is under /v1/admin")
+            return
+        rest = parts[2:]
+        if request.method == b"GET" and rest == ["status"]:
+            await self._json(
+                responder,
+                200,
+                status(self.plane.reconciler.view(), self.plane, trio.current_time()),
+            )
+        elif request.method == b"GET" and len(rest) == 2 and rest[0] == "explain":
+            explanation = self.plane.reconciler.explain(rest[1])
+            if explanation is None:
+                await responder.error(404, f"no model {rest[1]!r} with a profile")
+                return
+            await self._json(
+                responder,
+                200,
+                {
+                    "model": explanation.model,
+                    "placeable": explanation.placeable,
+                    "text": explanation.text,
+                    "fitting": list(explanation.fitting),
+                    "passed_over": explanation.passed_over,
+                },
+            )
+        elif (
+            request.method == b"POST"
+            and len(rest) == 3
+            and rest[0] == "nodes"
+            and rest[2] in _ACTIONS
+        ):
+            node, action = rest[1], rest[2]
+            is_cordon, on = _ACTIONS[action]
+            try:
+                if is_cordon:
+                    self.plane.cordon(node, on)
+                else:
+                    self.plane.drain_node(node, on)
+            except KeyError:
+                await responder.error(404, f"no node {node!r}")
+                return
+            await self._json(responder, 200, {"node": node, "action": action})
+        else:
+            await responder.error(404, "no such admin route")
+
+    @staticmethod
+    async def _json(responder: Responder, status_code: int, data: Any) -> None:
+        await responder.whole(status_code, json.dumps(data, indent=1).encode())
+
+
+def _node(view: NodeView, now: float) -> dict[str, Any]:
+    inventory = view.inventory
+    return {
+        "name": view.name,
+        "status": str(view.status),
+        "cordoned": view.cordoned,
+        "draining": view.draining,
+        "last_seen_s_ago": round(now - view.last_seen, 1),
+        "address": inventory.host,
+        "labels": inventory.labels,
+        "fabric": inventory.fabric,
+        "cpus": inventory.cpus,
+        "memory_mib": inventory.memory_mib,
+        "gpus": [
+            {
+                "index": g.index,
+                "name": g.name,
+                "memory_total_mib": g.memory_total_mib,
+                "memory_free_mib": g.memory_free_mib,
+                "used": g.index in view.used_gpus,
+            }
+            for g in inventory.gpus
+        ],
+        "engines": [
+            {"name": e.name, "found": e.found, "version": e.version} for e in inventory.engines
+        ],
+    }
+
+
+def _replica(view: ReplicaView, plane: ControlPlane, now: float) -> dict[str, Any]:
+    return {
+        "replica_id": view.replica_id,
+        "model": view.model,
+        "phase": str(view.phase),
+        "serving": view.serving,
+        "kept": view.kept,
+        "reason": view.reason,
+        "url": view.url,
+        "attempt": view.attempt,
+        "failures": view.failures,
+        "crash_loop": view.crash_loop,
+        "restart_in_s": None
+        if view.restart_at is None
+        else round(max(0.0, view.restart_at - now), 1),
+        "shards": [
+            {
+                "node": s.node,
+                "rank": s.rank,
+                "state": str(s.state),
+                "gpus": list(s.gpus),
+                "detail": s.detail,
+                "retiring": s.retiring,
+                "output_tail": list(plane.output_tails.get((s.node, view.replica_id, s.rank), ())),
+            }
+            for s in view.shards
+        ],
+    }
+
+
+def status(view: ControlView, plane: ControlPlane, now: float) -> dict[str, Any]:
+    return {
+        "nodes": [_node(n, now) for n in view.nodes],
+        "replicas": [_replica(r, plane, now) for r in view.replicas],
+        "models": [
+            {
+                "name": m.name,
+                "desired": m.desired,
+                "kept": m.kept,
+                "unplaced": None
+                if m.name not in view.unplaced
+                else {
+                    "count": view.unplaced[m.name].count,
+                    "explanation": view.unplaced[m.name].explanation.text,
+                    "waiting": view.unplaced[m.name].waiting,
+                },
+            }
+            for m in view.models
+        ],
+        "guard": view.guard,
+    }

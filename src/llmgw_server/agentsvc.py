@@ -1,0 +1,208 @@
+"""The agent streams: one websocket per node, and the only way to deliver a command to one.
+
+Each stream is owned by one task and its nursery: a reader feeding a memory
+channel (so a slow control loop never stops websocket pings), a writer
+draining the node's outbox, and the loop that hands decoded messages to the
+control plane. A bad frame, an unsupported protocol version or a message out
+of order closes that one stream with a reason; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+import trio_websocket
+
+from llmgw_core.http_server import Request
+from llmgw_core.wire import (
+    MAX_FRAME_BYTES,
+    PROTOCOL,
+    Ack,
+    DownMessage,
+    Heartbeat,
+    Register,
+    ShardUpdate,
+    Welcome,
+    WireError,
+    decode_up,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from llmgw_server.controlplane import ControlPlane
+
+log = logging.getLogger("llmgw.agentsvc")
+
+AGENT_PATH = b"/v1/agent"
+REGISTER_TIMEOUT_S = 10.0
+OUTBOX_SIZE = 1024
+
+
+class StreamClosed(Exception):
+    """Close this stream with a reason the agent and the log both see."""
+
+    def __init__(self, reason: str, code: int = 1008) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+class _Stream:
+    def __init__(self, node: str, ws: trio_websocket.WebSocketConnection) -> None:
+        self.node = node
+        self.ws = ws
+        self.outbox_send, self.outbox_receive = trio.open_memory_channel[str](OUTBOX_SIZE)
+        self.cancel_scope = trio.CancelScope()
+        self.close_reason = ""
+
+    def close(self, reason: str) -> None:
+        self.close_reason = reason
+        self.cancel_scope.cancel()
+
+
+class AgentService:
+    def __init__(self, plane: ControlPlane, heartbeat_interval_s: float) -> None:
+        self.plane = plane
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.streams: dict[str, _Stream] = {}
+        self._command_ids = 0
+
+    def send(self, node: str, message: DownMessage) -> bool:
+        """Queue a message for a node; False when the node has no open stream."""
+        stream = self.streams.get(node)
+        if stream is None:
+            return False
+        try:
+            stream.outbox_send.send_nowait(encode(message))
+        except trio.WouldBlock:
+            stream.close(f"{OUTBOX_SIZE} messages wait unread")
+            return False
+        return True
+
+    def next_command_id(self) -> int:
+        self._command_ids += 1
+        return self._command_ids
+
+    async def serve_upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
+        """The control port's upgrade handler: one agent stream per connection."""
+        async with trio.open_nursery() as nursery:
+            ws_request = await trio_websocket.wrap_server_stream(
+                nursery, raw, max_message_size=MAX_FRAME_BYTES
+            )
+            if request.path != AGENT_PATH:
+                await ws_request.reject(404, body=b"the agent stream is at /v1/agent")
+                return
+            ws = await ws_request.accept()
+            try:
+                await self._serve(ws, _peer(raw))
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _serve(self, ws: trio_websocket.WebSocketConnection, peer: str) -> None:
+        inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
+        stream: _Stream | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_frames, ws, inbox_send)
+                with trio.move_on_after(REGISTER_TIMEOUT_S) as register_scope:
+                    frame = await inbox_receive.receive()
+                if register_scope.cancelled_caught:
+                    raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
+                register = _decode(frame)
+                if not isinstance(register, Register):
+                    raise StreamClosed(
+                        f"the first message must be register, not {type(register).__name__}"
+                    )
+                if register.protocol != PROTOCOL:
+                    raise StreamClosed(
+                        f"protocol version {register.protocol} is not supported "
+                        f"(this server speaks {PROTOCOL})"
+                    )
+                stream = _Stream(register.inventory.name, ws)
+                old = self.streams.get(stream.node)
+                if old is not None:
+                    log.warning(
+                        "node %s connected again from %s: closing its old stream", stream.node, peer
+                    )
+                    old.close(f"node {stream.node} connected again from {peer}")
+                self.streams[stream.node] = stream
+                log.info(
+                    "node %s registered from %s with %d shards",
+                    stream.node,
+                    peer,
+                    len(register.shards),
+                )
+                self.send(stream.node, Welcome(PROTOCOL, self.heartbeat_interval_s))
+                self.plane.registered(register)
+                with stream.cancel_scope:
+                    nursery.start_soon(_write_frames, ws, stream.outbox_receive)
+                    async for frame in inbox_receive:
+                        self._dispatch(stream.node, _decode(frame))
+                    stream.close_reason = ""  # the reader ended: the agent went away
+                raise StreamClosed(stream.close_reason, code=1008 if stream.close_reason else 1000)
+        except* StreamClosed as group:
+            closed = group.exceptions[0]
+            assert isinstance(closed, StreamClosed)
+            if closed.reason:
+                log.warning(
+                    "closing the stream of %s: %s", stream.node if stream else peer, closed.reason
+                )
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await ws.aclose(code=closed.code, reason=closed.reason[:120])
+        finally:
+            if stream is not None and self.streams.get(stream.node) is stream:
+                del self.streams[stream.node]
+                log.info("node %s disconnected", stream.node)
+                self.plane.disconnected(stream.node)
+
+    def _dispatch(self, node: str, message: object) -> None:
+        if isinstance(message, Heartbeat):
+            self.plane.heartbeat(node)
+        elif isinstance(message, ShardUpdate):
+            self.plane.shard_update(node, message)
+        elif isinstance(message, Ack):
+            if not message.ok:
+                log.warning(
+                    "node %s refused command %d: %s", node, message.command_id, message.error
+                )
+        else:
+            raise StreamClosed(f"{type(message).__name__} is out of order after registration")
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    try:
+        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return "an unknown peer"
+    return f"{host}:{port}"
+
+
+def _decode(frame: str | bytes) -> object:
+    try:
+        return decode_up(frame)
+    except WireError as exc:
+        raise StreamClosed(str(exc)) from None
+
+
+async def _read_frames(
+    ws: trio_websocket.WebSocketConnection, inbox: trio.MemorySendChannel[str | bytes]
+) -> None:
+    async with inbox:
+        try:
+            while True:
+                await inbox.send(await ws.get_message())
+        except trio_websocket.ConnectionClosed:
+            pass
+
+
+async def _write_frames(
+    ws: trio_websocket.WebSocketConnection, outbox: trio.MemoryReceiveChannel[str]
+) -> None:
+    try:
+        async for text in outbox:
+            await ws.send_message(text)
+    except trio_websocket.ConnectionClosed:
+        pass

@@ -1,0 +1,187 @@
+"""The control plane's trio shell: it feeds the pure reconciler events and the clock,
+and carries out the commands each step returns.
+
+Decisions stay in `control.reconciler`; this module only delivers them: start,
+drain and stop to agents over their streams, the replica set to the router,
+and the log lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import trio
+
+from llmgw_core.catalog import parse_endpoint
+from llmgw_core.config import Config
+from llmgw_core.inventory import ShardState
+from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
+from llmgw_server.agentsvc import AgentService
+from llmgw_server.balancer import Replica
+from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.reconciler import Reconciler, Step
+from llmgw_server.router import Router
+
+log = logging.getLogger("llmgw.control")
+
+_MAX_SLEEP_S = 1.0
+HEARTBEAT_INTERVAL_S = 5.0
+
+
+class ControlPlane:
+    def __init__(self, config: Config, router: Router, *, heartbeat_interval_s: float) -> None:
+        self.config = config
+        self.router = router
+        self.reconciler = Reconciler(
+            config.control,
+            config.catalog,
+            now=trio.current_time(),
+            instance=secrets.token_hex(3),
+        )
+        self.agents = AgentService(self, heartbeat_interval_s)
+        self._wake = trio.Event()
+        self._serving: dict[str, tuple[str, ...]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the drain watchers and the clock; wake the reconciler when a deadline comes."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.apply(self.reconciler.tick(trio.current_time()))
+            task_status.started()
+            while True:
+                with trio.move_on_after(_MAX_SLEEP_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                step = self.reconciler.tick(trio.current_time())
+                self.apply(step, sync=bool(step.transitions or step.commands or step.placements))
+
+    # -- events from agent streams ------------------------------------------
+
+    def registered(self, message: Register) -> None:
+        self.apply(
+            self.reconciler.register(
+                message.inventory,
+                message.shards,
+                trio.current_time(),
+                cordoned=message.cordoned,
+                draining=message.draining,
+            )
+        )
+
+    def heartbeat(self, node: str) -> None:
+        step = self.reconciler.heartbeat(node, trio.current_time())
+        # The hot path of a large fleet: most heartbeats change nothing.
+        self.apply(step, sync=bool(step.transitions or step.commands))
+
+    def disconnected(self, node: str) -> None:
+        self.apply(self.reconciler.disconnected(node, trio.current_time()))
+
+    def shard_update(self, node: str, message: ShardUpdate) -> None:
+        report = message.report
+        spec = report.spec
+        if report.state is ShardState.FAILED:
+            self.output_tails[(node, spec.replica_id, spec.rank)] = message.output_tail
+            tail = "\n    ".join(message.output_tail[-10:])
+            log.warning(
+                "replica %s rank %d on %s failed: %s\n    %s",
+                spec.replica_id,
+                spec.rank,
+                node,
+                report.detail,
+                tail,
+            )
+        self.apply(
+            self.reconciler.shard_status(
+                node, spec.replica_id, spec.rank, report.state, trio.current_time(), report.detail
+            )
+        )
+
+    # -- operator actions ------------------------------------------------------
+
+    def cordon(self, node: str, on: bool) -> None:
+        self.apply(self.reconciler.cordon(node, on, trio.current_time()))
+
+    def drain_node(self, node: str, on: bool) -> None:
+        self.apply(self.reconciler.drain_node(node, on, trio.current_time()))
+
+    # -- carrying out a step ----------------------------------------------------
+
+    def apply(self, step: Step, *, sync: bool = True) -> None:
+        for transition in step.transitions:
+            if transition.old is None:  # the reconciler's notes tell every other transition
+                log.info("node %s joined (%s)", transition.node, transition.reason)
+        for note in step.notes:
+            log.info("%s", note)
+        for command in step.commands:
+            self._deliver(command)
+        if sync:
+            self._sync_router()
+        if step.wake_at is not None and step.wake_at <= trio.current_time():
+            self._wake.set()
+
+    def _deliver(self, command: object) -> None:
+        agents = self.agents
+        if isinstance(command, StartShard):
+            spec = command.spec
+            log.info(
+                "starting replica %s of %s rank %d on %s (GPUs %s, port %d)",
+                spec.replica_id,
+                spec.model_name,
+                spec.rank,
+                command.node,
+                ",".join(map(str, spec.gpu_indices)),
+                spec.port,
+            )
+            agents.send(command.node, Start(agents.next_command_id(), spec))
+        elif isinstance(command, DrainShard):
+            log.info(
+                "draining replica %s rank %d on %s", command.replica_id, command.rank, command.node
+            )
+            agents.send(
+                command.node, Drain(agents.next_command_id(), command.replica_id, command.rank)
+            )
+            if command.rank == 0:
+                self._watch_drain(command.replica_id)
+        elif isinstance(command, StopShard):
+            log.info(
+                "stopping replica %s rank %d on %s", command.replica_id, command.rank, command.node
+            )
+            agents.send(
+                command.node, Stop(agents.next_command_id(), command.replica_id, command.rank)
+            )
+        elif isinstance(command, MarkNode):
+            agents.send(
+                command.node, Mark(agents.next_command_id(), command.cordoned, command.draining)
+            )
+
+    def _watch_drain(self, replica_id: str) -> None:
+        """Stop sending the replica requests; tell the reconciler once none is in flight."""
+        replica = None
+        for view in self.reconciler.view().replicas:
+            if view.replica_id == replica_id:
+                replica = self.router.replica(view.model, parse_endpoint(view.url))
+        if replica is not None:
+            replica.draining = True
+        assert self._nursery is not None
+        self._nursery.start_soon(self._wait_drained, replica_id, replica)
+
+    async def _wait_drained(self, replica_id: str, replica: Replica | None) -> None:
+        # Reported from its own task, never from inside the step that sent the drain.
+        await trio.lowlevel.checkpoint()
+        with trio.move_on_after(self.config.control.drain_timeout_s):
+            while replica is not None and replica.outstanding:
+                await trio.sleep(0.1)
+        self.apply(self.reconciler.replica_drained(replica_id, trio.current_time()))
+
+    def _sync_router(self) -> None:
+        serving = self.reconciler.serving()
+        if serving == self._serving:
+            return
+        for model, urls in serving.items():
+            if self._serving.get(model) != urls:
+                log.info("%s is served by %s", model, ", ".join(urls) or "nothing")
+                self.router.set_endpoints(model, [parse_endpoint(u) for u in urls])
+        self._serving = serving
