@@ -18,3 +18,23 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield p
     finally:
         p.stop_all()
+
+
+@pytest.fixture
+def fleet(procs: Procs) -> Iterator[object]:
+    import os
+    import signal
+
+    from fleet import Fleet
+
+    f = Fleet(procs)
+    try:
+        yield f
+    finally:
+        pids = f.engine_pids()
+        procs.stop_all()
+        for pid in pids:  # engines orphaned by an agent killed with SIGKILL
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

@@ -28,6 +28,21 @@ def run_cli(argv: list[str]) -> int:
     sub.add_parser("serve", help="run the server (the default)")
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("file")
+    sub.add_parser("status", help="nodes, replicas and what cannot run, as tables")
+    explain = sub.add_parser("explain", help="why a model cannot be placed")
+    explain.add_argument("target", metavar="MODEL")
+    for action, what in (
+        ("drain", "move every replica off a node"),
+        ("undrain", "let a drained node take replicas again"),
+        ("cordon", "place nothing new on a node"),
+        ("uncordon", "let a cordoned node take new replicas"),
+    ):
+        sub.add_parser(action, help=what).add_argument("target", metavar="NODE")
+    parser.add_argument(
+        "--control",
+        help="the control plane's admin URL (default: control_listen of --config, "
+        "else http://127.0.0.1:8081)",
+    )
     hash_key = sub.add_parser("hash-key", help="print the [auth] api_keys entry for a key")
     hash_key.add_argument("key", nargs="?", help="the key (read from the terminal when absent)")
     args = parser.parse_args(argv)
@@ -39,6 +54,19 @@ def run_cli(argv: list[str]) -> int:
         key = args.key or getpass.getpass("API key: ")
         print("sha256:" + hashlib.sha256(key.encode()).hexdigest())
         return 0
+    if args.command in ("status", "explain", "drain", "undrain", "cordon", "uncordon"):
+        from llmgw_server.admin_cli import run as run_admin
+
+        control = args.control
+        if control is None and args.config:
+            try:
+                control = f"http://{load_config(args.config).server.control_listen}"
+            except ConfigError as exc:
+                print(f"llmgw-server: config error: {exc}", file=sys.stderr)
+                return 2
+        return run_admin(
+            args.command, getattr(args, "target", None), control or "http://127.0.0.1:8081"
+        )
     file = args.file if args.command == "check-config" else args.config
     if not file:
         parser.error("--config FILE is required")

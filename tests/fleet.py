@@ -1,0 +1,94 @@
+"""A whole fleet on loopback: the server and agents with simulated GPUs, as real processes."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from procs import Proc, Procs, free_port
+
+SIM = Path(__file__).parent.parent / "conf" / "sim"
+MOCK = [sys.executable, "-m", "llmgw_core.mock_engine"]
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Fleet:
+    def __init__(self, procs: Procs) -> None:
+        self.procs = procs
+        self.port = free_port()
+        self.control_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control = f"http://127.0.0.1:{self.control_port}"
+        self.server_proc: Proc | None = None
+        self.agents: dict[str, Proc] = {}
+        base = random.randrange(30000, 60000, 100)
+        self.ports = (base, base + 99)
+
+    def server(self, models: str, control: str = "") -> Proc:
+        path = self.procs.tmp / "server.toml"
+        path.write_text(
+            f'[server]\nlisten = "127.0.0.1:{self.port}"\ncontrol_listen = "127.0.0.1:{self.control_port}"\n'
+            "shutdown_grace_s = 2\n"
+            "[router]\nhealth_interval_s = 0.5\n"
+            "[control]\nunreachable_after_s = 1.5\nlost_after_s = 4\nsettle_after_start_s = 1\n"
+            f"restart_backoff_s = 0.5\ndrain_timeout_s = 2\nengine_port_min = {self.ports[0]}\n"
+            f"engine_port_max = {self.ports[1]}\n{control}\n{models}"
+        )
+        proc = Proc([sys.executable, "-m", "llmgw_server", "--config", str(path)], self.port)
+        self.procs.all.append(proc)
+        proc.wait_http("/healthz")
+        self.server_proc = proc
+        return proc
+
+    def agent(self, name: str, inventory: str, fabric: str = "pod-a", env: str = "") -> Proc:
+        path = self.procs.tmp / f"{name}.toml"
+        path.write_text(
+            f'name = "{name}"\nserver = "ws://127.0.0.1:{self.control_port}/v1/agent"\n'
+            f'state_dir = "{self.procs.tmp / name}"\ninventory_file = "{SIM / inventory}"\n'
+            f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
+            "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
+            f"[engines.vllm]\ncommand = {MOCK!r}\nenv = {{ {env} }}\n".replace("'", '"')
+        )
+        proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
+        self.procs.all.append(proc)
+        self.agents[name] = proc
+        return proc
+
+    def status(self) -> dict[str, Any]:
+        response = httpx.get(self.control + "/v1/admin/status", timeout=5)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def node(self, name: str) -> dict[str, Any]:
+        return next(n for n in self.status()["nodes"] if n["name"] == name)
+
+    def serving(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.status()["replicas"] if r["model"] == model and r["serving"]]
+
+    def engine_pids(self) -> list[int]:
+        """PIDs of the engines the agents started (from their logs)."""
+        pids = []
+        for proc in self.agents.values():
+            for line in proc.output().splitlines():
+                if ": starting pid " in line:
+                    pids.append(int(line.rsplit(" ", 1)[1]))
+        return pids

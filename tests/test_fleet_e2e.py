@@ -1,0 +1,126 @@
+"""The whole system as separate processes: server, agents with simulated GPUs, mock engines
+launched through the vLLM adapter's real argument construction."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import openai
+
+from fleet import Fleet, wait_until
+
+CHAT = [{"role": "user", "content": "hello fleet"}]
+
+
+def model(name: str, *, replicas: int = 1, tp: int = 1, pp: int = 1, extra: str = "") -> str:
+    return (
+        f'\n[[models]]\nname = "{name}"\nreplicas = {replicas}\n[models.profile]\nengine = "vllm"\n'
+        f'model = "org/{name}"\ntensor_parallel = {tp}\npipeline_parallel = {pp}\ngpu_memory_gib = 20\n{extra}\n'
+    )
+
+
+def test_agents_register_a_replica_is_placed_and_serves_streams(fleet: Fleet) -> None:
+    fleet.server(model("chat"))
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    wait_until(lambda: len(fleet.status()["nodes"]) == 2, what="both agents to register")
+    wait_until(lambda: fleet.serving("chat"), what="a ready replica")
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: [m.id for m in client.models.list()] == ["chat"], what="the router to follow")
+    text = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(model="chat", messages=CHAT, stream=True)  # type: ignore[arg-type]
+        if chunk.choices
+    )
+    assert len(text.split()) == 16
+    node = next(n for n in fleet.status()["nodes"] if any(g["used"] for g in n["gpus"]))
+    assert node["status"] == "reachable" and node["fabric"] == {"ib_domain": "pod-a"}
+    cli = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "status"],
+        capture_output=True, text=True, timeout=20,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "gpu-1" in cli.stdout and "gpu-2" in cli.stdout and "chat" in cli.stdout
+    assert "yes" in cli.stdout  # the replica serves
+
+
+def test_two_node_replica_gets_ranks_and_the_heads_address(fleet: Fleet) -> None:
+    # 2 x 2 GPUs: does not fit on one 2-GPU node, so TP 2 within each node, PP 2 across two.
+    fleet.server(model("big", tp=2, pp=2))
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    fleet.agent("gpu-3", "node-2xl4.toml", fabric="pod-b")
+    replica = wait_until(lambda: fleet.serving("big"), what="the two-node replica")[0]
+    shards = {s["rank"]: s for s in replica["shards"]}
+    assert sorted(shards) == [0, 1]
+    assert shards[0]["node"] != shards[1]["node"] and "gpu-3" not in (shards[0]["node"], shards[1]["node"])
+    head_log = fleet.agents[shards[0]["node"]].output()
+    worker_log = fleet.agents[shards[1]["node"]].output()
+    port = replica["url"].rsplit(":", 1)[1]
+    assert f"--port {port}" in head_log and "--nnodes 2 --node-rank 0 --master-addr 127.0.0.1" in head_log
+    assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1" in worker_log and "--headless" in worker_log
+    assert "--tensor-parallel-size 2 --pipeline-parallel-size 2" in worker_log
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: client.chat.completions.create(model="big", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
+
+
+def test_a_crashing_engine_is_reported_with_its_output_and_restarted(fleet: Fleet) -> None:
+    fleet.server(model("flaky"))
+    fleet.agent("gpu-1", "node-2xl4.toml", env='LLMGW_MOCK_EXIT_AFTER = "1.5"')
+    failed = wait_until(
+        lambda: [r for r in fleet.status()["replicas"] if r["failures"] >= 1],
+        what="the crash to be reported",
+    )[0]
+    shard = failed["shards"][0]
+    assert "exited with status 3" in shard["detail"]
+    assert any("exiting after 1.5 s" in line for line in shard["output_tail"])
+    restarted = wait_until(
+        lambda: [r for r in fleet.status()["replicas"] if r["attempt"] >= 1 and r["shards"][0]["state"] in ("starting", "ready")],
+        what="a restart after the backoff",
+    )[0]
+    assert restarted["model"] == "flaky"
+    assert len(set(fleet.engine_pids())) >= 2  # a new process for the new attempt
+
+
+def test_a_killed_agent_goes_unreachable_then_lost_and_the_explanation_says_why(fleet: Fleet) -> None:
+    fleet.server(model("h100-only", extra='gpu_model = "H100"'))
+    fleet.agent("gpu-1", "node-8xh100.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    wait_until(lambda: fleet.serving("h100-only"), what="the replica on the H100 node")
+    fleet.agents["gpu-1"].signal(signal.SIGKILL)
+    wait_until(lambda: fleet.node("gpu-1")["status"] == "unreachable", timeout=5, what="unreachable")
+    wait_until(lambda: fleet.node("gpu-1")["status"] == "lost", timeout=10, what="lost")
+    why = wait_until(
+        lambda: next(m for m in fleet.status()["models"] if m["name"] == "h100-only")["unplaced"],
+        what="an explanation",
+    )
+    text = why["explanation"]
+    assert text.startswith("0 of 2 nodes fit: ") and "1 lost (gpu-1)" in text and "gpu-2" in text
+    cli = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "explain", "h100-only"],
+        capture_output=True, text=True, timeout=20,
+    )
+    assert cli.returncode == 0 and "1 lost (gpu-1)" in cli.stdout
+
+
+def test_a_restarted_server_adopts_running_engines_without_restarting_them(fleet: Fleet) -> None:
+    models = model("chat", replicas=2)
+    server = fleet.server(models)
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    wait_until(lambda: len(fleet.serving("chat")) == 2, what="two ready replicas")
+    before = {r["replica_id"]: r["url"] for r in fleet.serving("chat")}
+    pids = sorted(fleet.engine_pids())
+    server.signal(signal.SIGTERM)
+    assert server.popen.wait(10) == 0
+    for pid in pids:
+        os.kill(pid, 0)  # the engines serve on without the control plane
+    fleet.server(models)
+    after = wait_until(lambda: {r["replica_id"]: r["url"] for r in fleet.serving("chat")} if len(fleet.serving("chat")) == 2 else None, what="adoption")
+    assert after == before
+    assert sorted(fleet.engine_pids()) == pids  # nothing was started again
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
