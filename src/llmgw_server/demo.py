@@ -1,76 +1,105 @@
-"""`make demo`: the router in front of two mock engines, on this machine, no GPU needed."""
+"""`make demo`: the whole system on one machine without a GPU.
+
+The server with its control plane, two agents with simulated GPUs, and mock
+engines that the control plane places and the agents launch through the vLLM
+adapter, all as separate processes.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-import trio
+import httpx
 
-from llmgw_core.config import parse_config
-from llmgw_server.app import main as serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+CONF = Path(__file__).resolve().parents[2] / "conf"
+MOCK = f'["{sys.executable}", "-m", "llmgw_core.mock_engine"]'
 
 
-async def demo() -> None:
+def main() -> int:
     port = int(os.environ.get("LLMGW_DEMO_PORT", "8080"))
-    engine_ports = [_free_port(), _free_port()]
-    engines = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "llmgw_core.mock_engine",
-                "serve",
-                "demo-model",
-                "--port",
-                str(p),
-                "--mock-tokens",
-                "24",
-                "--mock-tokens-per-second",
-                "40",
-            ],
-            start_new_session=True,
-        )
-        for p in engine_ports
-    ]
-    config = parse_config(
-        {
-            "server": {"listen": f"127.0.0.1:{port}"},
-            "router": {"health_interval_s": 1.0},
-            "models": [
-                {"name": "demo-model", "endpoints": [f"http://127.0.0.1:{p}" for p in engine_ports]}
-            ],
-        },
-        "<demo>",
+    control = port + 1
+    work = Path(tempfile.mkdtemp(prefix="llmgw-demo-"))
+    (work / "server.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\ncontrol_listen = "127.0.0.1:{control}"\n'
+        "[router]\nhealth_interval_s = 1.0\n"
+        "[control]\nsettle_after_start_s = 1\nunreachable_after_s = 5\nlost_after_s = 30\n"
+        '[[models]]\nname = "demo-model"\nreplicas = 2\n[models.profile]\nengine = "vllm"\n'
+        'model = "demo/demo-8b"\ntensor_parallel = 1\ngpu_memory_gib = 20\n'
+        '[[models]]\nname = "demo-big"\n[models.profile]\nengine = "vllm"\n'
+        'model = "demo/demo-70b"\ntensor_parallel = 2\npipeline_parallel = 2\n'
     )
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve, config)
-            url = f"http://127.0.0.1:{port}"
-            print(
-                f"\nllmgw demo: the router is at {url}/v1 in front of two mock engines "
-                f"(ports {engine_ports[0]}, {engine_ports[1]}). Try:\n\n"
-                f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
-                '    -d \'{"model": "demo-model", "stream": true, '
-                '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
-                f"  curl {url}/metrics\n\nCtrl-C stops it.\n",
-                flush=True,
+    for name, inventory in (("sim-node-1", "node-2xl4.toml"), ("sim-node-2", "node-8xh100.toml")):
+        (work / f"{name}.toml").write_text(
+            f'name = "{name}"\nserver = "ws://127.0.0.1:{control}/v1/agent"\n'
+            f'state_dir = "{work / name}"\ninventory_file = "{CONF / "sim" / inventory}"\n'
+            'fabric = { ib_domain = "demo" }\nbind_host = "127.0.0.1"\n'
+            f'[engines.vllm]\ncommand = {MOCK}\nenv = {{ LLMGW_MOCK_TPS = "30" }}\n'
+        )
+    logs = work / "logs"
+    logs.mkdir()
+    procs = []
+
+    def start(name: str, *argv: str) -> None:
+        out = (logs / f"{name}.log").open("wb")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        )
+
+    start("server", "-m", "llmgw_server", "--config", str(work / "server.toml"))
+    for name in ("sim-node-1", "sim-node-2"):
+        start(name, "-m", "llmgw_agent", "--config", str(work / f"{name}.toml"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                models = httpx.get(url + "/v1/models", timeout=1).json()["data"]
+                if len(models) == 2:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if any(p.poll() is not None for p in procs):
+                print(f"a demo process exited; see the logs in {logs}", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        print(
+            f"\nllmgw demo: the router is at {url}/v1, the control plane at http://127.0.0.1:{control}\n"
+            "two agents with simulated GPUs run mock engines the control plane placed\n"
+            f"(demo-model: 2 replicas; demo-big: one replica across both nodes). Logs: {logs}\n\n"
+            f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
+            '    -d \'{"model": "demo-model", "stream": true, '
+            '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
+            f"  {sys.executable} -m llmgw_server --control http://127.0.0.1:{control} status\n\n"
+            "Ctrl-C stops it all.\n",
+            flush=True,
+        )
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print(f"a demo process exited; see the logs in {logs}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
     finally:
-        for engine in engines:
-            engine.terminate()
-            engine.wait(5)
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        trio.run(demo)
+    sys.exit(main())
