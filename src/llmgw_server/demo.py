@@ -21,7 +21,12 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 MOCK = f'["{sys.executable}", "-m", "llmgw_core.mock_engine"]'
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the whole demo on SIGTERM as on Ctrl-C
     port = int(os.environ.get("LLMGW_DEMO_PORT", "8080"))
     control = port + 1
     work = Path(tempfile.mkdtemp(prefix="llmgw-demo-"))
