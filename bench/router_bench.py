@@ -264,6 +264,14 @@ def machine_cpu() -> tuple[int, int, int]:
     return sum(fields[:8]), fields[3] + fields[4], fields[7]
 
 
+def _our_cpu_s(*procs: Proc) -> float:
+    """CPU seconds of this benchmark: itself, the servers it runs and the wrk runs it waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + done.ru_utime + done.ru_stime
+    return total + sum(p.cpu_s() for p in procs if p.alive())
+
+
 def _split(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or 80
@@ -642,9 +650,10 @@ def environment_lines(
     ]
     if load:
         lines.append(
-            f"- Machine during the wrk runs: {load['busy']:.0f}% busy, "
-            f"{load['steal']:.1f}% stolen by the hypervisor (from /proc/stat); "
-            "figures move by 10-25% between runs on a shared VM"
+            f"- Machine during the wrk runs: {load['busy']:.0f}% busy, of which "
+            f"{load['others']:.0f}% by processes other than this benchmark's; "
+            f"{load['steal']:.1f}% stolen by the hypervisor (from /proc/stat). "
+            "Other load makes the figures move by 10-50% between runs"
         )
     if shape:
         d, r = shape.get("engine"), shape.get("router")
@@ -900,6 +909,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("throughput (wrk):", flush=True)
         cpu_before = machine_cpu()
+        ours_before = _our_cpu_s(engine, router, minimal)
         for kind in args.kinds:
             pace = args.paced_tps if kind == "paced" else 0.0
             set_engine_pace(engine.url, pace)
@@ -911,7 +921,13 @@ def main(argv: list[str] | None = None) -> int:
                 if not router.alive():
                     raise BenchError(f"the router died:\n{router.log_tail()}")
         total, idle, steal = (b - a for a, b in zip(cpu_before, machine_cpu(), strict=True))
-        load = {"busy": 100 * (1 - idle / max(total, 1)), "steal": 100 * steal / max(total, 1)}
+        ours = _our_cpu_s(engine, router, minimal) - ours_before
+        total = max(total, 1)
+        load = {
+            "busy": 100 * (1 - idle / total),
+            "steal": 100 * steal / total,
+            "others": max(0.0, 100 * ((total - idle - steal) / CLK_TCK - ours) * CLK_TCK / total),
+        }
         status = router.stop(signal.SIGTERM)
         if status != 0:
             notes.append(f"the router exited with status {status} on SIGTERM (expected 0)")
