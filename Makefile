@@ -29,6 +29,7 @@ bench: venv
 	@command -v wrk >/dev/null || (apt-get install -y -q wrk || (apt-get update -q && apt-get install -y -q wrk))
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/placement_bench.py
+	$(BIN)/python bench/fleet_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
