@@ -1,0 +1,652 @@
+"""The reconciler: desired replicas from the catalog, actual shards from agents.
+
+Events go in as method calls that carry the current time; each returns a Step:
+the commands to deliver, the placements made, node transitions and lines to
+log. Nothing here does I/O or reads a clock.
+
+The control plane keeps nothing that agents and the catalog cannot give back:
+shard records come from agents' reports (the launch spec travels with every
+shard), node flags from the agents that keep them, and what is lost on a
+restart (restart backoff, drain timers) only restarts a timer.
+
+Decisions, per model with a profile:
+- Replicas that are live or failed, run the current profile and sit on no
+  draining node are candidates; the best `replicas` of them are kept (all
+  nodes reachable, then ready before starting before pending before failed).
+  A replica on an unreachable node is kept: it probably still serves.
+- Every other replica is retired: drained if it was serving, then stopped when
+  the router reports it drained or `drain_timeout_s` passes.
+- A replica on a lost node, or missing a rank, is broken: its other shards are
+  stopped and it no longer counts, so a new one is placed.
+- A kept failed replica is restarted whole, on the same GPUs, after a capped
+  exponential backoff; its other shards are stopped first.
+- Missing replicas are placed, except during `settle_after_start_s` after the
+  start, while agents of a restarted control plane re-register.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from llmgw_core.catalog import Catalog, ModelEntry
+from llmgw_core.control_config import ControlSection
+from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
+from llmgw_server.control.placement import (
+    Assignment,
+    Explanation,
+    NodeCapacity,
+    PlacementRequest,
+    explain,
+    place,
+)
+from llmgw_server.control.shards import (
+    Classified,
+    Failure,
+    Phase,
+    ShardKey,
+    ShardRecord,
+    backoff,
+    classify,
+    matches,
+)
+from llmgw_server.control.views import (
+    ControlView,
+    ModelView,
+    NodeView,
+    ReplicaView,
+    ShardView,
+    Unplaced,
+)
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_LIVE_ORDER = {ShardState.READY: 0, ShardState.STARTING: 1, ShardState.PENDING: 2}
+
+
+@attrs.frozen
+class Step:
+    commands: tuple[Command, ...] = ()
+    placements: tuple[Assignment, ...] = ()  # new replicas; `key` is the replica id
+    transitions: tuple[NodeTransition, ...] = ()
+    notes: tuple[str, ...] = ()  # for the log: guard changes, failures, adoption
+    # Call `tick` by then at the latest, even if no event comes.
+    wake_at: float | None = None
+
+
+@attrs.define
+class _Status:
+    classified: Classified
+    kept: bool = False
+
+
+class Reconciler:
+    def __init__(
+        self, settings: ControlSection, catalog: Catalog, *, now: float, instance: str
+    ) -> None:
+        """`instance` goes into replica ids, so it must differ between control-plane
+        starts (the shell passes a few random hex digits)."""
+        self.settings = settings
+        self.catalog = catalog
+        self.started_at = now
+        self.lifecycle = Lifecycle(settings, now)
+        self._instance = instance
+        self._seq = 0
+        self._now = now
+        self._shards: dict[ShardKey, ShardRecord] = {}
+        self._failures: dict[str, Failure] = {}
+        self._drained: set[str] = set()
+        self._status: dict[str, _Status] = {}
+        self._unplaced: dict[str, Unplaced] = {}
+        self._kept: dict[str, int] = {}
+        self._dirty = False
+        self._wake_at: float | None = None
+        # With no node and no shard yet this yields no command, only what is unplaced and why.
+        self._reconcile(now, [], [])
+
+    # -- events ------------------------------------------------------------
+
+    def register(
+        self,
+        inventory: Inventory,
+        shards: Sequence[ShardReport],
+        now: float,
+        *,
+        cordoned: bool = False,
+        draining: bool = False,
+    ) -> Step:
+        """A node's agent (re)connected with its inventory, its shards and its flags."""
+        now = self._clock(now)
+        name = inventory.name
+        known = name in self.lifecycle.nodes
+        transitions = self.lifecycle.register(inventory, now)
+        node = self.lifecycle.nodes[name]
+        commands: list[Command] = []
+        if not known:
+            node.cordoned, node.draining = cordoned, draining
+        elif (node.cordoned, node.draining) != (cordoned, draining):
+            # This control plane's operator spoke last: tell the agent.
+            commands.append(MarkNode(name, node.cordoned, node.draining))
+        seen = {key[1] for key in self._shards}
+        notes: list[str] = []
+        for key in [k for k in self._shards if k[0] == name]:
+            del self._shards[key]
+        for report in shards:
+            spec = report.spec
+            record = ShardRecord(name, spec, report.state, report.detail)
+            if report.state is ShardState.READY:
+                record.ready_since = now
+            elif report.state is ShardState.DRAINING:
+                record.drain_at = now
+            self._shards[record.key] = record
+            if spec.replica_id not in seen:
+                notes.append(
+                    f"node {name} reports replica {spec.replica_id} of {spec.model_name} "
+                    f"(rank {spec.rank}, {report.state})"
+                )
+            if report.state is ShardState.FAILED:
+                notes += self._failed(record, now)
+        self._dirty = True
+        return self._step(now, transitions, commands, notes)
+
+    def heartbeat(self, node: str, now: float) -> Step:
+        """Cheap when nothing changes: no reconcile unless the node comes back."""
+        now = self._clock(now)
+        transitions = self.lifecycle.heartbeat(node, now)
+        if not transitions:
+            return Step(wake_at=self._wake_at)
+        self._dirty = True
+        return self._step(now, transitions)
+
+    def disconnected(self, node: str, now: float) -> Step:
+        now = self._clock(now)
+        transitions = self.lifecycle.disconnected(node, now)
+        self._dirty = self._dirty or bool(transitions)
+        return self._step(now, transitions)
+
+    def shard_status(
+        self, node: str, replica_id: str, rank: int, state: ShardState, now: float, detail: str = ""
+    ) -> Step:
+        now = self._clock(now)
+        record = self._shards.get((node, replica_id, rank))
+        if record is None:
+            # Not started by this control plane and not reported at registration:
+            # the agent's next registration brings it with its spec.
+            note = f"node {node} reports unknown shard {replica_id} rank {rank} ({state})"
+            return Step(notes=(note,), wake_at=self._wake_at)
+        if record.state is state and record.detail == detail:
+            return Step(wake_at=self._wake_at)
+        record.state, record.detail = state, detail
+        notes: list[str] = []
+        if state is ShardState.READY:
+            record.ready_since = record.ready_since if record.ready_since is not None else now
+        elif state is ShardState.DRAINING:
+            record.drain_at = record.drain_at if record.drain_at is not None else now
+        elif state is ShardState.FAILED:
+            notes += self._failed(record, now)
+        self._dirty = True
+        return self._step(now, notes=notes)
+
+    def replica_drained(self, replica_id: str, now: float) -> Step:
+        """The router has no request in flight on a draining replica: stop it now."""
+        now = self._clock(now)
+        self._drained.add(replica_id)
+        self._dirty = True
+        return self._step(now)
+
+    def set_catalog(self, catalog: Catalog, now: float) -> Step:
+        now = self._clock(now)
+        self.catalog = catalog
+        self._dirty = True
+        return self._step(now)
+
+    def cordon(self, node: str, on: bool, now: float) -> Step:
+        """No new placements on the node (raises KeyError for an unknown node)."""
+        return self._mark(node, now, cordoned=on)
+
+    def drain_node(self, node: str, on: bool, now: float) -> Step:
+        """Move every replica off the node (raises KeyError for an unknown node)."""
+        return self._mark(node, now, draining=on)
+
+    def forget_node(self, node: str, now: float) -> Step:
+        """Drop a lost node and its shards, such as a decommissioned machine."""
+        now = self._clock(now)
+        if self.lifecycle.nodes[node].status is not NodeStatus.LOST:
+            raise ValueError(f"node {node} is not lost; only a lost node can be forgotten")
+        del self.lifecycle.nodes[node]
+        for key in [k for k in self._shards if k[0] == node]:
+            del self._shards[key]
+        self._dirty = True
+        return self._step(now)
+
+    def tick(self, now: float) -> Step:
+        return self._step(self._clock(now))
+
+    # -- reading -------------------------------------------------------------
+
+    def view(self) -> ControlView:
+        used = self._used_gpus()
+        nodes = tuple(
+            NodeView(
+                n.name,
+                n.status,
+                n.cordoned,
+                n.draining,
+                n.last_seen,
+                n.inventory,
+                tuple(sorted(used.get(n.name, ()))),
+            )
+            for n in self.lifecycle.nodes.values()
+        )
+        replicas = tuple(
+            self._replica_view(rid, records) for rid, records in self._by_replica().items()
+        )
+        models = tuple(
+            ModelView(m.name, m.replicas, self._kept.get(m.name, 0)) for m in self.catalog.profiled
+        )
+        return ControlView(nodes, replicas, models, dict(self._unplaced), self.lifecycle.guard)
+
+    def serving(self) -> dict[str, tuple[str, ...]]:
+        """The URLs the router should send each model's requests to."""
+        out: dict[str, list[str]] = {m.name: [] for m in self.catalog.profiled}
+        for replica in self.view().replicas:
+            if replica.serving and replica.model in out:
+                out[replica.model].append(replica.url)
+        return {model: tuple(urls) for model, urls in out.items()}
+
+    def explain(self, model: str) -> Explanation | None:
+        """Why one more replica of `model` could or could not be placed now."""
+        entry = self.catalog.get(model)
+        if entry is None or entry.profile is None:
+            return None
+        return explain(
+            model, entry.profile, self._capacities(), fabric_key=self.settings.fabric_key
+        )
+
+    # -- the reconcile loop ----------------------------------------------------
+
+    def _clock(self, now: float) -> float:
+        # A clock that steps back must not undo a timeout that already fired.
+        self._now = max(self._now, now)
+        return self._now
+
+    def _mark(
+        self, name: str, now: float, *, cordoned: bool | None = None, draining: bool | None = None
+    ) -> Step:
+        now = self._clock(now)
+        node = self.lifecycle.nodes[name]
+        node.cordoned = node.cordoned if cordoned is None else cordoned
+        node.draining = node.draining if draining is None else draining
+        commands: list[Command] = []
+        if node.status is NodeStatus.REACHABLE:
+            commands.append(MarkNode(name, node.cordoned, node.draining))
+        self._dirty = True
+        return self._step(now, commands=commands)
+
+    def _step(
+        self,
+        now: float,
+        transitions: Iterable[NodeTransition] = (),
+        commands: Iterable[Command] = (),
+        notes: Iterable[str] = (),
+    ) -> Step:
+        transitions, commands, notes = list(transitions), list(commands), list(notes)
+        guard = self.lifecycle.guard
+        transitions += self.lifecycle.advance(now)
+        if self.lifecycle.guard != guard:
+            notes.append(
+                f"mass-loss guard holds: {self.lifecycle.guard}"
+                if self.lifecycle.guard
+                else "mass-loss guard released: unreachable nodes may be declared lost again"
+            )
+        for t in transitions:
+            if t.old is not None:
+                notes.append(f"node {t.node}: {t.old} -> {t.new} ({t.reason})")
+        if transitions:
+            self._dirty = True
+        placements: list[Assignment] = []
+        if self._dirty or (self._wake_at is not None and now >= self._wake_at):
+            self._dirty = False
+            placements = self._reconcile(now, commands, notes)
+        return Step(
+            tuple(commands), tuple(placements), tuple(transitions), tuple(notes), self._wake_at
+        )
+
+    def _reconcile(self, now: float, commands: list[Command], notes: list[str]) -> list[Assignment]:
+        times: list[float] = []
+        wanted = {m.name: m for m in self.catalog.profiled if m.replicas > 0}
+        nodes = self.lifecycle.nodes
+        grace_until = self.started_at + self.settings.lost_after_s
+        self._status = {}
+        candidates: dict[str, list[tuple[str, list[ShardRecord]]]] = {m: [] for m in wanted}
+        retire: list[tuple[str, list[ShardRecord], str]] = []
+        for rid, records in self._by_replica().items():
+            if not any(r.state is ShardState.FAILED for r in records):
+                for r in [r for r in records if r.state is ShardState.STOPPED]:
+                    del self._shards[r.key]
+                records = [r for r in records if r.state is not ShardState.STOPPED]
+                if not records:
+                    self._failures.pop(rid, None)
+                    self._drained.discard(rid)
+                    continue
+            c = classify(records, nodes, grace_until=grace_until, now=now)
+            self._status[rid] = _Status(c)
+            if c.wait_until is not None:
+                times.append(c.wait_until)
+            spec = records[0].spec
+            if c.phase is Phase.BROKEN:
+                if self._stop(records, commands):
+                    notes.append(
+                        f"replica {rid} of {spec.model_name} is broken ({c.reason}): "
+                        "stopping what is left of it"
+                    )
+                continue
+            why = self._unwanted(c, wanted.get(spec.model_name), records)
+            if why is None:
+                candidates[spec.model_name].append((rid, records))
+            else:
+                retire.append((rid, records, why))
+        self._kept = {}
+        deficits: dict[str, int] = {}
+        for name, cands in candidates.items():
+            cands.sort(key=lambda c: self._keep_order(c[0], c[1]))
+            keep, surplus = cands[: wanted[name].replicas], cands[wanted[name].replicas :]
+            retire += [(rid, records, "surplus") for rid, records in surplus]
+            self._kept[name] = len(keep)
+            deficits[name] = wanted[name].replicas - len(keep)
+            for rid, records in keep:
+                self._status[rid].kept = True
+                self._drained.discard(rid)  # a drain the router reported is over
+                if self._status[rid].classified.phase is Phase.FAILED:
+                    self._restart(rid, records, now, commands, notes, times)
+        for rid, records, why in retire:
+            sent = len(commands)
+            self._retire(rid, records, now, commands, times)
+            if len(commands) > sent and why:
+                verbs = sorted(
+                    {type(c).__name__.removesuffix("Shard").lower() for c in commands[sent:]}
+                )
+                notes.append(
+                    f"retiring replica {rid} of {records[0].spec.model_name} ({why}): "
+                    + " and ".join(verbs)
+                )
+        placements = self._place(wanted, deficits, now, commands, times)
+        deadline = self.lifecycle.next_deadline()
+        future = [t for t in [*times, *([deadline] if deadline is not None else [])] if t > now]
+        self._wake_at = min(future, default=None)
+        return placements
+
+    def _unwanted(
+        self, c: Classified, model: ModelEntry | None, records: list[ShardRecord]
+    ) -> str | None:
+        """Why a replica is not a candidate to keep ("" when it is already retiring)."""
+        if c.phase is Phase.RETIRING:
+            return ""
+        name = records[0].spec.model_name
+        if model is None or model.profile is None:
+            entry = self.catalog.get(name)
+            if entry is not None and entry.profile is not None:
+                return "its model is scaled to 0 replicas"
+            return f"no model {name!r} with a profile in the catalog"
+        if not matches(records, model.profile, self.lifecycle.nodes):
+            return "its profile changed"
+        for r in records:
+            if self.lifecycle.nodes[r.node].draining:
+                return f"node {r.node} is draining"
+        return None
+
+    def _keep_order(self, rid: str, records: list[ShardRecord]) -> tuple[bool, int, str]:
+        nodes = self.lifecycle.nodes
+        unreachable = any(nodes[r.node].status is not NodeStatus.REACHABLE for r in records)
+        if self._status[rid].classified.phase is Phase.FAILED:
+            rank = len(_LIVE_ORDER)
+        else:
+            rank = max(_LIVE_ORDER.get(r.state, len(_LIVE_ORDER)) for r in records)
+        return (unreachable, rank, rid)
+
+    def _reachable(self, record: ShardRecord) -> bool:
+        return self.lifecycle.nodes[record.node].status is NodeStatus.REACHABLE
+
+    def _stop(self, records: Iterable[ShardRecord], commands: list[Command]) -> bool:
+        sent = False
+        for r in records:
+            if not r.stop_sent and r.state is not ShardState.STOPPED and self._reachable(r):
+                r.stop_sent = sent = True
+                commands.append(StopShard(r.node, r.spec.replica_id, r.spec.rank))
+        return sent
+
+    def _retire(
+        self,
+        rid: str,
+        records: list[ShardRecord],
+        now: float,
+        commands: list[Command],
+        times: list[float],
+    ) -> None:
+        serving = any(
+            r.drain_at is not None or r.state in (ShardState.READY, ShardState.DRAINING)
+            for r in records
+        )
+        if serving and rid not in self._drained:
+            for r in records:
+                if (
+                    r.drain_at is None
+                    and r.state not in (ShardState.FAILED, ShardState.STOPPED)
+                    and self._reachable(r)
+                ):
+                    r.drain_at = now
+                    if r.state is not ShardState.DRAINING:
+                        commands.append(DrainShard(r.node, rid, r.spec.rank))
+            started = [r.drain_at for r in records if r.drain_at is not None]
+            if not started:
+                return  # every shard is on an unreachable node: wait for one
+            deadline = min(started) + self.settings.drain_timeout_s
+            if now < deadline:
+                times.append(deadline)
+                return
+        self._stop(records, commands)
+
+    def _restart(
+        self,
+        rid: str,
+        records: list[ShardRecord],
+        now: float,
+        commands: list[Command],
+        notes: list[str],
+        times: list[float],
+    ) -> None:
+        failed = next(r for r in records if r.state is ShardState.FAILED)
+        failure = self._failures.get(rid)
+        if failure is None or failure.attempt != failed.spec.attempt:
+            notes += self._failed(failed, now)
+            failure = self._failures[rid]
+        # The whole replica restarts: ranks that still run cannot rejoin a new head.
+        self._stop([r for r in records if r.state is not ShardState.FAILED], commands)
+        spec = failed.spec
+        if any(r.state not in (ShardState.FAILED, ShardState.STOPPED) for r in records):
+            return
+        if len(records) < spec.nnodes or not all(self._reachable(r) for r in records):
+            return  # a rank is awaited, or a node is unreachable: its change triggers a reconcile
+        if now < failure.restart_at:
+            times.append(failure.restart_at)
+            return
+        port = self._free_port(spec.nodes, after=spec.port + 2, ignore=rid)
+        for r in sorted(records, key=lambda r: r.spec.rank):
+            new = attrs.evolve(r.spec, attempt=failure.count, port=port, dist_port=port + 1)
+            del self._shards[r.key]
+            record = ShardRecord(r.node, new, ShardState.PENDING)
+            self._shards[record.key] = record
+            commands.append(StartShard(r.node, new))
+        notes.append(
+            f"restarting replica {rid} of {spec.model_name} (failure {failure.count} in a row)"
+        )
+
+    def _failed(self, record: ShardRecord, now: float) -> list[str]:
+        """Note a failure once per failed start and schedule the restart."""
+        spec = record.spec
+        previous = self._failures.get(spec.replica_id)
+        if previous is not None and previous.attempt == spec.attempt:
+            return []
+        s = self.settings
+        served_long = (
+            record.ready_since is not None and now - record.ready_since >= s.restart_backoff_max_s
+        )
+        count = 1 if served_long else spec.attempt + 1
+        delay = backoff(count, s.restart_backoff_s, s.restart_backoff_max_s)
+        self._failures[spec.replica_id] = Failure(
+            spec.attempt, count, now, now + delay, record.detail
+        )
+        loop = " (crash loop)" if count >= s.crash_loop_after else ""
+        return [
+            f"replica {spec.replica_id} of {spec.model_name} failed on {record.node}{loop}: "
+            f"{record.detail or 'no detail'}; restart in {delay:g} s"
+        ]
+
+    def _place(
+        self,
+        wanted: dict[str, ModelEntry],
+        deficits: dict[str, int],
+        now: float,
+        commands: list[Command],
+        times: list[float],
+    ) -> list[Assignment]:
+        self._unplaced = {}
+        missing = {name: n for name, n in deficits.items() if n > 0}
+        if not missing:
+            return []
+        capacities = self._capacities()
+        fabric_key = self.settings.fabric_key
+        settle_until = self.started_at + self.settings.settle_after_start_s
+        if now < settle_until:
+            times.append(settle_until)
+            waiting = (
+                f"placement waits {settle_until - now:g} s more after the control plane's "
+                "start, so that re-registering agents get their engines adopted"
+            )
+            for name, n in missing.items():
+                profile = wanted[name].profile
+                assert profile is not None
+                why = explain(name, profile, capacities, fabric_key=fabric_key)
+                self._unplaced[name] = Unplaced(name, n, why, waiting)
+            return []
+        requests = []
+        for name, n in missing.items():
+            profile = wanted[name].profile
+            assert profile is not None
+            requests += [PlacementRequest(f"{name}#{i}", name, profile) for i in range(n)]
+        result = place(requests, capacities, fabric_key=fabric_key, spread=self.settings.spread)
+        for request in result.unplaced:
+            previous = self._unplaced.get(request.model)
+            count = previous.count + 1 if previous else 1
+            why = result.explanations[request.model]
+            self._unplaced[request.model] = Unplaced(request.model, count, why)
+        placed = []
+        for a in result.assignments:
+            profile = wanted[a.model].profile
+            assert profile is not None
+            rid = self._new_replica_id(a.model)
+            names = tuple(s.node for s in a.shards)
+            port = self._free_port(names)
+            head = self.lifecycle.nodes[names[0]].inventory.host
+            for rank, shard in enumerate(a.shards):
+                spec = LaunchSpec(
+                    replica_id=rid,
+                    model_name=a.model,
+                    engine=profile.engine,
+                    hf_model=profile.model,
+                    args=profile.args,
+                    env=dict(profile.env),
+                    tensor_parallel=profile.tensor_parallel,
+                    pipeline_parallel=profile.pipeline_parallel,
+                    rank=rank,
+                    nodes=names,
+                    gpu_indices=shard.gpus,
+                    head_address=head,
+                    port=port,
+                    dist_port=port + 1,
+                )
+                record = ShardRecord(shard.node, spec, ShardState.PENDING)
+                self._shards[record.key] = record
+                commands.append(StartShard(shard.node, spec))
+            self._status[rid] = _Status(Classified(Phase.LIVE), kept=True)
+            self._kept[a.model] = self._kept.get(a.model, 0) + 1
+            placed.append(attrs.evolve(a, key=rid))
+        return placed
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _by_replica(self) -> dict[str, list[ShardRecord]]:
+        out: dict[str, list[ShardRecord]] = {}
+        for record in self._shards.values():
+            out.setdefault(record.spec.replica_id, []).append(record)
+        return out
+
+    def _used_gpus(self) -> dict[str, set[int]]:
+        used: dict[str, set[int]] = {}
+        for record in self._shards.values():
+            used.setdefault(record.node, set()).update(record.spec.gpu_indices)
+        return used
+
+    def _capacities(self) -> list[NodeCapacity]:
+        used = self._used_gpus()
+        return [
+            NodeCapacity(
+                n.inventory, n.status, n.cordoned, n.draining, frozenset(used.get(name, ()))
+            )
+            for name, n in self.lifecycle.nodes.items()
+        ]
+
+    def _free_port(
+        self, nodes: Sequence[str], *, after: int | None = None, ignore: str = ""
+    ) -> int:
+        """The lowest port P, from `after` on, such that P and P+1 are free on every node.
+
+        A restart starts after the failed attempt's port: a port some other
+        process took then costs one failed start, not a crash loop.
+        """
+        used: set[int] = set()
+        for r in self._shards.values():
+            if r.node in nodes and r.spec.replica_id != ignore:
+                used.update((r.spec.port, r.spec.dist_port))
+        lo, hi = self.settings.engine_port_min, self.settings.engine_port_max
+        span = hi - lo  # candidates lo .. hi-1, so that P+1 <= hi
+        start = after - lo if after is not None and lo <= after < hi else 0
+        for i in range(span):
+            port = lo + (start + i) % span
+            if port not in used and port + 1 not in used:
+                return port
+        return lo + start  # every port is taken: the agent reports the clash
+
+    def _new_replica_id(self, model: str) -> str:
+        self._seq += 1
+        return f"{_UNSAFE.sub('_', model)}-{self._instance}-{self._seq}"
+
+    def _replica_view(self, rid: str, records: list[ShardRecord]) -> ReplicaView:
+        records = sorted(records, key=lambda r: r.spec.rank)
+        spec = records[0].spec
+        status = self._status.get(rid)
+        classified = status.classified if status else Classified(Phase.LIVE)
+        failure = self._failures.get(rid)
+        failures = failure.count if failure else 0
+        shards = tuple(
+            ShardView(r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring)
+            for r in records
+        )
+        view = ReplicaView(
+            replica_id=rid,
+            model=spec.model_name,
+            phase=classified.phase,
+            kept=bool(status and status.kept),
+            reason=classified.reason,
+            shards=shards,
+            url=spec.url,
+            attempt=spec.attempt,
+            failures=failures,
+            crash_loop=False,
+            restart_at=failure.restart_at if failure and classified.phase is Phase.FAILED else None,
+        )
+        crash_loop = failures >= self.settings.crash_loop_after and not view.serving
+        return attrs.evolve(view, crash_loop=crash_loop)

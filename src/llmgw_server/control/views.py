@@ -1,0 +1,79 @@
+"""Read-only snapshots of the control plane, for the admin API, the CLI and tests."""
+
+from __future__ import annotations
+
+import attrs
+
+from llmgw_core.inventory import Inventory, ShardState
+from llmgw_server.control.explanation import Explanation
+from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.shards import Phase
+
+
+@attrs.frozen
+class NodeView:
+    name: str
+    status: NodeStatus
+    cordoned: bool
+    draining: bool
+    last_seen: float
+    inventory: Inventory
+    used_gpus: tuple[int, ...]
+
+
+@attrs.frozen
+class ShardView:
+    node: str
+    rank: int
+    state: ShardState
+    gpus: tuple[int, ...]
+    detail: str
+    retiring: bool  # a drain or stop was sent, or the agent reports it draining
+
+
+@attrs.frozen
+class ReplicaView:
+    replica_id: str
+    model: str
+    phase: Phase
+    kept: bool  # counted toward the model's replicas (else being retired or replaced)
+    reason: str  # why it is failed or broken
+    shards: tuple[ShardView, ...]
+    url: str  # the head's endpoint
+    attempt: int
+    failures: int  # consecutive failures so far
+    crash_loop: bool
+    restart_at: float | None
+
+    @property
+    def serving(self) -> bool:
+        """Whether the router should send it requests."""
+        return (
+            self.phase is Phase.LIVE
+            and self.kept
+            and all(s.state is ShardState.READY for s in self.shards)
+        )
+
+
+@attrs.frozen
+class Unplaced:
+    model: str
+    count: int  # replicas wanted but not placed
+    explanation: Explanation  # against the fleet as it is now
+    waiting: str | None = None  # set when placement is deferred rather than impossible
+
+
+@attrs.frozen
+class ModelView:
+    name: str
+    desired: int
+    kept: int  # replicas counted toward `desired`
+
+
+@attrs.frozen
+class ControlView:
+    nodes: tuple[NodeView, ...]
+    replicas: tuple[ReplicaView, ...]
+    models: tuple[ModelView, ...]
+    unplaced: dict[str, Unplaced] = attrs.field(hash=False)
+    guard: str | None  # why the mass-loss guard holds

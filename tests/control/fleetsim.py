@@ -1,0 +1,252 @@
+"""A simulated fleet for the control-plane core: inventories, profiles, and agents
+that obey commands and report back, with a clock the test moves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from llmgw_core.catalog import Catalog, ModelEntry, Profile
+from llmgw_core.control_config import ControlSection
+from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
+from llmgw_server.control.reconciler import Reconciler, Step
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-40GB"
+LIVE = (ShardState.PENDING, ShardState.STARTING, ShardState.READY, ShardState.DRAINING)
+
+
+def gpu_node(
+    name: str,
+    gpus: int = 8,
+    *,
+    gpu_name: str = H100,
+    total_gib: float = 80,
+    free_gib: float | None = None,
+    fabric: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    engines: Sequence[str] = ("vllm", "sglang", "mock"),
+) -> Inventory:
+    free = total_gib if free_gib is None else free_gib
+    return Inventory(
+        name=name,
+        address=f"10.0.0.{sum(map(ord, name)) % 250 + 1}",
+        labels=labels or {},
+        fabric=fabric or {},
+        cpus=64,
+        memory_mib=512 * 1024,
+        gpus=tuple(
+            Gpu(i, f"GPU-{name}-{i}", gpu_name, int(total_gib * 1024), int(free * 1024))
+            for i in range(gpus)
+        ),
+        engines=tuple(EngineInfo(e, True, "1.0") for e in engines),
+    )
+
+
+def profile(**kw: object) -> Profile:
+    fields: dict[str, object] = {"engine": "mock", "model": "org/weights"}
+    fields.update(kw)
+    return Profile(**fields)  # type: ignore[arg-type]
+
+
+def model(name: str, replicas: int = 1, **kw: object) -> ModelEntry:
+    return ModelEntry(name=name, profile=profile(**kw), replicas=replicas)
+
+
+def catalog(*models: ModelEntry) -> Catalog:
+    return Catalog(models=tuple(models))
+
+
+FAST = ControlSection(settle_after_start_s=0.0)
+
+
+@attrs.define
+class SimShard:
+    spec: LaunchSpec
+    state: ShardState
+    detail: str = ""
+
+
+class Agent:
+    """One node's agent: runs what it is told, reports every change while connected."""
+
+    def __init__(self, inventory: Inventory) -> None:
+        self.inventory = inventory
+        self.connected = True
+        self.shards: dict[tuple[str, int], SimShard] = {}
+        self.cordoned = False
+        self.draining = False
+
+    @property
+    def name(self) -> str:
+        return self.inventory.name
+
+    def reports(self) -> list[ShardReport]:
+        return [ShardReport(s.spec, s.state, s.detail) for s in self.shards.values()]
+
+    def live_gpus(self, *, skip: tuple[str, int] | None = None) -> list[int]:
+        return [
+            i
+            for key, s in self.shards.items()
+            if key != skip and s.state in LIVE
+            for i in s.spec.gpu_indices
+        ]
+
+    def apply(self, command: object) -> list[tuple[str, int, ShardState, str]]:
+        """Obey a command; returns the transitions to report."""
+        if isinstance(command, StartShard):
+            spec = command.spec
+            key = (spec.replica_id, spec.rank)
+            clash = set(spec.gpu_indices) & set(self.live_gpus(skip=key))
+            assert not clash, f"{self.name}: GPUs {sorted(clash)} started twice"
+            self.shards[key] = SimShard(spec, ShardState.PENDING)
+            return [(*key, ShardState.PENDING, "")]
+        if isinstance(command, DrainShard):
+            shard = self.shards.get((command.replica_id, command.rank))
+            if shard and shard.state in (ShardState.PENDING, ShardState.STARTING, ShardState.READY):
+                shard.state = ShardState.DRAINING
+                return [(command.replica_id, command.rank, ShardState.DRAINING, "")]
+            return []
+        if isinstance(command, StopShard):
+            shard = self.shards.pop((command.replica_id, command.rank), None)
+            return [(command.replica_id, command.rank, ShardState.STOPPED, "")] if shard else []
+        assert isinstance(command, MarkNode)
+        self.cordoned, self.draining = command.cordoned, command.draining
+        return []
+
+
+class Fleet:
+    """The control plane and its agents, wired the way the trio shell will wire them."""
+
+    def __init__(
+        self,
+        settings: ControlSection = FAST,
+        cat: Catalog | None = None,
+        *,
+        now: float = 1000.0,
+        instance: str = "a",
+    ) -> None:
+        self.settings = settings
+        self.catalog = cat or catalog()
+        self.now = now
+        self.agents: dict[str, Agent] = {}
+        self.transitions: list[NodeTransition] = []
+        self.lost: list[tuple[NodeTransition, float]] = []
+        self.notes: list[str] = []
+        self.commands: list[object] = []
+        self.last_step = Step()
+        self.heard: dict[str, float] = {}  # when the control plane last heard from each node
+        self.closed: dict[str, float] = {}  # when it saw a node's stream close, since then
+        self.cp = Reconciler(settings, self.catalog, now=now, instance=instance)
+
+    # -- wiring ----------------------------------------------------------------
+
+    def feed(self, step: Step) -> Step:
+        self.last_step = step
+        self.transitions += step.transitions
+        # When the control plane last heard from each node that it declares lost, as of now.
+        self.lost += [(t, self.heard[t.node]) for t in step.transitions if t.new is NodeStatus.LOST]
+        self.notes += step.notes
+        self.commands += step.commands
+        for command in step.commands:
+            agent = self.agents.get(command.node)
+            if agent is None or not agent.connected:
+                continue  # the stream is gone: the command is lost with it
+            for rid, rank, state, detail in agent.apply(command):
+                self.feed(self.cp.shard_status(agent.name, rid, rank, state, self.now, detail))
+        return step
+
+    def register(self, name: str) -> Step:
+        agent = self.agents[name]
+        agent.connected = True
+        self.heard[name] = self.now
+        self.closed.pop(name, None)
+        return self.feed(
+            self.cp.register(
+                agent.inventory,
+                agent.reports(),
+                self.now,
+                cordoned=agent.cordoned,
+                draining=agent.draining,
+            )
+        )
+
+    # -- what the test does ----------------------------------------------------
+
+    def join(self, *inventories: Inventory) -> None:
+        for inventory in inventories:
+            self.agents[inventory.name] = Agent(inventory)
+            self.register(inventory.name)
+
+    def set_catalog(self, cat: Catalog) -> Step:
+        self.catalog = cat
+        return self.feed(self.cp.set_catalog(cat, self.now))
+
+    def silence(self, name: str, *, tell: bool = False) -> None:
+        """The agent's stream breaks; `tell` when the control plane sees it close."""
+        self.agents[name].connected = False
+        node = self.cp.lifecycle.nodes.get(name)
+        if tell and node is not None and node.status is NodeStatus.REACHABLE:
+            self.closed[name] = self.now
+            self.feed(self.cp.disconnected(name, self.now))
+
+    def heartbeats(self) -> None:
+        for agent in self.agents.values():
+            if agent.connected:
+                self.heard[agent.name] = self.now
+                self.feed(self.cp.heartbeat(agent.name, self.now))
+
+    def advance(self, seconds: float, *, beat: bool = True, every: float = 5.0) -> None:
+        """Move time on; connected agents heartbeat every `every` seconds when `beat`."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now = min(end, self.now + every) if beat else end
+            if beat:
+                self.heartbeats()
+            self.feed(self.cp.tick(self.now))
+
+    def report(self, name: str, rid: str, rank: int, state: ShardState, detail: str = "") -> None:
+        """A shard changes on its node; the control plane hears of it while connected."""
+        agent = self.agents[name]
+        shard = agent.shards[(rid, rank)]
+        shard.state, shard.detail = state, detail
+        if agent.connected:
+            self.feed(self.cp.shard_status(name, rid, rank, state, self.now, detail))
+
+    def ready_all(self) -> None:
+        """Every launched shard becomes ready, as engines finish loading."""
+        for agent in self.agents.values():
+            for (rid, rank), shard in list(agent.shards.items()):
+                if shard.state in (ShardState.PENDING, ShardState.STARTING):
+                    self.report(agent.name, rid, rank, ShardState.STARTING)
+                    self.report(agent.name, rid, rank, ShardState.READY)
+
+    def restart_control_plane(self, *, instance: str, order: Iterable[str] | None = None) -> None:
+        """A new control plane process: connected agents re-register, in `order`."""
+        self.cp = Reconciler(self.settings, self.catalog, now=self.now, instance=instance)
+        for name in order if order is not None else list(self.agents):
+            if self.agents[name].connected:
+                self.register(name)
+
+    # -- looking ---------------------------------------------------------------
+
+    def shards(self, state: ShardState | None = None) -> list[tuple[str, SimShard]]:
+        return [
+            (a.name, s)
+            for a in self.agents.values()
+            for s in a.shards.values()
+            if state is None or s.state is state
+        ]
+
+    def replicas(self, model: str, *states: ShardState) -> set[str]:
+        return {
+            s.spec.replica_id
+            for _, s in self.shards()
+            if s.spec.model_name == model and (not states or s.state in states)
+        }
+
+    def starts(self) -> list[StartShard]:
+        return [c for c in self.commands if isinstance(c, StartShard)]

@@ -1,0 +1,329 @@
+"""The reconciler by example: launch specs, adoption, retiring, restarts, lost nodes."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from fleetsim import FAST, Fleet, catalog, gpu_node, model
+
+from llmgw_core.control_config import ControlSection
+from llmgw_core.inventory import LaunchSpec, ShardState
+from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.shards import Phase
+
+READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
+POD_A = {"ib_domain": "pod-a"}
+
+
+def fleet_with(*models: object, settings: ControlSection = FAST, nodes: int = 2) -> Fleet:
+    f = Fleet(settings, catalog(*models))  # type: ignore[arg-type]
+    f.join(*[gpu_node(f"n{i}", 8, fabric=POD_A) for i in range(1, nodes + 1)])
+    return f
+
+
+def kinds(commands: list[object]) -> list[str]:
+    return [type(c).__name__ for c in commands]
+
+
+# -- launch specs --------------------------------------------------------------------
+
+
+def test_start_carries_the_whole_launch_spec() -> None:
+    m = model(
+        "qwen",
+        1,
+        engine="vllm",
+        model="Qwen/Qwen2.5-72B-Instruct",
+        tensor_parallel=4,
+        gpu_memory_gib=70,
+        args=("--max-model-len", "32768"),
+        env={"HF_HOME": "/models"},
+    )
+    f = fleet_with(m, nodes=1)
+    (start,) = f.starts()
+    assert start == StartShard(
+        "n1",
+        LaunchSpec(
+            replica_id="qwen-a-1",
+            model_name="qwen",
+            engine="vllm",
+            hf_model="Qwen/Qwen2.5-72B-Instruct",
+            args=("--max-model-len", "32768"),
+            env={"HF_HOME": "/models"},
+            tensor_parallel=4,
+            pipeline_parallel=1,
+            rank=0,
+            nodes=("n1",),
+            gpu_indices=(0, 1, 2, 3),
+            head_address=gpu_node("n1").address,
+            port=20000,
+            dist_port=20001,
+            attempt=0,
+        ),
+    )
+    assert f.last_step.placements or f.cp.view().replicas[0].kept
+
+
+def test_a_multi_node_replica_gets_ranks_and_the_head_address() -> None:
+    f = Fleet(FAST, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2)))
+    f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))
+    specs = sorted((c.spec for c in f.starts()), key=lambda s: s.rank)
+    assert [(s.rank, s.node, s.nnodes, s.gpu_indices) for s in specs] == [
+        (0, "n1", 2, tuple(range(8))),
+        (1, "n2", 2, tuple(range(8))),
+    ]
+    assert {(s.head_address, s.port, s.dist_port) for s in specs} == {
+        (gpu_node("n1").address, 20000, 20001)
+    }
+    f.ready_all()
+    (replica,) = f.cp.view().replicas
+    assert replica.serving and f.cp.serving() == {"big": (replica.url,)}
+
+
+def test_ports_are_unique_on_every_node_of_a_replica() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=2), nodes=1)
+    assert sorted(c.spec.port for c in f.starts()) == [20000, 20002]
+
+
+# -- adoption ------------------------------------------------------------------------
+
+
+def test_a_restarted_control_plane_adopts_running_engines() -> None:
+    settings = ControlSection()  # the real settle time after a start
+    f = Fleet(settings, catalog(model("a", 2, tensor_parallel=4), model("b", 1, tensor_parallel=8)))
+    f.join(gpu_node("n1"), gpu_node("n2"))
+    f.advance(40)
+    f.ready_all()
+    before = {s.spec.replica_id for _, s in f.shards()}
+    assert len(before) == 3
+    f.commands.clear()
+    f.restart_control_plane(instance="b", order=["n2", "n1"])
+    f.advance(300)
+    assert f.commands == []
+    assert {s.spec.replica_id for _, s in f.shards(READY)} == before
+    view = f.cp.view()
+    assert all(r.kept and r.serving for r in view.replicas)
+    assert any("reports replica" in note for note in f.notes)
+
+
+def test_placement_waits_for_re_registering_agents_after_a_start() -> None:
+    settings = ControlSection(settle_after_start_s=30)
+    f = Fleet(settings, catalog(model("a", 2, tensor_parallel=8)))
+    f.join(gpu_node("n1"), gpu_node("n2"))
+    f.advance(31)
+    f.ready_all()
+    f.silence("n2")
+    f.restart_control_plane(instance="b")  # n2 comes back only after 20 s
+    f.advance(10)
+    assert f.cp.view().unplaced["a"].waiting is not None
+    f.register("n2")
+    f.advance(60)
+    assert not f.starts()[2:]  # nothing beyond the first two starts, before the restart
+    assert f.cp.view().unplaced == {}
+
+
+def test_a_multi_node_replica_waits_for_its_late_ranks_then_gives_up_on_them() -> None:
+    settings = ControlSection(settle_after_start_s=0, lost_after_s=120)
+    f = Fleet(settings, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2)))
+    f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))
+    f.ready_all()
+    f.silence("n2")
+    f.commands.clear()
+    f.restart_control_plane(instance="b")
+    f.advance(100)
+    assert f.commands == []  # rank 1's node may still register: nothing is stopped yet
+    f.advance(25)
+    assert kinds(f.commands) == ["StopShard"]  # 120 s after the start it is broken
+    assert f.cp.view().unplaced["big"].explanation.text.startswith("0 of 1 nodes fit 16 GPUs")
+
+
+def test_surplus_and_unknown_shards_are_drained_then_stopped() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=2), model("gone", 1), nodes=1)
+    f.ready_all()
+    f.commands.clear()
+    f.settings = FAST
+    f.catalog = catalog(model("a", 1, tensor_parallel=2))
+    f.restart_control_plane(instance="b")
+    assert kinds(f.commands) == ["DrainShard", "DrainShard"]
+    drained = {c.replica_id for c in f.commands if isinstance(c, DrainShard)}
+    assert len(drained) == 2 and any(r.startswith("gone") for r in drained)
+    f.advance(FAST.drain_timeout_s - 5)
+    assert kinds(f.commands) == ["DrainShard", "DrainShard"]
+    f.advance(5)
+    assert kinds(f.commands)[2:] == ["StopShard", "StopShard"]
+    assert len(f.replicas("a")) == 1 and not f.replicas("gone")
+
+
+def test_scaling_down_drains_first_and_stops_once_the_router_says_drained() -> None:
+    f = fleet_with(model("a", 2), nodes=1)
+    f.ready_all()
+    f.commands.clear()
+    f.set_catalog(catalog(model("a", 1)))
+    (drain,) = f.commands
+    assert isinstance(drain, DrainShard)
+    (retiring,) = [r for r in f.cp.view().replicas if not r.kept]
+    assert retiring.phase is Phase.RETIRING and not retiring.serving
+    f.feed(f.cp.replica_drained(drain.replica_id, f.now))
+    assert f.commands[1:] == [StopShard("n1", drain.replica_id, 0)]
+    assert len(f.cp.view().replicas) == 1
+
+
+# -- failures ------------------------------------------------------------------------
+
+
+def test_a_failed_replica_restarts_with_backoff_and_a_crash_loop_shows() -> None:
+    f = fleet_with(model("a", 1), nodes=1)
+    (start,) = f.starts()
+    rid = start.spec.replica_id
+    delays = []
+    for attempt in range(7):
+        f.report("n1", rid, 0, FAILED, "exit status 1: CUDA out of memory")
+        failed_at = f.now
+        count = len(f.starts())
+        while len(f.starts()) == count:
+            f.advance(1)
+        delays.append(f.now - failed_at)
+        restart = f.starts()[-1].spec
+        assert restart.attempt == attempt + 1 and restart.gpu_indices == start.spec.gpu_indices
+        assert restart.port == start.spec.port + 2 * (attempt + 1)
+        if attempt == 2:
+            (r,) = f.cp.view().replicas
+            assert r.crash_loop and r.failures == 3
+    assert delays == [10, 20, 40, 80, 160, 300, 300]
+    assert any("(crash loop): exit status 1: CUDA out of memory" in n for n in f.notes)
+    # Serving for the longest backoff forgives the past.
+    f.ready_all()
+    f.advance(300)
+    assert not f.cp.view().replicas[0].crash_loop
+    f.report("n1", rid, 0, FAILED, "segfault")
+    assert f.notes[-1].endswith("segfault; restart in 10 s")
+
+
+def test_a_failed_rank_restarts_the_whole_replica() -> None:
+    f = Fleet(FAST, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2)))
+    f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))
+    f.ready_all()
+    rid = f.starts()[0].spec.replica_id
+    f.commands.clear()
+    f.report("n2", rid, 1, FAILED, "NCCL timeout")
+    assert f.commands == [StopShard("n1", rid, 0)]
+    f.advance(10)
+    assert sorted((c.node, c.spec.rank, c.spec.attempt) for c in f.starts()) == [
+        ("n1", 0, 1),
+        ("n2", 1, 1),
+    ]
+
+
+# -- nodes going away ----------------------------------------------------------------
+
+
+def test_replicas_on_unreachable_nodes_stay_and_on_lost_nodes_move() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=3)
+    f.ready_all()
+    (home,) = {c.node for c in f.starts()}
+    f.silence(home)
+    f.advance(100)
+    statuses = {n.name: n.status for n in f.cp.view().nodes}
+    assert statuses[home] is NodeStatus.UNREACHABLE
+    assert len(f.starts()) == 1
+    f.advance(25)
+    assert {n.name: n.status for n in f.cp.view().nodes}[home] is NodeStatus.LOST
+    (moved,) = f.starts()[1:]
+    assert moved.node != home
+    f.ready_all()
+    # The lost node comes back with its engine still up: one replica too many.
+    f.commands.clear()
+    f.register(home)
+    (drain,) = f.commands
+    assert isinstance(drain, DrainShard)
+    assert len(f.replicas("a", READY)) == 1 and len(f.cp.view().replicas) == 2
+
+
+def test_the_mass_loss_guard_keeps_replicas_where_they_are() -> None:
+    f = fleet_with(model("a", 4, tensor_parallel=8), nodes=4)
+    f.ready_all()
+    for name in ("n1", "n2", "n3"):
+        f.silence(name)
+    f.advance(600)
+    view = f.cp.view()
+    assert view.guard is not None and view.guard.startswith("3 of 4 nodes turned unreachable")
+    assert [n.status for n in view.nodes].count(NodeStatus.UNREACHABLE) == 3
+    assert len(f.starts()) == 4 and any(n.startswith("mass-loss guard holds") for n in f.notes)
+    f.register("n1")
+    f.advance(5)
+    assert f.cp.view().guard is None
+    assert [n.status for n in f.cp.view().nodes].count(NodeStatus.LOST) == 2
+
+
+def test_a_stream_that_closes_makes_its_node_unreachable_at_once() -> None:
+    f = fleet_with(model("a", 1), nodes=2)
+    f.silence("n1", tell=True)
+    assert f.cp.view().nodes[0].status is NodeStatus.UNREACHABLE
+
+
+# -- operators and the catalog -----------------------------------------------------------
+
+
+def test_cordon_stops_new_placements_and_survives_a_restart() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=1)
+    f.feed(f.cp.cordon("n1", True, f.now))
+    assert f.commands[-1] == MarkNode("n1", cordoned=True, draining=False)
+    f.set_catalog(catalog(model("a", 2, tensor_parallel=8)))
+    assert len(f.starts()) == 1
+    assert "1 cordoned (n1)" in f.cp.view().unplaced["a"].explanation.text
+    f.restart_control_plane(instance="b")
+    assert f.cp.view().nodes[0].cordoned
+    with pytest.raises(KeyError):
+        f.cp.cordon("nope", True, f.now)
+
+
+def test_draining_a_node_moves_its_replicas() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (home,) = {c.node for c in f.starts()}
+    f.commands.clear()
+    f.feed(f.cp.drain_node(home, True, f.now))
+    assert kinds(f.commands) == ["MarkNode", "DrainShard", "StartShard"]
+    assert f.commands[2].node != home  # type: ignore[attr-defined]
+
+
+def test_a_changed_profile_replaces_its_replicas() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=4), nodes=1)
+    f.ready_all()
+    old = f.starts()[0].spec
+    f.commands.clear()
+    f.set_catalog(catalog(model("a", 1, tensor_parallel=4, args=("--max-model-len", "8192"))))
+    drain, start = f.commands
+    assert drain == DrainShard("n1", old.replica_id, 0)
+    assert isinstance(start, StartShard) and start.spec.args == ("--max-model-len", "8192")
+    assert start.spec.gpu_indices == (4, 5, 6, 7)  # the old replica still holds its GPUs
+
+
+def test_unplaceable_models_are_explained() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8, gpu_memory_gib=90), nodes=2)
+    (unplaced,) = f.cp.view().unplaced.values()
+    assert unplaced.count == 1 and unplaced.waiting is None
+    assert unplaced.explanation.text == (
+        "0 of 2 nodes fit: 2 lack 90 GiB free per GPU (n1: 80 GiB, n2: 80 GiB)"
+    )
+    why = f.cp.explain("a")
+    assert why is not None and why.text == unplaced.explanation.text
+    assert f.cp.explain("nope") is None
+
+
+def test_forgetting_a_lost_node() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.silence("n2")
+    with pytest.raises(ValueError, match="not lost"):
+        f.cp.forget_node("n2", f.now)
+    f.advance(200)
+    f.feed(f.cp.forget_node("n2", f.now))
+    assert [n.name for n in f.cp.view().nodes] == ["n1"]
+
+
+def test_a_clock_that_steps_back_does_not_undo_time() -> None:
+    f = fleet_with(model("a", 1), nodes=1)
+    step = f.cp.tick(f.now - 100)
+    assert step.commands == ()
+    assert attrs.evolve(f.cp.view().nodes[0]).status is NodeStatus.REACHABLE
