@@ -90,6 +90,8 @@ async def main(
                 waiters.cancel_scope.cancel()
         log.info("shutting down: no new connections; waiting up to %s s", s.shutdown_grace_s)
         router.draining = True
+        if plane is not None:
+            plane.closing = True
         if not await http.shutdown(s.shutdown_grace_s):
             log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
         nursery.cancel_scope.cancel()

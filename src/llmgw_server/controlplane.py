@@ -44,6 +44,7 @@ class ControlPlane:
         self._serving: dict[str, tuple[str, ...]] = {}
         self._nursery: trio.Nursery | None = None
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
+        self.closing = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the drain watchers and the clock; wake the reconciler when a deadline comes."""
@@ -77,6 +78,8 @@ class ControlPlane:
         self.apply(step, sync=bool(step.transitions or step.commands))
 
     def disconnected(self, node: str) -> None:
+        if self.closing:
+            return  # the control plane itself is going away: nothing to decide
         self.apply(self.reconciler.disconnected(node, trio.current_time()))
 
     def shard_update(self, node: str, message: ShardUpdate) -> None:
