@@ -41,6 +41,7 @@ class Request:
     target: bytes
     headers: list[tuple[bytes, bytes]]  # names lower-cased by h11
     body: bytes = b""
+    http_version: bytes = b"1.1"
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -70,13 +71,18 @@ class _Upgrade(Exception):
 class Responder:
     """What a handler writes its answer through."""
 
-    __slots__ = ("_conn", "_stream", "closing", "started")
+    __slots__ = ("_conn", "_stream", "chunked", "closing", "started")
 
-    def __init__(self, conn: h11.Connection, stream: trio.abc.Stream, closing: bool) -> None:
+    def __init__(
+        self, conn: h11.Connection, stream: trio.abc.Stream, closing: bool, chunked: bool = False
+    ) -> None:
         self._conn = conn
         self._stream = stream
         self.closing = closing  # ask the client to close after this response
         self.started = False
+        # A response started without a content-length goes to this client in
+        # chunked framing (an HTTP/1.1 request that is not HEAD), as h11 would write it.
+        self.chunked = chunked
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self.closing:
@@ -112,6 +118,15 @@ class Responder:
 
     async def error(self, status: int, message: str) -> None:
         await self.whole(status, error_body(status, message))
+
+    async def send_chunks(self, framed: bytes) -> None:
+        """Whole chunks already in chunked framing, relayed as they are.
+
+        Only for a response started without a content-length to a client with
+        `chunked` set: h11 keeps no count of chunked bodies, so `end()` still
+        writes the last chunk.
+        """
+        await self._stream.send_all(framed)
 
     async def abort(self) -> None:
         """Close the connection mid-answer: the client sees a truncated response."""
@@ -311,7 +326,12 @@ class _Connection:
             return None
         if not isinstance(event, h11.Request):
             raise RequestRejected(400, "expected a request")
-        request = Request(method=event.method, target=event.target, headers=list(event.headers))
+        request = Request(
+            method=event.method,
+            target=event.target,
+            headers=list(event.headers),
+            http_version=event.http_version,
+        )
         if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
             raise _Upgrade(request)
         self.raw = None
@@ -350,7 +370,12 @@ class _Connection:
         raise RequestRejected(408, "request body did not arrive in time")
 
     async def _respond(self, request: Request) -> None:
-        responder = Responder(self.conn, self.stream, closing=self.server.draining)
+        responder = Responder(
+            self.conn,
+            self.stream,
+            closing=self.server.draining,
+            chunked=request.http_version == b"1.1" and request.method != b"HEAD",
+        )
         returned = broken = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_client, nursery.cancel_scope)

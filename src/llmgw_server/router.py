@@ -38,6 +38,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _ERROR_BODY_LIMIT = 1024 * 1024
+_WHOLE_LIMIT = 1024 * 1024
 
 
 class Router:
@@ -234,13 +235,29 @@ class Router:
         stream: bool,
     ) -> None:
         headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
-        framed = any(k == b"content-length" for k, _ in exchange.headers)
+        length = _header(exchange.headers, b"content-length")
+        framed = bool(length)
+        if framed and int(length) <= _WHOLE_LIMIT:
+            # A small answer goes out in one write: head and body together.
+            try:
+                body = await exchange.read_body(_WHOLE_LIMIT)
+            except UpstreamError as exc:
+                self._failed(model, balancer, replica, str(exc))
+                await responder.error(502, f"the engine's answer broke off: {exc}")
+                return
+            balancer.succeeded(replica)
+            await responder.whole(exchange.status, body, headers)
+            return
         if framed:
-            headers.append((b"content-length", _header(exchange.headers, b"content-length")))
+            headers.append((b"content-length", length))
         await responder.start(exchange.status, headers)
         try:
-            async for data in exchange.body():
-                await responder.send(data)
+            if not framed and exchange.chunked and responder.chunked:
+                async for chunks in exchange.raw_chunks():
+                    await responder.send_chunks(chunks)
+            else:
+                async for data in exchange.body():
+                    await responder.send(data)
         except UpstreamError as exc:
             self._failed(model, balancer, replica, str(exc))
             sse = _header(exchange.headers, b"content-type").startswith(b"text/event-stream")

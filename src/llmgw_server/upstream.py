@@ -14,6 +14,7 @@ import h11
 import trio
 
 from llmgw_core.catalog import Endpoint
+from llmgw_core.chunked import ChunkedError, ChunkScanner
 
 _RECV = 65536
 _MAX_IDLE = 256
@@ -117,12 +118,14 @@ class Pool:
 
 
 class Exchange:
-    __slots__ = ("_conn", "_done", "_pool", "_received", "headers", "status")
+    __slots__ = ("_conn", "_done", "_pool", "_raw_done", "_received", "headers", "keep_alive", "status")
 
     def __init__(self, pool: Pool, conn: _Conn) -> None:
         self._pool = pool
         self._conn = conn
         self._done = False
+        self._raw_done = False
+        self.keep_alive = False
         self._received = 0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -153,6 +156,9 @@ class Exchange:
             if isinstance(event, h11.Response):
                 self.status = event.status_code
                 self.headers = list(event.headers)
+                self.keep_alive = event.http_version == b"1.1" and not any(
+                    k == b"connection" and b"close" in v.lower() for k, v in self.headers
+                )
                 return
             if isinstance(event, h11.ConnectionClosed):
                 raise UpstreamError(
@@ -161,16 +167,62 @@ class Exchange:
                 )
             # InformationalResponse (1xx): keep reading.
 
+    @property
+    def chunked(self) -> bool:
+        return any(k == b"transfer-encoding" and v.lower() == b"chunked" for k, v in self.headers)
+
     async def body(self) -> AsyncIterator[bytes]:
+        """The decoded body, as the engine sends it; pieces already received come out joined."""
+        c = self._conn.h11
         while True:
             event = await self._next_event()
             if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+                parts = [bytes(event.data)]
+                while True:  # one write downstream for everything already here
+                    try:
+                        event = c.next_event()
+                    except h11.RemoteProtocolError as exc:
+                        raise UpstreamError(f"{self._pool.endpoint} answered garbage: {exc}") from None
+                    if not isinstance(event, h11.Data):
+                        break
+                    parts.append(bytes(event.data))
+                yield b"".join(parts)
+                if event is h11.NEED_DATA:
+                    continue
+            if isinstance(event, h11.EndOfMessage):
                 self._done = True
                 return
-            else:
+            if event is not h11.NEED_DATA and not isinstance(event, h11.Data):
                 raise UpstreamError(f"{self._pool.endpoint} closed the connection mid-answer")
+
+    async def raw_chunks(self) -> AsyncIterator[bytes]:
+        """A chunked body's whole chunks with their framing, undecoded, the last chunk left out.
+
+        The router relays these as they are to an HTTP/1.1 client: no decoding
+        and re-encoding per chunk, and one write per read from the engine.
+        """
+        scanner = ChunkScanner()
+        data, _ = self._conn.h11.trailing_data
+        stream = self._conn.stream
+        endpoint = self._pool.endpoint
+        while True:
+            if data:
+                try:
+                    ready = scanner.feed(bytes(data))
+                except ChunkedError as exc:
+                    raise UpstreamError(f"{endpoint} broke the chunked framing: {exc}") from None
+                if ready:
+                    yield ready
+                if scanner.done:
+                    # The h11 state is past; a fresh one serves the next request.
+                    self._raw_done = not scanner.extra
+                    return
+            try:
+                data = await stream.receive_some(_RECV)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
+            if not data:
+                raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
     async def read_body(self, limit: int) -> bytes:
         parts: list[bytes] = []
@@ -187,6 +239,9 @@ class Exchange:
         conn = self._conn
         if self._done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
             conn.h11.start_next_cycle()
+            self._pool._give_back(conn)
+        elif self._raw_done and self.keep_alive and conn.h11.our_state is h11.DONE:
+            conn.h11 = h11.Connection(h11.CLIENT)
             self._pool._give_back(conn)
         else:
             conn.stream.socket.close()

@@ -1,0 +1,65 @@
+"""Finding whole chunks in an HTTP/1.1 chunked body, so a proxy can relay them undecoded.
+
+The router relays an engine's streamed answer to an HTTP/1.1 client in the
+same chunked framing, so it needs no decoding and re-encoding per chunk: it
+only has to know where whole chunks end (to forward nothing half-written) and
+where the body ends.
+"""
+
+from __future__ import annotations
+
+_MAX_LINE = 4096
+
+
+class ChunkedError(ValueError):
+    """The body does not follow the chunked framing."""
+
+
+class ChunkScanner:
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False  # the last chunk and its trailers have been seen
+        self.extra = b""  # bytes after the end of the body (a well-behaved peer sends none)
+
+    def feed(self, data: bytes) -> bytes:
+        """Take received bytes; return the whole data chunks they complete, framing included.
+
+        The terminating zero-size chunk is not returned: the caller ends its own
+        response with one.
+        """
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        n = len(buf)
+        while True:
+            line_end = buf.find(b"\r\n", pos, pos + _MAX_LINE)
+            if line_end < 0:
+                if n - pos >= _MAX_LINE:
+                    raise ChunkedError("a chunk header line is too long")
+                break
+            head = buf[pos:line_end]
+            semi = head.find(b";")
+            size_text = (head if semi < 0 else head[:semi]).strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise ChunkedError(f"bad chunk size {size_text[:20]!r}") from None
+            if size < 0 or size_text[:1] in (b"-", b"+"):
+                raise ChunkedError(f"bad chunk size {size_text[:20]!r}")
+            if size == 0:
+                end = buf.find(b"\r\n\r\n", line_end)
+                if end < 0:
+                    if n - line_end > _MAX_LINE:
+                        raise ChunkedError("the trailers are too long")
+                    break
+                self.done = True
+                self.extra = buf[end + 4 :]
+                self._buf = b""
+                return buf[:pos]
+            end = line_end + 2 + size + 2
+            if end > n:
+                break
+            if buf[end - 2 : end] != b"\r\n":
+                raise ChunkedError("a chunk does not end with CRLF")
+            pos = end
+        self._buf = buf[pos:]
+        return buf[:pos]
