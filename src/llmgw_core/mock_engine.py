@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -114,9 +114,10 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     )
 
 
-def _words(seed_text: str, count: int) -> list[str]:
+def _words(seed_text: str, count: int) -> Iterator[str]:
+    """Generated one at a time: a long stream must not hold its whole answer in memory."""
     seed = zlib.crc32(seed_text.encode())
-    return [_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(count)]
+    return (_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(count))
 
 
 def _prompt_of(body: dict[str, Any]) -> str:
