@@ -35,6 +35,11 @@ class ControlSection:
     # No new replica is placed this soon after the control plane starts, so that
     # agents reconnecting after a restart get their engines adopted, not duplicated.
     settle_after_start_s: float = 30.0
+    # Events within this long of the last reconcile are batched into the next
+    # one (at the Step's wake_at), so that a burst of events, such as a fleet
+    # reconnecting at once, costs a few reconciles rather than one per node.
+    # 0 reconciles on every event.
+    reconcile_interval_s: float = 0.0
     # Ports the control plane assigns to engines (HTTP and rendezvous) on every node.
     engine_port_min: int = 20000
     engine_port_max: int = 20999
@@ -84,6 +89,7 @@ def read_control(t: Table) -> ControlSection:
         crash_loop_after=t.integer("crash_loop_after", d.crash_loop_after, min=1),
         drain_timeout_s=t.number("drain_timeout_s", d.drain_timeout_s, min=0),
         settle_after_start_s=t.number("settle_after_start_s", d.settle_after_start_s, min=0),
+        reconcile_interval_s=t.number("reconcile_interval_s", d.reconcile_interval_s, min=0),
         engine_port_min=port_min,
         engine_port_max=port_max,
     )

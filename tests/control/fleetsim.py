@@ -60,7 +60,7 @@ def catalog(*models: ModelEntry) -> Catalog:
     return Catalog(models=tuple(models))
 
 
-FAST = ControlSection(settle_after_start_s=0.0)
+FAST = ControlSection(settle_after_start_s=0.0, reconcile_interval_s=0.0)
 
 
 @attrs.define

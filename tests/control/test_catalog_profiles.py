@@ -225,11 +225,27 @@ def test_control_reads_every_tunable() -> None:
         crash_loop_after = 5
         drain_timeout_s = 10
         settle_after_start_s = 3
+        reconcile_interval_s = 0.5
         engine_port_min = 30000
         engine_port_max = 30999
         """
     )
-    assert c == ControlSection(5, 30, 0.75, 20, "nvlink_domain", True, 1, 8, 5, 10, 3, 30000, 30999)
+    assert c == ControlSection(
+        unreachable_after_s=5,
+        lost_after_s=30,
+        mass_loss_share=0.75,
+        mass_loss_window_s=20,
+        fabric_key="nvlink_domain",
+        spread=True,
+        restart_backoff_s=1,
+        restart_backoff_max_s=8,
+        crash_loop_after=5,
+        drain_timeout_s=10,
+        settle_after_start_s=3,
+        reconcile_interval_s=0.5,
+        engine_port_min=30000,
+        engine_port_max=30999,
+    )
 
 
 @pytest.mark.parametrize(

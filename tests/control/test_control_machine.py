@@ -36,6 +36,7 @@ SETTINGS = ControlSection(
     restart_backoff_max_s=40,
     drain_timeout_s=20,
     settle_after_start_s=10,
+    reconcile_interval_s=0,
 )
 A, B = {"ib_domain": "pod-a"}, {"ib_domain": "pod-b"}
 POOL: dict[str, Inventory] = {

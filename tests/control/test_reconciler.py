@@ -90,7 +90,7 @@ def test_ports_are_unique_on_every_node_of_a_replica() -> None:
 
 
 def test_a_restarted_control_plane_adopts_running_engines() -> None:
-    settings = ControlSection()  # the real settle time after a start
+    settings = ControlSection(reconcile_interval_s=0)  # the real settle time after a start
     f = Fleet(settings, catalog(model("a", 2, tensor_parallel=4), model("b", 1, tensor_parallel=8)))
     f.join(gpu_node("n1"), gpu_node("n2"))
     f.advance(40)
@@ -108,7 +108,7 @@ def test_a_restarted_control_plane_adopts_running_engines() -> None:
 
 
 def test_placement_waits_for_re_registering_agents_after_a_start() -> None:
-    settings = ControlSection(settle_after_start_s=30)
+    settings = ControlSection(settle_after_start_s=30, reconcile_interval_s=0)
     f = Fleet(settings, catalog(model("a", 2, tensor_parallel=8)))
     f.join(gpu_node("n1"), gpu_node("n2"))
     f.advance(31)
@@ -124,7 +124,7 @@ def test_placement_waits_for_re_registering_agents_after_a_start() -> None:
 
 
 def test_a_multi_node_replica_waits_for_its_late_ranks_then_gives_up_on_them() -> None:
-    settings = ControlSection(settle_after_start_s=0, lost_after_s=120)
+    settings = ControlSection(settle_after_start_s=0, lost_after_s=120, reconcile_interval_s=0)
     f = Fleet(settings, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2)))
     f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))
     f.ready_all()
@@ -327,3 +327,17 @@ def test_a_clock_that_steps_back_does_not_undo_time() -> None:
     step = f.cp.tick(f.now - 100)
     assert step.commands == ()
     assert attrs.evolve(f.cp.view().nodes[0]).status is NodeStatus.REACHABLE
+
+
+def test_a_burst_of_events_is_batched_into_one_reconcile() -> None:
+    settings = ControlSection(settle_after_start_s=0, reconcile_interval_s=0.2)
+    f = Fleet(settings, catalog(model("a", 4, tensor_parallel=8)))
+    f.join(gpu_node("n1"))
+    assert len(f.starts()) == 1  # the first event after a quiet spell reconciles at once
+    for i in range(2, 5):
+        f.join(gpu_node(f"n{i}"))
+    assert len(f.starts()) == 1 and f.last_step.wake_at == f.now + 0.2
+    assert not f.last_step.reconciled
+    f.now += 0.2
+    step = f.cp.tick(f.now)
+    assert step.reconciled and len(step.commands) == 3

@@ -65,7 +65,7 @@ class PlacementResult:
     assignments: tuple[Assignment, ...]
     unplaced: tuple[PlacementRequest, ...]
     # For every model with an unplaced request: why, against the fleet as it
-    # is after this placement.
+    # is after this placement (none when not asked for).
     explanations: dict[str, Explanation]
 
 
@@ -82,6 +82,7 @@ def place(
     *,
     fabric_key: str = "ib_domain",
     spread: bool = False,
+    explain_unplaced: bool = True,
 ) -> PlacementResult:
     states = [NodeFree(n) for n in nodes]
     order = sorted(requests, key=lambda r: (-r.profile.gpus, r.model, r.key))
@@ -101,7 +102,7 @@ def place(
         unplaced += failed
         i = j
     explanations: dict[str, Explanation] = {}
-    for request in unplaced:
+    for request in unplaced if explain_unplaced else ():
         if request.model not in explanations:
             explanations[request.model] = explain_free(
                 request.model, request.profile, states, fabric_key

@@ -75,6 +75,8 @@ class Step:
     notes: tuple[str, ...] = ()  # for the log: guard changes, failures, adoption
     # Call `tick` by then at the latest, even if no event comes.
     wake_at: float | None = None
+    # A reconcile ran: which replicas serve may have changed even without a command.
+    reconciled: bool = False
 
 
 @attrs.define
@@ -100,11 +102,18 @@ class Reconciler:
         self._failures: dict[str, Failure] = {}
         self._drained: set[str] = set()
         self._status: dict[str, _Status] = {}
-        self._unplaced: dict[str, Unplaced] = {}
+        self._short: dict[str, tuple[int, str | None]] = {}  # model -> unplaced, why waiting
+        self._explained: dict[str, Explanation] = {}  # computed when read, until the next reconcile
+        # What placement last fell short on, and the fleet it fell short on.
+        self._failed_attempt: (
+            tuple[dict[str, int], list[NodeCapacity], dict[str, tuple[int, str | None]]] | None
+        ) = None
         self._kept: dict[str, int] = {}
         self._dirty = False
-        self._wake_at: float | None = None
-        # With no node and no shard yet this yields no command, only what is unplaced and why.
+        self._last_reconcile: float | None = None
+        self._timer: float | None = None  # when a decision falls due (backoff, drain, grace)
+        self._wake: float | None = None  # the last Step's wake_at, for steps that change nothing
+        # With no node and no shard yet this yields no command, only what is unplaced.
         self._reconcile(now, [], [])
 
     # -- events ------------------------------------------------------------
@@ -157,7 +166,7 @@ class Reconciler:
         now = self._clock(now)
         transitions = self.lifecycle.heartbeat(node, now)
         if not transitions:
-            return Step(wake_at=self._wake_at)
+            return Step(wake_at=self._wake)
         self._dirty = True
         return self._step(now, transitions)
 
@@ -176,9 +185,9 @@ class Reconciler:
             # Not started by this control plane and not reported at registration:
             # the agent's next registration brings it with its spec.
             note = f"node {node} reports unknown shard {replica_id} rank {rank} ({state})"
-            return Step(notes=(note,), wake_at=self._wake_at)
+            return Step(notes=(note,), wake_at=self._wake)
         if record.state is state and record.detail == detail:
-            return Step(wake_at=self._wake_at)
+            return Step(wake_at=self._wake)
         record.state, record.detail = state, detail
         notes: list[str] = []
         if state is ShardState.READY:
@@ -247,7 +256,11 @@ class Reconciler:
         models = tuple(
             ModelView(m.name, m.replicas, self._kept.get(m.name, 0)) for m in self.catalog.profiled
         )
-        return ControlView(nodes, replicas, models, dict(self._unplaced), self.lifecycle.guard)
+        unplaced = {
+            name: Unplaced(name, count, self._explanation(name), waiting)
+            for name, (count, waiting) in self._short.items()
+        }
+        return ControlView(nodes, replicas, models, unplaced, self.lifecycle.guard)
 
     def serving(self) -> dict[str, tuple[str, ...]]:
         """The URLs the router should send each model's requests to."""
@@ -308,11 +321,23 @@ class Reconciler:
         if transitions:
             self._dirty = True
         placements: list[Assignment] = []
-        if self._dirty or (self._wake_at is not None and now >= self._wake_at):
-            self._dirty = False
-            placements = self._reconcile(now, commands, notes)
+        due = self._timer is not None and now >= self._timer
+        ran = False
+        if self._dirty or due:
+            last = self._last_reconcile
+            if due or last is None or now - last >= self.settings.reconcile_interval_s:
+                self._dirty = False
+                self._last_reconcile = now
+                placements = self._reconcile(now, commands, notes)
+                ran = True
+            else:
+                # Batch a burst of events (a registration storm) into one reconcile.
+                soon = last + self.settings.reconcile_interval_s
+                self._timer = soon if self._timer is None else min(self._timer, soon)
+        deadline = self.lifecycle.next_deadline()
+        self._wake = min((t for t in (self._timer, deadline) if t is not None), default=None)
         return Step(
-            tuple(commands), tuple(placements), tuple(transitions), tuple(notes), self._wake_at
+            tuple(commands), tuple(placements), tuple(transitions), tuple(notes), self._wake, ran
         )
 
     def _reconcile(self, now: float, commands: list[Command], notes: list[str]) -> list[Assignment]:
@@ -374,9 +399,8 @@ class Reconciler:
                     + " and ".join(verbs)
                 )
         placements = self._place(wanted, deficits, now, commands, times)
-        deadline = self.lifecycle.next_deadline()
-        future = [t for t in [*times, *([deadline] if deadline is not None else [])] if t > now]
-        self._wake_at = min(future, default=None)
+        self._timer = min((t for t in times if t > now), default=None)
+        self._explained = {}
         return placements
 
     def _unwanted(
@@ -513,36 +537,42 @@ class Reconciler:
         commands: list[Command],
         times: list[float],
     ) -> list[Assignment]:
-        self._unplaced = {}
         missing = {name: n for name, n in deficits.items() if n > 0}
-        if not missing:
-            return []
-        capacities = self._capacities()
-        fabric_key = self.settings.fabric_key
         settle_until = self.started_at + self.settings.settle_after_start_s
-        if now < settle_until:
+        if missing and now < settle_until:
             times.append(settle_until)
             waiting = (
                 f"placement waits {settle_until - now:g} s more after the control plane's "
                 "start, so that re-registering agents get their engines adopted"
             )
-            for name, n in missing.items():
-                profile = wanted[name].profile
-                assert profile is not None
-                why = explain(name, profile, capacities, fabric_key=fabric_key)
-                self._unplaced[name] = Unplaced(name, n, why, waiting)
+            self._short = {name: (n, waiting) for name, n in missing.items()}
             return []
+        if not missing:
+            self._short = {}
+            return []
+        capacities = self._capacities()
+        if self._failed_attempt is not None and self._failed_attempt[:2] == (missing, capacities):
+            self._short = self._failed_attempt[2]
+            return []  # nothing that could help has changed since placement last fell short
         requests = []
         for name, n in missing.items():
             profile = wanted[name].profile
             assert profile is not None
             requests += [PlacementRequest(f"{name}#{i}", name, profile) for i in range(n)]
-        result = place(requests, capacities, fabric_key=fabric_key, spread=self.settings.spread)
+        result = place(
+            requests,
+            capacities,
+            fabric_key=self.settings.fabric_key,
+            spread=self.settings.spread,
+            explain_unplaced=False,  # explanations are made when someone reads them
+        )
+        self._short = {}
         for request in result.unplaced:
-            previous = self._unplaced.get(request.model)
-            count = previous.count + 1 if previous else 1
-            why = result.explanations[request.model]
-            self._unplaced[request.model] = Unplaced(request.model, count, why)
+            count, _ = self._short.get(request.model, (0, None))
+            self._short[request.model] = (count + 1, None)
+        self._failed_attempt = (
+            (missing, capacities, self._short) if not result.assignments else None
+        )
         placed = []
         for a in result.assignments:
             profile = wanted[a.model].profile
@@ -577,6 +607,14 @@ class Reconciler:
         return placed
 
     # -- helpers -----------------------------------------------------------------
+
+    def _explanation(self, model: str) -> Explanation:
+        why = self._explained.get(model)
+        if why is None:
+            why = self.explain(model)
+            assert why is not None
+            self._explained[model] = why
+        return why
 
     def _by_replica(self) -> dict[str, list[ShardRecord]]:
         out: dict[str, list[ShardRecord]] = {}
