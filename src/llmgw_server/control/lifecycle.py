@@ -6,7 +6,11 @@ the shell ticks.
 
 Two guards keep a control plane that is itself cut off from tearing the fleet
 down: a mass-loss guard (too many nodes went silent at once) and a start-up
-guard (after a restart, nobody is lost before `lost_after` has passed).
+guard (after a restart, nobody is lost before `lost_after` has passed). A node
+registers after the start, so the start-up guard bites hardest on what a
+restarted control plane has not heard from at all: the ranks of a multi-node
+replica whose nodes have not registered yet, which `shards.classify` awaits
+until `lost_after` after the start.
 """
 
 from __future__ import annotations

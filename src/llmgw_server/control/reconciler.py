@@ -33,8 +33,9 @@ import attrs
 
 from llmgw_core.catalog import Catalog, ModelEntry
 from llmgw_core.control_config import ControlSection
-from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.launch import free_port, launch_specs
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
 from llmgw_server.control.placement import (
     Assignment,
@@ -54,14 +55,7 @@ from llmgw_server.control.shards import (
     classify,
     matches,
 )
-from llmgw_server.control.views import (
-    ControlView,
-    ModelView,
-    NodeView,
-    ReplicaView,
-    ShardView,
-    Unplaced,
-)
+from llmgw_server.control.views import ControlView, ModelView, NodeView, Unplaced, replica_view
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _LIVE_ORDER = {ShardState.READY: 0, ShardState.STARTING: 1, ShardState.PENDING: 2}
@@ -250,9 +244,17 @@ class Reconciler:
             )
             for n in self.lifecycle.nodes.values()
         )
-        replicas = tuple(
-            self._replica_view(rid, records) for rid, records in self._by_replica().items()
-        )
+        replicas = []
+        for rid, records in self._by_replica().items():
+            status = self._status.get(rid) or _Status(Classified(Phase.LIVE))
+            view = replica_view(
+                records,
+                status.classified,
+                kept=status.kept,
+                failure=self._failures.get(rid),
+                crash_loop_after=self.settings.crash_loop_after,
+            )
+            replicas.append(view)
         models = tuple(
             ModelView(m.name, m.replicas, self._kept.get(m.name, 0)) for m in self.catalog.profiled
         )
@@ -260,7 +262,7 @@ class Reconciler:
             name: Unplaced(name, count, self._explanation(name), waiting)
             for name, (count, waiting) in self._short.items()
         }
-        return ControlView(nodes, replicas, models, unplaced, self.lifecycle.guard)
+        return ControlView(nodes, tuple(replicas), models, unplaced, self.lifecycle.guard)
 
     def serving(self) -> dict[str, tuple[str, ...]]:
         """The URLs the router should send each model's requests to."""
@@ -578,29 +580,13 @@ class Reconciler:
             profile = wanted[a.model].profile
             assert profile is not None
             rid = self._new_replica_id(a.model)
-            names = tuple(s.node for s in a.shards)
-            port = self._free_port(names)
-            head = self.lifecycle.nodes[names[0]].inventory.host
-            for rank, shard in enumerate(a.shards):
-                spec = LaunchSpec(
-                    replica_id=rid,
-                    model_name=a.model,
-                    engine=profile.engine,
-                    hf_model=profile.model,
-                    args=profile.args,
-                    env=dict(profile.env),
-                    tensor_parallel=profile.tensor_parallel,
-                    pipeline_parallel=profile.pipeline_parallel,
-                    rank=rank,
-                    nodes=names,
-                    gpu_indices=shard.gpus,
-                    head_address=head,
-                    port=port,
-                    dist_port=port + 1,
-                )
-                record = ShardRecord(shard.node, spec, ShardState.PENDING)
+            nodes = [s.node for s in a.shards]
+            port = self._free_port(nodes)
+            head = self.lifecycle.nodes[nodes[0]].inventory.host
+            for spec in launch_specs(rid, profile, a, head, port):
+                record = ShardRecord(spec.node, spec, ShardState.PENDING)
                 self._shards[record.key] = record
-                commands.append(StartShard(shard.node, spec))
+                commands.append(StartShard(spec.node, spec))
             self._status[rid] = _Status(Classified(Phase.LIVE), kept=True)
             self._kept[a.model] = self._kept.get(a.model, 0) + 1
             placed.append(attrs.evolve(a, key=rid))
@@ -640,51 +626,16 @@ class Reconciler:
     def _free_port(
         self, nodes: Sequence[str], *, after: int | None = None, ignore: str = ""
     ) -> int:
-        """The lowest port P, from `after` on, such that P and P+1 are free on every node.
-
-        A restart starts after the failed attempt's port: a port some other
-        process took then costs one failed start, not a crash loop.
-        """
-        used: set[int] = set()
-        for r in self._shards.values():
-            if r.node in nodes and r.spec.replica_id != ignore:
-                used.update((r.spec.port, r.spec.dist_port))
-        lo, hi = self.settings.engine_port_min, self.settings.engine_port_max
-        span = hi - lo  # candidates lo .. hi-1, so that P+1 <= hi
-        start = after - lo if after is not None and lo <= after < hi else 0
-        for i in range(span):
-            port = lo + (start + i) % span
-            if port not in used and port + 1 not in used:
-                return port
-        return lo + start  # every port is taken: the agent reports the clash
+        """A port pair free on every node of a replica (`ignore`: the replica itself)."""
+        used = (
+            port
+            for r in self._shards.values()
+            if r.node in nodes and r.spec.replica_id != ignore
+            for port in (r.spec.port, r.spec.dist_port)
+        )
+        s = self.settings
+        return free_port(used, s.engine_port_min, s.engine_port_max, after=after)
 
     def _new_replica_id(self, model: str) -> str:
         self._seq += 1
         return f"{_UNSAFE.sub('_', model)}-{self._instance}-{self._seq}"
-
-    def _replica_view(self, rid: str, records: list[ShardRecord]) -> ReplicaView:
-        records = sorted(records, key=lambda r: r.spec.rank)
-        spec = records[0].spec
-        status = self._status.get(rid)
-        classified = status.classified if status else Classified(Phase.LIVE)
-        failure = self._failures.get(rid)
-        failures = failure.count if failure else 0
-        shards = tuple(
-            ShardView(r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring)
-            for r in records
-        )
-        view = ReplicaView(
-            replica_id=rid,
-            model=spec.model_name,
-            phase=classified.phase,
-            kept=bool(status and status.kept),
-            reason=classified.reason,
-            shards=shards,
-            url=spec.url,
-            attempt=spec.attempt,
-            failures=failures,
-            crash_loop=False,
-            restart_at=failure.restart_at if failure and classified.phase is Phase.FAILED else None,
-        )
-        crash_loop = failures >= self.settings.crash_loop_after and not view.serving
-        return attrs.evolve(view, crash_loop=crash_loop)

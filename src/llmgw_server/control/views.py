@@ -7,7 +7,7 @@ import attrs
 from llmgw_core.inventory import Inventory, ShardState
 from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.lifecycle import NodeStatus
-from llmgw_server.control.shards import Phase
+from llmgw_server.control.shards import Classified, Failure, Phase, ShardRecord
 
 
 @attrs.frozen
@@ -77,3 +77,34 @@ class ControlView:
     models: tuple[ModelView, ...]
     unplaced: dict[str, Unplaced] = attrs.field(hash=False)
     guard: str | None  # why the mass-loss guard holds
+
+
+def replica_view(
+    records: list[ShardRecord],
+    classified: Classified,
+    *,
+    kept: bool,
+    failure: Failure | None,
+    crash_loop_after: int,
+) -> ReplicaView:
+    records = sorted(records, key=lambda r: r.spec.rank)
+    spec = records[0].spec
+    failures = failure.count if failure else 0
+    view = ReplicaView(
+        replica_id=spec.replica_id,
+        model=spec.model_name,
+        phase=classified.phase,
+        kept=kept,
+        reason=classified.reason,
+        shards=tuple(
+            ShardView(r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring)
+            for r in records
+        ),
+        url=spec.url,
+        attempt=spec.attempt,
+        failures=failures,
+        crash_loop=False,
+        restart_at=failure.restart_at if failure and classified.phase is Phase.FAILED else None,
+    )
+    # A replica that serves again is out of its loop, whatever it went through.
+    return attrs.evolve(view, crash_loop=failures >= crash_loop_after and not view.serving)
