@@ -107,7 +107,10 @@ class AgentService:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_read_frames, ws, inbox_send)
                 with trio.move_on_after(REGISTER_TIMEOUT_S) as register_scope:
-                    frame = await inbox_receive.receive()
+                    try:
+                        frame = await inbox_receive.receive()
+                    except trio.EndOfChannel:
+                        raise StreamClosed("", code=1000) from None  # gone before registering
                 if register_scope.cancelled_caught:
                     raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
                 register = _decode(frame)

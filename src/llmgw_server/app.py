@@ -83,7 +83,7 @@ async def main(
             task_status.started(
                 Running(port=port, router=router, http=http, control_port=control_port, plane=plane)
             )
-            stop = stop or trio.Event()
+            stop = trio.Event() if stop is None else stop
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_first_signal, signals, stop)
                 await stop.wait()

@@ -1,0 +1,79 @@
+"""The agent's checks before launch: every reason a profile cannot run here, said plainly."""
+
+from __future__ import annotations
+
+import socket
+
+from llmgw_agent.validate import problems
+from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec
+
+NODE = Inventory(
+    name="gpu-1",
+    gpus=tuple(Gpu(i, f"GPU-{i}", "NVIDIA L4", 23034, 22500) for i in range(2)),
+    engines=(EngineInfo("vllm", True, "0.9"), EngineInfo("sglang", False, "python3 not found")),
+)
+
+
+def spec(**kw: object) -> LaunchSpec:
+    base: dict[str, object] = dict(
+        replica_id="r-1",
+        model_name="m",
+        engine="vllm",
+        hf_model="org/m",
+        args=(),
+        env={},
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        rank=0,
+        nodes=("gpu-1",),
+        gpu_indices=(0,),
+        head_address="127.0.0.1",
+        port=0,
+        dist_port=0,
+    )
+    base.update(kw)
+    return LaunchSpec(**base)  # type: ignore[arg-type]
+
+
+def test_a_fitting_spec_has_no_problems() -> None:
+    assert problems(spec(), NODE, set(), "127.0.0.1") == []
+
+
+def test_every_problem_is_named() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        found = problems(
+            spec(
+                engine="sglang",
+                tensor_parallel=2,
+                gpu_indices=(1, 5),
+                hf_model="/nonexistent/weights",
+                port=port,
+            ),
+            NODE,
+            {1},
+            "127.0.0.1",
+        )
+    text = "\n".join(found)
+    assert "the sglang engine cannot run here: python3 not found" in text
+    assert "GPUs [5] do not exist here (this node has [0, 1])" in text
+    assert "GPUs [1] are in use by another shard" in text
+    assert "the model path /nonexistent/weights does not exist" in text
+    assert f"port {port} is already in use" in text
+
+
+def test_parallel_sizes_must_match_the_gpus_and_nodes() -> None:
+    assert problems(spec(tensor_parallel=2), NODE, set(), "127.0.0.1") == [
+        "1 GPUs given where the parallel sizes need 2"
+    ]
+    multi = spec(pipeline_parallel=3, nodes=("gpu-1", "gpu-2"), rank=1)
+    assert any(
+        "2 nodes cannot hold pipeline_parallel=3" in p
+        for p in problems(multi, NODE, set(), "127.0.0.1")
+    )
+    assert (
+        problems(spec(engine="llamacpp"), NODE, set(), "127.0.0.1")[0]
+        == "no llamacpp engine is configured on this node"
+    )
