@@ -23,7 +23,9 @@ def encode(chunks: list[bytes]) -> bytes:
 
 
 @given(st.lists(st.binary(min_size=1, max_size=50), max_size=8), st.data())
-def test_whole_chunks_come_out_in_order_however_the_bytes_are_split(chunks: list[bytes], data: st.DataObject) -> None:
+def test_whole_chunks_come_out_in_order_however_the_bytes_are_split(
+    chunks: list[bytes], data: st.DataObject
+) -> None:
     body = encode(chunks)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=6)))
     scanner = ChunkScanner()
@@ -42,7 +44,9 @@ def test_trailers_and_extensions() -> None:
     assert scanner.done
 
 
-@pytest.mark.parametrize("bad", [b"zz\r\nhello\r\n", b"5\r\nhelloXX", b"-5\r\nhello\r\n", b"1" * 5000])
+@pytest.mark.parametrize(
+    "bad", [b"zz\r\nhello\r\n", b"5\r\nhelloXX", b"-5\r\nhello\r\n", b"1" * 5000]
+)
 def test_bad_framing_raises(bad: bytes) -> None:
     with pytest.raises(ChunkedError):
         ChunkScanner().feed(bad)

@@ -118,7 +118,16 @@ class Pool:
 
 
 class Exchange:
-    __slots__ = ("_conn", "_done", "_pool", "_raw_done", "_received", "headers", "keep_alive", "status")
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_pool",
+        "_raw_done",
+        "_received",
+        "headers",
+        "keep_alive",
+        "status",
+    )
 
     def __init__(self, pool: Pool, conn: _Conn) -> None:
         self._pool = pool
@@ -182,7 +191,9 @@ class Exchange:
                     try:
                         event = c.next_event()
                     except h11.RemoteProtocolError as exc:
-                        raise UpstreamError(f"{self._pool.endpoint} answered garbage: {exc}") from None
+                        raise UpstreamError(
+                            f"{self._pool.endpoint} answered garbage: {exc}"
+                        ) from None
                     if not isinstance(event, h11.Data):
                         break
                     parts.append(bytes(event.data))
