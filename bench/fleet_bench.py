@@ -29,9 +29,9 @@ import trio_websocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from llmgw_agent.agent import backoff_delay  # noqa: E402
-from llmgw_core.inventory import Gpu, Inventory  # noqa: E402
-from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode  # noqa: E402
+from llmgw_agent.agent import backoff_delay
+from llmgw_core.inventory import Gpu, Inventory
+from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -55,7 +55,7 @@ def rss_kib(pid: int) -> int:
 
 
 def raise_nofile() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 

@@ -67,7 +67,7 @@ class Config:
     router: RouterSection
     auth: AuthSection
     catalog: Catalog
-    control: ControlSection = ControlSection()
+    control: ControlSection = attrs.field(factory=ControlSection)
 
     @property
     def runs_control_plane(self) -> bool:
