@@ -107,7 +107,19 @@ async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
         return
 
 
+def _raise_open_file_limit() -> None:
+    """Every client stream and every agent holds a descriptor: take all the kernel allows."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+
+
 def run(config: Config) -> int:
+    _raise_open_file_limit()
     try:
         trio.run(main, config)
     except OSError as exc:
