@@ -124,3 +124,36 @@ def test_a_restarted_server_adopts_running_engines_without_restarting_them(fleet
     assert sorted(fleet.engine_pids()) == pids  # nothing was started again
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
     wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
+
+
+def test_draining_a_node_moves_its_replica_and_stops_the_old_one(fleet: Fleet) -> None:
+    fleet.server(model("chat"))
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    first = wait_until(lambda: fleet.serving("chat"), what="a ready replica")[0]
+    old_node = first["shards"][0]["node"]
+    other = "gpu-2" if old_node == "gpu-1" else "gpu-1"
+    cli = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "drain", old_node],
+        capture_output=True, text=True, timeout=20,
+    )
+    assert cli.returncode == 0, cli.stderr
+    moved = wait_until(
+        lambda: [r for r in fleet.serving("chat") if r["shards"][0]["node"] == other],
+        what="a replica on the other node",
+    )[0]
+    assert moved["replica_id"] != first["replica_id"]
+    wait_until(
+        lambda: all(r["replica_id"] != first["replica_id"] for r in fleet.status()["replicas"]),
+        what="the old replica to be stopped",
+    )
+    assert fleet.node(old_node)["draining"]
+    assert "stopped on request" in fleet.agents[old_node].output() or "stopped" in fleet.agents[old_node].output()
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    answer = wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT), what="traffic")  # type: ignore[arg-type]
+    assert answer.system_fingerprint == "mock:" + moved["url"].rsplit(":", 1)[1]
+    unknown = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "cordon", "no-such-node"],
+        capture_output=True, text=True, timeout=20,
+    )
+    assert unknown.returncode == 1 and "no node 'no-such-node'" in unknown.stderr
