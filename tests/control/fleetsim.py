@@ -134,7 +134,7 @@ class Fleet:
         self.now = now
         self.agents: dict[str, Agent] = {}
         self.transitions: list[NodeTransition] = []
-        self.lost: list[tuple[NodeTransition, float]] = []
+        self.lost: list[tuple[NodeTransition, float, float]] = []  # and heard, start
         self.notes: list[str] = []
         self.commands: list[object] = []
         self.last_step = Step()
@@ -147,8 +147,12 @@ class Fleet:
     def feed(self, step: Step) -> Step:
         self.last_step = step
         self.transitions += step.transitions
-        # When the control plane last heard from each node that it declares lost, as of now.
-        self.lost += [(t, self.heard[t.node]) for t in step.transitions if t.new is NodeStatus.LOST]
+        # When the control plane last heard from each node it declares lost, and when it started.
+        self.lost += [
+            (t, self.heard[t.node], self.cp.started_at)
+            for t in step.transitions
+            if t.new is NodeStatus.LOST
+        ]
         self.notes += step.notes
         self.commands += step.commands
         for command in step.commands:

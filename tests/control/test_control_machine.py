@@ -247,9 +247,9 @@ class ControlMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_is_lost_early_and_the_mass_loss_guard_holds(self) -> None:
         f, s = self.fleet, SETTINGS
-        for t, heard in f.lost[self.seen_lost :]:
+        for t, heard, started in f.lost[self.seen_lost :]:
             assert t.at - heard >= s.lost_after_s, t
-            assert t.at - f.cp.started_at >= s.lost_after_s, t
+            assert t.at - started >= s.lost_after_s, t
         self.seen_lost = len(f.lost)
         nodes = f.cp.lifecycle.nodes
         live = [n for n in nodes if nodes[n].status is not L]
@@ -264,6 +264,19 @@ class ControlMachine(RuleBasedStateMachine):
         for n in unreachable:
             if f.now - max(f.heard[n], f.cp.started_at) >= s.lost_after_s:
                 assert guard is not None, n
+
+    @rule(data=st.data())
+    def a_settled_fleet_survives_a_control_plane_restart(self, data: st.DataObject) -> None:
+        """Adoption: once everything runs, a restart, whatever order agents come back in,
+        changes nothing: no engine is started, drained or stopped."""
+        self.settle_and_check_liveness()
+        f = self.fleet
+        before = {(name, s.spec) for name, s in f.shards()}
+        sent = len(f.commands)
+        self.control_plane_restarts(data)
+        f.advance(SETTINGS.settle_after_start_s + SETTINGS.lost_after_s)
+        assert f.commands[sent:] == []
+        assert {(name, s.spec) for name, s in f.shards()} == before
 
     # -- liveness ----------------------------------------------------------------------------
 

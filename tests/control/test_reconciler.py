@@ -341,3 +341,15 @@ def test_a_burst_of_events_is_batched_into_one_reconcile() -> None:
     f.now += 0.2
     step = f.cp.tick(f.now)
     assert step.reconciled and len(step.commands) == 3
+
+
+def test_flags_set_while_a_node_is_away_reach_it_when_it_comes_back() -> None:
+    f = fleet_with(model("a", 1), nodes=2)
+    f.silence("n1")
+    f.advance(20)
+    f.feed(f.cp.drain_node("n1", True, f.now))
+    assert not any(isinstance(c, MarkNode) for c in f.commands)
+    f.agents["n1"].connected = True
+    f.heartbeats()
+    assert MarkNode("n1", cordoned=False, draining=True) in f.commands
+    assert f.agents["n1"].draining

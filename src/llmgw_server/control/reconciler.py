@@ -95,6 +95,7 @@ class Reconciler:
         self._shards: dict[ShardKey, ShardRecord] = {}
         self._failures: dict[str, Failure] = {}
         self._drained: set[str] = set()
+        self._unmarked: set[str] = set()  # nodes whose agent has yet to hear of their flags
         self._status: dict[str, _Status] = {}
         self._short: dict[str, tuple[int, str | None]] = {}  # model -> unplaced, why waiting
         self._explained: dict[str, Explanation] = {}  # computed when read, until the next reconcile
@@ -131,8 +132,7 @@ class Reconciler:
         if not known:
             node.cordoned, node.draining = cordoned, draining
         elif (node.cordoned, node.draining) != (cordoned, draining):
-            # This control plane's operator spoke last: tell the agent.
-            commands.append(MarkNode(name, node.cordoned, node.draining))
+            self._unmarked.add(name)  # this control plane's operator spoke last: tell the agent
         seen = {key[1] for key in self._shards}
         notes: list[str] = []
         for key in [k for k in self._shards if k[0] == name]:
@@ -295,11 +295,11 @@ class Reconciler:
         node = self.lifecycle.nodes[name]
         node.cordoned = node.cordoned if cordoned is None else cordoned
         node.draining = node.draining if draining is None else draining
-        commands: list[Command] = []
-        if node.status is NodeStatus.REACHABLE:
-            commands.append(MarkNode(name, node.cordoned, node.draining))
+        # Unreachable, the node hears of it when it comes back: it keeps the flags
+        # for the next control plane.
+        self._unmarked.add(name)
         self._dirty = True
-        return self._step(now, commands=commands)
+        return self._step(now)
 
     def _step(
         self,
@@ -320,6 +320,13 @@ class Reconciler:
         for t in transitions:
             if t.old is not None:
                 notes.append(f"node {t.node}: {t.old} -> {t.new} ({t.reason})")
+        for name in sorted(self._unmarked):
+            node = self.lifecycle.nodes.get(name)
+            if node is None:
+                self._unmarked.discard(name)
+            elif node.status is NodeStatus.REACHABLE:
+                self._unmarked.discard(name)
+                commands.append(MarkNode(name, node.cordoned, node.draining))
         if transitions:
             self._dirty = True
         placements: list[Assignment] = []
