@@ -633,11 +633,22 @@ class Reconciler:
     def _free_port(
         self, nodes: Sequence[str], *, after: int | None = None, ignore: str = ""
     ) -> int:
-        """A port pair free on every node of a replica (`ignore`: the replica itself)."""
+        """A port pair free on every node of a replica (`ignore`: the replica itself).
+
+        Ports belong to an address, not a node name: several simulated nodes on
+        one machine share one port space.
+        """
+        known = self.lifecycle.nodes
+
+        def host(name: str) -> str:
+            node = known.get(name)
+            return node.inventory.host if node is not None else name
+
+        hosts = {host(n) for n in nodes}
         used = (
             port
             for r in self._shards.values()
-            if r.node in nodes and r.spec.replica_id != ignore
+            if r.spec.replica_id != ignore and host(r.node) in hosts
             for port in (r.spec.port, r.spec.dist_port)
         )
         s = self.settings
