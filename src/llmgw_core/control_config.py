@@ -39,7 +39,7 @@ class ControlSection:
     # one (at the Step's wake_at), so that a burst of events, such as a fleet
     # reconnecting at once, costs a few reconciles rather than one per node.
     # 0 reconciles on every event.
-    reconcile_interval_s: float = 0.0
+    reconcile_interval_s: float = 0.2
     # Ports the control plane assigns to engines (HTTP and rendezvous) on every node.
     engine_port_min: int = 20000
     engine_port_max: int = 20999

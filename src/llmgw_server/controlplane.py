@@ -41,6 +41,8 @@ class ControlPlane:
         )
         self.agents = AgentService(self, heartbeat_interval_s)
         self._wake = trio.Event()
+        self._wake_at: float | None = None  # when the reconciler asked to be ticked
+        self._sleep_until = 0.0
         self._serving: dict[str, tuple[str, ...]] = {}
         self._nursery: trio.Nursery | None = None
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
@@ -53,11 +55,13 @@ class ControlPlane:
             self.apply(self.reconciler.tick(trio.current_time()))
             task_status.started()
             while True:
-                with trio.move_on_after(_MAX_SLEEP_S):
+                self._sleep_until = trio.current_time() + _MAX_SLEEP_S
+                if self._wake_at is not None:
+                    self._sleep_until = min(self._sleep_until, self._wake_at)
+                with trio.move_on_at(self._sleep_until):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                step = self.reconciler.tick(trio.current_time())
-                self.apply(step, sync=bool(step.transitions or step.commands or step.placements))
+                self.apply(self.reconciler.tick(trio.current_time()))
 
     # -- events from agent streams ------------------------------------------
 
@@ -73,9 +77,7 @@ class ControlPlane:
         )
 
     def heartbeat(self, node: str) -> None:
-        step = self.reconciler.heartbeat(node, trio.current_time())
-        # The hot path of a large fleet: most heartbeats change nothing.
-        self.apply(step, sync=bool(step.transitions or step.commands))
+        self.apply(self.reconciler.heartbeat(node, trio.current_time()))
 
     def disconnected(self, node: str) -> None:
         if self.closing:
@@ -112,7 +114,7 @@ class ControlPlane:
 
     # -- carrying out a step ----------------------------------------------------
 
-    def apply(self, step: Step, *, sync: bool = True) -> None:
+    def apply(self, step: Step) -> None:
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
                 log.info("node %s joined (%s)", transition.node, transition.reason)
@@ -120,9 +122,10 @@ class ControlPlane:
             log.info("%s", note)
         for command in step.commands:
             self._deliver(command)
-        if sync:
+        if step.reconciled:  # which replicas serve may have changed
             self._sync_router()
-        if step.wake_at is not None and step.wake_at <= trio.current_time():
+        self._wake_at = step.wake_at
+        if step.wake_at is not None and step.wake_at < self._sleep_until:
             self._wake.set()
 
     def _deliver(self, command: object) -> None:
