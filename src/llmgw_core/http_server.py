@@ -244,6 +244,15 @@ class HTTPServer:
 
 
 class _Connection:
+    """One client connection: a reader task owns the socket's receiving side.
+
+    The reader reads only when allowed (the request loop needs bytes, or a
+    handler runs and the client's end must be watched), so a client that
+    pipelines without reading answers cannot make the server buffer without
+    bound. When the client goes away while a handler runs, the reader cancels
+    the handler at once; no task is started per request.
+    """
+
     def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
         self.server = server
         self.stream = stream
@@ -252,20 +261,51 @@ class _Connection:
         )
         # Bytes of the first request head, kept only where an upgrade may need them.
         self.raw: bytearray | None = bytearray() if server.upgrade else None
+        self._may_read = trio.Event()
+        self._arrived = trio.Event()
+        self._eof = False
+        self._handler_scope: trio.CancelScope | None = None
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            reader = trio.CancelScope()
+            nursery.start_soon(self._reader, reader)
+            try:
+                await self._serve(reader)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _reader(self, scope: trio.CancelScope) -> None:
+        with scope:
+            while True:
+                await self._may_read.wait()
+                self._may_read = trio.Event()
+                try:
+                    data = await self.stream.receive_some(_RECV)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                    data = b""
+                if self.raw is not None:
+                    self.raw += data
+                self.conn.receive_data(data)  # b"" tells h11 the client closed
+                self._arrived.set()
+                if not data:
+                    self._eof = True
+                    if self._handler_scope is not None:
+                        self._handler_scope.cancel()
+                    return
 
     async def _next_event(self) -> Any:
         conn = self.conn
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await self.stream.receive_some(_RECV)
-                if self.raw is not None:
-                    self.raw += data
-                conn.receive_data(data)
+                self._arrived = trio.Event()
+                self._may_read.set()
+                await self._arrived.wait()
                 continue
             return event
 
-    async def run(self) -> None:
+    async def _serve(self, reader: trio.CancelScope) -> None:
         server = self.server
         first = True
         while not server.draining:
@@ -273,6 +313,8 @@ class _Connection:
                 request = await self._read_request(first)
             except _Upgrade as upgrade:
                 assert server.upgrade is not None and self.raw is not None
+                reader.cancel()  # the upgrade handler reads the socket from here on
+                await trio.lowlevel.checkpoint()
                 await server.upgrade(upgrade.request, ReplayStream(bytes(self.raw), self.stream))
                 return
             except RequestRejected as exc:
@@ -300,24 +342,21 @@ class _Connection:
 
     async def _read_request(self, first: bool) -> Request | None:
         limits = self.server.limits
-        conn = self.conn
-        idle_scope = trio.CancelScope()
-        # An idle keep-alive connection may be closed by drain(); one inside a
-        # request may not.
         if not first:
-            idle_scope.deadline = trio.current_time() + limits.keepalive_timeout_s
+            # An idle keep-alive connection may be closed by drain() or time out;
+            # one inside a request may not.
+            idle_scope = trio.CancelScope(deadline=trio.current_time() + limits.keepalive_timeout_s)
             self.server._idle_scopes.add(idle_scope)
-        try:
-            with idle_scope:
-                if not first and not conn.trailing_data[0]:
-                    data = await self.stream.receive_some(_RECV)
-                    conn.receive_data(data)
-                    if not data:
-                        return None
-        finally:
-            self.server._idle_scopes.discard(idle_scope)
-        if idle_scope.cancelled_caught:
-            return None
+            try:
+                with idle_scope:
+                    while not self.conn.trailing_data[0] and not self._eof:
+                        self._arrived = trio.Event()
+                        self._may_read.set()
+                        await self._arrived.wait()
+            finally:
+                self.server._idle_scopes.discard(idle_scope)
+            if idle_scope.cancelled_caught:
+                return None
         with trio.move_on_after(limits.header_timeout_s) as head_scope:
             event = await self._next_event()
         if head_scope.cancelled_caught:
@@ -376,33 +415,26 @@ class _Connection:
             closing=self.server.draining,
             chunked=request.http_version == b"1.1" and request.method != b"HEAD",
         )
+        if self._eof:
+            raise trio.BrokenResourceError("the client went away")
+        self._may_read.set()  # watch the client's end while the handler runs
         returned = broken = False
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_client, nursery.cancel_scope)
+        with trio.CancelScope() as scope:
+            self._handler_scope = scope
             try:
                 await self.server.handler(request, responder)
+                returned = True
             except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
                 broken = True
             except Exception:
                 log.exception("handler failed on %s %s", request.method, request.target)
-            returned = True
-            nursery.cancel_scope.cancel()
-        if broken:
+                returned = True
+            finally:
+                self._handler_scope = None
+        if broken or scope.cancelled_caught:
             raise trio.BrokenResourceError("the client went away")
         if returned and not responder.started:
             await responder.error(500, "internal error: the handler sent no response")
-
-    async def _watch_client(self, handler_scope: trio.CancelScope) -> None:
-        """Cancel the handler as soon as the client goes away mid-request."""
-        try:
-            data = await self.stream.receive_some(_RECV)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
-            data = b""
-        if data:
-            # A pipelined next request: keep it for the next cycle, stop watching.
-            self.conn.receive_data(data)
-            return
-        handler_scope.cancel()
 
     async def _reject(self, status: int, message: str) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
