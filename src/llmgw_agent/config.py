@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import attrs
 
-from llmgw_core.tomlshape import ConfigError, Table
+from llmgw_core.tomlshape import Table, load_toml
 
 ENGINE_KINDS = ("vllm", "sglang", "llamacpp", "mock")
 
@@ -48,14 +47,7 @@ class AgentConfig:
 
 def load_agent_config(path: str | Path) -> AgentConfig:
     file = str(path)
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(file, "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(file, "", f"cannot be read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
+    data = load_toml(path)
     return parse_agent_config(data, file)
 
 

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import tomli_w
 
 from llmgw_agent.config import AgentConfig
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory
-from llmgw_core.tomlshape import ConfigError, Table
+from llmgw_core.tomlshape import Table, load_toml
 
 log = logging.getLogger("llmgw.agent.inventory")
 
@@ -92,14 +91,7 @@ def detect_hardware() -> Hardware:
 def read_simulated(path: Path) -> Hardware:
     """A simulated inventory, in the format `probe` prints."""
     file = str(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(file, "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(file, "", f"cannot be read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
+    data = load_toml(path)
     t = Table(data, file)
     cpus = t.integer("cpus", 0, min=0)
     memory_mib = t.integer("memory_mib", 0, min=0)

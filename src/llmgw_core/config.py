@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import attrs
 
 from llmgw_core.catalog import Catalog, read_catalog
 from llmgw_core.control_config import ControlSection, read_control
-from llmgw_core.tomlshape import ConfigError, Table
+from llmgw_core.tomlshape import Table, load_toml
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -78,14 +77,7 @@ class Config:
 def load_config(path: str | Path) -> Config:
     """Read and validate a config file; raises ConfigError naming file, key path and problem."""
     file = str(path)
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(file, "", "no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(file, "", f"cannot be read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
+    data = load_toml(path)
     return parse_config(data, file)
 
 

@@ -6,7 +6,9 @@ out-of-range value is reported the same way: file, key path, what is wrong.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -22,6 +24,19 @@ class ConfigError(Exception):
 
 
 _MISSING: Any = object()
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file's data; a file that is missing, unreadable or not TOML raises ConfigError."""
+    file = str(path)
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(file, "", "no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(file, "", f"cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
 
 
 def _type_name(value: object) -> str:
