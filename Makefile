@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint demo bench clean
+AUDIT := .venv-audit
+AUDIT_STAMP := $(AUDIT)/.installed-stamp
+
+.PHONY: venv test lint demo bench vuln check clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,5 +34,18 @@ bench: venv
 	$(BIN)/python bench/placement_bench.py
 	$(BIN)/python bench/fleet_bench.py
 
+# pip-audit in its own virtualenv, so the audited set is exactly requirements.lock.
+$(AUDIT_STAMP): requirements-audit.lock
+	test -x $(AUDIT)/bin/python || $(PY) -m venv $(AUDIT)
+	$(AUDIT)/bin/python -m pip install -q -r requirements-audit.lock
+	touch $(AUDIT_STAMP)
+
+# --strict: a package the advisory service cannot audit (or a service that cannot be
+# reached) fails the run instead of passing as clean.
+vuln: $(AUDIT_STAMP)
+	$(AUDIT)/bin/pip-audit -r requirements.lock --no-deps --disable-pip --strict --progress-spinner off
+
+check: lint test vuln
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(AUDIT) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
