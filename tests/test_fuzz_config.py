@@ -51,6 +51,9 @@ KNOWN_KEYS = sorted(
         "state_dir", "advertise_host", "bind_host", "labels", "fabric", "inventory_file",
         "engines", "vllm", "sglang", "llamacpp", "mock", "command", "ports", "min", "max",
         "reconnect", "base_s", "cap_s", "stop_grace_s",
+        # mTLS and admin (issue 5)
+        "agents", "insecure", "tls", "ca", "cert", "key", "deny_serials", "admin", "token",
+        "open_status",
         # simulated inventory
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
     }
@@ -124,6 +127,32 @@ VALID_AGENT: dict[str, Any] = {
 }
 
 
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _first_valid(parse: Any, *candidates: dict[str, Any]) -> dict[str, Any]:
+    """The first candidate the loader takes: with the agent stream's plaintext switched on
+    explicitly where the loader asks for mTLS, without it where it knows no such key."""
+    for candidate in candidates:
+        try:
+            parse(_copy(candidate), "<base>")
+        except ConfigError:
+            continue
+        return candidate
+    return candidates[0]
+
+
+VALID_SERVER = _first_valid(
+    parse_config, {**VALID_SERVER, "agents": {"insecure": True}}, VALID_SERVER
+)
+VALID_AGENT = _first_valid(parse_agent_config, {**VALID_AGENT, "insecure": True}, VALID_AGENT)
+
+
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Every path into a nested dict/list value, the root excluded."""
     out: list[tuple[Any, ...]] = []
@@ -133,14 +162,6 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         if isinstance(child, dict | list):
             out += _paths(child, (*prefix, key))
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 @st.composite
@@ -330,8 +351,8 @@ BAD_AGENT_FILES = {
     "binary": b"\x80\x81\x82",
     "no-server": "name = 'n'\n",
     "bad-scheme": "name = 'n'\nserver = 'http://h/v1/agent'\n",
-    "unknown-engine": "name = 'n'\nserver = 'ws://h/v1/agent'\n[engines.bogus]\ncommand = ['x']\n",
-    "bad-inventory": "name = 'n'\nserver = 'ws://h/v1/agent'\ninventory_file = 'MISSING.toml'\n",
+    "unknown-engine": "name = 'n'\nserver = 'ws://h/v1/agent'\ninsecure = true\n[engines.bogus]\ncommand = ['x']\n",
+    "bad-inventory": "name = 'n'\nserver = 'ws://h/v1/agent'\ninsecure = true\ninventory_file = 'MISSING.toml'\n",
 }
 
 
