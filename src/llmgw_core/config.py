@@ -1,8 +1,12 @@
-"""The server's config file: `[server]`, `[router]`, `[auth]` and the catalog."""
+"""The server's config file: `[server]`, `[router]`, `[auth]`, `[admin]` and the catalog."""
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -56,7 +60,31 @@ class RouterSection:
 
 @attrs.frozen
 class AuthSection:
-    api_key_digests: frozenset[str] = frozenset()  # hex SHA-256 digests, without the prefix
+    # Hex SHA-256 digest of each API key (without the prefix) -> the models it may use,
+    # None for every model. Raw keys are never kept: a key from an environment variable
+    # is hashed when the config is read.
+    keys: Mapping[str, frozenset[str] | None] = attrs.field(factory=dict)
+
+    @property
+    def required(self) -> bool:
+        """Whether clients must send a key (any key is configured)."""
+        return bool(self.keys)
+
+    @property
+    def api_key_digests(self) -> frozenset[str]:
+        return frozenset(self.keys)
+
+
+@attrs.frozen
+class AdminSection:
+    """Who may use the admin API on the control port."""
+
+    token_digest: str | None = None  # hex SHA-256 digest of the admin token, None: no token
+    open_status: bool = False  # GET status and explain without a token
+    open_writes: bool = False  # cordon/drain without a token (only the no-[admin] default)
+    # False when the file has no [admin] section: then the admin API is open (status and
+    # actions) when control_listen is a loopback address, and refuses everything otherwise.
+    declared: bool = True
 
 
 @attrs.frozen
@@ -67,6 +95,7 @@ class Config:
     auth: AuthSection
     catalog: Catalog
     control: ControlSection = attrs.field(factory=ControlSection)
+    admin: AdminSection = attrs.field(factory=AdminSection)
 
     @property
     def runs_control_plane(self) -> bool:
@@ -74,22 +103,29 @@ class Config:
         return bool(self.catalog.profiled)
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Config:
     """Read and validate a config file; raises ConfigError naming file, key path and problem."""
     file = str(path)
     data = load_toml(path)
-    return parse_config(data, file)
+    return parse_config(data, file, environ=environ)
 
 
-def parse_config(data: dict[str, object], file: str) -> Config:
+def parse_config(
+    data: dict[str, object], file: str, *, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Validate config data; keys named by `env` are read from `environ` (os.environ)."""
     root = Table(data, file)
+    environ = os.environ if environ is None else environ
+    server = _read_server(root.table("server"))
+    catalog = read_catalog(root)
     config = Config(
         file=file,
-        server=_read_server(root.table("server")),
+        server=server,
         router=_read_router(root.table("router")),
-        auth=_read_auth(root.table("auth")),
-        catalog=read_catalog(root),
+        auth=_read_auth(root.table("auth"), catalog, environ),
+        catalog=catalog,
         control=read_control(root.table("control")),
+        admin=_read_admin(root.table("admin"), root.has("admin"), server, environ),
     )
     root.finish()
     if not config.catalog.models:
@@ -137,15 +173,90 @@ def _read_router(t: Table) -> RouterSection:
     return section
 
 
-def _read_auth(t: Table) -> AuthSection:
-    digests: set[str] = set()
+_HASH_HINT = "make one with: python -m llmgw_server hash-key"
+
+
+def digest_of(secret: str | bytes) -> str:
+    """The hex SHA-256 digest under which a key or token is kept."""
+    data = secret.encode() if isinstance(secret, str) else secret
+    return hashlib.sha256(data).hexdigest()
+
+
+def _checked_digest(t: Table, key: str, text: str) -> str:
+    if not _DIGEST.match(text):
+        t.fail(key, f"must be 'sha256:' and 64 lowercase hex digits ({_HASH_HINT})")
+    return text.removeprefix("sha256:")
+
+
+def _digest(t: Table, key: str) -> str:
+    return _checked_digest(t, key, t.text(key))
+
+
+def _secret_from_env(t: Table, key: str, environ: Mapping[str, str]) -> str:
+    """The digest of the secret held by the environment variable named at `key`."""
+    name: str = t.text(key)
+    value = environ.get(name)
+    if value is None:
+        t.fail(key, f"the environment variable {name} is not set")
+    if not value.strip():
+        t.fail(key, f"the environment variable {name} is empty")
+    return digest_of(value.strip())
+
+
+def _read_auth(t: Table, catalog: Catalog, environ: Mapping[str, str]) -> AuthSection:
+    keys: dict[str, frozenset[str] | None] = {}
+    where: dict[str, str] = {}
+
+    def add(digest: str, models: frozenset[str] | None, path: str) -> None:
+        if digest in where:
+            t.fail(path, f"is the same key as {where[digest]}: give each key once")
+        where[digest] = f"{t.path}.{path}"
+        keys[digest] = models
+
     for i, text in enumerate(t.texts("api_keys", ())):
-        if not _DIGEST.match(text):
-            t.fail(
-                f"api_keys[{i}]",
-                "must be 'sha256:' and 64 lowercase hex digits "
-                "(make one with: python -m llmgw_server hash-key)",
-            )
-        digests.add(text.removeprefix("sha256:"))
+        add(_checked_digest(t, f"api_keys[{i}]", text), None, f"api_keys[{i}]")
+    known = {m.name for m in catalog.models}
+    for i, k in enumerate(t.tables("keys")):
+        if k.has("digest") == k.has("env"):
+            k.fail(None, "give either digest (a stored digest) or env (a variable holding the key)")
+        digest = _digest(k, "digest") if k.has("digest") else _secret_from_env(k, "env", environ)
+        models: frozenset[str] | None = None
+        names: tuple[str, ...] | None = k.texts("models", None)  # None: every model
+        if names is not None:
+            if not names:
+                k.fail("models", "must name at least one model (leave it out for every model)")
+            for j, name in enumerate(names):
+                if name not in known:
+                    k.fail(f"models[{j}]", f"{name!r} is not a model of this config")
+            models = frozenset(names)
+        k.finish()
+        add(digest, models, f"keys[{i}]")
     t.finish()
-    return AuthSection(api_key_digests=frozenset(digests))
+    return AuthSection(keys=keys)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_admin(
+    t: Table, declared: bool, server: ServerSection, environ: Mapping[str, str]
+) -> AdminSection:
+    if not declared:
+        local = is_loopback(server.control_listen.host)
+        return AdminSection(open_status=local, open_writes=local, declared=False)
+    if t.has("token_digest") and t.has("token_env"):
+        t.fail("token_env", "give token_digest or token_env, not both")
+    token: str | None = None
+    if t.has("token_digest"):
+        token = _digest(t, "token_digest")
+    elif t.has("token_env"):
+        token = _secret_from_env(t, "token_env", environ)
+    section = AdminSection(token_digest=token, open_status=t.boolean("open_status", False))
+    t.finish()
+    return section

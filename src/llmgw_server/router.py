@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import Config
+from llmgw_core.config import Config, digest_of
 from llmgw_core.http_server import JSON, Request, Responder
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_server.balancer import Balancer, Replica
@@ -45,7 +45,7 @@ class Router:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.tuning = config.router
-        self.digests = config.auth.api_key_digests
+        self.keys = config.auth.keys  # digest -> the models it may use (None: all)
         self.metrics = RouterMetrics()
         self.pools: dict[Endpoint, Pool] = {}
         self.balancers: dict[str, Balancer] = {}
@@ -88,10 +88,11 @@ class Router:
         elif request.method not in (b"GET", b"HEAD"):
             await responder.error(405 if path in _GET_PATHS else 404, "no such route")
         elif path == b"/v1/models":
-            if self._authorized(request):
-                await responder.whole(200, self._models())
-            else:
+            allowed = self._authorized(request)
+            if allowed is False:
                 await responder.error(401, "a valid API key is required (Authorization: Bearer)")
+            else:
+                await responder.whole(200, self._models(allowed))
         elif path == b"/healthz":
             await responder.whole(200, b'{"status": "ok"}')
         elif path == b"/readyz":
@@ -106,19 +107,21 @@ class Router:
         else:
             await responder.error(404, f"no route {path.decode(errors='replace')}")
 
-    def _authorized(self, request: Request) -> bool:
-        if not self.digests:
-            return True
+    def _authorized(self, request: Request) -> frozenset[str] | Literal[False] | None:
+        """False: no valid key; None: every model; else the models the key may use."""
+        if not self.keys:
+            return None
         value = request.header(b"authorization")
         if value is None or value[:7].lower() != b"bearer ":
             return False
-        return hashlib.sha256(value[7:].strip()).hexdigest() in self.digests
+        # Looked up by digest: the raw key is never compared.
+        return self.keys.get(digest_of(value[7:].strip()), False)
 
-    def _models(self) -> bytes:
+    def _models(self, allowed: frozenset[str] | None) -> bytes:
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
             for name, balancer in self.balancers.items()
-            if balancer.healthy_count
+            if balancer.healthy_count and (allowed is None or name in allowed)
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 
@@ -130,7 +133,8 @@ class Router:
         }
 
     async def _proxy(self, request: Request, responder: Responder) -> None:
-        if not self._authorized(request):
+        allowed = self._authorized(request)
+        if allowed is False:
             await responder.error(401, "a valid API key is required (Authorization: Bearer)")
             return
         try:
@@ -147,6 +151,10 @@ class Router:
             return
         if not isinstance(model, str):
             await responder.error(400, "'model' must be a string")
+            return
+        if allowed is not None and model not in allowed:  # whether it exists or not
+            message = f"this API key may not use the model {model!r}"
+            await responder.whole(403, error_body(403, message, "model_not_allowed"))
             return
         balancer = self.balancers.get(model)
         if balancer is None:
