@@ -43,7 +43,17 @@ def run_cli(argv: list[str]) -> int:
         help="the control plane's admin URL (default: control_listen of --config, "
         "else http://127.0.0.1:8081)",
     )
-    hash_key = sub.add_parser("hash-key", help="print the [auth] api_keys entry for a key")
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="a file holding the admin token for status, explain, drain, cordon... "
+        "(default: the environment variable LLMGW_ADMIN_TOKEN)",
+    )
+    hash_key = sub.add_parser(
+        "hash-key",
+        help="print the digest of a key or token ([auth] api_keys, [[auth.keys]] digest, "
+        "[admin] token_digest)",
+    )
     hash_key.add_argument("key", nargs="?", help="the key (read from the terminal when absent)")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -51,12 +61,18 @@ def run_cli(argv: list[str]) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "hash-key":
-        key = args.key or getpass.getpass("API key: ")
+        key = args.key or getpass.getpass("API key or admin token: ")
         print("sha256:" + hashlib.sha256(key.encode()).hexdigest())
         return 0
     if args.command in ("status", "explain", "drain", "undrain", "cordon", "uncordon"):
+        from llmgw_server.admin_cli import read_token
         from llmgw_server.admin_cli import run as run_admin
 
+        try:
+            token = read_token(args.token_file)
+        except ValueError as exc:
+            print(f"llmgw-server: {exc}", file=sys.stderr)
+            return 2
         control = args.control
         if control is None and args.config:
             try:
@@ -65,7 +81,7 @@ def run_cli(argv: list[str]) -> int:
                 print(f"llmgw-server: config error: {exc}", file=sys.stderr)
                 return 2
         return run_admin(
-            args.command, getattr(args, "target", None), control or "http://127.0.0.1:8081"
+            args.command, getattr(args, "target", None), control or "http://127.0.0.1:8081", token
         )
     file = args.file if args.command == "check-config" else args.config
     if not file:

@@ -1,13 +1,22 @@
-"""The admin API on the control port: what the fleet runs, and why something cannot run."""
+"""The admin API on the control port: what the fleet runs, and why something cannot run.
+
+Who may call it is `[admin]` in the config (`AdminSection`): reads (GET status and
+explain) and actions (POST cordon/drain...) need `Authorization: Bearer <admin token>`
+unless the config opens them.
+"""
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from llmgw_core.config import AdminSection, digest_of
 from llmgw_core.http_server import Request, Responder
+from llmgw_core.openai_errors import error_body
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 
 if TYPE_CHECKING:
@@ -21,14 +30,73 @@ _ACTIONS = {
 }
 
 
+log = logging.getLogger("llmgw.admin")
+
+_SET_TOKEN = "set [admin] token_digest or token_env"
+
+
 class AdminAPI:
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: ControlPlane, access: AdminSection | None = None) -> None:
         self.plane = plane
+        self.access = plane.config.admin if access is None else access
+        self._warn_at_start()
+
+    def _warn_at_start(self) -> None:
+        access = self.access
+        where = self.plane.config.server.control_listen
+        if not access.declared:
+            if access.open_writes:
+                log.warning(
+                    "no [admin] section: the admin API on %s (loopback) is open to every "
+                    "local user without a token; %s",
+                    where,
+                    _SET_TOKEN,
+                )
+            else:
+                log.warning(
+                    "no [admin] section and control_listen %s is not a loopback address: "
+                    "the admin API refuses every request; %s",
+                    where,
+                    _SET_TOKEN,
+                )
+        elif access.token_digest is None:
+            log.warning(
+                "[admin] has no token: admin actions are refused%s; %s",
+                "" if access.open_status else ", and so is status",
+                _SET_TOKEN,
+            )
+
+    def _refusal(self, request: Request, write: bool) -> tuple[int, str, str] | None:
+        """Why this request may not go on (status, message, code), or None."""
+        access = self.access
+        if access.open_writes or (not write and access.open_status):
+            return None
+        if access.token_digest is None:
+            return (
+                403,
+                f"the admin API takes no {'actions' if write else 'requests'} without a "
+                f"configured admin token: {_SET_TOKEN}",
+                "admin_closed",
+            )
+        value = request.header(b"authorization")
+        # Digests compared in constant time; the raw token is never compared.
+        if (
+            value is not None
+            and value[:7].lower() == b"bearer "
+            and hmac.compare_digest(digest_of(value[7:].strip()), access.token_digest)
+        ):
+            return None
+        return 401, "a valid admin token is required (Authorization: Bearer)", "invalid_admin_token"
 
     async def handle(self, request: Request, responder: Responder) -> None:
         parts = request.path.decode("utf-8", errors="replace").strip("/").split("/")
         if parts[:2] != ["v1", "admin"]:
             await responder.error(404, "the admin API is under /v1/admin")
+            return
+        refusal = self._refusal(request, write=request.method not in (b"GET", b"HEAD"))
+        if refusal is not None:
+            status_code, message, code = refusal
+            await responder.whole(status_code, error_body(status_code, message, code))
             return
         rest = parts[2:]
         if request.method == b"GET" and rest == ["status"]:

@@ -1,12 +1,39 @@
-"""`llmgw-server status | explain MODEL | drain NODE | cordon NODE`: the admin API as tables."""
+"""`llmgw-server status | explain MODEL | drain NODE | cordon NODE`: the admin API as tables.
+
+The admin token comes from `--token-file PATH` or, without it, the environment variable
+LLMGW_ADMIN_TOKEN; never from the command line, where other users could read it.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
+
+
+def read_token(token_file: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The admin token: the first line of `token_file`, else $LLMGW_ADMIN_TOKEN, else None.
+
+    Raises ValueError (the whole message for the user) for a file that cannot be read or is
+    empty.
+    """
+    if token_file is not None:
+        try:
+            text = Path(token_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read the token file {token_file}: {exc}") from None
+        token = text.strip()
+        if not token:
+            raise ValueError(f"the token file {token_file} is empty")
+        return token
+    value = (os.environ if environ is None else environ).get(TOKEN_ENV, "").strip()
+    return value or None
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -70,10 +97,11 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def run(command: str, target: str | None, control: str) -> int:
+def run(command: str, target: str | None, control: str, token: str | None = None) -> int:
     base = control.rstrip("/") + "/v1/admin"
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, headers=headers) as client:
             if command == "status":
                 response = client.get(f"{base}/status")
                 if response.status_code == 200:
@@ -94,6 +122,12 @@ def run(command: str, target: str | None, control: str) -> int:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text[:200]
+        if response.status_code == 401:
+            message += (
+                f" (the CLI sends the token from {TOKEN_ENV} or --token-file PATH)"
+                if token is None
+                else " (the token given was refused)"
+            )
         print(f"llmgw-server: {message}", file=sys.stderr)
         return 1
     return 0
