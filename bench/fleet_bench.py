@@ -144,6 +144,8 @@ async def run(args: argparse.Namespace) -> None:
     # heartbeats), and no engine is started.
     config.write_text(
         f'[server]\nlisten = "127.0.0.1:{free_port()}"\ncontrol_listen = "127.0.0.1:{control}"\n'
+        # Plaintext: this measures the control plane, not TLS (see the README).
+        "[agents]\ninsecure = true\n"
         f"[control]\nunreachable_after_s = {3 * args.heartbeat}\nlost_after_s = 120\n"
         '[[models]]\nname = "unplaceable"\n[models.profile]\nengine = "vllm"\nmodel = "x"\n'
         'tensor_parallel = 4\ngpu_model = "B300"\n'

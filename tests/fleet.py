@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import ssl
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -10,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
+from llmgw_core.certs import init_ca, issue_node
 from procs import Proc, Procs, free_port
 
 SIM = Path(__file__).parent.parent / "conf" / "sim"
@@ -22,8 +27,8 @@ def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "con
     while time.monotonic() < deadline:
         try:
             value = check()
-        except (httpx.HTTPError, KeyError, IndexError, ValueError):
-            value = None
+        except (httpx.HTTPError, openai.APIError, KeyError, IndexError, ValueError):
+            value = None  # not yet: a replica may be between engines
         if value:
             return value
         time.sleep(0.1)
@@ -36,17 +41,23 @@ class Fleet:
         self.port = free_port()
         self.control_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.control = f"http://127.0.0.1:{self.control_port}"
+        self.control = f"https://127.0.0.1:{self.control_port}"
         self.server_proc: Proc | None = None
         self.agents: dict[str, Proc] = {}
         base = random.randrange(30000, 60000, 100)
         self.ports = (base, base + 99)
+        # mTLS as in production: a CA made on the fly, a certificate per node.
+        self.certs = procs.tmp / "certs"
+        init_ca(self.certs)
 
-    def server(self, models: str, control: str = "") -> Proc:
+    def server(self, models: str, control: str = "", agents: str = "") -> Proc:
         path = self.procs.tmp / "server.toml"
         path.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.port}"\ncontrol_listen = "127.0.0.1:{self.control_port}"\n'
             "shutdown_grace_s = 2\n"
+            f'[agents]\nca = "{self.certs}/ca.crt"\ncert = "{self.certs}/server.crt"\n'
+            f'key = "{self.certs}/server.key"\n{agents}\n'
+
             "[router]\nhealth_interval_s = 0.5\n"
             "[control]\nunreachable_after_s = 1.5\nlost_after_s = 4\nsettle_after_start_s = 1\n"
             f"restart_backoff_s = 0.5\ndrain_timeout_s = 2\nengine_port_min = {self.ports[0]}\n"
@@ -58,12 +69,17 @@ class Fleet:
         self.server_proc = proc
         return proc
 
-    def agent(self, name: str, inventory: str, fabric: str = "pod-a", env: str = "") -> Proc:
+    def agent(
+        self, name: str, inventory: str, fabric: str = "pod-a", env: str = "", cert_for: str = ""
+    ) -> Proc:
+        """An agent with its own certificate (`cert_for`: one issued to another name)."""
         path = self.procs.tmp / f"{name}.toml"
+        crt, key, _ = issue_node(self.certs, cert_for or name)
         path.write_text(
-            f'name = "{name}"\nserver = "ws://127.0.0.1:{self.control_port}/v1/agent"\n'
+            f'name = "{name}"\nserver = "wss://127.0.0.1:{self.control_port}/v1/agent"\n'
             f'state_dir = "{self.procs.tmp / name}"\ninventory_file = "{SIM / inventory}"\n'
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
+            f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
             "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
             f"[engines.vllm]\ncommand = {MOCK!r}\nenv = {{ {env} }}\n".replace("'", '"')
         )
@@ -73,10 +89,24 @@ class Fleet:
         return proc
 
     def status(self) -> dict[str, Any]:
-        response = httpx.get(self.control + "/v1/admin/status", timeout=5)
+        response = httpx.get(self.control + "/v1/admin/status", timeout=5, verify=self.tls)
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         return data
+
+    @property
+    def tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The admin CLI against this fleet's control plane (trusting the fleet's CA)."""
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw_server", "--control", self.control, *args],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ, "SSL_CERT_FILE": str(self.certs / "ca.crt")},
+        )
 
     def node(self, name: str) -> dict[str, Any]:
         return next(n for n in self.status()["nodes"] if n["name"] == name)

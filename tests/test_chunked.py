@@ -45,7 +45,16 @@ def test_trailers_and_extensions() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [b"zz\r\nhello\r\n", b"5\r\nhelloXX", b"-5\r\nhello\r\n", b"1" * 5000]
+    "bad",
+    [
+        b"zz\r\nhello\r\n",
+        b"5\r\nhelloXX",
+        b"-5\r\nhello\r\n",
+        b"1" * 5000,
+        b"0x5\r\nhello\r\n",
+        b"1_0\r\n",
+        b"5 5\r\n",
+    ],
 )
 def test_bad_framing_raises(bad: bytes) -> None:
     with pytest.raises(ChunkedError):

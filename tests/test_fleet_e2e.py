@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import openai
 
@@ -38,10 +36,7 @@ def test_agents_register_a_replica_is_placed_and_serves_streams(fleet: Fleet) ->
     assert len(text.split()) == 16
     node = next(n for n in fleet.status()["nodes"] if any(g["used"] for g in n["gpus"]))
     assert node["status"] == "reachable" and node["fabric"] == {"ib_domain": "pod-a"}
-    cli = subprocess.run(
-        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "status"],
-        capture_output=True, text=True, timeout=20,
-    )
+    cli = fleet.cli("status")
     assert cli.returncode == 0, cli.stderr
     assert "gpu-1" in cli.stdout and "gpu-2" in cli.stdout and "chat" in cli.stdout
     assert "yes" in cli.stdout  # the replica serves
@@ -99,10 +94,7 @@ def test_a_killed_agent_goes_unreachable_then_lost_and_the_explanation_says_why(
     )
     text = why["explanation"]
     assert text.startswith("0 of 2 nodes fit: ") and "1 lost (gpu-1)" in text and "gpu-2" in text
-    cli = subprocess.run(
-        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "explain", "h100-only"],
-        capture_output=True, text=True, timeout=20,
-    )
+    cli = fleet.cli("explain", "h100-only")
     assert cli.returncode == 0 and "1 lost (gpu-1)" in cli.stdout
 
 
@@ -133,10 +125,7 @@ def test_draining_a_node_moves_its_replica_and_stops_the_old_one(fleet: Fleet) -
     first = wait_until(lambda: fleet.serving("chat"), what="a ready replica")[0]
     old_node = first["shards"][0]["node"]
     other = "gpu-2" if old_node == "gpu-1" else "gpu-1"
-    cli = subprocess.run(
-        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "drain", old_node],
-        capture_output=True, text=True, timeout=20,
-    )
+    cli = fleet.cli("drain", old_node)
     assert cli.returncode == 0, cli.stderr
     moved = wait_until(
         lambda: [r for r in fleet.serving("chat") if r["shards"][0]["node"] == other],
@@ -152,8 +141,5 @@ def test_draining_a_node_moves_its_replica_and_stops_the_old_one(fleet: Fleet) -
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
     answer = wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT), what="traffic")  # type: ignore[arg-type]
     assert answer.system_fingerprint == "mock:" + moved["url"].rsplit(":", 1)[1]
-    unknown = subprocess.run(
-        [sys.executable, "-m", "llmgw_server", "--control", fleet.control, "cordon", "no-such-node"],
-        capture_output=True, text=True, timeout=20,
-    )
+    unknown = fleet.cli("cordon", "no-such-node")
     assert unknown.returncode == 1 and "no node 'no-such-node'" in unknown.stderr

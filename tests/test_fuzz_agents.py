@@ -350,15 +350,11 @@ def test_a_heartbeat_flood_leaves_every_other_node_reachable(server: Server) -> 
             return outcome[0]
 
     result = trio.run(run)
-    assert result.sent / seconds > 1000, f"only {result.sent / seconds:.0f} heartbeats a second"
+    # The flooder is cut off by its stream's message budget, and nobody else notices.
+    assert result.closed is not None and result.closed.code == 1008, result
     assert "Traceback" not in server.log_since(offset)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the agent stream has no rate limit: a node that sends thousands of heartbeats "
-    "a second is never closed (nor logged)",
-)
 def test_a_heartbeat_flood_closes_the_flooder(server: Server) -> None:
     result = trio.run(flood, server, "flooder-2", 2.0)
     assert result.closed is not None and result.closed.code == 1008, result
@@ -372,12 +368,6 @@ def own_server(procs: Procs) -> Server:
     return start_server(procs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a register whose shard has rank outside spec.nodes decodes fine, is stored, and "
-    "the next reconcile raises IndexError in LaunchSpec.node (shards.classify): "
-    "ControlPlane.run dies and takes the whole server down",
-)
 def test_a_register_with_an_impossible_shard_leaves_the_server_up(own_server: Server) -> None:
     spec = LaunchSpec(
         replica_id="r1",
@@ -388,16 +378,19 @@ def test_a_register_with_an_impossible_shard_leaves_the_server_up(own_server: Se
         env={},
         tensor_parallel=1,
         pipeline_parallel=1,
-        rank=3,  # of one node
+        rank=0,
         nodes=("evil",),
         gpu_indices=(0,),
         head_address="127.0.0.1",
         port=1,
         dist_port=2,
     )
-    frame = encode(
-        Register(PROTOCOL, "fuzz", inventory("evil"), (ShardReport(spec, ShardState.READY),))
+    # A spec that cannot be built here: rank 3 of one node, written into the frame by hand.
+    data = json.loads(
+        encode(Register(PROTOCOL, "fuzz", inventory("evil"), (ShardReport(spec, ShardState.READY),)))
     )
+    data["shards"][0]["spec"]["rank"] = 3
+    frame = json.dumps(data)
 
     async def run() -> None:
         async with trio_websocket.open_websocket_url(own_server.agent_url) as ws:

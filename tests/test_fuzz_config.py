@@ -269,11 +269,6 @@ def test_missing_unreadable_and_directory_files_are_config_errors(tmp_path: Path
         load_config(tmp_path / "latin1.toml")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Table.number accepts nan (nan < min is False): a NaN timeout loads; with "
-    "header_timeout_s = nan every connection then fails in trio.move_on_after(nan)",
-)
 @pytest.mark.parametrize(
     "section, key",
     [("server", "header_timeout_s"), ("router", "connect_timeout_s"), ("control", "lost_after_s")],
@@ -303,11 +298,6 @@ def test_mutated_agent_configs_load_or_raise_config_error(data: dict[str, Any]) 
     _only_config_error(parse_agent_config, data, agent=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_agent_config calls urlsplit(server) outside a try: 'ws://[' raises "
-    "ValueError('Invalid IPv6 URL') instead of ConfigError",
-)
 def test_agent_server_url_with_a_broken_ipv6_host_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="server"):
         parse_agent_config({"name": "n", "server": "ws://["}, "<agent>")
@@ -387,8 +377,5 @@ def test_agent_cli_exits_2_without_a_traceback(tmp_path: Path, name: str) -> Non
     _run_cli("llmgw_agent", tmp_path, name, BAD_AGENT_FILES[name])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the agent CLI prints a ValueError traceback for server = 'ws://['"
-)
 def test_agent_cli_broken_ipv6_server_url_exits_2(tmp_path: Path) -> None:
     _run_cli("llmgw_agent", tmp_path, "ipv6", "name = 'n'\nserver = 'ws://['\n")

@@ -61,21 +61,10 @@ class Server:
         log = self.proc.output()
         new, self.log_seen = log[self.log_seen :], len(log)
         for record in _RECORD.split(new):
-            if _known_disconnect_bug(record) or _known_head_bug(record):
-                continue
             assert "Traceback" not in record and " ERROR " not in record, record
 
 
 _RECORD = re.compile(r"\n(?=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
-
-
-def _known_disconnect_bug(record: str) -> bool:
-    """test_a_client_that_goes_away_mid_request_logs_no_traceback, reproduced on its own."""
-    return (
-        "connection handler failed" in record
-        and "BrokenResourceError: the client went away" in record
-        and record.count("Error") == record.count("BrokenResourceError")
-    )
 
 
 @pytest.fixture(scope="module")
@@ -497,29 +486,11 @@ def test_an_idle_keepalive_connection_is_closed(server: Server) -> None:
     server.still_serves()
 
 
-def _known_head_bug(record: str) -> bool:
-    """test_head_gets_the_head_of_a_get, reproduced on its own."""
-    return "handler failed on b'HEAD'" in record and "Too much data for declared" in record
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="Responder.whole() sends the body through h11 for a HEAD request too; h11 frames "
-    "a HEAD response with no body and raises LocalProtocolError('Too much data for declared "
-    "Content-Length'): the client gets no answer at all and the log an ERROR traceback",
-)
 def test_head_gets_the_head_of_a_get(server: Server) -> None:
     out = exchange(server, b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert out.statuses == [200], out.data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_Connection._respond raises BrokenResourceError inside run()'s nursery, so it "
-    "reaches serve_connection as an ExceptionGroup that its except clause does not match: "
-    "every client that goes away mid-request is logged as ERROR 'connection handler "
-    "failed' with a traceback",
-)
 def test_a_client_that_goes_away_mid_request_logs_no_traceback(server: Server) -> None:
     server.still_serves()
     before = len(server.proc.output())

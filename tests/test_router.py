@@ -193,6 +193,7 @@ def test_client_disconnect_cancels_upstream(procs: Procs) -> None:
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_replica_outstanding", model="m", endpoint=engine.url) == 0
     assert metric(page, "llmgw_requests_in_flight", model="m") == 0
+    assert "Traceback" not in router.output()  # a client going away is no error
 
 
 def test_stream_broken_mid_way_ends_with_an_error_event(procs: Procs) -> None:
@@ -285,6 +286,12 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
     assert answer.startswith(b"HTTP/1.1 408 ")
     # A request line that is not HTTP gets 400 and a closed connection.
     assert raw_exchange(router.port, b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+    # HEAD gets the head alone, on the same keep-alive connection as what follows.
+    with httpx.Client() as http:
+        head = http.head(router.url + "/healthz")
+        assert head.status_code == 200 and head.content == b"" and head.headers["content-length"]
+        assert http.get(router.url + "/healthz").json() == {"status": "ok"}
 
     # After all that, the router serves the next valid request.
     response = httpx.post(url, json=CHAT, headers=good)

@@ -6,6 +6,7 @@ import socket
 
 from llmgw_agent.validate import problems
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec
+from procs import free_port
 
 NODE = Inventory(
     name="gpu-1",
@@ -28,7 +29,7 @@ def spec(**kw: object) -> LaunchSpec:
         nodes=("gpu-1",),
         gpu_indices=(0,),
         head_address="127.0.0.1",
-        port=0,
+        port=free_port(),
         dist_port=0,
     )
     base.update(kw)

@@ -24,6 +24,7 @@ from llmgw_agent.supervisor import EngineProcess, Transition
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_core.tls_config import client_context
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
@@ -75,6 +76,9 @@ class Agent:
         self._client: httpx.AsyncClient | None = None
         self.connected = trio.Event()  # set on each registration, for tests and logs
         self.rng = random.Random()
+        self._ssl_context = client_context(config.tls) if config.tls.cert else None
+        if config.insecure:
+            log.warning("insecure = true: the stream to %s is plaintext", config.server)
         self._load_flags()
 
     # -- the daemon ---------------------------------------------------------
@@ -93,10 +97,18 @@ class Agent:
             registered = False
             try:
                 registered = await self._session()
-            except (OSError, trio_websocket.HandshakeError, trio_websocket.ConnectionClosed) as exc:
-                log.warning("control plane %s: %s", self.config.server, _short(exc))
-            except WireError as exc:
-                log.error("the control plane sent a bad frame: %s", exc)
+            except* (
+                OSError,
+                trio.TooSlowError,
+                trio_websocket.HandshakeError,
+                trio_websocket.ConnectionClosed,
+            ) as group:
+                log.warning("control plane %s: %s", self.config.server, _short(group.exceptions[0]))
+            except* WireError as group:
+                log.error("the control plane sent a bad frame: %s", group.exceptions[0])
+            except* Exception as group:
+                # Nothing that goes wrong with one connection may reach the engines.
+                log.error("the session with %s failed", self.config.server, exc_info=group)
             attempt = 0 if registered else attempt + 1
             delay = backoff_delay(
                 attempt, self.config.reconnect_base_s, self.config.reconnect_cap_s, self.rng
@@ -107,25 +119,43 @@ class Agent:
     async def _session(self) -> bool:
         """One connection, from dial to close; True once it registered."""
         async with trio_websocket.open_websocket_url(
-            self.config.server, max_message_size=MAX_FRAME_BYTES, connect_timeout=10
+            self.config.server,
+            self._ssl_context,
+            max_message_size=MAX_FRAME_BYTES,
+            connect_timeout=10,
         ) as ws:
             outbox_send, outbox_receive = trio.open_memory_channel[str](1024)
-            await ws.send_message(encode(self._register()))
-            with trio.fail_after(10):
-                welcome = decode_down(await ws.get_message())
-            if not isinstance(welcome, Welcome):
-                raise WireError(f"expected welcome, got {type(welcome).__name__}")
-            log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+            # Queue transitions from the moment the snapshot is taken: one that happens
+            # while the welcome is awaited must not be lost between the two.
             self._outbox = outbox_send
-            self.connected.set()
             try:
+                await ws.send_message(encode(self._register()))
+                with trio.fail_after(10):
+                    welcome = decode_down(await ws.get_message())
+                if not isinstance(welcome, Welcome):
+                    raise WireError(f"expected welcome, got {type(welcome).__name__}")
+                log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+                self.connected.set()
+                interval = welcome.heartbeat_interval_s
+                if not 0.05 <= interval <= 3600:  # NaN fails both
+                    raise WireError(f"a heartbeat interval of {interval} s makes no sense")
+                bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
                     nursery.start_soon(_read_frames, ws, inbox_send, nursery.cancel_scope)
                     nursery.start_soon(_write_frames, ws, outbox_receive, nursery.cancel_scope)
-                    nursery.start_soon(self._heartbeat, welcome.heartbeat_interval_s)
+                    nursery.start_soon(self._heartbeat, interval)
                     async for frame in inbox_receive:
-                        self._command(decode_down(frame))
+                        try:
+                            message = decode_down(frame)
+                        except WireError as exc:
+                            bad_frame = exc
+                            nursery.cancel_scope.cancel()
+                            break
+                        self._command(message)
+                if bad_frame is not None:
+                    await ws.aclose(code=1008, reason=str(bad_frame)[:120])
+                    raise bad_frame
             finally:
                 self._outbox = None
                 self.connected = trio.Event()

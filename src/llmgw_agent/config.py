@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from llmgw_core.tls_config import AgentTLS, read_agent_tls
 from llmgw_core.tomlshape import Table, load_toml
 
 ENGINE_KINDS = ("vllm", "sglang", "llamacpp", "mock")
@@ -40,6 +41,8 @@ class AgentConfig:
     engines: dict[str, EngineCommand]
     port_min: int = 20000
     port_max: int = 20999
+    tls: AgentTLS = attrs.field(factory=AgentTLS)
+    insecure: bool = False  # a plaintext ws:// server, said explicitly
     reconnect_base_s: float = 0.5
     reconnect_cap_s: float = 30.0
     stop_grace_s: float = 30.0
@@ -56,12 +59,25 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
     t = Table(data, file)
     name = t.text("name")
     server = t.text("server")
-    parts = urlsplit(server)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+    try:
+        parts = urlsplit(server)
+        hostname = parts.hostname
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        t.fail("server", f"{server!r} is not a valid URL: {exc}")
+    if parts.scheme not in ("ws", "wss") or not hostname:
         t.fail(
             "server",
             f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent",
         )
+    insecure = t.boolean("insecure", False)
+    if parts.scheme == "ws" and not insecure:
+        t.fail(
+            "server",
+            f"{server!r} is plaintext: use wss:// with [tls], or set insecure = true "
+            "where the network is trusted",
+        )
+    tls = read_agent_tls(t.table("tls"), secure=parts.scheme == "wss")
     inventory = t.text("inventory_file", None)
     engines: dict[str, EngineCommand] = {
         kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()
@@ -98,6 +114,8 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         engines=engines,
         port_min=port_min,
         port_max=port_max,
+        tls=tls,
+        insecure=insecure,
         reconnect_base_s=base_s,
         reconnect_cap_s=cap_s,
         stop_grace_s=t.number("stop_grace_s", 30.0, min=0),

@@ -65,6 +65,7 @@ class EngineProcess:
         self.process = process
         task_status.started(process.pid)
         await self.report(Transition("starting", f"pid {process.pid}", pid=process.pid))
+        final_reported = False
         try:
             output_done = trio.Event()
             async with trio.open_nursery() as nursery:
@@ -76,6 +77,7 @@ class EngineProcess:
                     await output_done.wait()
                 nursery.cancel_scope.cancel()
             _signal_group(process.pid, signal.SIGKILL)  # whatever the engine left behind
+            final_reported = True
             await self.report(
                 Transition(
                     "failed",
@@ -85,9 +87,14 @@ class EngineProcess:
                 )
             )
         finally:
-            if process.returncode is None:
+            if not final_reported:
+                # Stopped on request, also when that came while the exit was being read:
+                # either way the group goes and a final state is reported.
                 with trio.CancelScope(shield=True):
-                    await self._stop(process)
+                    if process.returncode is None:
+                        await self._stop(process)
+                    else:
+                        _signal_group(process.pid, signal.SIGKILL)
                     await self.report(Transition("stopped", "stopped on request", pid=process.pid))
 
     async def _stop(self, process: trio.Process) -> None:

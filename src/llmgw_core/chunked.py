@@ -8,7 +8,10 @@ where the body ends.
 
 from __future__ import annotations
 
+import re
+
 _MAX_LINE = 4096
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # what h11 accepts too: no 0x, _, signs or spaces
 
 
 class ChunkedError(ValueError):
@@ -39,12 +42,9 @@ class ChunkScanner:
             head = buf[pos:line_end]
             semi = head.find(b";")
             size_text = (head if semi < 0 else head[:semi]).strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ChunkedError(f"bad chunk size {size_text[:20]!r}") from None
-            if size < 0 or size_text[:1] in (b"-", b"+"):
+            if not _HEX.fullmatch(size_text):
                 raise ChunkedError(f"bad chunk size {size_text[:20]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 end = buf.find(b"\r\n\r\n", line_end)
                 if end < 0:

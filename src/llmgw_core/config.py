@@ -13,6 +13,7 @@ import attrs
 
 from llmgw_core.catalog import Catalog, read_catalog
 from llmgw_core.control_config import ControlSection, read_control
+from llmgw_core.tls_config import AgentsTLS, read_agents_tls
 from llmgw_core.tomlshape import Table, load_toml
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -96,6 +97,7 @@ class Config:
     catalog: Catalog
     control: ControlSection = attrs.field(factory=ControlSection)
     admin: AdminSection = attrs.field(factory=AdminSection)
+    agents: AgentsTLS = attrs.field(factory=AgentsTLS)  # TLS for the agent stream
 
     @property
     def runs_control_plane(self) -> bool:
@@ -126,6 +128,11 @@ def parse_config(
         catalog=catalog,
         control=read_control(root.table("control")),
         admin=_read_admin(root.table("admin"), root.has("admin"), server, environ),
+        # Read whenever a control plane runs (it then must say how agents connect),
+        # and whenever present, so that a typo never waits for that day.
+        agents=read_agents_tls(root.table("agents"))
+        if catalog.profiled or root.has("agents")
+        else AgentsTLS(),
     )
     root.finish()
     if not config.catalog.models:

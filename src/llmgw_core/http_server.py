@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -71,13 +72,19 @@ class _Upgrade(Exception):
 class Responder:
     """What a handler writes its answer through."""
 
-    __slots__ = ("_conn", "_stream", "chunked", "closing", "started")
+    __slots__ = ("_conn", "_stream", "chunked", "closing", "head", "started")
 
     def __init__(
-        self, conn: h11.Connection, stream: trio.abc.Stream, closing: bool, chunked: bool = False
+        self,
+        conn: h11.Connection,
+        stream: trio.abc.Stream,
+        closing: bool,
+        chunked: bool = False,
+        head: bool = False,
     ) -> None:
         self._conn = conn
         self._stream = stream
+        self.head = head  # a HEAD request: the head is sent, never a body
         self.closing = closing  # ask the client to close after this response
         self.started = False
         # A response started without a content-length goes to this client in
@@ -93,7 +100,7 @@ class Responder:
         )
 
     async def send(self, data: bytes) -> None:
-        if data:
+        if data and not self.head:
             await self._stream.send_all(self._conn.send(h11.Data(data=data)))
 
     async def end(self) -> None:
@@ -112,7 +119,8 @@ class Responder:
                 headers=[*headers, (b"content-length", str(len(body)).encode())],
             )
         )
-        out += conn.send(h11.Data(data=body))
+        if not self.head:
+            out += conn.send(h11.Data(data=body))
         out += conn.send(h11.EndOfMessage())
         await self._stream.send_all(out)
 
@@ -126,7 +134,8 @@ class Responder:
         `chunked` set: h11 keeps no count of chunked bodies, so `end()` still
         writes the last chunk.
         """
-        await self._stream.send_all(framed)
+        if not self.head:
+            await self._stream.send_all(framed)
 
     async def abort(self) -> None:
         """Close the connection mid-answer: the client sees a truncated response."""
@@ -149,17 +158,25 @@ class ReplayStream(trio.abc.Stream):
     replayed, so the websocket library performs its own handshake.
     """
 
-    def __init__(self, replay: bytes, stream: trio.SocketStream) -> None:
+    def __init__(self, replay: bytes, stream: trio.abc.Stream) -> None:
         self._replay = replay
-        self.socket = stream.socket  # lets trio-websocket name the peer
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        self.socket = getattr(transport, "socket", None)  # lets the peer be named
         self._stream = stream
+
+    def peer_certificate(self) -> dict[str, Any] | None:
+        """The client's verified certificate on a TLS connection, else None."""
+        if isinstance(self._stream, trio.SSLStream):
+            cert: dict[str, Any] | None = self._stream.getpeercert()
+            return cert
+        return None
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._replay:
             data, self._replay = self._replay, b""
             await trio.lowlevel.checkpoint()
             return data
-        return await self._stream.receive_some(max_bytes)
+        return bytes(await self._stream.receive_some(max_bytes))
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._stream.send_all(data)
@@ -175,10 +192,15 @@ class HTTPServer:
     """Serves one handler on any number of listeners; `draining` closes idle keep-alives."""
 
     def __init__(
-        self, handler: Handler, limits: ServerLimits, upgrade: UpgradeHandler | None = None
+        self,
+        handler: Handler,
+        limits: ServerLimits,
+        upgrade: UpgradeHandler | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
+        self.ssl_context = ssl_context  # TLS on every accepted connection
         self.upgrade = upgrade  # takes over connections that ask for `Upgrade: websocket`
         self.draining = False
         self.busy = 0  # connections inside a request, for graceful shutdown
@@ -212,7 +234,11 @@ class HTTPServer:
                     await trio.sleep(0.1)
                     continue
                 raise
-            connections.start_soon(self.serve_connection, stream)
+            if self.ssl_context is None:
+                connections.start_soon(self.serve_connection, stream)
+            else:
+                tls = trio.SSLStream(stream, self.ssl_context, server_side=True)
+                connections.start_soon(self.serve_connection, tls)
 
     async def shutdown(self, grace_s: float) -> bool:
         """Stop accepting, close idle keep-alives, wait up to `grace_s` for requests in flight.
@@ -230,7 +256,7 @@ class HTTPServer:
             return True
         return False
 
-    async def serve_connection(self, stream: trio.SocketStream) -> None:
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
         try:
             await _Connection(self, stream).run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
@@ -253,7 +279,7 @@ class _Connection:
     the handler at once; no task is started per request.
     """
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
         self.conn = h11.Connection(
@@ -272,6 +298,8 @@ class _Connection:
             nursery.start_soon(self._reader, reader)
             try:
                 await self._serve(reader)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                pass  # the client went away: nothing to log
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -281,7 +309,7 @@ class _Connection:
                 await self._may_read.wait()
                 self._may_read = trio.Event()
                 try:
-                    data = await self.stream.receive_some(_RECV)
+                    data = bytes(await self.stream.receive_some(_RECV))
                 except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
                     data = b""
                 if self.raw is not None:
@@ -414,6 +442,7 @@ class _Connection:
             self.stream,
             closing=self.server.draining,
             chunked=request.http_version == b"1.1" and request.method != b"HEAD",
+            head=request.method == b"HEAD",
         )
         if self._eof:
             raise trio.BrokenResourceError("the client went away")

@@ -93,6 +93,16 @@ class LaunchSpec:
     dist_port: int  # the head's rendezvous port (used when the replica spans nodes)
     attempt: int = 0  # consecutive failures before this start; 0 for a fresh replica
 
+    def __attrs_post_init__(self) -> None:
+        # A spec travels over the wire: one that cannot describe a shard is refused at
+        # decoding, before any decision is made on it.
+        if not self.nodes or not 0 <= self.rank < len(self.nodes):
+            raise ValueError(f"rank {self.rank} is not one of the {len(self.nodes)} nodes")
+        if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
+            raise ValueError("parallel sizes must be at least 1")
+        if not 0 < self.port < 65536 or not 0 <= self.dist_port < 65536:
+            raise ValueError(f"port {self.port}/{self.dist_port} is not a TCP port")
+
     @property
     def nnodes(self) -> int:
         return len(self.nodes)

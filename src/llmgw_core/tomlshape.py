@@ -6,6 +6,7 @@ out-of-range value is reported the same way: file, key path, what is wrong.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -123,6 +124,8 @@ class Table:
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.fail(key, f"must be a number, not {_type_name(value)}")
+        if not math.isfinite(value):
+            self.fail(key, f"must be a finite number, not {value}")
         if min is not None and value < min:
             self.fail(key, f"must be at least {min}, not {value}")
         return float(value)

@@ -18,6 +18,10 @@ def cli(argv: Sequence[str] | None = None) -> None:
 
 
 def run_cli(argv: list[str]) -> int:
+    if argv[:1] == ["certs"]:
+        from llmgw_server.certs_cli import run as run_certs
+
+        return run_certs(argv[1:])
     parser = argparse.ArgumentParser(
         prog="llmgw-server",
         description="One OpenAI-compatible endpoint in front of your inference engines.",

@@ -10,12 +10,14 @@ of order closes that one stream with a reason; nothing else is touched.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio_websocket
 
-from llmgw_core.http_server import Request
+from llmgw_core.http_server import ReplayStream, Request
+from llmgw_core.inventory import LaunchSpec
+from llmgw_core.tls_config import peer_identity
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
@@ -63,8 +65,17 @@ class _Stream:
 
 
 class AgentService:
-    def __init__(self, plane: ControlPlane, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        heartbeat_interval_s: float,
+        *,
+        require_certificates: bool = False,
+        deny_serials: frozenset[int] = frozenset(),
+    ) -> None:
         self.plane = plane
+        self.require_certificates = require_certificates
+        self.deny_serials = deny_serials
         self.heartbeat_interval_s = heartbeat_interval_s
         self.streams: dict[str, _Stream] = {}
         self._command_ids = 0
@@ -94,13 +105,36 @@ class AgentService:
             if request.path != AGENT_PATH:
                 await ws_request.reject(404, body=b"the agent stream is at /v1/agent")
                 return
+            certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
+            if self.require_certificates and not certificate:
+                log.warning("refused an agent stream from %s: no client certificate", _peer(raw))
+                await ws_request.reject(
+                    403, body=b"a client certificate signed by the fleet CA is required"
+                )
+                return
             ws = await ws_request.accept()
             try:
-                await self._serve(ws, _peer(raw))
+                await self._serve(ws, _peer(raw), certificate)
             finally:
                 nursery.cancel_scope.cancel()
 
-    async def _serve(self, ws: trio_websocket.WebSocketConnection, peer: str) -> None:
+    def _check_identity(self, name: str, certificate: dict[str, Any] | None, peer: str) -> None:
+        """A node registers only under the name its certificate carries, and not when denied."""
+        if not self.require_certificates:
+            return
+        holder = peer_identity(certificate)
+        if holder != name:
+            raise StreamClosed(
+                f"the certificate from {peer} is for {holder!r}, but it registered as {name!r}"
+            )
+        assert certificate is not None
+        serial = int(str(certificate.get("serialNumber", "0")), 16)
+        if serial in self.deny_serials:
+            raise StreamClosed(f"the certificate of {name} (serial {serial:x}) is on the deny list")
+
+    async def _serve(
+        self, ws: trio_websocket.WebSocketConnection, peer: str, certificate: dict[str, Any] | None
+    ) -> None:
         inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
         stream: _Stream | None = None
         try:
@@ -123,6 +157,8 @@ class AgentService:
                         f"protocol version {register.protocol} is not supported "
                         f"(this server speaks {PROTOCOL})"
                     )
+                self._check_identity(register.inventory.name, certificate, peer)
+                _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
                 stream = _Stream(register.inventory.name, ws)
                 old = self.streams.get(stream.node)
                 if old is not None:
@@ -141,7 +177,13 @@ class AgentService:
                 self.plane.registered(register)
                 with stream.cancel_scope:
                     nursery.start_soon(_write_frames, ws, stream.outbox_receive)
+                    budget = _Budget(trio.current_time())
                     async for frame in inbox_receive:
+                        if not budget.take(trio.current_time()):
+                            raise StreamClosed(
+                                f"more than {_BURST} messages in a burst "
+                                f"(at most {_RATE:g} a second are allowed)"
+                            )
                         self._dispatch(stream.node, _decode(frame))
                     stream.close_reason = ""  # the reader ended: the agent went away
                 raise StreamClosed(stream.close_reason, code=1008 if stream.close_reason else 1000)
@@ -165,6 +207,7 @@ class AgentService:
         if isinstance(message, Heartbeat):
             self.plane.heartbeat(node)
         elif isinstance(message, ShardUpdate):
+            _check_own_shards(node, [message.report.spec])
             self.plane.shard_update(node, message)
         elif isinstance(message, Ack):
             if not message.ok:
@@ -173,6 +216,35 @@ class AgentService:
                 )
         else:
             raise StreamClosed(f"{type(message).__name__} is out of order after registration")
+
+
+_RATE = 50.0  # messages a second, sustained: heartbeats and transitions need far fewer
+_BURST = 500
+
+
+class _Budget:
+    """A token bucket per stream: an agent that floods is closed, not obeyed."""
+
+    def __init__(self, now: float) -> None:
+        self.tokens = float(_BURST)
+        self.at = now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(_BURST, self.tokens + (now - self.at) * _RATE)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def _check_own_shards(node: str, specs: list[LaunchSpec]) -> None:
+    for spec in specs:
+        if spec.node != node:
+            raise StreamClosed(
+                f"{node} reports replica {spec.replica_id} rank {spec.rank}, "
+                f"which belongs to node {spec.node}"
+            )
 
 
 def _peer(stream: trio.abc.Stream) -> str:

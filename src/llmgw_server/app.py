@@ -13,6 +13,7 @@ import trio
 
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_core.tls_config import server_context
 from llmgw_server.admin import AdminAPI
 from llmgw_server.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.health import probe_forever
@@ -61,8 +62,18 @@ async def main(
             if config.runs_control_plane:
                 interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
                 plane = ControlPlane(config, router, heartbeat_interval_s=interval)
+                tls = config.agents
+                if tls.insecure:
+                    log.warning(
+                        "[agents] insecure = true: the agent stream is plaintext and anyone who "
+                        "reaches %s can register as a node or receive its commands",
+                        s.control_listen,
+                    )
                 control = HTTPServer(
-                    AdminAPI(plane).handle, ServerLimits(), upgrade=plane.agents.serve_upgrade
+                    AdminAPI(plane).handle,
+                    ServerLimits(),
+                    upgrade=plane.agents.serve_upgrade,
+                    ssl_context=None if tls.insecure else server_context(tls),
                 )
                 control_listeners = await trio.open_tcp_listeners(
                     s.control_listen.port, host=s.control_listen.host

@@ -39,7 +39,12 @@ class ControlPlane:
             now=trio.current_time(),
             instance=secrets.token_hex(3),
         )
-        self.agents = AgentService(self, heartbeat_interval_s)
+        self.agents = AgentService(
+            self,
+            heartbeat_interval_s,
+            require_certificates=not config.agents.insecure,
+            deny_serials=config.agents.deny_serials,
+        )
         self._wake = trio.Event()
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
         self._sleep_until = 0.0

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from llmgw_core.certs import init_ca, issue_node
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MOCK = f'["{sys.executable}", "-m", "llmgw_core.mock_engine"]'
 
@@ -30,8 +32,12 @@ def main() -> int:
     port = int(os.environ.get("LLMGW_DEMO_PORT", "8080"))
     control = port + 1
     work = Path(tempfile.mkdtemp(prefix="llmgw-demo-"))
+    certs = work / "certs"
+    init_ca(certs)  # mutual TLS on the agent stream, as in production
     (work / "server.toml").write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\ncontrol_listen = "127.0.0.1:{control}"\n'
+        f'[agents]\nca = "{certs}/ca.crt"\ncert = "{certs}/server.crt"\n'
+        f'key = "{certs}/server.key"\n'
         "[router]\nhealth_interval_s = 1.0\n"
         "[control]\nsettle_after_start_s = 1\nunreachable_after_s = 5\nlost_after_s = 30\n"
         '[[models]]\nname = "demo-model"\nreplicas = 2\n[models.profile]\nengine = "vllm"\n'
@@ -40,10 +46,12 @@ def main() -> int:
         'model = "demo/demo-70b"\ntensor_parallel = 2\npipeline_parallel = 2\n'
     )
     for name, inventory in (("sim-node-1", "node-2xl4.toml"), ("sim-node-2", "node-8xh100.toml")):
+        crt, key, _ = issue_node(certs, name)
         (work / f"{name}.toml").write_text(
-            f'name = "{name}"\nserver = "ws://127.0.0.1:{control}/v1/agent"\n'
+            f'name = "{name}"\nserver = "wss://127.0.0.1:{control}/v1/agent"\n'
             f'state_dir = "{work / name}"\ninventory_file = "{CONF / "sim" / inventory}"\n'
             'fabric = { ib_domain = "demo" }\nbind_host = "127.0.0.1"\n'
+            f'[tls]\nca = "{certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
             f'[engines.vllm]\ncommand = {MOCK}\nenv = {{ LLMGW_MOCK_TPS = "30" }}\n'
         )
     logs = work / "logs"
@@ -79,13 +87,14 @@ def main() -> int:
                 return 1
             time.sleep(0.3)
         print(
-            f"\nllmgw demo: the router is at {url}/v1, the control plane at http://127.0.0.1:{control}\n"
+            f"\nllmgw demo: the router is at {url}/v1, the control plane at https://127.0.0.1:{control}\n"
             "two agents with simulated GPUs run mock engines the control plane placed\n"
             f"(demo-model: 2 replicas; demo-big: one replica across both nodes). Logs: {logs}\n\n"
             f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
             '    -d \'{"model": "demo-model", "stream": true, '
             '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
-            f"  {sys.executable} -m llmgw_server --control http://127.0.0.1:{control} status\n\n"
+            f"  SSL_CERT_FILE={certs}/ca.crt {sys.executable} -m llmgw_server \\\n"
+            f"    --control https://127.0.0.1:{control} status\n\n"
             "Ctrl-C stops it all.\n",
             flush=True,
         )

@@ -1,0 +1,57 @@
+"""The agent outlives any control plane: bad frames, silence, refusals. Its engines never
+depend on one connection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+import trio_websocket
+
+from llmgw_agent.agent import Agent
+from llmgw_agent.config import parse_agent_config
+from llmgw_core.inventory import Inventory
+from llmgw_core.wire import PROTOCOL, Welcome, encode
+
+
+async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(tmp_path: Path) -> None:
+    behaviours = ["garbage after welcome", "no welcome", "garbage instead of welcome", "refuse", "nan interval"]
+    seen: list[str] = []
+
+    async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
+        what = behaviours[len(seen) % len(behaviours)]
+        seen.append(what)
+        if what == "refuse":
+            await request.reject(403)
+            return
+        ws = await request.accept()
+        await ws.get_message()  # the registration
+        if what == "garbage after welcome":
+            await ws.send_message(encode(Welcome(PROTOCOL, 5.0)))
+            await ws.send_message("this is not json")
+        elif what == "garbage instead of welcome":
+            await ws.send_message("{]")
+        elif what == "nan interval":
+            await ws.send_message(encode(Welcome(PROTOCOL, float("nan"))).replace("NaN", "NaN"))
+        await trio.sleep(30)  # "no welcome": the agent gives up waiting on its own
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            servers = await nursery.start(lambda **kw: trio_websocket.serve_websocket(control_plane, "127.0.0.1", 0, None, **kw))
+            port = servers.port
+            config = parse_agent_config(
+                {
+                    "name": "n1",
+                    "server": f"ws://127.0.0.1:{port}/v1/agent",
+                    "insecure": True,
+                    "state_dir": str(tmp_path / "state"),
+                    "reconnect": {"base_s": 0.01, "cap_s": 0.05},
+                },
+                "<test>",
+            )
+            agent = Agent(config, Inventory(name="n1"))
+            await nursery.start(agent.run)
+            while len(seen) < len(behaviours) + 1:  # every behaviour, then one more dial
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert seen[: len(behaviours)] == behaviours
