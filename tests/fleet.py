@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import ssl
 import subprocess
@@ -101,11 +100,13 @@ class Fleet:
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """The admin CLI against this fleet's control plane (trusting the fleet's CA)."""
         return subprocess.run(
-            [sys.executable, "-m", "llmgw_server", "--control", self.control, *args],
+            [
+                sys.executable, "-m", "llmgw_server",
+                "--control", self.control, "--ca", str(self.certs / "ca.crt"), *args,
+            ],
             capture_output=True,
             text=True,
             timeout=20,
-            env={**os.environ, "SSL_CERT_FILE": str(self.certs / "ca.crt")},
         )
 
     def node(self, name: str) -> dict[str, Any]:

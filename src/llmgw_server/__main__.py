@@ -48,6 +48,12 @@ def run_cli(argv: list[str]) -> int:
         "else http://127.0.0.1:8081)",
     )
     parser.add_argument(
+        "--ca",
+        metavar="FILE",
+        help="the fleet CA to trust for an https control URL (default: [agents] ca of "
+        "--config, else the system's trust store or SSL_CERT_FILE)",
+    )
+    parser.add_argument(
         "--token-file",
         metavar="PATH",
         help="a file holding the admin token for status, explain, drain, cordon... "
@@ -77,15 +83,22 @@ def run_cli(argv: list[str]) -> int:
         except ValueError as exc:
             print(f"llmgw-server: {exc}", file=sys.stderr)
             return 2
-        control = args.control
-        if control is None and args.config:
+        control, ca = args.control, args.ca
+        if args.config and (control is None or ca is None):
             try:
-                control = f"http://{load_config(args.config).server.control_listen}"
+                config = load_config(args.config)
             except ConfigError as exc:
                 print(f"llmgw-server: config error: {exc}", file=sys.stderr)
                 return 2
+            scheme = "http" if config.agents.insecure else "https"
+            control = control or f"{scheme}://{config.server.control_listen}"
+            ca = ca or (str(config.agents.ca) if config.agents.ca else None)
         return run_admin(
-            args.command, getattr(args, "target", None), control or "http://127.0.0.1:8081", token
+            args.command,
+            getattr(args, "target", None),
+            control or "http://127.0.0.1:8081",
+            token,
+            ca=ca,
         )
     file = args.file if args.command == "check-config" else args.config
     if not file:

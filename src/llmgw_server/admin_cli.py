@@ -7,6 +7,7 @@ LLMGW_ADMIN_TOKEN; never from the command line, where other users could read it.
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -97,11 +98,25 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def run(command: str, target: str | None, control: str, token: str | None = None) -> int:
+def run(
+    command: str,
+    target: str | None,
+    control: str,
+    token: str | None = None,
+    *,
+    ca: str | None = None,
+) -> int:
     base = control.rstrip("/") + "/v1/admin"
     headers = {"authorization": f"Bearer {token}"} if token else {}
+    verify: ssl.SSLContext | bool = True
+    if ca:
+        try:
+            verify = ssl.create_default_context(cafile=ca)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"llmgw-server: cannot use the CA file {ca}: {exc}", file=sys.stderr)
+            return 2
     try:
-        with httpx.Client(timeout=10, headers=headers) as client:
+        with httpx.Client(timeout=10, headers=headers, verify=verify) as client:
             if command == "status":
                 response = client.get(f"{base}/status")
                 if response.status_code == 200:

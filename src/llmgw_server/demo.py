@@ -93,8 +93,8 @@ def main() -> int:
             f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
             '    -d \'{"model": "demo-model", "stream": true, '
             '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
-            f"  SSL_CERT_FILE={certs}/ca.crt {sys.executable} -m llmgw_server \\\n"
-            f"    --control https://127.0.0.1:{control} status\n\n"
+            f"  {sys.executable} -m llmgw_server \\\n"
+            f"    --control https://127.0.0.1:{control} --ca {certs}/ca.crt status\n\n"
             "Ctrl-C stops it all.\n",
             flush=True,
         )
