@@ -69,13 +69,20 @@ class Fleet:
         return proc
 
     def agent(
-        self, name: str, inventory: str, fabric: str = "pod-a", env: str = "", cert_for: str = ""
+        self,
+        name: str,
+        inventory: str,
+        fabric: str = "pod-a",
+        env: str = "",
+        cert_for: str = "",
+        via: int | None = None,
     ) -> Proc:
-        """An agent with its own certificate (`cert_for`: one issued to another name)."""
+        """An agent with its own certificate (`cert_for`: one issued to another name);
+        `via`: the port of a relay in front of the control plane."""
         path = self.procs.tmp / f"{name}.toml"
         crt, key, _ = issue_node(self.certs, cert_for or name)
         path.write_text(
-            f'name = "{name}"\nserver = "wss://127.0.0.1:{self.control_port}/v1/agent"\n'
+            f'name = "{name}"\nserver = "wss://127.0.0.1:{via or self.control_port}/v1/agent"\n'
             f'state_dir = "{self.procs.tmp / name}"\ninventory_file = "{SIM / inventory}"\n'
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
