@@ -26,7 +26,7 @@ def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "con
     while time.monotonic() < deadline:
         try:
             value = check()
-        except (httpx.HTTPError, openai.APIError, KeyError, IndexError, ValueError):
+        except (httpx.HTTPError, openai.APIError, KeyError, IndexError, ValueError, StopIteration):
             value = None  # not yet: a replica may be between engines
         if value:
             return value

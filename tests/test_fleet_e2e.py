@@ -66,8 +66,10 @@ def test_a_crashing_engine_is_reported_with_its_output_and_restarted(fleet: Flee
     fleet.server(model("flaky"))
     fleet.agent("gpu-1", "node-2xl4.toml", env='LLMGW_MOCK_EXIT_AFTER = "1.5"')
     failed = wait_until(
-        lambda: [r for r in fleet.status()["replicas"] if r["failures"] >= 1],
-        what="the crash to be reported",
+        lambda: [
+            r for r in fleet.status()["replicas"] if r["failures"] >= 1 and r["shards"][0]["output_tail"]
+        ],
+        what="the crash to be reported with the engine's last lines",
     )[0]
     shard = failed["shards"][0]
     assert "exited with status 3" in shard["detail"]

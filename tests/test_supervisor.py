@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 import trio
 
-from llmgw_agent.supervisor import EngineProcess, Transition
+from llmgw_agent.supervisor import EngineProcess, Transition, read_tail
 from procs import free_port
+
+
+def LOG() -> Path:
+    fd, name = tempfile.mkstemp(suffix=".log")
+    os.close(fd)
+    return Path(name)
 
 
 def alive(pid: int) -> bool:
@@ -37,8 +45,9 @@ async def test_ready_then_stopped_on_cancel() -> None:
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client, trio.open_nursery() as nursery:
             engine = EngineProcess(
-                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client
-            )  # type: ignore[arg-type]
+                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+                LOG(), stop_on_cancel=True,
+            )
             pid = await nursery.start(engine.run)
             while not any(t.state == "ready" for t in seen):
                 await trio.sleep(0.05)
@@ -54,8 +63,9 @@ async def test_crash_is_reported_with_the_output_tail() -> None:
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             engine = EngineProcess(
-                [sys.executable, "-c", script], dict(os.environ), None, report, client, settle_s=30
-            )  # type: ignore[arg-type]
+                [sys.executable, "-c", script], dict(os.environ), None, report, client,  # type: ignore[arg-type]
+                LOG(), settle_s=30,
+            )
             await engine.run()
     assert [t.state for t in seen] == ["starting", "failed"]
     failed = seen[-1]
@@ -81,15 +91,17 @@ async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None
                 [sys.executable, "-c", script],
                 dict(os.environ),
                 None,
-                report,
+                report,  # type: ignore[arg-type]
                 client,
+                LOG(),
                 stop_grace_s=0.5,
                 settle_s=0.2,
-            )  # type: ignore[arg-type]
+                stop_on_cancel=True,
+            )
             await nursery.start(engine.run)
-            while not engine.tail:
+            while not read_tail(engine.log_path):
                 await trio.sleep(0.05)
-            grandchild = int(engine.tail[0])
+            grandchild = int(read_tail(engine.log_path)[0])
             nursery.cancel_scope.cancel()
     assert seen[-1].state == "stopped"
     await trio.sleep(0.2)
@@ -99,5 +111,34 @@ async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None
 async def test_a_missing_binary_fails_cleanly() -> None:
     seen, report = recorder()
     async with httpx.AsyncClient(timeout=1) as client:
-        await EngineProcess(["/nonexistent/vllm"], {}, None, report, client).run()  # type: ignore[arg-type]
+        await EngineProcess(["/nonexistent/vllm"], {}, None, report, client, LOG()).run()  # type: ignore[arg-type]
     assert [t.state for t in seen] == ["failed"] and "cannot start" in seen[0].detail
+
+
+async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> None:
+    """An agent that shuts down leaves its engines serving; a later agent adopts them."""
+    seen, report = recorder()
+    port = free_port()
+    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}/health"
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client:
+            async with trio.open_nursery() as nursery:
+                engine = EngineProcess(argv, dict(os.environ), url, report, client, LOG())  # type: ignore[arg-type]
+                pid = await nursery.start(engine.run)
+                while not any(t.state == "ready" for t in seen):
+                    await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+            assert alive(pid) and [t.state for t in seen] == ["starting", "ready"]
+            from llmgw_agent import procinfo
+
+            adopted, report2 = recorder()
+            async with trio.open_nursery() as nursery:
+                again = EngineProcess(argv, {}, url, report2, client, engine.log_path, stop_on_cancel=True)  # type: ignore[arg-type]
+                nursery.start_soon(again.adopt, pid, procinfo.start_time(pid))
+                while not any(t.state == "ready" for t in adopted):
+                    await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+    assert [t.state for t in adopted] == ["ready", "stopped"]
+    await trio.sleep(0.3)
+    assert not alive(pid)

@@ -81,7 +81,9 @@ async def _run_until_signal(agent: object) -> None:
             await nursery.start(agent.run)
             async for signum in signals:
                 logging.getLogger("llmgw.agent").info(
-                    "received %s: stopping engines and exiting", signal.Signals(signum).name
+                    "received %s: exiting; %d engines keep serving and the next start adopts them",
+                    signal.Signals(signum).name,
+                    len(agent.shards),
                 )
                 nursery.cancel_scope.cancel()
                 break

@@ -12,12 +12,16 @@ import json
 import logging
 import os
 import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import attrs
 import httpx
 import trio
 import trio_websocket
 
+from llmgw_agent import procinfo
+from llmgw_agent import shard_records as records
 from llmgw_agent.adapters import EngineLaunch, build_command
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.supervisor import EngineProcess, Transition
@@ -59,6 +63,13 @@ class _Shard:
     state: ShardState
     detail: str = ""
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    process: EngineProcess | None = None
+
+    def stop(self) -> None:
+        """A stop command: end the engine (cancelling alone would leave it serving)."""
+        if self.process is not None:
+            self.process.stop_on_cancel = True
+        self.scope.cancel()
 
     def report(self) -> ShardReport:
         return ShardReport(self.spec, self.state, self.detail)
@@ -88,6 +99,7 @@ class Agent:
             self._client = client
             engines = await nursery.start(_hold_nursery)
             self._engines = engines
+            self._adopt_engines()
             task_status.started()
             await self._connect_forever()
 
@@ -202,7 +214,7 @@ class Agent:
                 if shard.state not in (ShardState.STOPPED, ShardState.FAILED):
                     self._transition(shard, ShardState.DRAINING, "draining on request")
             else:
-                shard.scope.cancel()
+                shard.stop()
                 if shard.state in (ShardState.FAILED, ShardState.PENDING):
                     self._transition(shard, ShardState.STOPPED, "stopped on request")
                     self._forget_later(shard)
@@ -218,7 +230,7 @@ class Agent:
         key = (spec.replica_id, spec.rank)
         old = self.shards.get(key)
         if old is not None:
-            old.scope.cancel()  # a new attempt replaces the old shard
+            old.stop()  # a new attempt replaces the old shard
         in_use = {
             i
             for k, s in self.shards.items()
@@ -264,22 +276,78 @@ class Agent:
         health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
         assert self._client is not None
 
+        state_dir = config.state_dir
+        logfile = records.log_path(state_dir, spec)
+
+        def remember(pid: int) -> None:
+            records.save(
+                state_dir,
+                records.ShardRecord(
+                    spec, pid, procinfo.start_time(pid) or 0, tuple(command.argv), str(logfile)
+                ),
+            )
+
+        shard.process = EngineProcess(
+            command.argv,
+            {**os.environ, **command.env},
+            health,
+            self._reporter(shard),
+            self._client,
+            logfile,
+            stop_grace_s=config.stop_grace_s,
+            on_spawn=remember,
+        )
+        with shard.scope:
+            await shard.process.run()
+        # Reached when the engine failed or was stopped; an agent that shuts down is
+        # cancelled before this line and keeps the record, so a new agent adopts it.
+        records.remove(state_dir, spec)
+        if shard.state is ShardState.STOPPED:
+            self._forget_later(shard)
+
+    def _reporter(self, shard: _Shard) -> Callable[[Transition], Awaitable[None]]:
         async def report(t: Transition) -> None:
             state = ShardState(t.state)
             if state is ShardState.READY and shard.state is ShardState.DRAINING:
                 return
             self._transition(shard, state, t.detail, t.output_tail)
 
-        process = EngineProcess(
-            command.argv,
-            {**os.environ, **command.env},
-            health,
-            report,
-            self._client,
-            stop_grace_s=config.stop_grace_s,
-        )
+        return report
+
+    def _adopt_engines(self) -> None:
+        """Find the engines an earlier run of this agent started, from the state directory."""
+        config = self.config
+        assert self._engines is not None and self._client is not None
+        for record in records.load(config.state_dir):
+            spec = record.spec
+            key = (spec.replica_id, spec.rank)
+            if not procinfo.same_process(record.pid, record.started, list(record.argv)):
+                detail = f"the engine (pid {record.pid}) ended while the agent was away"
+                log.warning("%s rank %d: %s", spec.replica_id, spec.rank, detail)
+                self.shards[key] = _Shard(spec, ShardState.FAILED, detail)
+                records.remove(config.state_dir, spec)
+                continue
+            log.info("%s rank %d: adopting engine pid %d", spec.replica_id, spec.rank, record.pid)
+            shard = self.shards[key] = _Shard(
+                spec, ShardState.STARTING, f"adopted pid {record.pid}"
+            )
+            health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
+            shard.process = EngineProcess(
+                record.argv,
+                {},
+                health,
+                self._reporter(shard),
+                self._client,
+                Path(record.log),
+                stop_grace_s=config.stop_grace_s,
+            )
+            self._engines.start_soon(self._watch_adopted, shard, record)
+
+    async def _watch_adopted(self, shard: _Shard, record: records.ShardRecord) -> None:
+        assert shard.process is not None
         with shard.scope:
-            await process.run()
+            await shard.process.adopt(record.pid, record.started)
+        records.remove(self.config.state_dir, shard.spec)
         if shard.state is ShardState.STOPPED:
             self._forget_later(shard)
 

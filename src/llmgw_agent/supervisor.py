@@ -1,8 +1,13 @@
-"""One engine process, owned by one task: start, watch readiness, keep its output tail, stop.
+"""One engine process, owned by one task: start or adopt, watch readiness and exit, stop.
 
 The process runs in its own session (process group), so stopping it reaches
 every process the engine started: SIGTERM to the group, a grace period, then
-SIGKILL. Each transition is reported through `report`.
+SIGKILL. Its output goes to a log file, not a pipe, so the engine outlives a
+restart of the agent and its last lines are still there when it fails. Each
+transition is reported through `report`.
+
+When the task is cancelled, the engine is stopped only if `stop_on_cancel` is
+set (a stop command); an agent that shuts down leaves its engines serving.
 """
 
 from __future__ import annotations
@@ -11,16 +16,19 @@ import logging
 import os
 import signal
 import subprocess
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import httpx
 import trio
 
+from llmgw_agent import procinfo
+
 log = logging.getLogger("llmgw.agent.supervisor")
 
 TAIL_LINES = 40
+_POLL_S = 0.5
 
 
 @attrs.frozen
@@ -34,6 +42,49 @@ class Transition:
 Report = Callable[[Transition], Awaitable[None]]
 
 
+def read_tail(path: Path, lines: int = TAIL_LINES) -> tuple[str, ...]:
+    """The last lines of an engine's log file (each cut to 1,000 characters)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return ()
+    text = data.decode("utf-8", errors="replace").splitlines()
+    return tuple(line.rstrip()[:1000] for line in text[-lines:])
+
+
+class _Child:
+    """A process this agent started: waited on directly."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    async def wait(self) -> int:
+        return await self.process.wait()
+
+    def exited(self) -> bool:
+        return self.process.returncode is not None
+
+
+class _Adopted:
+    """A process an earlier run of the agent started: watched through /proc."""
+
+    def __init__(self, pid: int, started: int) -> None:
+        self.pid = pid
+        self.started = started
+
+    async def wait(self) -> int | None:
+        while not self.exited():
+            await trio.sleep(_POLL_S)
+        return None  # not our child: its status is not ours to read
+
+    def exited(self) -> bool:
+        return not procinfo.running(self.pid) or procinfo.start_time(self.pid) != self.started
+
+
 @attrs.define
 class EngineProcess:
     argv: Sequence[str]
@@ -41,95 +92,81 @@ class EngineProcess:
     health_url: str | None  # None: a rank that serves no HTTP; ready once it stays up
     report: Report
     client: httpx.AsyncClient
+    log_path: Path
     stop_grace_s: float = 10.0
     health_interval_s: float = 0.5
     settle_s: float = 1.0  # how long a rank without HTTP must stay up to count as ready
-    tail: deque[str] = attrs.field(factory=lambda: deque(maxlen=TAIL_LINES))
-    process: trio.Process | None = None
+    stop_on_cancel: bool = False  # set by a stop command; else cancelling leaves it running
+    on_spawn: Callable[[int], None] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run until the engine exits (reported as failed) or the task is cancelled (stopped)."""
+        """Start the engine and supervise it until it exits or the task is cancelled."""
         try:
-            process = await trio.lowlevel.open_process(
-                list(self.argv),
-                env=dict(self.env),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            with self.log_path.open("ab") as out:
+                process = await trio.lowlevel.open_process(
+                    list(self.argv),
+                    env=dict(self.env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         except OSError as exc:
             await self.report(Transition("failed", f"cannot start {self.argv[0]}: {exc}"))
             task_status.started(0)
             return
-        self.process = process
+        if self.on_spawn is not None:
+            self.on_spawn(process.pid)
         task_status.started(process.pid)
         await self.report(Transition("starting", f"pid {process.pid}", pid=process.pid))
+        await self._supervise(_Child(process))
+
+    async def adopt(self, pid: int, started: int) -> None:
+        """Supervise an engine a previous run of the agent started (its shard starts out as
+        starting; the first good health check makes it ready, usually before registering)."""
+        await self._supervise(_Adopted(pid, started))
+
+    async def _supervise(self, handle: _Child | _Adopted) -> None:
         final_reported = False
         try:
-            output_done = trio.Event()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_output, process, output_done)
-                nursery.start_soon(self._wait_ready, process)
-                code = await process.wait()
-                # The last lines are the ones that say why: read them before reporting.
-                with trio.move_on_after(1.0):
-                    await output_done.wait()
+                nursery.start_soon(self._wait_ready, handle.pid)
+                code = await handle.wait()
                 nursery.cancel_scope.cancel()
-            _signal_group(process.pid, signal.SIGKILL)  # whatever the engine left behind
+            _signal_group(handle.pid, signal.SIGKILL)  # whatever the engine left behind
             final_reported = True
+            status = "" if code is None else f" with status {_describe(code)}"
             await self.report(
                 Transition(
                     "failed",
-                    f"the engine exited with status {_describe(code)}",
-                    tuple(self.tail),
-                    process.pid,
+                    f"the engine exited{status}",
+                    read_tail(self.log_path),
+                    handle.pid,
                 )
             )
         finally:
-            if not final_reported:
+            if not final_reported and self.stop_on_cancel:
                 # Stopped on request, also when that came while the exit was being read:
                 # either way the group goes and a final state is reported.
                 with trio.CancelScope(shield=True):
-                    if process.returncode is None:
-                        await self._stop(process)
+                    if not handle.exited():
+                        await self._stop(handle)
                     else:
-                        _signal_group(process.pid, signal.SIGKILL)
-                    await self.report(Transition("stopped", "stopped on request", pid=process.pid))
+                        _signal_group(handle.pid, signal.SIGKILL)
+                    await self.report(Transition("stopped", "stopped on request", pid=handle.pid))
 
-    async def _stop(self, process: trio.Process) -> None:
-        _signal_group(process.pid, signal.SIGTERM)
+    async def _stop(self, handle: _Child | _Adopted) -> None:
+        _signal_group(handle.pid, signal.SIGTERM)
         with trio.move_on_after(self.stop_grace_s):
-            await process.wait()
+            await handle.wait()
             return
         log.warning(
-            "engine pid %d ignored SIGTERM for %s s: SIGKILL", process.pid, self.stop_grace_s
+            "engine pid %d ignored SIGTERM for %s s: SIGKILL", handle.pid, self.stop_grace_s
         )
-        _signal_group(process.pid, signal.SIGKILL)
-        await process.wait()
+        _signal_group(handle.pid, signal.SIGKILL)
+        await handle.wait()
 
-    async def _read_output(self, process: trio.Process, done: trio.Event) -> None:
-        assert process.stdout is not None
-        pending = b""
-        while True:
-            try:
-                data = await process.stdout.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                break
-            pending += data
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                self.tail.append(line.decode("utf-8", errors="replace").rstrip()[:1000])
-            if len(pending) > 65536:  # a line with no end: keep its start only
-                self.tail.append(pending[:1000].decode("utf-8", errors="replace"))
-                pending = b""
-        if pending:
-            self.tail.append(pending.decode("utf-8", errors="replace")[:1000])
-        done.set()
-
-    async def _wait_ready(self, process: trio.Process) -> None:
+    async def _wait_ready(self, pid: int) -> None:
         if self.health_url is None:
             await trio.sleep(self.settle_s)
         else:
@@ -141,13 +178,13 @@ class EngineProcess:
                 except httpx.HTTPError:
                     pass
                 await trio.sleep(self.health_interval_s)
-        await self.report(Transition("ready", "", pid=process.pid))
+        await self.report(Transition("ready", "", pid=pid))
 
 
 def _signal_group(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 

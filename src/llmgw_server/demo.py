@@ -7,6 +7,7 @@ adapter, all as separate processes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -113,6 +114,12 @@ def main() -> int:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+        # Agents leave their engines serving when they stop; the demo ends them too.
+        for record in work.glob("*/shards/*.json"):
+            try:
+                os.killpg(json.loads(record.read_text())["pid"], signal.SIGTERM)
+            except (OSError, ValueError, KeyError):
+                pass
 
 
 if __name__ == "__main__":

@@ -361,3 +361,23 @@ def test_nodes_that_share_an_address_share_one_port_space() -> None:
     f.join(*[attrs.evolve(gpu_node(name, 8), address="127.0.0.1") for name in ("n1", "n2")])
     ports = sorted(s.spec.port for s in f.starts())
     assert len(ports) == 2 and ports[1] - ports[0] >= 2  # two pairs, no overlap
+
+
+
+def test_a_replica_given_up_with_its_lost_node_is_retired_when_the_node_returns() -> None:
+    f = fleet_with(model("m", 1, tensor_parallel=8))
+    (first,) = f.starts()
+    f.ready_all()
+    f.silence(first.node)  # its engine keeps running, out of sight
+    f.advance(FAST.lost_after_s + FAST.unreachable_after_s + 10)
+    assert f.cp.lifecycle.nodes[first.node].status is NodeStatus.LOST
+    replacement = f.starts()[-1]
+    assert replacement.node != first.node
+    f.ready_all()
+    f.commands.clear()
+    f.agents[first.node].connected = True
+    f.register(first.node)  # it comes back, still running the old shard
+    f.advance(FAST.drain_timeout_s + 1)
+    stopped = [c for c in f.commands if isinstance(c, DrainShard | StopShard)]
+    assert stopped and all(c.replica_id == first.spec.replica_id for c in stopped)
+    assert f.replicas("m", READY) == {replacement.spec.replica_id}

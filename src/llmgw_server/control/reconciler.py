@@ -95,6 +95,9 @@ class Reconciler:
         self._shards: dict[ShardKey, ShardRecord] = {}
         self._failures: dict[str, Failure] = {}
         self._drained: set[str] = set()
+        # Replicas given up as broken in this run of the control plane (not kept across a
+        # restart: then a returning replica and its replacement are alike, and one is retired).
+        self._abandoned: set[str] = set()
         self._unmarked: set[str] = set()  # nodes whose agent has yet to hear of their flags
         self._status: dict[str, _Status] = {}
         self._short: dict[str, tuple[int, str | None]] = {}  # model -> unplaced, why waiting
@@ -372,6 +375,9 @@ class Reconciler:
                 times.append(c.wait_until)
             spec = records[0].spec
             if c.phase is Phase.BROKEN:
+                # Once given up (a node lost, a rank gone), a replica stays given up: if its
+                # node comes back, the replacement is kept and this one retired.
+                self._abandoned.add(rid)
                 if self._stop(records, commands):
                     notes.append(
                         f"replica {rid} of {spec.model_name} is broken ({c.reason}): "
@@ -431,14 +437,14 @@ class Reconciler:
                 return f"node {r.node} is draining"
         return None
 
-    def _keep_order(self, rid: str, records: list[ShardRecord]) -> tuple[bool, int, str]:
+    def _keep_order(self, rid: str, records: list[ShardRecord]) -> tuple[bool, bool, int, str]:
         nodes = self.lifecycle.nodes
         unreachable = any(nodes[r.node].status is not NodeStatus.REACHABLE for r in records)
         if self._status[rid].classified.phase is Phase.FAILED:
             rank = len(_LIVE_ORDER)
         else:
             rank = max(_LIVE_ORDER.get(r.state, len(_LIVE_ORDER)) for r in records)
-        return (unreachable, rank, rid)
+        return (rid in self._abandoned, unreachable, rank, rid)
 
     def _reachable(self, record: ShardRecord) -> bool:
         return self.lifecycle.nodes[record.node].status is NodeStatus.REACHABLE

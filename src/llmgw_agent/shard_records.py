@@ -1,0 +1,70 @@
+"""The agent's state directory: which engines it runs, so a restarted agent finds them.
+
+One JSON file per shard: its launch spec, the engine's PID, start time and
+command line (so a reused PID is never mistaken for the engine), and its log.
+Written when the engine starts, removed when it is stopped or has failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import attrs
+import cattrs
+
+from llmgw_core.inventory import LaunchSpec
+from llmgw_core.wire import converter
+
+log = logging.getLogger("llmgw.agent.records")
+
+
+@attrs.frozen
+class ShardRecord:
+    spec: LaunchSpec
+    pid: int
+    started: int  # clock ticks after boot, from /proc/PID/stat
+    argv: tuple[str, ...]
+    log: str
+
+
+def _dir(state_dir: Path) -> Path:
+    return state_dir / "shards"
+
+
+def log_path(state_dir: Path, spec: LaunchSpec) -> Path:
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return logs / f"{spec.replica_id}.{spec.rank}.log"
+
+
+def _path(state_dir: Path, spec: LaunchSpec) -> Path:
+    return _dir(state_dir) / f"{spec.replica_id}.{spec.rank}.json"
+
+
+def save(state_dir: Path, record: ShardRecord) -> None:
+    directory = _dir(state_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = _path(state_dir, record.spec)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(converter.unstructure(record)))
+    os.replace(tmp, path)  # never a half-written record after a crash
+
+
+def remove(state_dir: Path, spec: LaunchSpec) -> None:
+    try:
+        _path(state_dir, spec).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def load(state_dir: Path) -> list[ShardRecord]:
+    records = []
+    for path in sorted(_dir(state_dir).glob("*.json")):
+        try:
+            records.append(converter.structure(json.loads(path.read_text()), ShardRecord))
+        except (OSError, ValueError, cattrs.BaseValidationError) as exc:
+            log.error("ignoring the unreadable shard record %s: %s", path, exc)
+    return records
