@@ -46,6 +46,7 @@ from llmgw_core.wire import (
     decode_down,
     encode,
 )
+from llmgw_core.ws_frames import read_frames, write_frames
 
 log = logging.getLogger("llmgw.agent")
 
@@ -154,8 +155,8 @@ class Agent:
                 bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
-                    nursery.start_soon(_read_frames, ws, inbox_send, nursery.cancel_scope)
-                    nursery.start_soon(_write_frames, ws, outbox_receive, nursery.cancel_scope)
+                    nursery.start_soon(read_frames, ws, inbox_send, nursery.cancel_scope)
+                    nursery.start_soon(write_frames, ws, outbox_receive, nursery.cancel_scope)
                     nursery.start_soon(self._heartbeat, interval)
                     async for frame in inbox_receive:
                         try:
@@ -398,31 +399,6 @@ async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
     async with trio.open_nursery() as nursery:
         task_status.started(nursery)
         await trio.sleep_forever()
-
-
-async def _read_frames(
-    ws: trio_websocket.WebSocketConnection,
-    inbox: trio.MemorySendChannel[str | bytes],
-    scope: trio.CancelScope,
-) -> None:
-    async with inbox:
-        try:
-            while True:
-                await inbox.send(await ws.get_message())
-        except trio_websocket.ConnectionClosed:
-            scope.cancel()
-
-
-async def _write_frames(
-    ws: trio_websocket.WebSocketConnection,
-    outbox: trio.MemoryReceiveChannel[str],
-    scope: trio.CancelScope,
-) -> None:
-    try:
-        async for text in outbox:
-            await ws.send_message(text)
-    except trio_websocket.ConnectionClosed:
-        scope.cancel()
 
 
 def _short(exc: BaseException) -> str:

@@ -31,6 +31,7 @@ from llmgw_core.wire import (
     decode_up,
     encode,
 )
+from llmgw_core.ws_frames import read_frames, write_frames
 
 if TYPE_CHECKING:
     from llmgw_server.controlplane import ControlPlane
@@ -139,7 +140,7 @@ class AgentService:
         stream: _Stream | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_read_frames, ws, inbox_send)
+                nursery.start_soon(read_frames, ws, inbox_send)
                 with trio.move_on_after(REGISTER_TIMEOUT_S) as register_scope:
                     try:
                         frame = await inbox_receive.receive()
@@ -176,7 +177,7 @@ class AgentService:
                 self.send(stream.node, Welcome(PROTOCOL, self.heartbeat_interval_s))
                 self.plane.registered(register)
                 with stream.cancel_scope:
-                    nursery.start_soon(_write_frames, ws, stream.outbox_receive)
+                    nursery.start_soon(write_frames, ws, stream.outbox_receive)
                     budget = _Budget(trio.current_time())
                     async for frame in inbox_receive:
                         if not budget.take(trio.current_time()):
@@ -260,24 +261,3 @@ def _decode(frame: str | bytes) -> object:
         return decode_up(frame)
     except WireError as exc:
         raise StreamClosed(str(exc)) from None
-
-
-async def _read_frames(
-    ws: trio_websocket.WebSocketConnection, inbox: trio.MemorySendChannel[str | bytes]
-) -> None:
-    async with inbox:
-        try:
-            while True:
-                await inbox.send(await ws.get_message())
-        except trio_websocket.ConnectionClosed:
-            pass
-
-
-async def _write_frames(
-    ws: trio_websocket.WebSocketConnection, outbox: trio.MemoryReceiveChannel[str]
-) -> None:
-    try:
-        async for text in outbox:
-            await ws.send_message(text)
-    except trio_websocket.ConnectionClosed:
-        pass
