@@ -18,6 +18,7 @@ import random
 import resource
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import trio_websocket
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llmgw_agent.agent import backoff_delay
+from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode
 
@@ -60,8 +62,11 @@ def raise_nofile() -> None:
 
 
 class Sim:
-    def __init__(self, url: str, nodes: int, heartbeat_s: float) -> None:
+    def __init__(
+        self, url: str, nodes: int, heartbeat_s: float, certs: Path | None = None
+    ) -> None:
         self.url = url
+        self.certs = certs  # mTLS: one certificate per simulated node
         self.nodes = nodes
         self.heartbeat_s = heartbeat_s
         self.registered: set[str] = set()
@@ -81,13 +86,24 @@ class Sim:
             gpus=tuple(Gpu(g, f"GPU-{i}-{g}", "NVIDIA H100 80GB HBM3", 81559, 81000) for g in range(8)),
         )
 
+    def _context(self, name: str) -> ssl.SSLContext | None:
+        if self.certs is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+        context.load_cert_chain(
+            str(self.certs / "nodes" / f"{name}.crt"), str(self.certs / "nodes" / f"{name}.key")
+        )
+        return context
+
     async def agent(self, i: int) -> None:
         inventory = self.inventory(i)
         attempt = 0
         await trio.sleep(self.rng.uniform(0, 2))  # nodes do not boot in the same millisecond
         while True:
             try:
-                async with trio_websocket.open_websocket_url(self.url, connect_timeout=30) as ws:
+                async with trio_websocket.open_websocket_url(
+                    self.url, self._context(inventory.name), connect_timeout=30
+                ) as ws:
                     self.connects += 1
                     await ws.send_message(encode(Register(PROTOCOL, "bench", inventory)))
                     welcome = decode_down(await ws.get_message())
@@ -140,12 +156,23 @@ async def run(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="llmgw-fleet-bench-"))
     control = free_port()
     config = work / "server.toml"
+    certs = work / "certs" if args.tls else None
+    if certs is not None:
+        init_ca(certs)
+        for i in range(args.nodes):
+            issue_node(certs, f"sim-{i:04d}")
+        agents = (
+            f'[agents]\nca = "{certs}/ca.crt"\ncert = "{certs}/server.crt"\n'
+            f'key = "{certs}/server.key"\n'
+        )
+    else:
+        agents = "[agents]\ninsecure = true\n"  # the control plane alone, not TLS
     # One model no node can hold: the control plane works (registers, explains,
     # heartbeats), and no engine is started.
     config.write_text(
         f'[server]\nlisten = "127.0.0.1:{free_port()}"\ncontrol_listen = "127.0.0.1:{control}"\n'
-        # Plaintext: this measures the control plane, not TLS (see the README).
-        "[agents]\ninsecure = true\n"
+        + agents
+        +
         f"[control]\nunreachable_after_s = {3 * args.heartbeat}\nlost_after_s = 120\n"
         '[[models]]\nname = "unplaceable"\n[models.profile]\nengine = "vllm"\nmodel = "x"\n'
         'tensor_parallel = 4\ngpu_model = "B300"\n'
@@ -154,7 +181,8 @@ async def run(args: argparse.Namespace) -> None:
     server = start_server(config, log)
     await trio.sleep(1.5)
     base_rss = rss_kib(server.pid)
-    sim = Sim(f"ws://127.0.0.1:{control}/v1/agent", args.nodes, args.heartbeat)
+    scheme = "wss" if certs else "ws"
+    sim = Sim(f"{scheme}://127.0.0.1:{control}/v1/agent", args.nodes, args.heartbeat, certs)
     results: list[tuple[str, str]] = []
     async with trio.open_nursery() as nursery:
         t0 = time.monotonic()
@@ -204,7 +232,7 @@ async def run(args: argparse.Namespace) -> None:
     print(text)
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "fleet.md").write_text(text + "\n")
+    (out / ("fleet-tls.md" if args.tls else "fleet.md")).write_text(text + "\n")
 
 
 def main() -> None:
@@ -212,6 +240,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--heartbeat", type=float, default=5.0)
     parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--tls", action="store_true", help="mutual TLS, as in production")
     trio.run(run, parser.parse_args())
 
 
