@@ -84,6 +84,9 @@ class Pool:
                 if exc.silent:
                     continue  # closed before a single byte: stale, not a failure
                 raise
+            except BaseException:  # cancelled (client gone, first-byte timeout): close now
+                exchange.release()
+                raise
             return exchange
         exchange = Exchange(self, await self._connect())
         try:
@@ -91,6 +94,9 @@ class Pool:
         except (trio.BrokenResourceError, OSError) as exc:
             exchange.release()
             raise UpstreamError(f"sending to {self.endpoint} failed: {exc}", connect=True) from None
+        except BaseException:
+            exchange.release()
+            raise
         try:
             await exchange.read_head()
         except BaseException:
