@@ -348,3 +348,16 @@ def test_config_errors_exit_2_without_traceback(tmp_path) -> None:  # type: igno
         assert done.returncode == 2, done
         assert expected in done.stderr and str(path) in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_an_engine_that_stalls_after_its_head_is_cut_off(procs: Procs) -> None:
+    engine = procs.mock("m", "--mock-tokens", "5", "--mock-tokens-per-second", "0.2")
+    router = procs.router(
+        models_toml({"m": [engine.url]}) + "\n[router]\nread_idle_timeout_s = 0.5\n"
+    )
+    started = time.monotonic()
+    response = httpx.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=20)
+    events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert time.monotonic() - started < 10  # not the 25 s the engine would take
+    error = json.loads(events[-1][6:])["error"]
+    assert "sent nothing for 0.5 s" in error["message"]

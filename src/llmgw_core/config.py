@@ -52,6 +52,7 @@ class RouterSection:
     retries: int = 2  # further attempts on other replicas before the first byte
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 600.0
+    read_idle_timeout_s: float = 300.0  # after the head: an engine silent this long has stalled
     eject_after_failures: int = 3  # consecutive failures that eject a replica
     eject_cooldown_s: float = 10.0
     health_interval_s: float = 5.0
@@ -170,6 +171,7 @@ def _read_router(t: Table) -> RouterSection:
         retries=t.integer("retries", d.retries, min=0),
         connect_timeout_s=t.number("connect_timeout_s", d.connect_timeout_s, min=0.01),
         first_byte_timeout_s=t.number("first_byte_timeout_s", d.first_byte_timeout_s, min=0.1),
+        read_idle_timeout_s=t.number("read_idle_timeout_s", d.read_idle_timeout_s, min=0.1),
         eject_after_failures=t.integer("eject_after_failures", d.eject_after_failures, min=1),
         eject_cooldown_s=t.number("eject_cooldown_s", d.eject_cooldown_s, min=0.01),
         health_interval_s=t.number("health_interval_s", d.health_interval_s, min=0.01),

@@ -65,7 +65,9 @@ class Router:
             )
         for endpoint in endpoints:
             if endpoint not in self.pools:
-                self.pools[endpoint] = Pool(endpoint, self.tuning.connect_timeout_s)
+                self.pools[endpoint] = Pool(
+                    endpoint, self.tuning.connect_timeout_s, self.tuning.read_idle_timeout_s
+                )
         balancer.set_endpoints(endpoints)
         in_use = {r.endpoint for b in self.balancers.values() for r in b.replicas}
         for endpoint in [e for e in self.pools if e not in in_use]:

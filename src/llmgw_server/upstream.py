@@ -40,9 +40,12 @@ class _Conn:
 class Pool:
     """Idle keep-alive connections to one engine."""
 
-    def __init__(self, endpoint: Endpoint, connect_timeout_s: float) -> None:
+    def __init__(
+        self, endpoint: Endpoint, connect_timeout_s: float, idle_timeout_s: float = 300.0
+    ) -> None:
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s  # between reads, once the head has come
         self._host = f"{endpoint.host}:{endpoint.port}".encode()
         self._idle: list[_Conn] = []
         self.closed = False
@@ -154,7 +157,7 @@ class Exchange:
                 raise UpstreamError(f"{self._pool.endpoint} answered garbage: {exc}") from None
             if event is h11.NEED_DATA:
                 try:
-                    data = await self._conn.stream.receive_some(_RECV)
+                    data = await self._receive()
                 except (trio.BrokenResourceError, OSError) as exc:
                     raise UpstreamError(
                         f"{self._pool.endpoint} broke the connection: {exc}",
@@ -164,6 +167,15 @@ class Exchange:
                 c.receive_data(data)
                 continue
             return event
+
+    async def _receive(self) -> bytes:
+        """One read; after the head, an engine that stays silent too long has stalled."""
+        if not self.status:  # the head: the router's first-byte timeout applies
+            return bytes(await self._conn.stream.receive_some(_RECV))
+        idle = self._pool.idle_timeout_s
+        with trio.move_on_after(idle):
+            return bytes(await self._conn.stream.receive_some(_RECV))
+        raise UpstreamError(f"{self._pool.endpoint} sent nothing for {idle:g} s")
 
     async def read_head(self) -> None:
         while True:
@@ -220,7 +232,6 @@ class Exchange:
         """
         scanner = ChunkScanner()
         data, _ = self._conn.h11.trailing_data
-        stream = self._conn.stream
         endpoint = self._pool.endpoint
         while True:
             if data:
@@ -235,7 +246,7 @@ class Exchange:
                     self._raw_done = not scanner.extra
                     return
             try:
-                data = await stream.receive_some(_RECV)
+                data = await self._receive()
             except (trio.BrokenResourceError, OSError) as exc:
                 raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
             if not data:
