@@ -142,3 +142,19 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
     assert [t.state for t in adopted] == ["ready", "stopped"]
     await trio.sleep(0.3)
     assert not alive(pid)
+
+
+async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() -> None:
+    seen, report = recorder()
+    port = free_port()
+    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port), "--mock-startup-delay", "60"]
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client:
+            engine = EngineProcess(
+                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+                LOG(), start_timeout_s=1.0, stop_grace_s=1.0,
+            )
+            await engine.run()
+    assert [t.state for t in seen] == ["starting", "failed"]
+    assert seen[-1].detail == "the engine did not become healthy within 1 s"
+    assert any("mock engine serving" in line for line in seen[-1].output_tail)

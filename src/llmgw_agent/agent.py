@@ -296,6 +296,7 @@ class Agent:
             self._client,
             logfile,
             stop_grace_s=config.stop_grace_s,
+            start_timeout_s=config.start_timeout_s,
             on_spawn=remember,
         )
         with shard.scope:
@@ -341,6 +342,7 @@ class Agent:
                 self._client,
                 Path(record.log),
                 stop_grace_s=config.stop_grace_s,
+                start_timeout_s=config.start_timeout_s,
             )
             self._engines.start_soon(self._watch_adopted, shard, record)
 

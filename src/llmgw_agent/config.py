@@ -46,6 +46,7 @@ class AgentConfig:
     reconnect_base_s: float = 0.5
     reconnect_cap_s: float = 30.0
     stop_grace_s: float = 30.0
+    start_timeout_s: float = 1800.0
 
 
 def load_agent_config(path: str | Path) -> AgentConfig:
@@ -119,6 +120,7 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         reconnect_base_s=base_s,
         reconnect_cap_s=cap_s,
         stop_grace_s=t.number("stop_grace_s", 30.0, min=0),
+        start_timeout_s=t.number("start_timeout_s", 1800.0, min=0.1),
     )
     t.finish()
     return config

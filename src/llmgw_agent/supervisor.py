@@ -98,6 +98,8 @@ class EngineProcess:
     settle_s: float = 1.0  # how long a rank without HTTP must stay up to count as ready
     stop_on_cancel: bool = False  # set by a stop command; else cancelling leaves it running
     on_spawn: Callable[[int], None] | None = None
+    start_timeout_s: float = 1800.0  # loading weights takes long, but not forever
+    _gave_up: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the engine and supervise it until it exits or the task is cancelled."""
@@ -136,10 +138,15 @@ class EngineProcess:
             _signal_group(handle.pid, signal.SIGKILL)  # whatever the engine left behind
             final_reported = True
             status = "" if code is None else f" with status {_describe(code)}"
+            why = (
+                f"the engine did not become healthy within {self.start_timeout_s:g} s"
+                if self._gave_up
+                else f"the engine exited{status}"
+            )
             await self.report(
                 Transition(
                     "failed",
-                    f"the engine exited{status}",
+                    why,
                     read_tail(self.log_path),
                     handle.pid,
                 )
@@ -167,18 +174,25 @@ class EngineProcess:
         await handle.wait()
 
     async def _wait_ready(self, pid: int) -> None:
-        if self.health_url is None:
-            await trio.sleep(self.settle_s)
-        else:
-            while True:
-                try:
-                    response = await self.client.get(self.health_url)
-                    if response.status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(self.health_interval_s)
-        await self.report(Transition("ready", "", pid=pid))
+        with trio.move_on_after(self.start_timeout_s):
+            if self.health_url is None:
+                await trio.sleep(self.settle_s)
+            else:
+                while True:
+                    try:
+                        response = await self.client.get(self.health_url)
+                        if response.status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await trio.sleep(self.health_interval_s)
+            await self.report(Transition("ready", "", pid=pid))
+            return
+        # Never healthy: stop it; its exit is then reported as this failure.
+        self._gave_up = True
+        _signal_group(pid, signal.SIGTERM)
+        await trio.sleep(self.stop_grace_s)
+        _signal_group(pid, signal.SIGKILL)
 
 
 def _signal_group(pid: int, signum: int) -> None:
