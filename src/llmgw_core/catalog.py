@@ -30,6 +30,9 @@ class Endpoint:
     host: str
     port: int
     prefix: str = ""  # a path prefix when the engine sits behind a path-routing proxy
+    # Sent as `Authorization: Bearer` on every request and health probe (empty: none).
+    # Part of equality: a new key is a new engine, so no pooled connection carries over.
+    api_key: str = attrs.field(default="", repr=False)
 
     @property
     def url(self) -> str:

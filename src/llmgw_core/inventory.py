@@ -92,6 +92,9 @@ class LaunchSpec:
     port: int  # the head's HTTP port
     dist_port: int  # the head's rendezvous port (used when the replica spans nodes)
     attempt: int = 0  # consecutive failures before this start; 0 for a fresh replica
+    # The key the engine requires on every request (empty: none). It reaches the engine
+    # through its environment, never its command line, and the router sends it.
+    api_key: str = attrs.field(default="", repr=False)
 
     def __attrs_post_init__(self) -> None:
         # A spec travels over the wire: one that cannot describe a shard is refused at
