@@ -4,6 +4,13 @@ One nursery owns everything. The engines live in their own nursery, beside the
 connection loop rather than inside it, so that they keep serving while the
 control plane is away; each connection's reader, writer and heartbeat timer
 live in that connection's nursery and end with it.
+
+A stream on which nothing arrives from the control plane for the bound that
+`ws_frames.silence_bound` derives from the heartbeat interval (a ping is sent
+when it is quiet) is cut and dialled again: a control plane that vanished
+without closing (host off, route black-holed) is noticed in 20 s, not in TCP's
+15 minutes. A session that registered resets the backoff, so the redial comes
+within `reconnect.base_s`, whatever the failures before it.
 """
 
 from __future__ import annotations
@@ -46,11 +53,15 @@ from llmgw_core.wire import (
     decode_down,
     encode,
 )
-from llmgw_core.ws_frames import read_frames, write_frames
+from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound, write_frames
 
 log = logging.getLogger("llmgw.agent")
 
 ShardId = tuple[str, int]  # replica id, rank
+
+# Closing waits this long for the control plane's close frame (the library's default is
+# 60 s); a stream cut for silence is closed at once, without waiting.
+DISCONNECT_TIMEOUT_S = 5.0
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -87,7 +98,9 @@ class Agent:
         self._engines: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
         self.connected = trio.Event()  # set on each registration, for tests and logs
+        self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
+        self._silence_s = 0.0  # the current stream's silence bound, for the log
         self._ssl_context = client_context(config.tls) if config.tls.cert else None
         if config.insecure:
             log.warning("insecure = true: the stream to %s is plaintext", config.server)
@@ -107,9 +120,9 @@ class Agent:
     async def _connect_forever(self) -> None:
         attempt = 0
         while True:
-            registered = False
+            registrations = self.registrations
             try:
-                registered = await self._session()
+                await self._session()
             except* (
                 OSError,
                 trio.TooSlowError,
@@ -122,20 +135,35 @@ class Agent:
             except* Exception as group:
                 # Nothing that goes wrong with one connection may reach the engines.
                 log.error("the session with %s failed", self.config.server, exc_info=group)
-            attempt = 0 if registered else attempt + 1
+            # A session that registered, however it ended, starts the backoff over: the
+            # redial after a cut stream comes within base_s, not after the cap.
+            attempt = 0 if self.registrations > registrations else attempt + 1
             delay = backoff_delay(
                 attempt, self.config.reconnect_base_s, self.config.reconnect_cap_s, self.rng
             )
             log.info("reconnecting in %.2f s", delay)
             await trio.sleep(delay)
 
-    async def _session(self) -> bool:
-        """One connection, from dial to close; True once it registered."""
+    async def _session(self) -> None:
+        """One connection, from dial to close (or to the cut of a silent stream)."""
+        with trio.CancelScope() as cut:
+            await self._connection(cut)
+        if cut.cancelled_caught:
+            log.warning(
+                "nothing from the control plane %s for %g s, not even a pong: dialing again",
+                self.config.server,
+                self._silence_s,
+            )
+
+    async def _connection(self, cut: trio.CancelScope) -> None:
+        # `cut` lies outside the websocket's context: cancelled, it closes the socket
+        # without waiting for a close handshake that a vanished peer never answers.
         async with trio_websocket.open_websocket_url(
             self.config.server,
             self._ssl_context,
             max_message_size=MAX_FRAME_BYTES,
             connect_timeout=10,
+            disconnect_timeout=DISCONNECT_TIMEOUT_S,
         ) as ws:
             outbox_send, outbox_receive = trio.open_memory_channel[str](1024)
             # Queue transitions from the moment the snapshot is taken: one that happens
@@ -147,17 +175,22 @@ class Agent:
                     welcome = decode_down(await ws.get_message())
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
-                log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
-                self.connected.set()
+                heard = Heard(trio.current_time())
                 interval = welcome.heartbeat_interval_s
                 if not 0.05 <= interval <= 3600:  # NaN fails both
                     raise WireError(f"a heartbeat interval of {interval} s makes no sense")
+                log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+                self.registrations += 1
+                self.connected.set()
+                bound = silence_bound(interval)
+                self._silence_s = bound.cut_after_s
                 bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
-                    nursery.start_soon(read_frames, ws, inbox_send, nursery.cancel_scope)
+                    nursery.start_soon(read_frames, ws, inbox_send, nursery.cancel_scope, heard)
                     nursery.start_soon(write_frames, ws, outbox_receive, nursery.cancel_scope)
                     nursery.start_soon(self._heartbeat, interval)
+                    nursery.start_soon(cut_when_silent, ws, heard, bound, cut)
                     async for frame in inbox_receive:
                         try:
                             message = decode_down(frame)
@@ -174,7 +207,6 @@ class Agent:
                 self.connected = trio.Event()
             if ws.closed is not None and ws.closed.reason:
                 log.warning("the control plane closed the stream: %s", ws.closed.reason)
-        return True
 
     async def _heartbeat(self, interval_s: float) -> None:
         seq = 0

@@ -1,22 +1,78 @@
 """One reader and one writer task per websocket, with memory channels between them and
-the logic, so a slow consumer never stops the connection's pings (both daemons use them)."""
+the logic, so a slow consumer never stops the connection's pings (both daemons use them);
+and the watch that tells a silent peer from a quiet one.
+
+A peer that vanishes without closing (host powered off, route black-holed) leaves
+the socket open: writes still succeed into the kernel's buffer, and TCP would
+take its retransmission timeout (~15 minutes) to give up. So the agent counts
+the stream dead when nothing has come from the peer for a bound derived from
+the heartbeat interval. Any frame the peer sends counts; on a quiet stream a
+websocket ping, answered by the peer's websocket library without reaching its
+control loop, is sent after half the bound.
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import attrs
 import trio
 import trio_websocket
+
+# The agent cuts a stream after this many heartbeat intervals without a frame...
+SILENT_INTERVALS = 4.0
+# ...but never sooner than this, so a busy peer on a short interval is not cut off...
+MIN_CUT_S = 2.0
+# ...and never later than this, so that with a redial (a registered session's backoff
+# is at most reconnect base_s, 0.5 s by default) the node is back within 30 s.
+MAX_CUT_S = 20.0
+
+
+@attrs.frozen
+class SilenceBound:
+    """After `probe_after_s` without a frame, ask with a ping; after `cut_after_s`, the
+    stream is dead."""
+
+    probe_after_s: float
+    cut_after_s: float
+
+
+def silence_bound(heartbeat_interval_s: float) -> SilenceBound:
+    """The bound for a stream whose heartbeat interval is `heartbeat_interval_s`: with the
+    control plane's 5 s, a ping after 10 s of quiet and a cut after 20 s."""
+    cut = min(max(SILENT_INTERVALS * heartbeat_interval_s, MIN_CUT_S), MAX_CUT_S)
+    return SilenceBound(probe_after_s=cut / 2, cut_after_s=cut)
+
+
+@attrs.define
+class Heard:
+    """When the peer was last heard from (trio's clock)."""
+
+    at: float
+
+    def now(self) -> None:
+        self.at = max(self.at, trio.current_time())
+
+
+class Pingable(Protocol):
+    async def ping(self, payload: bytes | None = None) -> None: ...
 
 
 async def read_frames(
     ws: trio_websocket.WebSocketConnection,
     inbox: trio.MemorySendChannel[str | bytes],
     on_close: trio.CancelScope | None = None,
+    heard: Heard | None = None,
 ) -> None:
-    """Feed every frame into `inbox`; close it (and cancel `on_close`) when the peer goes."""
+    """Feed every frame into `inbox` (noting it in `heard`); close it (and cancel
+    `on_close`) when the peer goes."""
     async with inbox:
         try:
             while True:
-                await inbox.send(await ws.get_message())
+                frame = await ws.get_message()
+                if heard is not None:
+                    heard.now()
+                await inbox.send(frame)
         except trio_websocket.ConnectionClosed:
             if on_close is not None:
                 on_close.cancel()
@@ -34,3 +90,26 @@ async def write_frames(
     except trio_websocket.ConnectionClosed:
         if on_close is not None:
             on_close.cancel()
+
+
+async def cut_when_silent(
+    ws: Pingable, heard: Heard, bound: SilenceBound, cut: trio.CancelScope
+) -> None:
+    """Cancel `cut` once nothing (no frame, no pong) has come for `bound.cut_after_s`.
+
+    Returns without cutting when the connection closes: the reader reports that.
+    """
+    try:
+        while True:
+            quiet_since = heard.at
+            await trio.sleep_until(quiet_since + bound.probe_after_s)
+            if heard.at > quiet_since:
+                continue  # a frame came meanwhile: no need to ask
+            with trio.move_on_at(quiet_since + bound.cut_after_s):
+                await ws.ping()
+                heard.now()
+            if heard.at == quiet_since:
+                cut.cancel()
+                return
+    except trio_websocket.ConnectionClosed:
+        return
