@@ -5,11 +5,17 @@ channel (so a slow control loop never stops websocket pings), a writer
 draining the node's outbox, and the loop that hands decoded messages to the
 control plane. A bad frame, an unsupported protocol version or a message out
 of order closes that one stream with a reason; nothing else is touched.
+
+A node the lifecycle declares unreachable while its stream is open has sent
+nothing for `unreachable_after`: its stream is dead (the agent vanished, or the
+route to it is black-holed) and is closed, so no task waits on it for TCP's
+retransmission timeout; a live agent dials again and registers.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -32,6 +38,7 @@ from llmgw_core.wire import (
     encode,
 )
 from llmgw_core.ws_frames import read_frames, write_frames
+from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
 
 if TYPE_CHECKING:
     from llmgw_server.controlplane import ControlPlane
@@ -92,6 +99,11 @@ class AgentService:
             stream.close(f"{OUTBOX_SIZE} messages wait unread")
             return False
         return True
+
+    def close_silent(self, transitions: Iterable[NodeTransition]) -> None:
+        """Close the streams of nodes that `transitions` declare no longer reachable."""
+        for node, reason in silent_streams(transitions, self.streams):
+            self.streams[node].close(reason)
 
     def next_command_id(self) -> int:
         self._command_ids += 1
@@ -217,6 +229,21 @@ class AgentService:
                 )
         else:
             raise StreamClosed(f"{type(message).__name__} is out of order after registration")
+
+
+def silent_streams(
+    transitions: Iterable[NodeTransition], open_streams: Container[str]
+) -> list[tuple[str, str]]:
+    """The nodes whose open stream must close, with the reason, for these transitions.
+
+    A stream that closed first has already left `open_streams`, so its own
+    "stream closed" transition closes nothing.
+    """
+    return [
+        (t.node, f"declared {t.new}: {t.reason}")
+        for t in transitions
+        if t.new is not NodeStatus.REACHABLE and t.node in open_streams
+    ]
 
 
 _RATE = 50.0  # messages a second, sustained: heartbeats and transitions need far fewer

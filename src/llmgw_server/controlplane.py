@@ -125,6 +125,7 @@ class ControlPlane:
                 log.info("node %s joined (%s)", transition.node, transition.reason)
         for note in step.notes:
             log.info("%s", note)
+        self.agents.close_silent(step.transitions)  # a node declared unreachable: dead stream
         for command in step.commands:
             self._deliver(command)
         if step.reconciled:  # which replicas serve may have changed

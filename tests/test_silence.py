@@ -1,0 +1,339 @@
+"""Silence is a failure on both ends of the agent stream.
+
+The agent cuts a stream on which nothing has come from the control plane for
+its silence bound and dials again at once; the server closes the stream of a
+node it declares unreachable. Pure parts with an autojump clock, the two ends
+in process over real sockets, and the whole with real processes and a relay
+that black-holes the open connection while new ones get through.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+import trio
+import trio_websocket
+
+from fleet import Fleet, wait_until
+from llmgw_agent.agent import Agent
+from llmgw_agent.config import AgentConfig, parse_agent_config
+from llmgw_core.config import parse_config
+from llmgw_core.inventory import Gpu, Inventory
+from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode
+from llmgw_core.ws_frames import (
+    MAX_CUT_S,
+    MIN_CUT_S,
+    Heard,
+    SilenceBound,
+    cut_when_silent,
+    silence_bound,
+)
+from llmgw_server.agentsvc import silent_streams
+from llmgw_server.app import Running, main
+from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
+from procs import Proc, free_port
+from tcp_relay import Relay
+
+# -- the bound ----------------------------------------------------------------
+
+
+def test_the_bound_follows_the_heartbeat_interval_and_keeps_the_30_s_promise() -> None:
+    assert silence_bound(5.0) == SilenceBound(probe_after_s=10.0, cut_after_s=20.0)
+    assert silence_bound(0.5) == SilenceBound(probe_after_s=1.0, cut_after_s=2.0)
+    assert silence_bound(0.05).cut_after_s == MIN_CUT_S  # a busy peer is not cut at 0.2 s
+    assert silence_bound(3600).cut_after_s == MAX_CUT_S
+    base = attrs.fields(AgentConfig).reconnect_base_s.default
+    for interval in (0.05, 0.5, 1, 5, 7, 60, 3600):
+        bound = silence_bound(interval)
+        assert 0 < bound.probe_after_s < bound.cut_after_s
+        # Cut, then the redial of a session that registered: room left for the dial itself.
+        assert bound.cut_after_s + base <= 25
+
+
+# -- the watch, on an autojump clock ----------------------------------------------
+
+
+class FakePeer:
+    """Answers pings after a round trip, or never (a black-holed route)."""
+
+    def __init__(self, answers: bool, closed: bool = False) -> None:
+        self.answers = answers
+        self.closed = closed
+        self.pings: list[float] = []
+
+    async def ping(self, payload: bytes | None = None) -> None:
+        self.pings.append(trio.current_time())
+        if self.closed:
+            raise trio_websocket.ConnectionClosed(trio_websocket.CloseReason(1000, None))
+        if not self.answers:
+            await trio.sleep_forever()
+        await trio.sleep(0.05)
+
+
+async def watch(peer: FakePeer, heard: Heard, for_s: float) -> bool:
+    """Run the watch for at most `for_s`; True when it cut the stream."""
+    with trio.move_on_after(for_s):
+        with trio.CancelScope() as cut:
+            await cut_when_silent(peer, heard, silence_bound(5.0), cut)
+            await trio.sleep_forever()  # returned without cutting
+    return cut.cancelled_caught
+
+
+async def test_a_silent_peer_is_pinged_once_then_cut_at_the_bound(autojump_clock: object) -> None:
+    start = trio.current_time()
+    peer = FakePeer(answers=False)
+    assert await watch(peer, Heard(start), 600)
+    assert trio.current_time() - start == pytest.approx(20.0)
+    assert [t - start for t in peer.pings] == [pytest.approx(10.0)]
+
+
+async def test_a_quiet_peer_that_answers_pings_is_never_cut(autojump_clock: object) -> None:
+    start = trio.current_time()
+    peer = FakePeer(answers=True)
+    assert not await watch(peer, Heard(start), 600)
+    assert 55 <= len(peer.pings) <= 60  # one ping per 10 s of quiet, no more
+
+
+async def test_frames_keep_a_stream_alive_without_any_ping(autojump_clock: object) -> None:
+    heard = Heard(trio.current_time())
+    peer = FakePeer(answers=False)  # would be cut if it were ever asked
+
+    async def frames() -> None:
+        while True:
+            await trio.sleep(9.0)
+            heard.now()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(frames)
+        assert not await watch(peer, heard, 600)
+        nursery.cancel_scope.cancel()
+    assert peer.pings == []
+
+
+async def test_a_closed_connection_is_left_to_the_reader(autojump_clock: object) -> None:
+    peer = FakePeer(answers=True, closed=True)
+    with trio.CancelScope() as cut:
+        await cut_when_silent(peer, Heard(trio.current_time()), silence_bound(5.0), cut)
+    assert not cut.cancel_called and len(peer.pings) == 1
+
+
+def test_only_open_streams_of_nodes_no_longer_reachable_are_closed() -> None:
+    def t(node: str, old: NodeStatus | None, new: NodeStatus, reason: str) -> NodeTransition:
+        return NodeTransition(node, old, new, 1.0, reason)
+
+    transitions = [
+        t("a", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "no heartbeat for 15 s"),
+        t("b", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "stream closed"),  # already gone
+        t("c", NodeStatus.UNREACHABLE, NodeStatus.REACHABLE, "heartbeat"),
+        t("d", None, NodeStatus.REACHABLE, "registered"),
+    ]
+    assert silent_streams(transitions, {"a", "c", "d"}) == [
+        ("a", "declared unreachable: no heartbeat for 15 s")
+    ]
+
+
+# -- the agent's end, in process ------------------------------------------------------
+
+
+class Ceilings(random.Random):
+    """Records each backoff's ceiling and waits not at all, so the test shows which
+    ceiling the redial after a cut gets without sitting through it."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.ceilings: list[float] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.ceilings.append(b)
+        return a
+
+
+async def test_the_agent_cuts_a_black_holed_stream_and_redials_without_the_backoff_cap(
+    tmp_path: Path,
+) -> None:
+    refusals = 8  # enough failed dials to push the backoff to its 30 s cap
+    interval = 0.5
+    registered: list[float] = []
+
+    async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
+        if refusals > len(ceilings.ceilings):
+            await request.reject(503)
+            return
+        ws = await request.accept()
+        await ws.get_message()  # the registration
+        await ws.send_message(encode(Welcome(PROTOCOL, interval)))
+        registered.append(trio.current_time())
+        try:
+            while True:
+                await ws.get_message()  # heartbeats; its library answers pings
+        except trio_websocket.ConnectionClosed:
+            pass
+
+    ceilings = Ceilings()
+    bound = silence_bound(interval)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                lambda **kw: trio_websocket.serve_websocket(
+                    control_plane, "127.0.0.1", 0, None, **kw
+                )
+            )
+            relay = Relay(server.port)
+            relay_port = await nursery.start(relay.serve)
+            config = parse_agent_config(
+                {
+                    "name": "n1",
+                    "server": f"ws://127.0.0.1:{relay_port}/v1/agent",
+                    "insecure": True,
+                    "state_dir": str(tmp_path / "state"),
+                    "reconnect": {"base_s": 0.5, "cap_s": 30.0},
+                },
+                "<test>",
+            )
+            agent = Agent(config, Inventory(name="n1"))
+            agent.rng = ceilings
+            await nursery.start(agent.run)
+            while not registered:
+                await trio.sleep(0.01)
+            assert ceilings.ceilings[-1] == 30.0  # the failed dials reached the cap
+            silence_began = trio.current_time()
+            relay.black_hole_open_connections()
+            with trio.fail_after(bound.cut_after_s + 2.0):
+                while len(registered) < 2:
+                    await trio.sleep(0.01)
+            back_after = registered[1] - silence_began
+            nursery.cancel_scope.cancel()
+    # Not before the bound: a ping after half of it went unanswered first.
+    assert back_after >= bound.cut_after_s - 0.1
+    assert agent.registrations == 2
+    # The redial after the cut starts the backoff over: at most base_s, not the cap.
+    assert ceilings.ceilings[refusals:] == [0.5]
+
+
+# -- the server's end, in process ------------------------------------------------------
+
+CONFIG: dict[str, object] = {
+    "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
+    "agents": {"insecure": True},
+    "control": {"unreachable_after_s": 1.0, "lost_after_s": 60.0},
+    "models": [
+        {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
+    ],
+}
+
+
+def inventory(name: str) -> Inventory:
+    return Inventory(name=name, gpus=(Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500),))
+
+
+async def test_the_server_closes_the_stream_of_a_node_it_declares_unreachable() -> None:
+    stop = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            running: Running = await nursery.start(
+                lambda **kw: main(parse_config(CONFIG, "<test>"), stop=stop, **kw)
+            )
+            assert running.plane is not None
+            streams = running.plane.agents.streams
+            url = f"ws://127.0.0.1:{running.control_port}/v1/agent"
+
+            async def status() -> dict[str, str]:
+                async with httpx.AsyncClient() as client:
+                    answer = await client.get(
+                        f"http://127.0.0.1:{running.control_port}/v1/admin/status"
+                    )
+                return {n["name"]: n["status"] for n in answer.json()["nodes"]}
+
+            async with (
+                trio_websocket.open_websocket_url(url) as live,
+                trio_websocket.open_websocket_url(url) as silent,
+            ):
+                await live.send_message(encode(Register(PROTOCOL, "t", inventory("live"))))
+                welcome = decode_down(await live.get_message())
+                assert isinstance(welcome, Welcome)
+
+                async def heartbeats() -> None:
+                    seq = 0
+                    while True:
+                        await trio.sleep(welcome.heartbeat_interval_s)
+                        seq += 1
+                        await live.send_message(encode(Heartbeat(seq)))
+
+                nursery.start_soon(heartbeats)
+                # Registers, then sends nothing more, and never closes.
+                await silent.send_message(encode(Register(PROTOCOL, "t", inventory("silent"))))
+                assert isinstance(decode_down(await silent.get_message()), Welcome)
+                welcomed = trio.current_time()
+                assert set(streams) == {"live", "silent"}
+                with trio.fail_after(5):
+                    with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                        await silent.get_message()
+                # Not before unreachable_after: the decision is the lifecycle's.
+                assert trio.current_time() - welcomed >= 1.0 - 0.05
+                reason = closed.value.reason.reason or ""
+                assert reason == "declared unreachable: no heartbeat for 1 s", reason
+                # Its task is gone; the node it served stays known as unreachable.
+                with trio.fail_after(5):
+                    while "silent" in streams:
+                        await trio.sleep(0.01)
+                assert await status() == {"live": "reachable", "silent": "unreachable"}
+                assert set(streams) == {"live"} and live.closed is None
+                nursery.cancel_scope.cancel()
+            stop.set()
+
+
+# -- both ends, with real processes ------------------------------------------------
+
+
+def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
+    fleet: Fleet,
+) -> None:
+    """The control plane's default timers (unreachable after 15 s, a heartbeat every 5 s,
+    so the agent cuts after 20 s): what a fleet runs, so the 30 s are the real ones."""
+    relay_port = free_port()
+    relay = Proc(
+        [sys.executable, str(Path(__file__).parent / "tcp_relay.py"), str(relay_port), str(fleet.control_port)],
+        relay_port,
+    )
+    fleet.procs.all.append(relay)
+    wait_until(lambda: "relaying" in relay.output(), what="the relay")
+    path = fleet.procs.tmp / "server.toml"
+    path.write_text(
+        f'[server]\nlisten = "127.0.0.1:{fleet.port}"\n'
+        f'control_listen = "127.0.0.1:{fleet.control_port}"\nshutdown_grace_s = 2\n'
+        f'[agents]\nca = "{fleet.certs}/ca.crt"\ncert = "{fleet.certs}/server.crt"\n'
+        f'key = "{fleet.certs}/server.key"\n'
+        # A model no node fits: the test is about the stream, not engines.
+        '[[models]]\nname = "m"\n[models.profile]\nengine = "vllm"\nmodel = "org/m"\n'
+        'gpu_model = "B300"\n'
+    )
+    server = Proc([sys.executable, "-m", "llmgw_server", "--config", str(path)], fleet.port)
+    fleet.procs.all.append(server)
+    server.wait_http("/healthz")
+    agent = fleet.agent("gpu-1", "node-2xl4.toml", via=relay_port)
+    wait_until(lambda: fleet.node("gpu-1")["status"] == "reachable", what="registration")
+
+    silence_began = time.monotonic()
+    relay.signal(signal.SIGHUP)  # the open stream goes silent; new connections get through
+    wait_until(lambda: "black-holed 1 connections" in relay.output(), timeout=5, what="the black hole")
+
+    def back_on_a_new_stream() -> bool:
+        asked = time.monotonic()
+        node = fleet.node("gpu-1")
+        heard_at = asked - node["last_seen_s_ago"]
+        return bool(node["status"] == "reachable" and heard_at > silence_began + 0.5)
+
+    wait_until(back_on_a_new_stream, timeout=30 - (time.monotonic() - silence_began), what="gpu-1 back")
+    back_after = time.monotonic() - silence_began
+    assert back_after < 30, back_after
+    assert "not even a pong: dialing again" in agent.output()
+    assert "closing the stream of gpu-1: declared unreachable: no heartbeat for 15 s" in server.output()
+    assert "black-holed 1 connections" in relay.output() and relay.popen.poll() is None
+    print(f"back on a new stream {back_after:.1f} s after the silence began")
