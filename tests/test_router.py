@@ -313,15 +313,29 @@ def test_graceful_shutdown_finishes_the_request_in_flight(procs: Procs) -> None:
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(0.4)
+    wait_until(
+        lambda: metric(router_metrics(router), "llmgw_requests_in_flight", model="m") == 1,
+        what="the stream to be in flight",
+    )
     router.signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(router.url + "/healthz", timeout=2)
+    wait_until(lambda: refuses_connections(router.url), what="the router to stop listening")
+    assert reader.is_alive()  # 15 tokens at 10/s: still streaming while the router drains
     reader.join(20)
     assert router.popen.wait(10) == 0
     lines = result["lines"]
     assert isinstance(lines, list) and lines[-1] == "data: [DONE]" and len(lines) == 15 + 3
+
+
+def router_metrics(router: object) -> str:
+    return httpx.get(router.url + "/metrics").text  # type: ignore[attr-defined]
+
+
+def refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(url + "/healthz", timeout=2)
+    except httpx.ConnectError:
+        return True
+    return False
 
 
 def test_config_errors_exit_2_without_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]

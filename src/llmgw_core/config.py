@@ -53,6 +53,9 @@ class RouterSection:
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 600.0
     read_idle_timeout_s: float = 300.0  # after the head: an engine silent this long has stalled
+    # A pooled connection idle longer than this is never reused: engines close idle
+    # keep-alives without saying so (uvicorn after 5 s, llama-server after 5 s).
+    upstream_idle_s: float = 4.0
     eject_after_failures: int = 3  # consecutive failures that eject a replica
     eject_cooldown_s: float = 10.0
     health_interval_s: float = 5.0
@@ -172,6 +175,7 @@ def _read_router(t: Table) -> RouterSection:
         connect_timeout_s=t.number("connect_timeout_s", d.connect_timeout_s, min=0.01),
         first_byte_timeout_s=t.number("first_byte_timeout_s", d.first_byte_timeout_s, min=0.1),
         read_idle_timeout_s=t.number("read_idle_timeout_s", d.read_idle_timeout_s, min=0.1),
+        upstream_idle_s=t.number("upstream_idle_s", d.upstream_idle_s, min=0),
         eject_after_failures=t.integer("eject_after_failures", d.eject_after_failures, min=1),
         eject_cooldown_s=t.number("eject_cooldown_s", d.eject_cooldown_s, min=0.01),
         health_interval_s=t.number("health_interval_s", d.health_interval_s, min=0.01),

@@ -28,6 +28,7 @@ class Replica:
     probe_after: float = 0.0  # when an ejected replica may be probed again
     failures: int = 0  # consecutive
     draining: bool = False  # takes no new requests; those in flight finish
+    busy_until: float = 0.0  # it answered 429/503 with Retry-After: others go first until then
 
     @property
     def available(self) -> bool:
@@ -46,16 +47,30 @@ class Balancer:
     _turn: int = 0
 
     def pick(
-        self, *, exclude: Collection[Replica] = (), session: str | None = None
+        self,
+        *,
+        exclude: Collection[Replica] = (),
+        session: str | None = None,
+        now: float | None = None,
     ) -> Replica | None:
+        """A replica for one request; given `now`, busy ones only when no other is left."""
         if session is not None:
             pinned = self._affinity.get(session)
-            if pinned is not None and pinned.available and pinned not in exclude:
+            if (
+                pinned is not None
+                and pinned.available
+                and pinned not in exclude
+                and (now is None or pinned.busy_until <= now)
+            ):
                 self._affinity.move_to_end(session)
                 return pinned
         candidates = [r for r in self.replicas if r.available and r not in exclude]
         if not candidates:
             return None
+        if now is not None:
+            # The engine asked for a pause; it still answers, so it is not ruled out.
+            rested = [r for r in candidates if r.busy_until <= now]
+            candidates = rested or candidates
         if len(candidates) > _P2C_ABOVE:
             a, b = self.rng.sample(candidates, 2)
             chosen = a if a.outstanding <= b.outstanding else b
@@ -83,6 +98,10 @@ class Balancer:
 
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0
+
+    def busy(self, replica: Replica, retry_after_s: float, now: float) -> None:
+        """It answered 429/503: alive, but others go first for `retry_after_s`."""
+        replica.busy_until = max(replica.busy_until, now + retry_after_s)
 
     def failed(self, replica: Replica, now: float) -> bool:
         """Count a failure; returns True when it ejects the replica."""

@@ -39,9 +39,10 @@ async def probe_forever(
 async def _probe(
     client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica
 ) -> None:
-    url = replica.endpoint.url + "/health"
+    endpoint = replica.endpoint
+    headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else None
     try:
-        response = await client.get(url)
+        response = await client.get(endpoint.url + "/health", headers=headers)
         ok = response.status_code == 200
         why = f"answered {response.status_code}"
     except httpx.HTTPError as exc:

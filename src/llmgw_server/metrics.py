@@ -6,7 +6,9 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable
 
+from llmgw_core.catalog import Endpoint
 from llmgw_server.balancer import Balancer
+from llmgw_server.upstream import Pool
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -52,7 +54,7 @@ class RouterMetrics:
         self.latency: defaultdict[str, Histogram] = defaultdict(Histogram)
         self.ttfb: defaultdict[str, Histogram] = defaultdict(Histogram)
 
-    def render(self, balancers: dict[str, Balancer]) -> bytes:
+    def render(self, balancers: dict[str, Balancer], pools: dict[Endpoint, Pool]) -> bytes:
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -68,6 +70,14 @@ class RouterMetrics:
         family("llmgw_upstream_retries_total", "counter", "Attempts made on another replica.")
         for model, n in sorted(self.retries.items()):
             out.append(f"llmgw_upstream_retries_total{_labels(model=model)} {n}")
+        family(
+            "llmgw_upstream_stale_connections_total",
+            "counter",
+            "Requests sent again on a fresh connection after the engine had closed a pooled one.",
+        )
+        for pool in sorted(pools.values(), key=lambda p: p.endpoint.url):
+            labels = _labels(endpoint=pool.endpoint.url)
+            out.append(f"llmgw_upstream_stale_connections_total{labels} {pool.stale_retries}")
         family("llmgw_replica_ejections_total", "counter", "Replicas ejected after failures.")
         for (model, endpoint), n in sorted(self.ejections.items()):
             out.append(

@@ -8,12 +8,14 @@ import time
 from collections.abc import Sequence
 from typing import Literal
 
+import attrs
 import trio
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, digest_of
 from llmgw_core.http_server import JSON, Request, Responder
 from llmgw_core.openai_errors import error_body, sse_error_event
+from llmgw_core.ratelog import RateLimit
 from llmgw_server.balancer import Balancer, Replica
 from llmgw_server.metrics import RouterMetrics
 from llmgw_server.upstream import Exchange, Pool, UpstreamError
@@ -51,6 +53,7 @@ class Router:
         self.balancers: dict[str, Balancer] = {}
         self.ready = False  # the first health probe round is done
         self.draining = False
+        self._5xx_log = RateLimit(period_s=10.0)
         for model in config.catalog.models:
             self.set_endpoints(model.name, model.endpoints)
 
@@ -66,7 +69,10 @@ class Router:
         for endpoint in endpoints:
             if endpoint not in self.pools:
                 self.pools[endpoint] = Pool(
-                    endpoint, self.tuning.connect_timeout_s, self.tuning.read_idle_timeout_s
+                    endpoint,
+                    self.tuning.connect_timeout_s,
+                    self.tuning.read_idle_timeout_s,
+                    self.tuning.upstream_idle_s,
                 )
         balancer.set_endpoints(endpoints)
         in_use = {r.endpoint for b in self.balancers.values() for r in b.replicas}
@@ -103,7 +109,7 @@ class Router:
         elif path == b"/metrics":
             await responder.whole(
                 200,
-                self.metrics.render(self.balancers),
+                self.metrics.render(self.balancers, self.pools),
                 [(b"content-type", b"text/plain; version=0.0.4")],
             )
         else:
@@ -181,9 +187,9 @@ class Router:
         session = session_value.decode("latin-1") if session_value else None
         headers = [(k, v) for k, v in request.headers if k not in _HOP_BY_HOP]
         tried: list[Replica] = []
-        last_error: tuple[int, bytes] | None = None
+        last: _Refusal | None = None
         for attempt in range(1 + tuning.retries):
-            replica = balancer.pick(exclude=tried, session=session)
+            replica = balancer.pick(exclude=tried, session=session, now=trio.current_time())
             if replica is None:
                 break
             if attempt:
@@ -199,7 +205,7 @@ class Router:
                             request.method, request.target, headers, request.body
                         )
                     except UpstreamError as exc:
-                        last_error = (502, error_body(502, str(exc)))
+                        last = _Refusal(502, error_body(502, str(exc)), replica, str(exc))
                         self._failed(model, balancer, replica, str(exc))
                         continue
                 if exchange is None:
@@ -207,33 +213,44 @@ class Router:
                     message = (
                         f"{replica.endpoint} sent no answer within {tuning.first_byte_timeout_s} s"
                     )
-                    last_error = (504, error_body(504, message))
+                    last = _Refusal(504, error_body(504, message), replica, message)
                     self._failed(model, balancer, replica, message)
                     continue
                 try:
                     ttfb = time.monotonic() - started
-                    if exchange.status >= 500:
+                    status = exchange.status
+                    if status in _UNHEALTHY or status in _BUSY:
                         try:
                             text = await exchange.read_body(_ERROR_BODY_LIMIT)
                         except UpstreamError:
-                            text = error_body(502, f"{replica.endpoint} answered {exchange.status}")
-                        last_error = (exchange.status, text)
-                        self._failed(model, balancer, replica, f"answered {exchange.status}")
+                            text = error_body(502, f"{replica.endpoint} answered {status}")
+                        why = f"answered {status}"
+                        retry_after = _header(exchange.headers, b"retry-after")
+                        last = _Refusal(status, text, replica, why, retry_after)
+                        if status in _UNHEALTHY:
+                            self._failed(model, balancer, replica, why)
+                        else:  # the engine is alive and says so: not a failure
+                            balancer.busy(replica, _seconds(retry_after), trio.current_time())
                         continue
                     self.metrics.ttfb[model].observe(ttfb)
                     await self._relay(model, balancer, replica, exchange, responder, stream)
                     self.metrics.latency[model].observe(time.monotonic() - started)
-                    return exchange.status
+                    return status
                 finally:
                     exchange.release()
             finally:
                 replica.outstanding -= 1
-        if last_error is None:
-            await responder.error(503, f"no healthy replica for the model {model!r}")
+        if last is None:
+            message = f"no healthy replica for the model {model!r}"
+            self._log_5xx(model, None, 503, message)
+            await responder.error(503, message)
             return 503
-        status, text = last_error
-        await responder.whole(status, text, _content_type_of(text))
-        return status
+        self._log_5xx(model, last.replica, last.status, last.why)
+        answer_headers = _content_type_of(last.body)
+        if last.retry_after:
+            answer_headers = [*answer_headers, (b"retry-after", last.retry_after)]
+        await responder.whole(last.status, last.body, answer_headers)
+        return last.status
 
     async def _relay(
         self,
@@ -245,6 +262,8 @@ class Router:
         stream: bool,
     ) -> None:
         headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
+        if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
+            self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
         length = _header(exchange.headers, b"content-length")
         framed = bool(length)
         if framed and int(length) <= _WHOLE_LIMIT:
@@ -253,6 +272,7 @@ class Router:
                 body = await exchange.read_body(_WHOLE_LIMIT)
             except UpstreamError as exc:
                 self._failed(model, balancer, replica, str(exc))
+                self._log_5xx(model, replica, 502, f"the answer broke off: {exc}")
                 await responder.error(502, f"the engine's answer broke off: {exc}")
                 return
             balancer.succeeded(replica)
@@ -270,6 +290,7 @@ class Router:
                     await responder.send(data)
         except UpstreamError as exc:
             self._failed(model, balancer, replica, str(exc))
+            self._log_5xx(model, replica, 502, f"the answer broke off after its head: {exc}")
             sse = _header(exchange.headers, b"content-type").startswith(b"text/event-stream")
             if sse and not framed:
                 await responder.send(sse_error_event(502, f"the engine stream broke: {exc}"))
@@ -279,6 +300,15 @@ class Router:
             return
         balancer.succeeded(replica)
         await responder.end()
+
+    def _log_5xx(self, model: str, replica: Replica | None, status: int, why: str) -> None:
+        """One line per 5xx sent or relayed, at most one a period for each model and replica."""
+        where = str(replica.endpoint) if replica is not None else "-"
+        suppressed = self._5xx_log.allow((model, where, status), trio.current_time())
+        if suppressed is None:
+            return
+        more = f" ({suppressed} more since the last line)" if suppressed else ""
+        log.warning("%d for %s from replica %s: %s%s", status, model, where, why, more)
 
     def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
         if balancer.failed(replica, trio.current_time()):
@@ -293,6 +323,33 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/v1/models", b"/healthz", b"/readyz", b"/metrics"})
+# Signs of an unhealthy replica: counted towards ejection, tried on another replica.
+_UNHEALTHY = frozenset({500, 502, 504})
+# A live engine saying "not now" (overloaded, still loading): tried on another replica,
+# never counted. Every other status (any 4xx, 501, ...) is the engine's answer to this
+# request, relayed as it is.
+_BUSY = frozenset({429, 503})
+_RETRY_AFTER_MAX_S = 60.0
+
+
+@attrs.frozen
+class _Refusal:
+    """The last answer that was not relayed, what the client gets if no replica does better."""
+
+    status: int
+    body: bytes
+    replica: Replica
+    why: str
+    retry_after: bytes = b""
+
+
+def _seconds(retry_after: bytes) -> float:
+    """Retry-After in seconds (the HTTP-date form and nonsense count as none), capped."""
+    try:
+        value = float(retry_after)
+    except ValueError:
+        return 0.0
+    return min(value, _RETRY_AFTER_MAX_S) if value > 0 else 0.0
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:

@@ -4,10 +4,18 @@ An `Exchange` is one request to one engine. The caller reads the response
 head, then the body piece by piece as the engine writes it, and releases the
 exchange: a connection that finished cleanly goes back to its pool, any
 other is closed (so a cancelled client request closes its upstream at once).
+
+Real engines close idle keep-alive connections without a word (uvicorn after
+5 s, llama-server after 5 s and after every stream), so a pooled connection is
+reused only while younger than the engine's idle limit and not already closed,
+and a request that fails on a reused connection before a single byte of the
+answer is sent again on a fresh one: that is the pool's race, not a failure of
+the engine. Only what fails on a fresh connection reaches the caller.
 """
 
 from __future__ import annotations
 
+import select
 from collections.abc import AsyncIterator
 
 import h11
@@ -30,25 +38,62 @@ class UpstreamError(Exception):
 
 
 class _Conn:
-    __slots__ = ("h11", "stream")
+    __slots__ = ("h11", "idle_since", "stream")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    def closed_by_peer(self) -> bool:
+        """An idle connection has nothing to read unless the engine closed it (or broke)."""
+        poller = select.poll()
+        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
+
+def keep_alive_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
+    """The `timeout=N` of a `Keep-Alive` response header, if the engine sent one."""
+    for key, value in headers:
+        if key == b"keep-alive":
+            for part in value.split(b","):
+                name, _, number = part.strip().partition(b"=")
+                if name.strip().lower() == b"timeout":
+                    try:
+                        timeout = float(number.strip())
+                    except ValueError:
+                        return None
+                    return timeout if timeout >= 0 else None
+    return None
 
 
 class Pool:
     """Idle keep-alive connections to one engine."""
 
     def __init__(
-        self, endpoint: Endpoint, connect_timeout_s: float, idle_timeout_s: float = 300.0
+        self,
+        endpoint: Endpoint,
+        connect_timeout_s: float,
+        idle_timeout_s: float = 300.0,
+        reuse_idle_s: float = 4.0,
     ) -> None:
         self.endpoint = endpoint
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s  # between reads, once the head has come
+        # A connection idle longer than this is not reused; an engine's Keep-Alive
+        # header lowers it (never raises it).
+        self.reuse_idle_s = reuse_idle_s
         self._host = f"{endpoint.host}:{endpoint.port}".encode()
+        self._auth = [(b"authorization", b"Bearer " + endpoint.api_key.encode())]
+        if not endpoint.api_key:
+            self._auth = []
         self._idle: list[_Conn] = []
         self.closed = False
+        self.stale_retries = 0  # requests sent again after a reused connection failed
+
+    def engine_keep_alive(self, timeout_s: float) -> None:
+        """The engine announced its idle limit: stay a second inside it."""
+        self.reuse_idle_s = min(self.reuse_idle_s, max(0.0, timeout_s - 1.0))
 
     async def _connect(self) -> _Conn:
         with trio.move_on_after(self.connect_timeout_s) as scope:
@@ -63,28 +108,46 @@ class Pool:
         return _Conn(stream)
 
     def _give_back(self, conn: _Conn) -> None:
-        if not self.closed and len(self._idle) < _MAX_IDLE:
+        if not self.closed and len(self._idle) < _MAX_IDLE and self.reuse_idle_s > 0:
+            conn.idle_since = trio.current_time()
             self._idle.append(conn)
         else:
             conn.stream.socket.close()
+
+    def _reusable(self) -> _Conn | None:
+        """The most recently used idle connection the engine has not closed, if any."""
+        now = trio.current_time()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < self.reuse_idle_s and not conn.closed_by_peer():
+                return conn
+            conn.stream.socket.close()
+        return None
 
     async def open(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> Exchange:
         """Send a request and read the response head; the body is read from the Exchange."""
-        head = [(b"host", self._host), *headers, (b"content-length", str(len(body)).encode())]
+        head = [
+            (b"host", self._host),
+            *headers,
+            *self._auth,
+            (b"content-length", str(len(body)).encode()),
+        ]
         target = self.endpoint.prefix.encode() + target
-        while self._idle:
-            exchange = Exchange(self, self._idle.pop())
+        while (conn := self._reusable()) is not None:
+            exchange = Exchange(self, conn)
             try:
                 await self._send(exchange._conn, method, target, head, body)
                 await exchange.read_head()
             except (trio.BrokenResourceError, OSError, h11.LocalProtocolError):
                 exchange.release()  # the engine had closed this idle connection
+                self.stale_retries += 1
                 continue
             except UpstreamError as exc:
                 exchange.release()
                 if exc.silent:
+                    self.stale_retries += 1
                     continue  # closed before a single byte: stale, not a failure
                 raise
             except BaseException:  # cancelled (client gone, first-byte timeout): close now
@@ -154,7 +217,11 @@ class Exchange:
             try:
                 event = c.next_event()
             except h11.RemoteProtocolError as exc:
-                raise UpstreamError(f"{self._pool.endpoint} answered garbage: {exc}") from None
+                # Before a single byte this is an end of file where an answer was due
+                # (h11 reports a close in SEND_RESPONSE as a protocol error).
+                raise UpstreamError(
+                    f"{self._pool.endpoint} answered garbage: {exc}", silent=not self._received
+                ) from None
             if event is h11.NEED_DATA:
                 try:
                     data = await self._receive()
@@ -186,6 +253,9 @@ class Exchange:
                 self.keep_alive = event.http_version == b"1.1" and not any(
                     k == b"connection" and b"close" in v.lower() for k, v in self.headers
                 )
+                timeout = keep_alive_timeout(self.headers)
+                if timeout is not None:
+                    self._pool.engine_keep_alive(timeout)
                 return
             if isinstance(event, h11.ConnectionClosed):
                 raise UpstreamError(
