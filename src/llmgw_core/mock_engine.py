@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import attrs
 import trio
 
 from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_core.openai_errors import error_body
 
 log = logging.getLogger("llmgw.mock_engine")
 
@@ -45,17 +47,25 @@ class MockSettings:
     startup_delay_s: float = 0.0
     exit_after_s: float = 0.0  # 0: never
     fail_status: int = 0  # answer every inference request with this status (0: no)
+    retry_after: int = 0  # with fail_status: a Retry-After header in seconds (0: none)
     garbage: bool = False  # answer inference requests with bytes that are not HTTP
     break_after_chunks: int = 0  # close a stream abruptly after N chunks (0: no)
     sse_ping: bool = False  # send a `: ping` comment before the first chunk
     embedding_dim: int = 16
     headless: bool = False  # a non-head rank of a multi-node replica: serves nothing
+    # Like the real engines: idle keep-alive connections are closed after this, without
+    # `Connection: close` (uvicorn's default --timeout-keep-alive, and llama-server's).
+    keepalive_s: float = 5.0
+    close_after_stream: bool = False  # close the connection after each stream (llama-server)
+    unsupported: tuple[str, ...] = ()  # endpoints answered 501 (llama-server without a flag)
+    api_key: str = ""  # required as a bearer token on /v1 (vLLM's --api-key / VLLM_API_KEY)
 
 
 _CONTROLLABLE = (
     "tokens",
     "tokens_per_second",
     "fail_status",
+    "retry_after",
     "garbage",
     "break_after_chunks",
     "sse_ping",
@@ -71,6 +81,21 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     parser.add_argument("--served-model-name", nargs="+", default=None)
     parser.add_argument("--headless", action="store_true")
     e = env.get
+    parser.add_argument("--api-key", default=e("VLLM_API_KEY", ""))
+    parser.add_argument(
+        "--mock-keepalive", type=float, default=float(e("LLMGW_MOCK_KEEPALIVE", "5"))
+    )
+    parser.add_argument(
+        "--mock-close-after-stream",
+        action="store_true",
+        default=e("LLMGW_MOCK_CLOSE_AFTER_STREAM", "") == "1",
+    )
+    parser.add_argument(
+        "--mock-unsupported",
+        action="append",
+        default=[p for p in e("LLMGW_MOCK_UNSUPPORTED", "").split(",") if p],
+        help="an endpoint such as /v1/embeddings to answer 501 (repeatable)",
+    )
     parser.add_argument("--mock-tokens", type=int, default=int(e("LLMGW_MOCK_TOKENS", "16")))
     parser.add_argument(
         "--mock-tokens-per-second", type=float, default=float(e("LLMGW_MOCK_TPS", "0"))
@@ -111,6 +136,10 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         break_after_chunks=args.mock_break_after_chunks,
         sse_ping=args.mock_sse_ping,
         headless=args.headless,
+        keepalive_s=args.mock_keepalive,
+        close_after_stream=args.mock_close_after_stream,
+        unsupported=tuple(args.mock_unsupported),
+        api_key=args.api_key,
     )
 
 
@@ -151,6 +180,9 @@ class MockEngine:
         if path == b"/metrics":
             await responder.whole(200, self._metrics(), [(b"content-type", b"text/plain")])
             return
+        if self.settings.api_key and path.startswith(b"/v1") and not self._authorized(request):
+            await responder.whole(401, b'{"error": "Unauthorized"}')  # vLLM's answer
+            return
         if path == b"/v1/models":
             await responder.whole(200, self._models())
             return
@@ -159,6 +191,11 @@ class MockEngine:
             return
         if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
             await responder.error(404, f"no route {path.decode(errors='replace')}")
+            return
+        if path.decode() in self.settings.unsupported:
+            # llama-server's answer to /v1/embeddings when started without --embeddings.
+            message = f"This server does not support {path.decode()}"
+            await responder.whole(501, error_body(501, message, "not_supported_error"))
             return
         if request.method != b"POST":
             await responder.error(405, "use POST")
@@ -172,7 +209,11 @@ class MockEngine:
             await responder.abort()
             return
         if settings.fail_status:
-            await responder.error(settings.fail_status, "mock engine failing as asked")
+            body = error_body(settings.fail_status, "mock engine failing as asked")
+            headers = list(_JSON)
+            if settings.retry_after:
+                headers.append((b"retry-after", str(settings.retry_after).encode()))
+            await responder.whole(settings.fail_status, body, headers)
             return
         try:
             body = json.loads(request.body)
@@ -194,6 +235,10 @@ class MockEngine:
             self.served += 1
         finally:
             self.running -= 1
+
+    def _authorized(self, request: Request) -> bool:
+        value = request.header(b"authorization") or b""
+        return hmac.compare_digest(value, b"Bearer " + self.settings.api_key.encode())
 
     async def _control(self, request: Request, responder: Responder) -> None:
         try:
@@ -283,6 +328,8 @@ class MockEngine:
             await responder.send(b"data: " + json.dumps(event).encode() + b"\n\n")
         await responder.send(b"data: [DONE]\n\n")
         await responder.end()
+        if settings.close_after_stream:
+            await responder.abort()  # as llama-server: the connection ends with the stream
 
     async def _pace(self, tokens: int) -> None:
         tps = self.settings.tokens_per_second
@@ -348,7 +395,7 @@ async def main(
         task_status.started(0)
         await trio.sleep_forever()
     engine = MockEngine(settings)
-    server = HTTPServer(engine.handle, ServerLimits())
+    server = HTTPServer(engine.handle, ServerLimits(keepalive_timeout_s=settings.keepalive_s))
     listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
     port = listeners[0].socket.getsockname()[1]
     engine.fingerprint = f"mock:{port}"
