@@ -1,65 +1,92 @@
-"""Exact argument construction for every engine."""
+"""llama.cpp's command line, as the real llama-server showed it must be (vLLM and
+SGLang: test_adapter_golden.py)."""
 
 from __future__ import annotations
 
-from llmgw_agent.adapters import EngineLaunch, build_command
+import pytest
+
+from llmgw_agent.adapters import EngineLaunch, build_command, given, is_hf_repo
+
+LLAMA = ("llama-server",)
 
 
 def launch(**kw: object) -> EngineLaunch:
     base: dict[str, object] = dict(
-        engine="vllm", model="Qwen/Qwen2.5-72B-Instruct", served_name="qwen", host="0.0.0.0",
-        port=20001, gpu_indices=(2, 3), tensor_parallel=2, args=("--max-model-len", "32768"),
-    )
+        engine="llamacpp", model="/models/llama-8b.gguf", served_name="llama-8b",
+        host="0.0.0.0", port=20001, gpu_indices=(0,),
+    )  # fmt: skip
     base.update(kw)
     return EngineLaunch(**base)  # type: ignore[arg-type]
 
 
-def test_vllm_single_node() -> None:
-    cmd = build_command(["vllm"], launch())
-    assert cmd.argv == (
-        "vllm", "serve", "Qwen/Qwen2.5-72B-Instruct", "--host", "0.0.0.0", "--port", "20001",
-        "--served-model-name", "qwen", "--tensor-parallel-size", "2",
-        "--pipeline-parallel-size", "1", "--max-model-len", "32768",
-    )
-    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "2,3"
-
-
-def test_vllm_multi_node_head_and_worker() -> None:
-    common = dict(pipeline_parallel=2, nnodes=2, master_addr="10.0.0.7", master_port=29500, args=())
-    head = build_command(["/opt/vllm/bin/vllm"], launch(node_rank=0, **common))
-    worker = build_command(["/opt/vllm/bin/vllm"], launch(node_rank=1, **common))
-    tail = ("--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.7", "--master-port", "29500")
-    assert head.argv[-8:] == tail and "--headless" not in head.argv
-    assert worker.argv[-9:-1] == ("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "29500")
-    assert worker.argv[-1] == "--headless"
-    assert "--pipeline-parallel-size" in head.argv and head.argv[head.argv.index("--pipeline-parallel-size") + 1] == "2"
-
-
-def test_sglang() -> None:
-    cmd = build_command(
-        ["python3", "-m", "sglang.launch_server"],
-        launch(engine="sglang", nnodes=2, node_rank=1, master_addr="10.0.0.7", master_port=5000, args=()),
-    )
-    assert cmd.argv == (
-        "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-72B-Instruct",
-        "--host", "0.0.0.0", "--port", "20001", "--served-model-name", "qwen", "--tp", "2",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.7:5000",
-    )
-
-
-def test_llamacpp() -> None:
-    cmd = build_command(
-        ["llama-server"],
-        launch(engine="llamacpp", model="/models/llama-8b.gguf", tensor_parallel=1, gpu_indices=(0,), args=("-c", "8192")),
-    )
+def test_a_local_path_with_m_and_no_context_unasked() -> None:
+    """No `-c 0`: llama.cpp fits the context to memory itself when -c is left out."""
+    cmd = build_command(LLAMA, launch())
     assert cmd.argv == (
         "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
-        "--alias", "qwen", "-ngl", "999", "-c", "8192",
-    )
+        "--alias", "llama-8b", "-ngl", "999",
+    )  # fmt: skip
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
-def test_mock_takes_the_vllm_line_and_env_passes_through() -> None:
-    cmd = build_command(["python", "-m", "llmgw_core.mock_engine"], launch(engine="mock", env=(("LLMGW_MOCK_TOKENS", "3"),)))
-    assert cmd.argv[3:5] == ("serve", "Qwen/Qwen2.5-72B-Instruct")
-    assert cmd.env["LLMGW_MOCK_TOKENS"] == "3"
+def test_the_context_length_comes_from_the_profile() -> None:
+    cmd = build_command(LLAMA, launch(args=("-c", "8192", "-t", "2")))
+    assert cmd.argv == (
+        "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
+        "--alias", "llama-8b", "-ngl", "999", "-c", "8192", "-t", "2",
+    )  # fmt: skip
+    assert "0" not in cmd.argv
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["ggml-org/gemma-3-270m-GGUF", "unsloth/Qwen3-8B-GGUF:Q4_K_M", "bartowski/Llama-3.2-1B-Instruct-GGUF:q8_0"],
+)
+def test_a_hugging_face_repo_with_hf(model: str) -> None:
+    cmd = build_command(LLAMA, launch(model=model))
+    assert cmd.argv[1:3] == ("-hf", model) and "-m" not in cmd.argv
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["/models/x.gguf", "./x.gguf", "../models/x.gguf", "models/x.gguf", "x.gguf", "/models/org/repo", "org/repo/file.GGUF"],
+)
+def test_paths_are_not_repos(model: str) -> None:
+    assert not is_hf_repo(model)
+    assert build_command(LLAMA, launch(model=model)).argv[1:3] == ("-m", model)
+
+
+@pytest.mark.parametrize("alias", [("--alias", "chat"), ("-a", "chat"), ("--alias=chat",)])
+def test_the_profiles_alias_replaces_llmgws(alias: tuple[str, ...]) -> None:
+    cmd = build_command(LLAMA, launch(args=alias))
+    assert cmd.argv == (
+        "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
+        "-ngl", "999", *alias,
+    )  # fmt: skip
+
+
+def test_the_profiles_gpu_layers_replace_llmgws() -> None:
+    cmd = build_command(LLAMA, launch(args=("--n-gpu-layers", "20")))
+    assert cmd.argv == (
+        "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
+        "--alias", "llama-8b", "--n-gpu-layers", "20",
+    )  # fmt: skip
+
+
+def test_the_key_goes_through_llama_api_key() -> None:
+    cmd = build_command(LLAMA, launch(api_key="k-55aa", env=(("LLAMA_ARG_THREADS", "2"),)))
+    assert cmd.env == {"LLAMA_ARG_THREADS": "2", "CUDA_VISIBLE_DEVICES": "0", "LLAMA_API_KEY": "k-55aa"}
+    assert not any("k-55aa" in a for a in cmd.argv) and "--api-key" not in cmd.argv
+
+
+def test_the_key_llmgw_gives_wins_over_the_profiles_env() -> None:
+    cmd = build_command(LLAMA, launch(api_key="k-new", env=(("LLAMA_API_KEY", "old"),)))
+    assert cmd.env["LLAMA_API_KEY"] == "k-new"
+
+
+def test_given() -> None:
+    assert given(["-c", "2048", "--alias=x"], ("--alias",))
+    assert given(["-a", "x"], ("-a", "--alias"))
+    assert not given(["--aliases", "x"], ("--alias",))
+    assert not given(["--host", "--alias"], ("-a",))
+    assert not given(["chat--alias"], ("--alias",))

@@ -1,11 +1,21 @@
 """Engine adapters: the exact command line and environment each engine is started with.
 
 Pure functions of what to launch; the supervisor runs what they return.
+
+The flags are those of the engine versions llmgw is tested against: vLLM 0.34.0
+(`vllm serve`), SGLang 0.5.23 (`sglang.launch_server`), llama.cpp 0c1e570
+(`llama-server`, as vendored by llama-cpp-python 0.3.36).
+
+An engine key (`api_key`) never goes on the command line, where every user of the
+node can read it (/proc/PID/cmdline is world-readable): vLLM and llama.cpp read it
+from their environment, SGLang from a config file only the agent's user can read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import re
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -28,6 +38,10 @@ class EngineLaunch:
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 0
+    # The key the engine must require on every request (empty: none).
+    api_key: str = attrs.field(default="", repr=False)
+    # Where an engine that reads its key only from a file gets that file (SGLang).
+    key_file: str = ""
 
     @property
     def is_head(self) -> bool:
@@ -42,7 +56,9 @@ class EngineLaunch:
 @attrs.frozen
 class Command:
     argv: tuple[str, ...]
-    env: dict[str, str]
+    env: dict[str, str] = attrs.field(repr=False)
+    # Files to write, readable by the agent's user only, before the engine starts.
+    files: tuple[tuple[str, str], ...] = attrs.field(default=(), repr=False)
 
 
 def _gpu_env(launch: EngineLaunch) -> dict[str, str]:
@@ -51,7 +67,20 @@ def _gpu_env(launch: EngineLaunch) -> dict[str, str]:
     return env
 
 
+def given(args: Sequence[str], names: Collection[str]) -> bool:
+    """Whether `args` set one of the options `names` (as `--name value` or `--name=value`)."""
+    return any(a in names or a.split("=", 1)[0] in names for a in args if a.startswith("-"))
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def vllm(prefix: Sequence[str], launch: EngineLaunch) -> Command:
+    # Every flag below is in vLLM 0.34.0's serve parser: vllm/engine/arg_utils.py
+    # (--served-model-name :1038, --pipeline-parallel-size :1186, --master-addr,
+    # --master-port, --nnodes, --node-rank :1190-1193, --tensor-parallel-size :1224),
+    # vllm/entrypoints/common/cli_args.py (--host :294, --port :296, --headless :446).
     argv = [
         *prefix,
         "serve",
@@ -81,10 +110,20 @@ def vllm(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         if not launch.is_head:
             argv.append("--headless")
     argv += launch.args
-    return Command(tuple(argv), _gpu_env(launch))
+    env = _gpu_env(launch)
+    if launch.api_key:
+        # vLLM 0.34.0 vllm/envs.py:879 reads VLLM_API_KEY; the API server requires it
+        # (vllm/entrypoints/serve/middleware/register.py:33) on /v1 paths, not /health.
+        env["VLLM_API_KEY"] = launch.api_key
+    return Command(tuple(argv), env)
 
 
 def sglang(prefix: Sequence[str], launch: EngineLaunch) -> Command:
+    # SGLang 0.5.23 makes each flag from a field name (sglang/srt/arg_groups/arg_utils.py:290):
+    # --model-path (fields/model.py:51), --host, --port, --served-model-name
+    # (fields/serving.py:65,66,168), --dist-init-addr, --nnodes, --node-rank, --tp-size,
+    # --pp-size (fields/parallel.py:32,43,44,45,59); an IPv6 address must be bracketed
+    # (sglang/srt/utils/network.py:600).
     argv = [
         *prefix,
         "--model-path",
@@ -95,7 +134,7 @@ def sglang(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         str(launch.port),
         "--served-model-name",
         launch.served_name,
-        "--tp",
+        "--tp-size",
         str(launch.tensor_parallel),
     ]
     if launch.pipeline_parallel > 1:
@@ -107,40 +146,73 @@ def sglang(prefix: Sequence[str], launch: EngineLaunch) -> Command:
             "--node-rank",
             str(launch.node_rank),
             "--dist-init-addr",
-            f"{launch.master_addr}:{launch.master_port}",
+            _host_port(launch.master_addr, launch.master_port),
         ]
+    files: tuple[tuple[str, str], ...] = ()
+    if launch.api_key:
+        # SGLang 0.5.23 reads its key from --api-key only (fields/serving.py:160; no
+        # environment variable). Its --config YAML file (sglang/srt/server_args.py:402,683,
+        # merged in-process by sglang/srt/utils/server_args_config_parser.py) keeps the key
+        # off the command line. SGLang logs its resolved arguments at start
+        # (sglang/srt/entrypoints/engine.py:311), key included: the engine's log is private
+        # to the agent's user and the supervisor masks the key in the tail it reports.
+        if not launch.key_file:
+            raise ValueError("an SGLang engine key needs a key file to travel in")
+        argv += ["--config", launch.key_file]
+        files = ((launch.key_file, f"api_key: {json.dumps(launch.api_key)}\n"),)
     argv += launch.args
-    return Command(tuple(argv), _gpu_env(launch))
+    return Command(tuple(argv), _gpu_env(launch), files)
+
+
+# org/repo or org/repo:quant, as llama-server's -hf takes it; a path is absolute,
+# starts with ./ or ../, or names a .gguf file.
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
+_LLAMA_ALIAS = ("-a", "--alias")
+_LLAMA_GPU_LAYERS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+
+
+def is_hf_repo(model: str) -> bool:
+    return bool(_HF_REPO.match(model)) and not model.lower().endswith(".gguf")
 
 
 def llamacpp(prefix: Sequence[str], launch: EngineLaunch) -> Command:
-    argv = [
-        *prefix,
-        "-m",
-        launch.model,
-        "--host",
-        launch.host,
-        "--port",
-        str(launch.port),
-        "--alias",
-        launch.served_name,
-        "-ngl",
-        "999",  # every layer on the GPUs it was given
-    ]
-    if "-c" not in launch.args and "--ctx-size" not in launch.args:
-        argv += ["-c", "0"]  # 0: the context length the model was trained with
+    # llama.cpp 0c1e570, common/arg.cpp: -m/--model :3035, -hf/--hf-repo :3060 (which
+    # downloads, so needs the network), -a/--alias :3011, -ngl :2789. No -c: llama.cpp
+    # then fits the context to memory itself; `-c 0` would take the model's whole trained
+    # context and turn that fitting off (:1640-1648). A profile sets it with `-c N`.
+    model = ["-hf", launch.model] if is_hf_repo(launch.model) else ["-m", launch.model]
+    argv = [*prefix, *model, "--host", launch.host, "--port", str(launch.port)]
+    # The profile's own --alias or -ngl replaces llmgw's rather than adding a second.
+    if not given(launch.args, _LLAMA_ALIAS):
+        argv += ["--alias", launch.served_name]
+    if not given(launch.args, _LLAMA_GPU_LAYERS):
+        argv += ["-ngl", "999"]  # every layer on the GPUs it was given
     argv += launch.args
-    return Command(tuple(argv), _gpu_env(launch))
+    env = _gpu_env(launch)
+    if launch.api_key:
+        # common/arg.cpp:3501: --api-key is also read from LLAMA_API_KEY. /health stays
+        # open without it (tools/server/server.cpp:251).
+        env["LLAMA_API_KEY"] = launch.api_key
+    return Command(tuple(argv), env)
 
 
 ADAPTERS: dict[str, Callable[[Sequence[str], EngineLaunch], Command]] = {
     "vllm": vllm,
     "sglang": sglang,
     "llamacpp": llamacpp,
-    "mock": vllm,  # the mock engine takes vLLM's command line
+    "mock": vllm,  # the mock engine takes vLLM's command line and VLLM_API_KEY
 }
 
 MULTI_NODE = frozenset({"vllm", "sglang", "mock"})
+
+# The options through which each engine would take a key of the profile's own, which
+# would shadow the one llmgw gives it.
+KEY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "vllm": ("--api-key",),
+    "mock": ("--api-key",),
+    "sglang": ("--api-key", "--config"),
+    "llamacpp": ("--api-key", "--api-key-file"),
+}
 
 
 def build_command(prefix: Sequence[str], launch: EngineLaunch) -> Command:
