@@ -29,6 +29,13 @@ def alive(pid: int) -> bool:
         return False
 
 
+async def gone(pid: int, within_s: float = 5.0) -> None:
+    """Wait until the process has ended (an orphan's last SIGKILL lands asynchronously)."""
+    with trio.fail_after(within_s):
+        while alive(pid):
+            await trio.sleep(0.02)
+
+
 def recorder() -> tuple[list[Transition], object]:
     seen: list[Transition] = []
 
@@ -104,8 +111,7 @@ async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None
             grandchild = int(read_tail(engine.log_path)[0])
             nursery.cancel_scope.cancel()
     assert seen[-1].state == "stopped"
-    await trio.sleep(0.2)
-    assert not alive(grandchild)
+    await gone(grandchild)
 
 
 async def test_a_missing_binary_fails_cleanly() -> None:
@@ -140,8 +146,7 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
                     await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
     assert [t.state for t in adopted] == ["ready", "stopped"]
-    await trio.sleep(0.3)
-    assert not alive(pid)
+    await gone(pid)
 
 
 async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() -> None:
@@ -158,3 +163,65 @@ async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() ->
     assert [t.state for t in seen] == ["starting", "failed"]
     assert seen[-1].detail == "the engine did not become healthy within 1 s"
     assert any("mock engine serving" in line for line in seen[-1].output_tail)
+
+
+async def test_each_start_writes_a_fresh_log(tmp_path: Path) -> None:
+    """The failure tail is this attempt's; the previous attempt's log is kept as .1."""
+    log = tmp_path / "r-1.0.log"
+    log.write_text("".join(f"earlier attempt {i}\n" for i in range(100)))
+    seen, report = recorder()
+    async with httpx.AsyncClient(timeout=1) as client:
+        engine = EngineProcess(
+            [sys.executable, "-c", "print('this attempt'); raise SystemExit(1)"],
+            dict(os.environ), None, report, client, log, settle_s=30,  # type: ignore[arg-type]
+        )
+        with trio.fail_after(20):
+            await engine.run()
+    assert seen[-1].state == "failed" and seen[-1].output_tail == ("this attempt",)
+    assert log.read_text() == "this attempt\n"
+    assert (tmp_path / "r-1.0.log.1").read_text().startswith("earlier attempt 0\n")
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+# An engine that requires its key: on /health only with it, reads its key file, and
+# prints the key in its log as SGLang prints its arguments; it exits once probed.
+KEYED_ENGINE = """
+import http.server, os, stat, sys, threading
+port, key_file = int(sys.argv[1]), sys.argv[2]
+key = open(key_file).read().split(": ", 1)[1].strip().strip('"')
+print("key file mode", oct(stat.S_IMODE(os.stat(key_file).st_mode)), flush=True)
+print("server_args={'api_key': '%s'}" % key, flush=True)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.headers.get("Authorization") == "Bearer " + key
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        if ok:
+            threading.Timer(0.2, os._exit, (3,)).start()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+async def test_the_key_file_is_private_probes_carry_the_key_and_the_tail_masks_it(
+    tmp_path: Path,
+) -> None:
+    seen, report = recorder()
+    port = free_port()
+    key = "k-7d1e0c9b"
+    key_file = tmp_path / "shards" / "r-1.0.key.yaml"
+    async with httpx.AsyncClient(timeout=1) as client:
+        engine = EngineProcess(
+            [sys.executable, "-c", KEYED_ENGINE, str(port), str(key_file)],
+            dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+            tmp_path / "r-1.0.log", api_key=key, files=((str(key_file), f'api_key: "{key}"\n'),),
+        )
+        with trio.fail_after(20):
+            await engine.run()
+    assert [t.state for t in seen] == ["starting", "ready", "failed"]
+    assert seen[-1].output_tail == ("key file mode 0o600", "server_args={'api_key': '****'}")
+    assert key not in repr(engine)
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.parent.stat().st_mode & 0o777 == 0o700

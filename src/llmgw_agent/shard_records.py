@@ -3,6 +3,10 @@
 One JSON file per shard: its launch spec, the engine's PID, start time and
 command line (so a reused PID is never mistaken for the engine), and its log.
 Written when the engine starts, removed when it is stopped or has failed.
+
+A record holds the shard's engine key, so records, and the key files written
+beside them for engines that read their key from a file, are readable by the
+agent's user only (0600, in a 0700 directory).
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ def _dir(state_dir: Path) -> Path:
 
 def log_path(state_dir: Path, spec: LaunchSpec) -> Path:
     logs = state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
     return logs / f"{spec.replica_id}.{spec.rank}.log"
+
+
+def key_path(state_dir: Path, spec: LaunchSpec) -> Path:
+    """Where the shard's engine key is written for an engine that reads it from a file."""
+    return _dir(state_dir) / f"{spec.replica_id}.{spec.rank}.key.yaml"
 
 
 def _path(state_dir: Path, spec: LaunchSpec) -> Path:
@@ -46,18 +55,22 @@ def _path(state_dir: Path, spec: LaunchSpec) -> Path:
 
 def save(state_dir: Path, record: ShardRecord) -> None:
     directory = _dir(state_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = _path(state_dir, record.spec)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(converter.unstructure(record)))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode otherwise
+        f.write(json.dumps(converter.unstructure(record)))
     os.replace(tmp, path)  # never a half-written record after a crash
 
 
 def remove(state_dir: Path, spec: LaunchSpec) -> None:
-    try:
-        _path(state_dir, spec).unlink()
-    except FileNotFoundError:
-        pass
+    for path in (_path(state_dir, spec), key_path(state_dir, spec)):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def load(state_dir: Path) -> list[ShardRecord]:

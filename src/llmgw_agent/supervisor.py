@@ -4,7 +4,13 @@ The process runs in its own session (process group), so stopping it reaches
 every process the engine started: SIGTERM to the group, a grace period, then
 SIGKILL. Its output goes to a log file, not a pipe, so the engine outlives a
 restart of the agent and its last lines are still there when it fails. Each
-transition is reported through `report`.
+start writes a fresh log (the previous start's is kept as `.1`), so the lines
+reported with a failure are this attempt's. Each transition is reported
+through `report`.
+
+The engine's key (`api_key`) is sent with the readiness probes and masked in
+every tail reported; the log and the files written for the engine (`files`)
+are readable by the agent's user only.
 
 When the task is cancelled, the engine is stopped only if `stop_on_cancel` is
 set (a stop command); an agent that shuts down leaves its engines serving.
@@ -18,6 +24,7 @@ import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 import httpx
@@ -42,8 +49,9 @@ class Transition:
 Report = Callable[[Transition], Awaitable[None]]
 
 
-def read_tail(path: Path, lines: int = TAIL_LINES) -> tuple[str, ...]:
-    """The last lines of an engine's log file (each cut to 1,000 characters)."""
+def read_tail(path: Path, lines: int = TAIL_LINES, secret: str = "") -> tuple[str, ...]:
+    """The last lines of an engine's log file (each cut to 1,000 characters), with
+    `secret` masked: an engine may print its own key (SGLang logs its arguments)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
@@ -51,8 +59,32 @@ def read_tail(path: Path, lines: int = TAIL_LINES) -> tuple[str, ...]:
             data = f.read()
     except OSError:
         return ()
-    text = data.decode("utf-8", errors="replace").splitlines()
-    return tuple(line.rstrip()[:1000] for line in text[-lines:])
+    text = data.decode("utf-8", errors="replace")
+    if secret:
+        text = text.replace(secret, "****")
+    return tuple(line.rstrip()[:1000] for line in text.splitlines()[-lines:])
+
+
+def open_fresh_log(path: Path) -> BinaryIO:
+    """A new, empty log for one start of an engine; the previous start's log becomes
+    `NAME.1`. Private to the agent's user: an engine may print its key."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.replace(path, path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only the agent's user can read, whole or not at all."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode otherwise
+        f.write(text)
+    os.replace(tmp, path)
 
 
 class _Child:
@@ -88,7 +120,7 @@ class _Adopted:
 @attrs.define
 class EngineProcess:
     argv: Sequence[str]
-    env: Mapping[str, str]
+    env: Mapping[str, str] = attrs.field(repr=False)
     health_url: str | None  # None: a rank that serves no HTTP; ready once it stays up
     report: Report
     client: httpx.AsyncClient
@@ -99,12 +131,16 @@ class EngineProcess:
     stop_on_cancel: bool = False  # set by a stop command; else cancelling leaves it running
     on_spawn: Callable[[int], None] | None = None
     start_timeout_s: float = 1800.0  # loading weights takes long, but not forever
+    api_key: str = attrs.field(default="", repr=False)  # the key the engine requires
+    files: Sequence[tuple[str, str]] = attrs.field(default=(), repr=False)  # path, text
     _gave_up: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Start the engine and supervise it until it exits or the task is cancelled."""
         try:
-            with self.log_path.open("ab") as out:
+            for path, text in self.files:
+                write_private(Path(path), text)
+            with open_fresh_log(self.log_path) as out:
                 process = await trio.lowlevel.open_process(
                     list(self.argv),
                     env=dict(self.env),
@@ -147,7 +183,7 @@ class EngineProcess:
                 Transition(
                     "failed",
                     why,
-                    read_tail(self.log_path),
+                    read_tail(self.log_path, secret=self.api_key),
                     handle.pid,
                 )
             )
@@ -178,9 +214,10 @@ class EngineProcess:
             if self.health_url is None:
                 await trio.sleep(self.settle_s)
             else:
+                headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
                 while True:
                     try:
-                        response = await self.client.get(self.health_url)
+                        response = await self.client.get(self.health_url, headers=headers)
                         if response.status_code == 200:
                             break
                     except httpx.HTTPError:
