@@ -16,6 +16,8 @@ from llmgw_agent.inventory_probe import (
     gpus_from_nvml,
     hardware_to_toml,
     read_simulated,
+    version_command,
+    version_from,
 )
 from llmgw_core.tomlshape import ConfigError
 
@@ -104,3 +106,57 @@ def test_engine_info() -> None:
     assert mock.found and mock.version.startswith("llmgw-mock-engine")
     missing = engine_info("vllm", ["/nonexistent/vllm"])
     assert not missing.found and "not found" in missing.version
+
+
+# What the engines print for --version (stdout and stderr together).
+LLAMA_SERVER_CPU = ["version: 0.5.0-dev (build 1, commit 0c1e570)", "built with GNU 12.2.0 for Linux x86_64"]
+LLAMA_SERVER_CUDA = [
+    "ggml_cuda_init: found 1 CUDA devices (Total VRAM: 81079 MiB):",
+    "Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, VMM: yes, VRAM: 81079 MiB",
+    "version: 6188 (21c17b5b)",
+    "built with cc (Ubuntu 11.4.0-1ubuntu1~22.04) 11.4.0 for x86_64-linux-gnu",
+]
+VLLM = [
+    "INFO 10-01 12:00:00 [__init__.py:216] Automatically detected platform cuda.",
+    "0.34.0",
+]
+
+
+@pytest.mark.parametrize(
+    ("lines", "version"),
+    [
+        (LLAMA_SERVER_CPU, "0.5.0-dev (build 1, commit 0c1e570)"),
+        (LLAMA_SERVER_CUDA, "6188 (21c17b5b)"),
+        (VLLM, "0.34.0"),
+        (["sglang version: 0.5.23"], "0.5.23"),
+        (["llmgw-mock-engine 0.1"], "llmgw-mock-engine 0.1"),
+        ([], ""),
+    ],
+)
+def test_the_version_comes_from_the_line_that_carries_it(lines: list[str], version: str) -> None:
+    assert version_from(lines) == version
+
+
+def test_version_commands() -> None:
+    assert version_command("llamacpp", ["llama-server"]) == ["llama-server", "--version"]
+    assert version_command("vllm", ["/opt/vllm/bin/vllm"]) == ["/opt/vllm/bin/vllm", "--version"]
+    # sglang.launch_server has no --version: it would exit 2 asking for --model-path.
+    python, flag, code = version_command("sglang", ["python3", "-m", "sglang.launch_server"])
+    assert (python, flag) == ("python3", "-c") and "version('sglang')" in code
+    assert version_command("sglang", ["sglang", "serve"]) == ["sglang", "version"]
+
+
+def test_a_python_engine_without_sglang_is_not_found() -> None:
+    info = engine_info("sglang", [sys.executable, "-m", "sglang.launch_server"])
+    assert not info.found and "exited 1" in info.version
+
+
+def test_an_installed_sglang_is_found_with_its_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dist = tmp_path / "sglang-0.5.23.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    info = engine_info("sglang", [sys.executable, "-m", "sglang.launch_server"])
+    assert info.found and info.version == "0.5.23"

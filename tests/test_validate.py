@@ -78,3 +78,16 @@ def test_parallel_sizes_must_match_the_gpus_and_nodes() -> None:
         problems(spec(engine="llamacpp"), NODE, set(), "127.0.0.1")[0]
         == "no llamacpp engine is configured on this node"
     )
+
+
+def test_a_profile_key_option_that_would_replace_the_engine_key_is_refused() -> None:
+    clash = spec(args=("--max-model-len", "4096", "--api-key=mine"), api_key="k-given")
+    assert problems(clash, NODE, set(), "127.0.0.1") == [
+        "the profile's args set --api-key, which would replace the engine key llmgw gives "
+        "each replica (the router could no longer reach it): remove them"
+    ]
+    # Without a key from the control plane, the profile's own key is the user's choice.
+    assert problems(spec(args=("--api-key", "mine")), NODE, set(), "127.0.0.1") == []
+    sglang = Inventory(name="gpu-1", gpus=NODE.gpus, engines=(EngineInfo("sglang", True, "0.5.23"),))
+    config = spec(engine="sglang", args=("--config", "my.yaml"), api_key="k-given")
+    assert ["--config" in p for p in problems(config, sglang, set(), "127.0.0.1")] == [True]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -124,6 +125,37 @@ def hardware_to_toml(hardware: Hardware) -> str:
     return tomli_w.dumps(data)
 
 
+_VERSION_LABEL = re.compile(r"(?:^|\s)version:\s*(\S.*)$", re.IGNORECASE)
+_BARE_VERSION = re.compile(r"^v?\d+(\.\d+)+\S*$")
+
+
+def version_command(name: str, command: Sequence[str]) -> list[str]:
+    """How to ask an engine's program for its version. `sglang.launch_server` has no
+    --version (it would exit 2 for want of --model-path); the package's metadata says it."""
+    if name == "sglang" and tuple(command[-2:]) == ("-m", "sglang.launch_server"):
+        return [
+            *command[:-2],
+            "-c",
+            "import importlib.metadata as m; print('sglang version: ' + m.version('sglang'))",
+        ]
+    if name == "sglang" and tuple(command[-1:]) == ("serve",):  # the `sglang serve` CLI
+        return [*command[:-1], "version"]
+    return [*command, "--version"]
+
+
+def version_from(lines: Sequence[str]) -> str:
+    """The version out of what `--version` printed, from the line that carries it:
+    llama-server prints `version: 0.5.0-dev (build 1, commit 0c1e570)` and then
+    `built with ...` (a GPU build prints its devices first); vLLM prints its bare
+    version, after any log lines; other programs, their last line."""
+    for line in lines:
+        labelled = _VERSION_LABEL.search(line)
+        if labelled:
+            return labelled.group(1)[:100]
+    bare = [line for line in lines if _BARE_VERSION.match(line)]
+    return (bare or list(lines) or [""])[-1][:100]
+
+
 def engine_info(name: str, command: Sequence[str], timeout_s: float = 20.0) -> EngineInfo:
     """Whether the engine's program exists and runs, and the version it prints."""
     program = command[0]
@@ -131,7 +163,7 @@ def engine_info(name: str, command: Sequence[str], timeout_s: float = 20.0) -> E
         return EngineInfo(name, found=False, version=f"{program} not found")
     try:
         done = subprocess.run(
-            [*command, "--version"],
+            version_command(name, command),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -144,7 +176,7 @@ def engine_info(name: str, command: Sequence[str], timeout_s: float = 20.0) -> E
         return EngineInfo(
             name, found=False, version=f"{program} --version exited {done.returncode}"
         )
-    return EngineInfo(name, found=True, version=lines[-1][:100] if lines else "")
+    return EngineInfo(name, found=True, version=version_from(lines))
 
 
 def take_inventory(config: AgentConfig) -> Inventory:

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Collection
 from pathlib import Path
 
-from llmgw_agent.adapters import MULTI_NODE
+from llmgw_agent.adapters import KEY_OPTIONS, MULTI_NODE, given
 from llmgw_core.inventory import Inventory, LaunchSpec
 
 
@@ -46,6 +46,12 @@ def problems(
     busy = sorted(set(spec.gpu_indices) & set(gpus_in_use))
     if busy:
         found.append(f"GPUs {busy} are in use by another shard")
+    clash = [o for o in KEY_OPTIONS.get(spec.engine, ()) if given(spec.args, (o,))]
+    if spec.api_key and clash:
+        found.append(
+            f"the profile's args set {', '.join(clash)}, which would replace the engine key "
+            f"llmgw gives each replica (the router could no longer reach it): remove them"
+        )
     if spec.hf_model.startswith(("/", "./", "../")) and not Path(spec.hf_model).exists():
         found.append(f"the model path {spec.hf_model} does not exist on this node")
     if spec.is_head:
