@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 AUDIT := .venv-audit
 AUDIT_STAMP := $(AUDIT)/.installed-stamp
 
-.PHONY: venv test lint demo bench vuln check clean
+.PHONY: venv test lint demo bench vuln check clean real-engine
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml requirements.lock
 
 venv: $(STAMP)
 
-test: venv
+# llama.cpp's llama-server for CPU and gemma-3-270m, built once into a cache outside the
+# checkout (~/.cache/llmgw/real-engine, or $$LLMGW_REAL_ENGINE_CACHE): about 6 minutes.
+real-engine: venv
+	$(BIN)/python tests/real_engine.py build
+
+test: venv real-engine
 	$(BIN)/python -m pytest -q
 
 lint: venv

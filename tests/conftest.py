@@ -38,3 +38,17 @@ def fleet(procs: Procs) -> Iterator[object]:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+@pytest.fixture(scope="session")
+def real_engine() -> object:
+    """llama.cpp's llama-server built for CPU and the gemma-3-270m GGUF (make real-engine).
+
+    `.server` is the binary, `.model` the GGUF. A missing build fails the test: the
+    tests against a real engine are never skipped silently.
+    """
+    import real_engine as built
+
+    if not built.is_built():
+        pytest.fail(f"no real engine in {built.cache_dir()}: run `make real-engine` first")
+    return built.RealEngine(server=built.server_binary(), model=built.model_path())

@@ -105,6 +105,15 @@ class Procs:
             proc.wait_http("/health")
         return proc
 
+    def engine(
+        self, argv: Sequence[str], port: int, *, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> Proc:
+        """Any engine process serving on `port`, once its /health answers 200."""
+        proc = Proc(argv, port, env)
+        self.all.append(proc)
+        proc.wait_http("/health", timeout=timeout)
+        return proc
+
     def router(self, config: str, *, server: str = "", wait: bool = True) -> Proc:
         """A router on a free port; `server` holds more lines for its [server] table."""
         port = free_port()
