@@ -170,3 +170,22 @@ async def test_the_engine_key_is_sent_on_every_request() -> None:
 def test_keep_alive_header_parsing(value: bytes, expected: float | None) -> None:
     assert keep_alive_timeout([(b"keep-alive", value)]) == expected
     assert keep_alive_timeout([]) is None
+
+
+async def test_after_one_stale_connection_the_request_goes_to_a_fresh_one() -> None:
+    engine = Engine(plan=["answer", "vanish"])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.serve)
+            pool = Pool(Endpoint("127.0.0.1", engine.port), 3.0, reuse_idle_s=60)
+            first = [await pool.open(b"POST", b"/", [], b"") for _ in range(3)]
+            for exchange in first:
+                await exchange.read_body(1024)
+                exchange.release()
+            assert len(pool._idle) == 3 and engine.connections == 3
+            # The newest pooled connection vanishes under the next request; the older
+            # ones are given up with it, and the request is sent on a new connection.
+            assert await get(pool) == b"ok"
+            assert (engine.connections, pool.stale_retries, len(pool._idle)) == (4, 1, 1)
+            pool.close()
+            nursery.cancel_scope.cancel()

@@ -124,6 +124,13 @@ class Pool:
             conn.stream.socket.close()
         return None
 
+    def _stale(self) -> None:
+        """A pooled connection was closed under a request: the older ones were too."""
+        self.stale_retries += 1
+        for conn in self._idle:
+            conn.stream.socket.close()
+        self._idle.clear()
+
     async def open(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> Exchange:
@@ -135,25 +142,25 @@ class Pool:
             (b"content-length", str(len(body)).encode()),
         ]
         target = self.endpoint.prefix.encode() + target
-        while (conn := self._reusable()) is not None:
+        conn = self._reusable()
+        if conn is not None:
             exchange = Exchange(self, conn)
             try:
                 await self._send(exchange._conn, method, target, head, body)
                 await exchange.read_head()
             except (trio.BrokenResourceError, OSError, h11.LocalProtocolError):
                 exchange.release()  # the engine had closed this idle connection
-                self.stale_retries += 1
-                continue
+                self._stale()
             except UpstreamError as exc:
                 exchange.release()
-                if exc.silent:
-                    self.stale_retries += 1
-                    continue  # closed before a single byte: stale, not a failure
-                raise
+                if not exc.silent:
+                    raise
+                self._stale()  # closed before a single byte: not a failure of the engine
             except BaseException:  # cancelled (client gone, first-byte timeout): close now
                 exchange.release()
                 raise
-            return exchange
+            else:
+                return exchange
         exchange = Exchange(self, await self._connect())
         try:
             await self._send(exchange._conn, method, target, head, body)
