@@ -91,3 +91,13 @@ def test_a_profile_key_option_that_would_replace_the_engine_key_is_refused() -> 
     sglang = Inventory(name="gpu-1", gpus=NODE.gpus, engines=(EngineInfo("sglang", True, "0.5.23"),))
     config = spec(engine="sglang", args=("--config", "my.yaml"), api_key="k-given")
     assert ["--config" in p for p in problems(config, sglang, set(), "127.0.0.1")] == [True]
+
+
+def test_a_llamacpp_model_that_is_no_hugging_face_repo_must_exist_here() -> None:
+    llama = Inventory(name="gpu-1", gpus=NODE.gpus, engines=(EngineInfo("llamacpp", True, "0.5.0"),))
+    missing = spec(engine="llamacpp", hf_model="models/absent.gguf")
+    assert problems(missing, llama, set(), "127.0.0.1") == [
+        "the model path models/absent.gguf does not exist on this node"
+    ]
+    repo = spec(engine="llamacpp", hf_model="ggml-org/gemma-3-270m-GGUF:Q8_0")
+    assert problems(repo, llama, set(), "127.0.0.1") == []

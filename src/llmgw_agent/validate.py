@@ -11,7 +11,7 @@ import socket
 from collections.abc import Collection
 from pathlib import Path
 
-from llmgw_agent.adapters import KEY_OPTIONS, MULTI_NODE, given
+from llmgw_agent.adapters import KEY_OPTIONS, MULTI_NODE, given, is_hf_repo
 from llmgw_core.inventory import Inventory, LaunchSpec
 
 
@@ -52,7 +52,11 @@ def problems(
             f"the profile's args set {', '.join(clash)}, which would replace the engine key "
             f"llmgw gives each replica (the router could no longer reach it): remove them"
         )
-    if spec.hf_model.startswith(("/", "./", "../")) and not Path(spec.hf_model).exists():
+    # llama.cpp takes a path for whatever is not an org/repo[:quant] (adapters.llamacpp).
+    a_path = spec.hf_model.startswith(("/", "./", "../")) or (
+        spec.engine == "llamacpp" and not is_hf_repo(spec.hf_model)
+    )
+    if a_path and not Path(spec.hf_model).exists():
         found.append(f"the model path {spec.hf_model} does not exist on this node")
     if spec.is_head:
         reason = port_taken(bind_host, spec.port)
