@@ -63,6 +63,17 @@ def catalog(*models: ModelEntry) -> Catalog:
 FAST = ControlSection(settle_after_start_s=0.0, reconcile_interval_s=0.0)
 
 
+@attrs.frozen
+class Lost:
+    """A node declared lost, with what the test knew then."""
+
+    transition: NodeTransition
+    heard: float  # when the control plane last heard from it
+    started: float  # when the control plane started
+    guarded: bool  # unreachable (and silent since) while the mass-loss guard held
+    released: float | None  # when the guard released, if it was unreachable then
+
+
 @attrs.define
 class SimShard:
     spec: LaunchSpec
@@ -134,12 +145,17 @@ class Fleet:
         self.now = now
         self.agents: dict[str, Agent] = {}
         self.transitions: list[NodeTransition] = []
-        self.lost: list[tuple[NodeTransition, float, float]] = []  # and heard, start
+        self.lost: list[Lost] = []
         self.notes: list[str] = []
         self.commands: list[object] = []
         self.last_step = Step()
         self.heard: dict[str, float] = {}  # when the control plane last heard from each node
         self.closed: dict[str, float] = {}  # when it saw a node's stream close, since then
+        # The mass-loss guard, as seen after each step: whether it held, which nodes it
+        # saw unreachable (silent since), and when it released for those.
+        self.guard_held = False
+        self.guarded: set[str] = set()
+        self.released: dict[str, float] = {}
         self.cp = Reconciler(settings, self.catalog, now=now, instance=instance)
 
     # -- wiring ----------------------------------------------------------------
@@ -147,11 +163,17 @@ class Fleet:
     def feed(self, step: Step) -> Step:
         self.last_step = step
         self.transitions += step.transitions
-        # When the control plane last heard from each node it declares lost, and when it started.
+        just_lost = [t for t in step.transitions if t.new is NodeStatus.LOST]
+        self.watch_guard({t.node for t in just_lost})
         self.lost += [
-            (t, self.heard[t.node], self.cp.started_at)
-            for t in step.transitions
-            if t.new is NodeStatus.LOST
+            Lost(
+                t,
+                self.heard[t.node],
+                self.cp.started_at,
+                t.node in self.guarded,
+                self.released.get(t.node),
+            )
+            for t in just_lost
         ]
         self.notes += step.notes
         self.commands += step.commands
@@ -163,11 +185,28 @@ class Fleet:
                 self.feed(self.cp.shard_status(agent.name, rid, rank, state, self.now, detail))
         return step
 
+    def watch_guard(self, just_lost: set[str]) -> None:
+        """What the guard did in the step just taken (this is the test's own record)."""
+        nodes = self.cp.lifecycle.nodes
+        unreachable = {n for n, node in nodes.items() if node.status is NodeStatus.UNREACHABLE}
+        if self.cp.lifecycle.guard is not None:
+            self.guarded |= unreachable
+        elif self.guard_held:
+            # Released in this step: whoever was still unreachable at that moment.
+            for name in unreachable | just_lost:
+                self.released[name] = self.now
+        self.guard_held = self.cp.lifecycle.guard is not None
+
+    def heard_from(self, name: str) -> None:
+        self.heard[name] = self.now
+        self.closed.pop(name, None)
+        self.guarded.discard(name)
+        self.released.pop(name, None)
+
     def register(self, name: str) -> Step:
         agent = self.agents[name]
         agent.connected = True
-        self.heard[name] = self.now
-        self.closed.pop(name, None)
+        self.heard_from(name)
         return self.feed(
             self.cp.register(
                 agent.inventory,
@@ -200,7 +239,7 @@ class Fleet:
     def heartbeats(self) -> None:
         for agent in self.agents.values():
             if agent.connected:
-                self.heard[agent.name] = self.now
+                self.heard_from(agent.name)
                 self.feed(self.cp.heartbeat(agent.name, self.now))
 
     def advance(self, seconds: float, *, beat: bool = True, every: float = 5.0) -> None:
@@ -231,6 +270,8 @@ class Fleet:
     def restart_control_plane(self, *, instance: str, order: Iterable[str] | None = None) -> None:
         """A new control plane process: connected agents re-register, in `order`."""
         self.cp = Reconciler(self.settings, self.catalog, now=self.now, instance=instance)
+        # The new control plane knows nothing of the old one's guard (its start-up grace rules).
+        self.guard_held, self.guarded, self.released = False, set(), {}
         for name in order if order is not None else list(self.agents):
             if self.agents[name].connected:
                 self.register(name)

@@ -247,9 +247,14 @@ class ControlMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_is_lost_early_and_the_mass_loss_guard_holds(self) -> None:
         f, s = self.fleet, SETTINGS
-        for t, heard, started in f.lost[self.seen_lost :]:
-            assert t.at - heard >= s.lost_after_s, t
-            assert t.at - started >= s.lost_after_s, t
+        for lost in f.lost[self.seen_lost :]:
+            t = lost.transition
+            assert t.at - lost.heard >= s.lost_after_s, t
+            assert t.at - lost.started >= s.lost_after_s, t
+            if lost.guarded:
+                # Unreachable during a guard: lost no earlier than lost_after after its release.
+                assert lost.released is not None, t
+                assert t.at - lost.released >= s.lost_after_s, (t, lost.released)
         self.seen_lost = len(f.lost)
         nodes = f.cp.lifecycle.nodes
         live = [n for n in nodes if nodes[n].status is not L]
@@ -262,7 +267,8 @@ class ControlMachine(RuleBasedStateMachine):
         if sum(1 for t in since.values() if t >= f.now - s.mass_loss_window_s) > limit:
             assert guard is not None
         for n in unreachable:
-            if f.now - max(f.heard[n], f.cp.started_at) >= s.lost_after_s:
+            since = max(f.heard[n], f.cp.started_at, f.released.get(n, f.heard[n]))
+            if f.now - since >= s.lost_after_s:
                 assert guard is not None, n
 
     @rule(data=st.data())

@@ -91,9 +91,90 @@ def test_mass_loss_holds_lost_until_the_share_falls() -> None:
         lc.heartbeat("d", t)
         assert all(x.new is not L for x in lc.advance(t))
     lc.heartbeat("a", 900)  # 2 of 4 unreachable: no longer more than half
-    lost = lc.advance(900)
+    assert lc.advance(900) == []  # b and c get lost_after (120 s) from the release
     assert lc.guard is None
+    assert keep_beating(lc, "ad", 900, 1019.9) == []
+    lc.heartbeat("a", 1020)
+    lc.heartbeat("d", 1020)
+    lost = lc.advance(1020)
     assert sorted((t.node, t.new) for t in lost) == [("b", L), ("c", L)]
+    assert lost[0].reason == "no heartbeat for 520 s, 120 s since the mass-loss guard released"
+
+
+def guarded_fleet() -> Lifecycle:
+    """a, b, c of four go silent at 500; the guard holds until a is back at 900."""
+    lc = Lifecycle(S, started_at=0)
+    for name in "abcd":
+        lc.register(gpu_node(name), 500)
+    keep_beating(lc, "d", 500, 895)
+    assert lc.guard is not None
+    lc.heartbeat("a", 900)
+    lc.heartbeat("d", 900)
+    assert lc.advance(900) == []
+    assert lc.guard is None
+    return lc
+
+
+def test_the_release_sets_the_next_deadline_to_lost_after_after_it() -> None:
+    lc = guarded_fleet()
+    assert lc.next_deadline() == 915  # a's and d's next heartbeats are due first
+    lc.heartbeat("a", 1010)
+    lc.heartbeat("d", 1010)
+    assert lc.advance(1010) == []
+    assert lc.next_deadline() == 900 + 120  # not 500 + 120: long past
+    assert lc.nodes["b"].guard_released_at == 900
+
+
+def test_stragglers_back_within_lost_after_of_the_release_are_never_lost() -> None:
+    lc = guarded_fleet()
+    assert keep_beating(lc, "ad", 900, 960) == []
+    (t,) = lc.register(gpu_node("b"), 960)
+    assert (t.old, t.new) == (U, R)
+    assert keep_beating(lc, "abd", 960, 1019) == []
+    (t,) = lc.register(gpu_node("c"), 1019)
+    assert (t.old, t.new) == (U, R)
+    assert keep_beating(lc, "abcd", 1019, 1300) == []
+    assert set(statuses(lc).values()) == {R}
+
+
+def test_the_grace_ends_with_the_silence_it_was_given_for() -> None:
+    lc = guarded_fleet()
+    keep_beating(lc, "ad", 900, 950)
+    lc.register(gpu_node("b"), 950)  # b is back, then silent again from 950
+    assert lc.nodes["b"].guard_released_at is None
+    lost = keep_beating(lc, "ad", 950, 1100)
+    assert [(t.node, t.at) for t in lost if t.new is L] == [("c", 1020), ("b", 1070)]
+    assert lost[-1].reason == "no heartbeat for 120 s"
+
+
+def test_a_guard_that_holds_again_gives_a_fresh_grace_at_its_next_release() -> None:
+    lc = Lifecycle(S, started_at=0)
+    for name in "abcde":
+        lc.register(gpu_node(name), 500)
+    keep_beating(lc, "de", 500, 895)  # a, b, c silent: 3 of 5
+    assert lc.guard is not None
+    lc.heartbeat("a", 900)
+    assert lc.advance(900) == [] and lc.guard is None
+    keep_beating(lc, "ade", 900, 1000)
+    for name in "ade":  # the control plane is cut off again: 3 of 5 recent
+        lc.disconnected(name, 1000)
+    assert lc.advance(1000) == [] and lc.guard is not None
+    assert lc.advance(1100) == []  # past 900 + 120, but the guard holds
+    for name in "ade":
+        lc.register(gpu_node(name), 1100)
+    assert lc.advance(1100) == [] and lc.guard is None
+    assert lc.next_deadline() == 1100 + 15
+    assert keep_beating(lc, "ade", 1100, 1219) == []
+    lost = keep_beating(lc, "ade", 1219, 1220)
+    assert sorted((t.node, t.at) for t in lost) == [("b", 1220), ("c", 1220)]
+
+
+def test_a_node_silent_only_after_the_release_gets_no_grace() -> None:
+    lc = guarded_fleet()
+    keep_beating(lc, "ad", 900, 950)
+    # a falls silent after the release: lost_after after its last heartbeat, not later.
+    lost = keep_beating(lc, "d", 950, 1075)
+    assert [(t.node, t.at) for t in lost if t.new is L] == [("b", 1020), ("c", 1020), ("a", 1070)]
 
 
 def test_nodes_failing_one_by_one_are_not_a_mass_loss() -> None:
@@ -125,6 +206,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.lc = Lifecycle(SETTINGS, started_at=self.now)
         self.heard: dict[str, float] = {}  # the last heartbeat or registration
         self.closed: dict[str, float] = {}  # a stream that closed after it
+        # Unreachable when the mass-loss guard released, and silent since: when it released.
+        self.released: dict[str, float] = {}
         self.last: list[NodeTransition] = []
         self.advanced = False  # guards are judged by `advance`, so check them right after it
 
@@ -134,6 +217,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.lc.register(gpu_node(name), self.now)
         self.heard[name] = self.now
         self.closed.pop(name, None)
+        self.released.pop(name, None)
 
     @precondition(lambda self: self.heard)
     @rule(data=st.data())
@@ -143,6 +227,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.lc.heartbeat(name, self.now)
         self.heard[name] = self.now
         self.closed.pop(name, None)
+        self.released.pop(name, None)
 
     @precondition(lambda self: self.heard)
     @rule(data=st.data())
@@ -159,12 +244,24 @@ class LifecycleMachine(RuleBasedStateMachine):
         if beat:  # the first half of the nodes keep beating
             for name in sorted(self.heard)[: len(self.heard) // 2]:
                 self.register(name) if name in self.closed else self.heartbeat_one(name)
+        held = self.lc.guard is not None
         self.last = self.lc.advance(self.now)
         self.advanced = True
+        if held and self.lc.guard is None:
+            just_lost = {t.node for t in self.last if t.new is L}
+            for name, node in self.lc.nodes.items():
+                if node.status is U or name in just_lost:
+                    self.released[name] = self.now
 
     def heartbeat_one(self, name: str) -> None:
         self.lc.heartbeat(name, self.now)
         self.heard[name] = self.now
+        self.released.pop(name, None)
+
+    def lost_from(self, name: str) -> float:
+        """When the model says an unreachable node may be declared lost, guard aside."""
+        since = max(self.heard[name], self.lc.started_at, self.released.get(name, -1.0))
+        return since + SETTINGS.lost_after_s
 
     @invariant()
     def statuses_follow_the_clock(self) -> None:
@@ -177,6 +274,20 @@ class LifecycleMachine(RuleBasedStateMachine):
             if name in lost_at:
                 assert silent >= s.lost_after_s
                 assert lost_at[name] - self.lc.started_at >= s.lost_after_s
+                # The guard's release gave it a fresh grace.
+                assert lost_at[name] >= self.released.get(name, 0) + s.lost_after_s, name
+
+    @invariant()
+    def the_next_deadline_is_the_next_change(self) -> None:
+        s = SETTINGS
+        due = [
+            self.heard[name] + s.unreachable_after_s
+            for name, node in self.lc.nodes.items()
+            if node.status is R
+        ]
+        if self.lc.guard is None:
+            due += [self.lost_from(name) for name, n in self.lc.nodes.items() if n.status is U]
+        assert self.lc.next_deadline() == min(due, default=None)
 
     @invariant()
     def guards_hold(self) -> None:
@@ -208,10 +319,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert len(recent_before) <= s.mass_loss_share * (len(live) + len(just_lost))
         # Eligible but not lost: only the guard may hold it back.
         for n in unreachable:
-            if (
-                self.now - self.heard[n.name] >= s.lost_after_s
-                and self.now - self.lc.started_at >= s.lost_after_s
-            ):
+            if self.now >= self.lost_from(n.name):
                 assert self.lc.guard is not None, n.name
 
 

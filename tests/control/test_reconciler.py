@@ -253,6 +253,11 @@ def test_the_mass_loss_guard_keeps_replicas_where_they_are() -> None:
     f.register("n1")
     f.advance(5)
     assert f.cp.view().guard is None
+    # The release gives the stragglers a fresh lost_after (120 s) to come back in.
+    f.advance(110)
+    assert [n.status for n in f.cp.view().nodes].count(NodeStatus.LOST) == 0
+    assert len(f.starts()) == 4
+    f.advance(10)
     assert [n.status for n in f.cp.view().nodes].count(NodeStatus.LOST) == 2
 
 

@@ -11,6 +11,12 @@ registers after the start, so the start-up guard bites hardest on what a
 restarted control plane has not heard from at all: the ranks of a multi-node
 replica whose nodes have not registered yet, which `shards.classify` awaits
 until `lost_after` after the start.
+
+The mass-loss guard's release gives a fresh grace: a node still unreachable
+when the guard releases is declared lost no earlier than `lost_after` after the
+release. Nodes cut off together come back one by one, over their reconnection
+backoff; the first ones back release the guard, and the last must not be
+declared lost in that instant for having been silent while the guard held.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ class Node:
     status: NodeStatus
     last_seen: float
     unreachable_since: float | None = None
+    # The mass-loss guard released while it was unreachable: lost no earlier than
+    # lost_after after this.
+    guard_released_at: float | None = None
     cordoned: bool = False  # no new placements
     draining: bool = False  # everything moves off
 
@@ -96,16 +105,22 @@ class Lifecycle:
                 out.append(
                     NodeTransition(node.name, NodeStatus.REACHABLE, node.status, now, reason)
                 )
+        held = self.guard is not None
         self._update_guard(now)
-        if self.guard is None and now - self.started_at >= s.lost_after_s:
+        if self.guard is None:
+            if held:
+                for node in self.nodes.values():
+                    if node.status is NodeStatus.UNREACHABLE:
+                        node.guard_released_at = now
             lost = 0
             for node in self.nodes.values():
-                if node.status is NodeStatus.UNREACHABLE and now - node.last_seen >= s.lost_after_s:
+                if node.status is NodeStatus.UNREACHABLE and now >= self._lost_at(node):
                     node.status = NodeStatus.LOST
                     lost += 1
-                    reason = f"no heartbeat for {s.lost_after_s:g} s"
                     out.append(
-                        NodeTransition(node.name, NodeStatus.UNREACHABLE, node.status, now, reason)
+                        NodeTransition(
+                            node.name, NodeStatus.UNREACHABLE, node.status, now, self._why(node)
+                        )
                     )
             if lost:
                 # Fewer live nodes raise the unreachable share: judge it again now, not a tick late.
@@ -120,14 +135,31 @@ class Lifecycle:
             if node.status is NodeStatus.REACHABLE:
                 times.append(node.last_seen + s.unreachable_after_s)
             elif node.status is NodeStatus.UNREACHABLE and self.guard is None:
-                times.append(max(node.last_seen, self.started_at) + s.lost_after_s)
+                times.append(self._lost_at(node))
         return min(times, default=None)
+
+    def _lost_at(self, node: Node) -> float:
+        """When an unreachable node is declared lost, if the guard does not hold then:
+        `lost_after` after the latest of its last word, the start, and the guard's release."""
+        since = max(node.last_seen, self.started_at)
+        if node.guard_released_at is not None:
+            since = max(since, node.guard_released_at)
+        return since + self.settings.lost_after_s
+
+    def _why(self, node: Node) -> str:
+        after = self.settings.lost_after_s
+        released = node.guard_released_at
+        if released is not None and released > max(node.last_seen, self.started_at):
+            silent = self._lost_at(node) - node.last_seen
+            return f"no heartbeat for {silent:g} s, {after:g} s since the mass-loss guard released"
+        return f"no heartbeat for {after:g} s"
 
     def _revive(self, node: Node, now: float, reason: str) -> list[NodeTransition]:
         node.last_seen = max(node.last_seen, now)
         if node.status is NodeStatus.REACHABLE:
             return []
         old, node.status, node.unreachable_since = node.status, NodeStatus.REACHABLE, None
+        node.guard_released_at = None
         return [NodeTransition(node.name, old, node.status, now, reason)]
 
     def _update_guard(self, now: float) -> None:
