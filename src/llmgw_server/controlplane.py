@@ -13,14 +13,14 @@ import secrets
 
 import trio
 
-from llmgw_core.catalog import parse_endpoint
+from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_server.agentsvc import AgentService
 from llmgw_server.balancer import Replica
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
-from llmgw_server.control.reconciler import Reconciler, Step
+from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.router import Router
 
 log = logging.getLogger("llmgw.control")
@@ -38,6 +38,7 @@ class ControlPlane:
             config.catalog,
             now=trio.current_time(),
             instance=secrets.token_hex(3),
+            engine_keys=random_engine_key,
         )
         self.agents = AgentService(
             self,
@@ -48,7 +49,7 @@ class ControlPlane:
         self._wake = trio.Event()
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
         self._sleep_until = 0.0
-        self._serving: dict[str, tuple[str, ...]] = {}
+        self._serving: dict[str, tuple[Endpoint, ...]] = {}
         self._nursery: trio.Nursery | None = None
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
         self.closing = False
@@ -114,8 +115,14 @@ class ControlPlane:
     def cordon(self, node: str, on: bool) -> None:
         self.apply(self.reconciler.cordon(node, on, trio.current_time()))
 
-    def drain_node(self, node: str, on: bool) -> None:
-        self.apply(self.reconciler.drain_node(node, on, trio.current_time()))
+    def drain_node(self, node: str, on: bool, *, force: bool = False) -> None:
+        """Raises KeyError for an unknown node, DrainRefused for a drain that would leave a
+        replica nowhere to go (unless `force`)."""
+        now = trio.current_time()
+        if on:
+            self.apply(self.reconciler.request_drain(node, now, force=force))
+        else:
+            self.apply(self.reconciler.drain_node(node, False, now))
 
     # -- carrying out a step ----------------------------------------------------
 
@@ -172,9 +179,9 @@ class ControlPlane:
     def _watch_drain(self, replica_id: str) -> None:
         """Stop sending the replica requests; tell the reconciler once none is in flight."""
         replica = None
-        for view in self.reconciler.view().replicas:
-            if view.replica_id == replica_id:
-                replica = self.router.replica(view.model, parse_endpoint(view.url))
+        found = self.reconciler.endpoint(replica_id)
+        if found is not None:
+            replica = self.router.replica(*found)
         if replica is not None:
             replica.draining = True
         assert self._nursery is not None
@@ -192,8 +199,9 @@ class ControlPlane:
         serving = self.reconciler.serving()
         if serving == self._serving:
             return
-        for model, urls in serving.items():
-            if self._serving.get(model) != urls:
-                log.info("%s is served by %s", model, ", ".join(urls) or "nothing")
-                self.router.set_endpoints(model, [parse_endpoint(u) for u in urls])
+        for model, endpoints in serving.items():
+            if self._serving.get(model) != endpoints:
+                # An endpoint prints as its URL: the engine key stays out of the log.
+                log.info("%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing")
+                self.router.set_endpoints(model, endpoints)
         self._serving = serving

@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+
 import attrs
 import pytest
 from fleetsim import FAST, Fleet, catalog, gpu_node, model
 
+from llmgw_core.catalog import Endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import LaunchSpec, ShardState
+from llmgw_server.admin import status
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.reconciler import DrainRefused, Reconciler
 from llmgw_server.control.shards import Phase
 
 READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
 POD_A = {"ib_domain": "pod-a"}
 
 
+def counting_keys(prefix: str = "key") -> Callable[[], str]:
+    """A deterministic engine-key source: key-1, key-2..."""
+    count = 0
+
+    def next_key() -> str:
+        nonlocal count
+        count += 1
+        return f"{prefix}-{count}"
+
+    return next_key
+
+
+def keyed(f: Fleet, keys: Callable[[], str] | None = None, *, instance: str = "a") -> Fleet:
+    """Give the fleet's (new) control plane a deterministic key source, before anyone joins."""
+    f.cp = Reconciler(
+        f.settings, f.catalog, now=f.now, instance=instance, engine_keys=keys or counting_keys()
+    )
+    return f
+
+
 def fleet_with(*models: object, settings: ControlSection = FAST, nodes: int = 2) -> Fleet:
-    f = Fleet(settings, catalog(*models))  # type: ignore[arg-type]
+    f = keyed(Fleet(settings, catalog(*models)))  # type: ignore[arg-type]
     f.join(*[gpu_node(f"n{i}", 8, fabric=POD_A) for i in range(1, nodes + 1)])
     return f
 
@@ -60,6 +86,7 @@ def test_start_carries_the_whole_launch_spec() -> None:
             port=20000,
             dist_port=20001,
             attempt=0,
+            api_key="key-1",
         ),
     )
     assert f.last_step.placements or f.cp.view().replicas[0].kept
@@ -78,7 +105,7 @@ def test_a_multi_node_replica_gets_ranks_and_the_head_address() -> None:
     }
     f.ready_all()
     (replica,) = f.cp.view().replicas
-    assert replica.serving and f.cp.serving() == {"big": (replica.url,)}
+    assert replica.serving and [e.url for e in f.cp.serving()["big"]] == [replica.url]
 
 
 def test_ports_are_unique_on_every_node_of_a_replica() -> None:
@@ -289,8 +316,8 @@ def test_draining_a_node_moves_its_replicas() -> None:
     (home,) = {c.node for c in f.starts()}
     f.commands.clear()
     f.feed(f.cp.drain_node(home, True, f.now))
-    assert kinds(f.commands) == ["MarkNode", "DrainShard", "StartShard"]
-    assert f.commands[2].node != home  # type: ignore[attr-defined]
+    assert kinds(f.commands) == ["MarkNode", "StartShard"]  # no drain before the replacement
+    assert f.commands[1].node != home  # type: ignore[attr-defined]
 
 
 def test_a_changed_profile_replaces_its_replicas() -> None:
@@ -386,3 +413,223 @@ def test_a_replica_given_up_with_its_lost_node_is_retired_when_the_node_returns(
     stopped = [c for c in f.commands if isinstance(c, DrainShard | StopShard)]
     assert stopped and all(c.replica_id == first.spec.replica_id for c in stopped)
     assert f.replicas("m", READY) == {replacement.spec.replica_id}
+
+
+# -- drain: make before break ----------------------------------------------------------
+
+
+def serving_nodes(f: Fleet, model_name: str) -> list[str]:
+    return sorted(
+        r.shards[0].node for r in f.cp.view().replicas if r.model == model_name and r.serving
+    )
+
+
+def test_a_drain_serves_from_the_old_replicas_until_their_replacements_serve() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=4), nodes=2)
+    f.ready_all()
+    old = {c.spec.replica_id for c in f.starts()}
+    (home,) = {c.node for c in f.starts()}  # best fit: both replicas on one node
+    f.commands.clear()
+    f.feed(f.cp.drain_node(home, True, f.now))
+    assert kinds(f.commands) == ["MarkNode", "StartShard", "StartShard"]
+    assert any(f"draining {home}: 2 replicas move before they stop" in n for n in f.notes)
+    assert serving_nodes(f, "a") == [home, home]
+    moving = [r for r in f.cp.view().replicas if r.replica_id in old]
+    assert all(r.moving and r.serving and not r.kept for r in moving)
+    assert f.cp.view().models[0].kept == 2  # the replacements count; the old ones serve
+    new = [c.spec for c in f.starts()]
+    f.advance(FAST.drain_timeout_s * 2)  # replacements that take their time to load
+    assert kinds(f.commands)[3:] == [] and serving_nodes(f, "a") == [home, home]
+    # One replacement serves: one old replica leaves the router and drains.
+    f.report(new[0].node, new[0].replica_id, 0, STARTING)
+    f.report(new[0].node, new[0].replica_id, 0, READY)
+    (drain,) = f.commands[3:]
+    assert isinstance(drain, DrainShard) and drain.replica_id in old
+    assert serving_nodes(f, "a") == sorted([home, new[0].node])
+    assert any("its replacement serves" in n for n in f.notes)
+    f.feed(f.cp.replica_drained(drain.replica_id, f.now))
+    assert f.commands[4:] == [StopShard(home, drain.replica_id, 0)]
+    f.ready_all()
+    assert kinds(f.commands)[5:] == ["DrainShard"]
+    assert serving_nodes(f, "a") == sorted([new[0].node, new[1].node])
+    f.advance(FAST.drain_timeout_s)
+    assert not f.agents[home].shards and len(f.replicas("a", READY)) == 2
+
+
+def test_a_drain_that_would_take_a_replica_offline_is_refused_unless_forced() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=6), model("b", 1, tensor_parallel=2), nodes=1)
+    f.join(gpu_node("n2", 4, fabric=POD_A))  # room for b, not for a
+    assert {c.node for c in f.starts()} == {"n1"}
+    f.ready_all()
+    before = f.cp.view()
+    f.commands.clear()
+    with pytest.raises(DrainRefused) as refused:
+        f.cp.request_drain("n1", f.now)
+    (stuck,) = refused.value.stuck
+    assert stuck.model == "a" and stuck.replica_id.startswith("a-")
+    assert stuck.explanation.text == (
+        # Against the fleet as it would be once b moved to n2.
+        "0 of 2 nodes fit: 1 draining (n1); 1 has too few free GPUs (n2 has 2, need 6)"
+    )
+    assert str(refused.value).startswith("draining n1 would take replicas offline: replica a-")
+    assert f.cp.view() == before and f.commands == []
+    # Forced: b moves (make before break), a stops at once: nothing could replace it.
+    f.feed(f.cp.request_drain("n1", f.now, force=True))
+    assert kinds(f.commands) == ["MarkNode", "DrainShard", "StartShard"]
+    drain, start = f.commands[1:]
+    assert isinstance(drain, DrainShard) and drain.replica_id == stuck.replica_id
+    assert isinstance(start, StartShard) and start.spec.model_name == "b" and start.node == "n2"
+    assert any("fits nowhere else and stops without a replacement" in n for n in f.notes)
+    assert serving_nodes(f, "a") == [] and serving_nodes(f, "b") == ["n1"]
+    f.ready_all()
+    assert serving_nodes(f, "b") == ["n2"]
+    f.advance(FAST.drain_timeout_s)
+    assert not f.agents["n1"].shards
+    assert f.cp.view().unplaced["a"].explanation.text.startswith("0 of 2 nodes fit")
+
+
+def test_a_forced_drain_still_moves_what_can_move_before_stopping_it() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=4), nodes=1)
+    f.join(gpu_node("n2", 4, fabric=POD_A))  # room for one of the two
+    f.ready_all()
+    f.commands.clear()
+    with pytest.raises(DrainRefused) as refused:
+        f.cp.request_drain("n1", f.now)
+    assert len(refused.value.stuck) == 1  # one of the two fits; checked together
+    f.feed(f.cp.request_drain("n1", f.now, force=True))
+    assert kinds(f.commands) == ["MarkNode", "DrainShard", "StartShard"]
+    assert serving_nodes(f, "a") == ["n1"]  # the other one serves until its replacement does
+    f.ready_all()
+    assert kinds(f.commands)[3:] == ["DrainShard"] and serving_nodes(f, "a") == ["n2"]
+
+
+def test_a_replica_failing_on_a_draining_node_is_stopped_not_restarted_there() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (home,) = {c.node for c in f.starts()}
+    rid = f.starts()[0].spec.replica_id
+    f.feed(f.cp.drain_node(home, True, f.now))
+    f.commands.clear()
+    f.report(home, rid, 0, FAILED, "segfault")
+    f.advance(60)
+    assert [c for c in f.commands if isinstance(c, StartShard)] == []
+    assert f.commands == [StopShard(home, rid, 0)]
+
+
+def test_undrain_during_a_move_keeps_the_old_replica_and_drops_the_replacement() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (old,) = f.starts()
+    f.feed(f.cp.drain_node(old.node, True, f.now))
+    (_, new) = f.starts()
+    f.commands.clear()
+    f.feed(f.cp.drain_node(old.node, False, f.now))
+    assert f.commands == [
+        MarkNode(old.node, cordoned=False, draining=False),
+        StopShard(new.node, new.spec.replica_id, 0),  # starting, never served: stopped
+    ]
+    assert f.replicas("a", READY) == {old.spec.replica_id}
+
+
+def test_draining_a_draining_node_again_is_not_checked_again() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (home,) = {c.node for c in f.starts()}
+    f.feed(f.cp.request_drain(home, f.now))
+    # The replacement holds the other node's GPUs: a second check would find no room.
+    f.feed(f.cp.request_drain(home, f.now))
+    assert len(f.starts()) == 2
+    with pytest.raises(KeyError):
+        f.cp.request_drain("nope", f.now)
+
+
+def test_a_drain_during_the_settle_time_after_a_restart_holds_until_placement_resumes() -> None:
+    settings = ControlSection(settle_after_start_s=30, reconcile_interval_s=0)
+    f = keyed(Fleet(settings, catalog(model("a", 1, tensor_parallel=8))))
+    f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))
+    f.advance(35)
+    f.ready_all()
+    (old,) = f.starts()
+    f.restart_control_plane(instance="b")
+    f.commands.clear()
+    f.feed(f.cp.request_drain(old.node, f.now))
+    f.advance(25)  # placement waits for re-registering agents: the old replica serves on
+    assert kinds(f.commands) == ["MarkNode"] and serving_nodes(f, "a") == [old.node]
+    f.advance(10)
+    (start,) = f.starts()
+    assert start.node != old.node and serving_nodes(f, "a") == [old.node]
+    f.ready_all()
+    assert serving_nodes(f, "a") == [start.node]
+    assert DrainShard(old.node, old.spec.replica_id, 0) in f.commands
+
+
+# -- engine keys ---------------------------------------------------------------------
+
+
+def test_each_replica_has_its_own_engine_key_on_every_shard() -> None:
+    f = keyed(Fleet(FAST, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2))))
+    f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A), gpu_node("n3"))
+    f.set_catalog(
+        catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2), model("small", 1))
+    )
+    keys = {(c.spec.model_name, c.spec.rank): c.spec.api_key for c in f.starts()}
+    assert keys == {("big", 0): "key-1", ("big", 1): "key-1", ("small", 0): "key-2"}
+    f.ready_all()
+    serving = f.cp.serving()
+    assert [e.api_key for e in serving["big"]] == ["key-1"]
+    assert [e.api_key for e in serving["small"]] == ["key-2"]
+    url = f.cp.view().replicas[0].url
+    assert serving["big"][0] == Endpoint(url.split("//")[1].split(":")[0], 20000, api_key="key-1")
+    # A restart after a failure keeps the replica's key.
+    small = next(c.spec for c in f.starts() if c.spec.model_name == "small")
+    f.report(small.node, small.replica_id, 0, FAILED, "oom")
+    f.advance(15)
+    assert f.starts()[-1].spec.attempt == 1 and f.starts()[-1].spec.api_key == "key-2"
+
+
+def test_a_restarted_control_plane_learns_the_keys_back_from_the_agents() -> None:
+    settings = ControlSection(reconcile_interval_s=0)
+    f = keyed(Fleet(settings, catalog(model("a", 2, tensor_parallel=4))))
+    f.join(gpu_node("n1"), gpu_node("n2"))
+    f.advance(40)
+    f.ready_all()
+    before = f.cp.serving()
+    assert sorted(e.api_key for e in before["a"]) == ["key-1", "key-2"]
+    f.commands.clear()
+
+    def no_new_keys() -> str:
+        raise AssertionError("adoption must not make new keys")
+
+    keyed(f, no_new_keys, instance="b")
+    for name in f.agents:
+        f.register(name)
+    f.advance(300)
+    assert f.commands == [] and f.cp.serving() == before
+    (rid, *_) = sorted(f.replicas("a"))
+    found = f.cp.endpoint(rid)
+    assert found is not None and found[1].api_key in ("key-1", "key-2")
+
+
+class _Plane:
+    output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
+
+
+def test_engine_keys_never_show_in_views_notes_commands_or_the_status_api() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=4), model("b", 1, gpu_memory_gib=99), nodes=2)
+    f.ready_all()
+    (home,) = {c.node for c in f.starts()}
+    f.feed(f.cp.drain_node(home, True, f.now))
+    keys = {c.spec.api_key for c in f.starts()}
+    assert keys == {"key-1", "key-2", "key-3", "key-4"}
+    view = f.cp.view()
+    shown = [
+        repr(view),
+        repr(f.commands),
+        repr(f.cp.serving()),
+        " ".join(str(e) for e in f.cp.serving()["a"]),
+        "\n".join(f.notes),
+        json.dumps(status(view, _Plane(), f.now)),  # type: ignore[arg-type]
+        repr(f.cp.explain("b")),
+    ]
+    for text in shown:
+        assert not any(key in text for key in keys), text

@@ -10,12 +10,19 @@ from llmgw_server.control.placement import Assignment
 
 
 def launch_specs(
-    replica_id: str, profile: Profile, placed: Assignment, head_address: str, port: int
+    replica_id: str,
+    profile: Profile,
+    placed: Assignment,
+    head_address: str,
+    port: int,
+    *,
+    api_key: str = "",
 ) -> list[LaunchSpec]:
     """The spec of every shard of a newly placed replica, in rank order.
 
     Every shard carries every rank's node, so that a restarted control plane
-    can tell from any one shard which others belong with it.
+    can tell from any one shard which others belong with it, and the replica's
+    engine key, so that it learns the key back from whichever shard it hears of.
     """
     nodes = tuple(s.node for s in placed.shards)
     return [
@@ -34,6 +41,7 @@ def launch_specs(
             head_address=head_address,
             port=port,
             dist_port=port + 1,
+            api_key=api_key,
         )
         for rank, shard in enumerate(placed.shards)
     ]

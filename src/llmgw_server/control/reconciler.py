@@ -14,6 +14,11 @@ Decisions, per model with a profile:
   draining node are candidates; the best `replicas` of them are kept (all
   nodes reachable, then ready before starting before pending before failed).
   A replica on an unreachable node is kept: it probably still serves.
+- A drain makes before it breaks: a serving replica on a draining node moves,
+  that is, it keeps serving while a replacement is placed elsewhere, and is
+  retired only once enough replacements serve. A replica with no replacement
+  on the way (no room anywhere) is retired at once: operators are asked first
+  (`request_drain` refuses such a drain unless forced).
 - Every other replica is retired: drained if it was serving, then stopped when
   the router reports it drained or `drain_timeout_s` passes.
 - A replica on a lost node, or missing a rank, is broken: its other shards are
@@ -21,17 +26,20 @@ Decisions, per model with a profile:
 - A kept failed replica is restarted whole, on the same GPUs, after a capped
   exponential backoff; its other shards are stopped first.
 - Missing replicas are placed, except during `settle_after_start_s` after the
-  start, while agents of a restarted control plane re-register.
+  start, while agents of a restarted control plane re-register. Each new
+  replica gets an engine key from the injected key source, on every shard; a
+  restarted control plane learns it back from the shards agents report.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
-from llmgw_core.catalog import Catalog, ModelEntry
+from llmgw_core.catalog import Catalog, Endpoint, ModelEntry, parse_endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
@@ -77,19 +85,54 @@ class Step:
 class _Status:
     classified: Classified
     kept: bool = False
+    moving: bool = False  # on a draining node, serving until a replacement serves
+
+
+@attrs.frozen
+class Stuck:
+    """A replica on a node to drain that fits nowhere else."""
+
+    replica_id: str
+    model: str
+    explanation: Explanation
+
+
+class DrainRefused(Exception):
+    """Draining the node would leave replicas nowhere to go (their models could go offline)."""
+
+    def __init__(self, node: str, stuck: Sequence[Stuck]) -> None:
+        self.node = node
+        self.stuck = tuple(stuck)
+        reasons = "; ".join(
+            f"replica {s.replica_id} of {s.model} fits nowhere else: {s.explanation.text}"
+            for s in self.stuck
+        )
+        super().__init__(f"draining {node} would take replicas offline: {reasons}")
+
+
+def random_engine_key() -> str:
+    return secrets.token_urlsafe(24)
 
 
 class Reconciler:
     def __init__(
-        self, settings: ControlSection, catalog: Catalog, *, now: float, instance: str
+        self,
+        settings: ControlSection,
+        catalog: Catalog,
+        *,
+        now: float,
+        instance: str,
+        engine_keys: Callable[[], str] = random_engine_key,
     ) -> None:
         """`instance` goes into replica ids, so it must differ between control-plane
-        starts (the shell passes a few random hex digits)."""
+        starts (the shell passes a few random hex digits). `engine_keys` makes the key
+        of each new replica's engines (tests pass a deterministic one)."""
         self.settings = settings
         self.catalog = catalog
         self.started_at = now
         self.lifecycle = Lifecycle(settings, now)
         self._instance = instance
+        self._engine_keys = engine_keys
         self._seq = 0
         self._now = now
         self._shards: dict[ShardKey, ShardRecord] = {}
@@ -213,9 +256,55 @@ class Reconciler:
         """No new placements on the node (raises KeyError for an unknown node)."""
         return self._mark(node, now, cordoned=on)
 
+    def request_drain(self, node: str, now: float, *, force: bool = False) -> Step:
+        """An operator's drain: refused with DrainRefused when a replica on the node fits
+        nowhere else, unless `force` (raises KeyError for an unknown node)."""
+        stuck = self.drain_check(node)
+        if stuck and not force:
+            raise DrainRefused(node, stuck)
+        return self.drain_node(node, True, now)
+
     def drain_node(self, node: str, on: bool, now: float) -> Step:
-        """Move every replica off the node (raises KeyError for an unknown node)."""
-        return self._mark(node, now, draining=on)
+        """Move every replica off the node, each one retired once its replacement serves
+        (raises KeyError for an unknown node). A replica that fits nowhere else is stopped
+        without a replacement: `request_drain` asks first."""
+        known = self.lifecycle.nodes[node]
+        notes = []
+        if on and not known.draining:
+            moving = self._replicas_on(node)
+            if moving:
+                notes.append(
+                    f"draining {node}: {len(moving)} replicas move before they stop "
+                    f"({', '.join(moving)})"
+                )
+            for s in self.drain_check(node):
+                notes.append(
+                    f"draining {node}: replica {s.replica_id} of {s.model} fits nowhere else "
+                    f"and stops without a replacement ({s.explanation.text})"
+                )
+        step = self._mark(node, now, draining=on)
+        return attrs.evolve(step, notes=(*notes, *step.notes))
+
+    def drain_check(self, node: str) -> list[Stuck]:
+        """The replicas on `node` that could not be placed elsewhere, were it draining
+        (none for a node already draining: its replacements are placed already)."""
+        if self.lifecycle.nodes[node].draining:
+            return []
+        capacities = [
+            attrs.evolve(c, draining=True) if c.name == node else c for c in self._capacities()
+        ]
+        requests = []
+        for rid, model in self._replicas_on(node).items():
+            entry = self.catalog.get(model)
+            if entry is not None and entry.profile is not None:
+                requests.append(PlacementRequest(rid, model, entry.profile))
+        result = place(
+            requests, capacities, fabric_key=self.settings.fabric_key, spread=self.settings.spread
+        )
+        return [
+            Stuck(r.key, r.model, result.explanations[r.model])
+            for r in sorted(result.unplaced, key=lambda r: r.key)
+        ]
 
     def forget_node(self, node: str, now: float) -> Step:
         """Drop a lost node and its shards, such as a decommissioned machine."""
@@ -254,6 +343,7 @@ class Reconciler:
                 records,
                 status.classified,
                 kept=status.kept,
+                moving=status.moving,
                 failure=self._failures.get(rid),
                 crash_loop_after=self.settings.crash_loop_after,
             )
@@ -267,13 +357,25 @@ class Reconciler:
         }
         return ControlView(nodes, tuple(replicas), models, unplaced, self.lifecycle.guard)
 
-    def serving(self) -> dict[str, tuple[str, ...]]:
-        """The URLs the router should send each model's requests to."""
-        out: dict[str, list[str]] = {m.name: [] for m in self.catalog.profiled}
+    def serving(self) -> dict[str, tuple[Endpoint, ...]]:
+        """Where the router should send each model's requests, with each engine's key."""
+        out: dict[str, list[Endpoint]] = {m.name: [] for m in self.catalog.profiled}
         for replica in self.view().replicas:
             if replica.serving and replica.model in out:
-                out[replica.model].append(replica.url)
-        return {model: tuple(urls) for model, urls in out.items()}
+                found = self.endpoint(replica.replica_id)
+                if found is not None:
+                    out[replica.model].append(found[1])
+        return {model: tuple(endpoints) for model, endpoints in out.items()}
+
+    def endpoint(self, replica_id: str) -> tuple[str, Endpoint] | None:
+        """A replica's model and the endpoint of its head, carrying the engine key."""
+        records = [r for r in self._shards.values() if r.spec.replica_id == replica_id]
+        if not records:
+            return None
+        # Every shard of a replica carries its key and its head's address.
+        spec = min(records, key=lambda r: r.spec.rank).spec
+        endpoint = attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)
+        return spec.model_name, endpoint
 
     def explain(self, model: str) -> Explanation | None:
         """Why one more replica of `model` could or could not be placed now."""
@@ -391,9 +493,12 @@ class Reconciler:
                 retire.append((rid, records, why))
         self._kept = {}
         deficits: dict[str, int] = {}
+        moves: dict[str, tuple[list[tuple[str, list[ShardRecord]]], int, int]] = {}
         for name, cands in candidates.items():
-            cands.sort(key=lambda c: self._keep_order(c[0], c[1]))
-            keep, surplus = cands[: wanted[name].replicas], cands[wanted[name].replicas :]
+            moving = [c for c in cands if self._on_draining_node(c[1])]
+            staying = [c for c in cands if not self._on_draining_node(c[1])]
+            staying.sort(key=lambda c: self._keep_order(c[0], c[1]))
+            keep, surplus = staying[: wanted[name].replicas], staying[wanted[name].replicas :]
             retire += [(rid, records, "surplus") for rid, records in surplus]
             self._kept[name] = len(keep)
             deficits[name] = wanted[name].replicas - len(keep)
@@ -402,6 +507,18 @@ class Reconciler:
                 self._drained.discard(rid)  # a drain the router reported is over
                 if self._status[rid].classified.phase is Phase.FAILED:
                     self._restart(rid, records, now, commands, notes, times)
+            ready = sum(self._serves(rid, records) for rid, records in keep)
+            moves[name] = (moving, ready, len(keep))
+        starts: list[Command] = []
+        placements = self._place(wanted, deficits, now, starts, times)
+        for name, (moving, ready, kept) in moves.items():
+            placed = sum(a.model == name for a in placements)
+            count, waiting = self._short.get(name, (0, None))
+            deferred = count if waiting is not None else 0  # placed once the settle time ends
+            underway = kept - ready + placed + deferred
+            # Moving replicas serve until as many replacements serve, and only while
+            # replacements are on their way.
+            retire += self._hold(moving, wanted[name].replicas - ready, underway)
         for rid, records, why in retire:
             sent = len(commands)
             self._retire(rid, records, now, commands, times)
@@ -413,7 +530,7 @@ class Reconciler:
                     f"retiring replica {rid} of {records[0].spec.model_name} ({why}): "
                     + " and ".join(verbs)
                 )
-        placements = self._place(wanted, deficits, now, commands, times)
+        commands += starts
         self._timer = min((t for t in times if t > now), default=None)
         self._explained = {}
         return placements
@@ -432,10 +549,36 @@ class Reconciler:
             return f"no model {name!r} with a profile in the catalog"
         if not matches(records, model.profile, self.lifecycle.nodes):
             return "its profile changed"
-        for r in records:
-            if self.lifecycle.nodes[r.node].draining:
-                return f"node {r.node} is draining"
         return None
+
+    def _on_draining_node(self, records: list[ShardRecord]) -> bool:
+        return any(self.lifecycle.nodes[r.node].draining for r in records)
+
+    def _serves(self, rid: str, records: list[ShardRecord]) -> bool:
+        return self._status[rid].classified.phase is Phase.LIVE and all(
+            r.state is ShardState.READY for r in records
+        )
+
+    def _hold(
+        self, moving: list[tuple[str, list[ShardRecord]]], budget: int, underway: int
+    ) -> list[tuple[str, list[ShardRecord], str]]:
+        """Keep the best `budget` serving replicas of a model that sit on draining nodes;
+        the others are retired (returned with why)."""
+        retire = []
+        for rid, records in sorted(moving, key=lambda c: self._keep_order(c[0], c[1])):
+            draining = sorted({r.node for r in records if self.lifecycle.nodes[r.node].draining})
+            serves = self._serves(rid, records)
+            if serves and budget > 0 and underway > 0:
+                self._status[rid].moving = True
+                budget, underway = budget - 1, underway - 1
+                continue
+            why = f"node {draining[0]} is draining"
+            if serves and budget > 0:
+                why += " and it fits nowhere else"
+            elif serves:
+                why += " and its replacement serves"
+            retire.append((rid, records, why))
+        return retire
 
     def _keep_order(self, rid: str, records: list[ShardRecord]) -> tuple[bool, bool, int, str]:
         nodes = self.lifecycle.nodes
@@ -596,7 +739,8 @@ class Reconciler:
             nodes = [s.node for s in a.shards]
             port = self._free_port(nodes)
             head = self.lifecycle.nodes[nodes[0]].inventory.host
-            for spec in launch_specs(rid, profile, a, head, port):
+            key = self._engine_keys()
+            for spec in launch_specs(rid, profile, a, head, port, api_key=key):
                 record = ShardRecord(spec.node, spec, ShardState.PENDING)
                 self._shards[record.key] = record
                 commands.append(StartShard(spec.node, spec))
@@ -614,6 +758,17 @@ class Reconciler:
             assert why is not None
             self._explained[model] = why
         return why
+
+    def _replicas_on(self, node: str) -> dict[str, str]:
+        """The replicas with a shard on `node` that count for their model: id -> model."""
+        out = {}
+        for rid, records in self._by_replica().items():
+            status = self._status.get(rid)
+            if any(r.node == node for r in records) and (
+                status is None or status.kept or status.moving
+            ):
+                out[rid] = records[0].spec.model_name
+        return out
 
     def _by_replica(self) -> dict[str, list[ShardRecord]]:
         out: dict[str, list[ShardRecord]] = {}

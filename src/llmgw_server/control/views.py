@@ -1,4 +1,7 @@
-"""Read-only snapshots of the control plane, for the admin API, the CLI and tests."""
+"""Read-only snapshots of the control plane, for the admin API, the CLI and tests.
+
+Engine keys never appear here: a view is shown to operators and written to logs.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ class ShardView:
     state: ShardState
     gpus: tuple[int, ...]
     detail: str
-    retiring: bool  # a drain or stop was sent, or the agent reports it draining
+    retiring: bool  # a drain or stop was sent, the agent reports it draining, or it is moving
 
 
 @attrs.frozen
@@ -37,6 +40,9 @@ class ReplicaView:
     model: str
     phase: Phase
     kept: bool  # counted toward the model's replicas (else being retired or replaced)
+    # On a draining node, serving until a replacement elsewhere serves; not counted toward
+    # the model's replicas (its replacement is), and its shards show as retiring.
+    moving: bool
     reason: str  # why it is failed or broken
     shards: tuple[ShardView, ...]
     url: str  # the head's endpoint
@@ -50,7 +56,7 @@ class ReplicaView:
         """Whether the router should send it requests."""
         return (
             self.phase is Phase.LIVE
-            and self.kept
+            and (self.kept or self.moving)
             and all(s.state is ShardState.READY for s in self.shards)
         )
 
@@ -84,6 +90,7 @@ def replica_view(
     classified: Classified,
     *,
     kept: bool,
+    moving: bool = False,
     failure: Failure | None,
     crash_loop_after: int,
 ) -> ReplicaView:
@@ -95,9 +102,12 @@ def replica_view(
         model=spec.model_name,
         phase=classified.phase,
         kept=kept,
+        moving=moving,
         reason=classified.reason,
         shards=tuple(
-            ShardView(r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring)
+            ShardView(
+                r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring or moving
+            )
             for r in records
         ),
         url=spec.url,
