@@ -21,7 +21,8 @@ from llmgw_core.config import Config, parse_config
 from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tomlshape import ConfigError
 from llmgw_server.admin import AdminAPI
-from llmgw_server.control.reconciler import Reconciler
+from llmgw_server.control.explanation import Explanation
+from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 
 TOKEN = "adm-secret-token"
 DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
@@ -94,8 +95,11 @@ class Plane:
     def cordon(self, node: str, on: bool) -> None:
         self._act("cordon", node, on)
 
-    def drain_node(self, node: str, on: bool) -> None:
-        self._act("drain", node, on)
+    def drain_node(self, node: str, on: bool, *, force: bool = False) -> None:
+        if node == "full" and on and not force:
+            why = Explanation("m", "0 of 1 nodes fit: 1 draining (full)", (), {})
+            raise DrainRefused(node, [Stuck("m-t-1", "m", why)])
+        self._act("force-drain" if force else "drain", node, on)
 
     def _act(self, what: str, node: str, on: bool) -> None:
         if node == "ghost":
@@ -269,7 +273,8 @@ async def test_cli_takes_the_token_from_the_environment_or_a_file(tmp_path: Path
                 run, "--token-file", str(token_file), "drain", "n1"
             )
             assert drain.returncode == 0, drain.stderr
-            assert drain.stdout.strip() == "n1: drain done"
+            # Nothing runs on n1 here: the drain is over as soon as it began.
+            assert drain.stdout.strip() == "n1: drained, no replica left on it"
             # The file wins over the environment when both are given.
             cordon = await trio.to_thread.run_sync(
                 lambda: run(
@@ -321,3 +326,61 @@ def test_a_real_server_requires_the_token_for_cordon(fleet: Any) -> None:
     done = cli(fleet.control, "cordon", "gpu-1", env={**tls, "LLMGW_ADMIN_TOKEN": TOKEN})
     assert done.returncode == 0, done.stderr
     assert fleet.node("gpu-1")["cordoned"]
+
+
+# --- drain: force, refusal, bad bodies -----------------------------------------------------
+
+
+async def post(url: str, path: str, body: bytes) -> tuple[int, Any]:
+    async with httpx.AsyncClient() as client:
+        response = await client.post(url + path, content=body)
+    return response.status_code, response.json()
+
+
+async def test_drain_takes_force_in_its_body_and_explains_a_refusal() -> None:
+    with trio.fail_after(20):
+        async with admin_server(config(None, "127.0.0.1:0")) as (url, plane):
+            status, body = await post(url, "/v1/admin/nodes/full/drain", b"")
+            assert status == 409 and body["error"]["code"] == "drain_refused"
+            assert body["error"]["message"] == (
+                "draining full would take replicas offline: replica m-t-1 of m fits nowhere "
+                "else: 0 of 1 nodes fit: 1 draining (full)"
+            )
+            assert body["error"]["stuck"] == [
+                {
+                    "replica_id": "m-t-1",
+                    "model": "m",
+                    "explanation": "0 of 1 nodes fit: 1 draining (full)",
+                }
+            ]
+            assert plane.actions == []
+            status, body = await post(url, "/v1/admin/nodes/full/drain", b'{"force": true}')
+            assert (status, body) == (200, {"node": "full", "action": "drain", "force": True})
+            assert plane.actions == [("force-drain", "full", True)]
+            for bad, message in [
+                (b"{", "the request body is not valid JSON"),
+                (b"[1]", "the request body must be a JSON object"),
+                (b'{"force": "yes"}', "'force' must be true or false"),
+                (b'{"forse": true}', "drain takes no field 'forse'"),
+            ]:
+                status, body = await post(url, "/v1/admin/nodes/n1/drain", bad)
+                assert status == 400 and body["error"]["message"].startswith(message), bad
+            status, body = await post(url, "/v1/admin/nodes/n1/cordon", b'{"force": true}')
+            assert status == 400 and body["error"]["message"] == "cordon takes no field 'force'"
+            assert plane.actions == [("force-drain", "full", True)]
+
+
+async def test_cli_drain_refused_then_forced_and_no_wait() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return cli(url, *args)
+
+    with trio.fail_after(60):
+        async with admin_server(config(None, "127.0.0.1:0")) as (url, plane):
+            refused = await trio.to_thread.run_sync(run, "drain", "full")
+            assert refused.returncode == 1 and refused.stdout == ""
+            assert "replica m-t-1 of m fits nowhere else: 0 of 1 nodes fit" in refused.stderr
+            assert "--force drains anyway" in refused.stderr
+            forced = await trio.to_thread.run_sync(run, "drain", "full", "--force", "--no-wait")
+            assert forced.returncode == 0, forced.stderr
+            assert forced.stdout.startswith("full: draining (")
+            assert plane.actions == [("force-drain", "full", True)]

@@ -41,7 +41,20 @@ def run_cli(argv: list[str]) -> int:
         ("cordon", "place nothing new on a node"),
         ("uncordon", "let a cordoned node take new replicas"),
     ):
-        sub.add_parser(action, help=what).add_argument("target", metavar="NODE")
+        node_action = sub.add_parser(action, help=what)
+        node_action.add_argument("target", metavar="NODE")
+        if action == "drain":
+            node_action.add_argument(
+                "--force",
+                action="store_true",
+                help="drain even when a replica fits nowhere else (it stops; its model may "
+                "go offline)",
+            )
+            node_action.add_argument(
+                "--no-wait",
+                action="store_true",
+                help="return at once instead of following the replicas until the node is empty",
+            )
     parser.add_argument(
         "--control",
         help="the control plane's admin URL (default: control_listen of --config, "
@@ -99,6 +112,8 @@ def run_cli(argv: list[str]) -> int:
             control or "http://127.0.0.1:8081",
             token,
             ca=ca,
+            force=getattr(args, "force", False),
+            wait=not getattr(args, "no_wait", False),
         )
     file = args.file if args.command == "check-config" else args.config
     if not file:

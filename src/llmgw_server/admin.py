@@ -3,6 +3,9 @@
 Who may call it is `[admin]` in the config (`AdminSection`): reads (GET status and
 explain) and actions (POST cordon/drain...) need `Authorization: Bearer <admin token>`
 unless the config opens them.
+
+`POST /v1/admin/nodes/NODE/drain` takes an optional JSON body `{"force": true}`: without
+it, a drain that would leave a replica nowhere to go is refused with 409 and why.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import trio
 from llmgw_core.config import AdminSection, digest_of
 from llmgw_core.http_server import Request, Responder
 from llmgw_core.openai_errors import error_body
+from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 
 if TYPE_CHECKING:
@@ -130,20 +134,56 @@ class AdminAPI:
             node, action = rest[1], rest[2]
             is_cordon, on = _ACTIONS[action]
             try:
+                force = _force(request.body, action)
+            except ValueError as exc:
+                await responder.error(400, str(exc))
+                return
+            try:
                 if is_cordon:
                     self.plane.cordon(node, on)
                 else:
-                    self.plane.drain_node(node, on)
+                    self.plane.drain_node(node, on, force=force)
             except KeyError:
                 await responder.error(404, f"no node {node!r}")
                 return
-            await self._json(responder, 200, {"node": node, "action": action})
+            except DrainRefused as refused:
+                await self._json(responder, 409, _refusal_body(refused))
+                return
+            await self._json(responder, 200, {"node": node, "action": action, "force": force})
         else:
             await responder.error(404, "no such admin route")
 
     @staticmethod
     async def _json(responder: Responder, status_code: int, data: Any) -> None:
         await responder.whole(status_code, json.dumps(data, indent=1).encode())
+
+
+def _force(body: bytes, action: str) -> bool:
+    """The `force` of an action's optional JSON body; raises ValueError saying what is wrong."""
+    if not body.strip():
+        return False
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError('the request body must be a JSON object, such as {"force": true}')
+    unknown = sorted(set(data) - ({"force"} if action == "drain" else set()))
+    if unknown:
+        raise ValueError(f"{action} takes no field {unknown[0]!r}")
+    force = data.get("force", False)
+    if not isinstance(force, bool):
+        raise ValueError("'force' must be true or false")
+    return force
+
+
+def _refusal_body(refused: DrainRefused) -> dict[str, Any]:
+    error = json.loads(error_body(409, str(refused), "drain_refused"))
+    error["error"]["stuck"] = [
+        {"replica_id": s.replica_id, "model": s.model, "explanation": s.explanation.text}
+        for s in refused.stuck
+    ]
+    return dict(error)
 
 
 def _node(view: NodeView, now: float) -> dict[str, Any]:
@@ -182,6 +222,7 @@ def _replica(view: ReplicaView, plane: ControlPlane, now: float) -> dict[str, An
         "phase": str(view.phase),
         "serving": view.serving,
         "kept": view.kept,
+        "moving": view.moving,
         "reason": view.reason,
         "url": view.url,
         "attempt": view.attempt,

@@ -2,6 +2,10 @@
 
 The admin token comes from `--token-file PATH` or, without it, the environment variable
 LLMGW_ADMIN_TOKEN; never from the command line, where other users could read it.
+
+`drain NODE` follows the drain until no replica is left on the node, a line for each
+replica as it moves (`--no-wait` returns at once); `--force` drains even when a replica
+fits nowhere else.
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import os
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +74,9 @@ def render_status(data: dict[str, Any]) -> str:
             [
                 r["replica_id"],
                 r["model"],
-                r["phase"] + (" (crash loop)" if r["crash_loop"] else ""),
+                r["phase"]
+                + (" (crash loop)" if r["crash_loop"] else "")
+                + (" (moving)" if r.get("moving") else ""),
                 "yes" if r["serving"] else "no",
                 " ".join(f"{s['node']}#{s['rank']}:{s['state']}" for s in r["shards"]),
                 r["url"],
@@ -98,6 +105,83 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+class DrainProgress:
+    """A drain as successive status snapshots show it: a line for each change a user
+    cares about, and whether the node is empty.
+
+    `before` is the status read before the drain began: a replica of an affected model
+    that is not in it is a replacement.
+    """
+
+    def __init__(self, node: str, before: dict[str, Any]) -> None:
+        self.node = node
+        self.existing = {r["replica_id"] for r in before.get("replicas", ())}
+        self.models: set[str] = set()  # models with a replica on the node
+        self.leaving: dict[str, str] = {}  # replicas seen on the node -> model
+        self.said: dict[str, str] = {}  # replica id or model -> the last line about it
+
+    def update(self, data: dict[str, Any]) -> tuple[list[str], bool]:
+        here = {r["replica_id"]: r for r in data["replicas"] if self._on_node(r)}
+        self.models |= {r["model"] for r in here.values()}
+        self.leaving |= {rid: r["model"] for rid, r in here.items()}
+        current = {rid: f"{rid} ({r['model']}): {self._leaving(r)}" for rid, r in here.items()}
+        for r in data["replicas"]:
+            rid = r["replica_id"]
+            if rid not in here and rid not in self.existing and r["model"] in self.models:
+                where = ",".join(dict.fromkeys(s["node"] for s in r["shards"]))
+                state = "serves" if r["serving"] else r["phase"] + _shard_states(r)
+                current[rid] = f"{rid} ({r['model']}): replacement on {where}: {state}"
+        for m in data["models"]:
+            if m["name"] in self.models and m["unplaced"]:
+                why = m["unplaced"]["waiting"] or m["unplaced"]["explanation"]
+                current[m["name"]] = f"{m['name']}: no room for a replacement yet: {why}"
+        lines = [text for key, text in current.items() if self.said.get(key) != text]
+        for rid in [rid for rid in self.leaving if rid not in here]:
+            lines.append(f"{rid} ({self.leaving.pop(rid)}): stopped, off {self.node}")
+        self.said = current
+        return lines, not here
+
+    def _on_node(self, replica: dict[str, Any]) -> bool:
+        return any(s["node"] == self.node for s in replica["shards"])
+
+    def _leaving(self, r: dict[str, Any]) -> str:
+        if r["moving"] and r["serving"]:
+            return f"serves on {self.node} until its replacement serves"
+        if any(s["retiring"] for s in r["shards"]):
+            return f"leaving {self.node}: no new requests, stopping once those in flight end"
+        return f"{r['phase']} on {self.node}{_shard_states(r)}"
+
+
+def _shard_states(replica: dict[str, Any]) -> str:
+    states = sorted({s["state"] for s in replica["shards"]})
+    return f" ({', '.join(states)})" if states != [replica["phase"]] else ""
+
+
+def follow_drain(
+    node: str,
+    before: dict[str, Any],
+    read_status: Callable[[], dict[str, Any]],
+    *,
+    poll_s: float = 0.5,
+    out: Callable[[str], None] = print,
+) -> int:
+    """Print the drain's progress until the node holds no replica; 1 if it is undrained."""
+    progress = DrainProgress(node, before)
+    while True:
+        data = read_status()
+        lines, done = progress.update(data)
+        for line in lines:
+            out(line)
+        if done:
+            out(f"{node}: drained, no replica left on it")
+            return 0
+        node_view = next((n for n in data["nodes"] if n["name"] == node), None)
+        if node_view is None or not node_view["draining"]:
+            out(f"{node}: no longer draining; stopped following")
+            return 1
+        time.sleep(poll_s)
+
+
 def run(
     command: str,
     target: str | None,
@@ -105,6 +189,9 @@ def run(
     token: str | None = None,
     *,
     ca: str | None = None,
+    force: bool = False,
+    wait: bool = True,
+    poll_s: float = 0.5,
 ) -> int:
     base = control.rstrip("/") + "/v1/admin"
     headers = {"authorization": f"Bearer {token}"} if token else {}
@@ -125,6 +212,9 @@ def run(
                 response = client.get(f"{base}/explain/{target}")
                 if response.status_code == 200:
                     print(response.json()["text"])
+            elif command == "drain":
+                assert target is not None
+                return _drain(client, base, target, token, force=force, wait=wait, poll_s=poll_s)
             else:
                 response = client.post(f"{base}/nodes/{target}/{command}")
                 if response.status_code == 200:
@@ -132,17 +222,62 @@ def run(
     except httpx.HTTPError as exc:
         print(f"llmgw-server: cannot reach the control plane at {control}: {exc}", file=sys.stderr)
         return 1
-    if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
-        if response.status_code == 401:
-            message += (
-                f" (the CLI sends the token from {TOKEN_ENV} or --token-file PATH)"
-                if token is None
-                else " (the token given was refused)"
-            )
-        print(f"llmgw-server: {message}", file=sys.stderr)
-        return 1
-    return 0
+    return _failed(response, token)
+
+
+class _Failed(Exception):
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+
+
+def _failed(response: httpx.Response, token: str | None) -> int:
+    """0 for a 200; else say what went wrong and return 1."""
+    if response.status_code == 200:
+        return 0
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    if response.status_code == 401:
+        message += (
+            f" (the CLI sends the token from {TOKEN_ENV} or --token-file PATH)"
+            if token is None
+            else " (the token given was refused)"
+        )
+    elif response.status_code == 409:
+        message += " (--force drains anyway: those replicas are stopped without a replacement)"
+    print(f"llmgw-server: {message}", file=sys.stderr)
+    return 1
+
+
+def _drain(
+    client: httpx.Client,
+    base: str,
+    node: str,
+    token: str | None,
+    *,
+    force: bool,
+    wait: bool,
+    poll_s: float,
+) -> int:
+    def read_status() -> dict[str, Any]:
+        response = client.get(f"{base}/status")
+        if response.status_code != 200:
+            raise _Failed(response)
+        data: dict[str, Any] = response.json()
+        return data
+
+    try:
+        before = read_status() if wait else {}
+        response = client.post(f"{base}/nodes/{node}/drain", json={"force": True} if force else {})
+        if response.status_code != 200:
+            raise _Failed(response)
+        if not wait:
+            print(f"{node}: draining (`llmgw-server status` shows the replicas as they move)")
+            return 0
+        return follow_drain(node, before, read_status, poll_s=poll_s)
+    except _Failed as failed:
+        return _failed(failed.response, token)
+    except KeyboardInterrupt:
+        print(f"{node}: stopped following; the drain goes on", file=sys.stderr)
+        return 130
