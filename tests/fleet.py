@@ -104,7 +104,7 @@ class Fleet:
     def tls(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
         """The admin CLI against this fleet's control plane (trusting the fleet's CA)."""
         return subprocess.run(
             [
@@ -113,7 +113,7 @@ class Fleet:
             ],
             capture_output=True,
             text=True,
-            timeout=20,
+            timeout=timeout,
         )
 
     def node(self, name: str) -> dict[str, Any]:

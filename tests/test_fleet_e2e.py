@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
+import httpx
 import openai
 
 from fleet import Fleet, wait_until
@@ -120,28 +122,107 @@ def test_a_restarted_server_adopts_running_engines_without_restarting_them(fleet
     wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
 
 
-def test_draining_a_node_moves_its_replica_and_stops_the_old_one(fleet: Fleet) -> None:
-    fleet.server(model("chat"))
-    fleet.agent("gpu-1", "node-2xl4.toml")
-    fleet.agent("gpu-2", "node-2xl4.toml")
-    first = wait_until(lambda: fleet.serving("chat"), what="a ready replica")[0]
-    old_node = first["shards"][0]["node"]
-    other = "gpu-2" if old_node == "gpu-1" else "gpu-1"
-    cli = fleet.cli("drain", old_node)
-    assert cli.returncode == 0, cli.stderr
-    moved = wait_until(
-        lambda: [r for r in fleet.serving("chat") if r["shards"][0]["node"] == other],
-        what="a replica on the other node",
-    )[0]
-    assert moved["replica_id"] != first["replica_id"]
-    wait_until(
-        lambda: all(r["replica_id"] != first["replica_id"] for r in fleet.status()["replicas"]),
-        what="the old replica to be stopped",
+class RequestLoop:
+    """Requests through the router one after another, from a thread, plain and streamed,
+    with a client that never retries: every failure is recorded."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        self.client = client
+        self.done = 0
+        self.errors: list[str] = []
+        self.served_by: set[str] = set()  # the engines' fingerprints, "mock:PORT"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RequestLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the request loop hangs"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.done % 2:
+                    stream = self.client.chat.completions.create(
+                        model="chat",
+                        messages=CHAT,  # type: ignore[arg-type]
+                        stream=True,
+                    )
+                    words = []
+                    for chunk in stream:
+                        self.served_by.add(chunk.system_fingerprint or "")
+                        words += [c.delta.content or "" for c in chunk.choices]
+                    assert len("".join(words).split()) == 16, words
+                else:
+                    answer = self.client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
+                    self.served_by.add(answer.system_fingerprint or "")
+            except (openai.APIError, AssertionError) as exc:
+                self.errors.append(f"request {self.done}: {exc!r}")
+            self.done += 1
+
+
+def test_a_drain_moves_replicas_before_it_stops_them_and_loses_no_request(fleet: Fleet) -> None:
+    fleet.server(model("chat", replicas=2))
+    # Engines that take a while to load, and answers that take a while to stream: without
+    # make-before-break the loop would meet 503s, and a stop before the drain cut streams.
+    slow = 'LLMGW_MOCK_STARTUP_DELAY = "1.5", LLMGW_MOCK_TPS = "40"'
+    fleet.agent("gpu-1", "node-2xl4.toml", env=slow)
+    old = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="both replicas on gpu-1",
     )
-    assert fleet.node(old_node)["draining"]
-    assert "stopped on request" in fleet.agents[old_node].output() or "stopped" in fleet.agents[old_node].output()
+    fleet.agent("gpu-2", "node-2xl4.toml", env=slow)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
-    answer = wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT), what="traffic")  # type: ignore[arg-type]
-    assert answer.system_fingerprint == "mock:" + moved["url"].rsplit(":", 1)[1]
+    wait_until(lambda: [m.id for m in client.models.list()] == ["chat"], what="the router to follow")
+    with RequestLoop(client) as loop:
+        wait_until(lambda: loop.done >= 4, what="requests before the drain")
+        drain = fleet.cli("drain", "gpu-1", timeout=60)
+        after = loop.done
+        wait_until(lambda: loop.done >= after + 4, what="requests after the drain")
+    assert drain.returncode == 0, drain.stderr
+    assert loop.errors == []
+    lines = drain.stdout.splitlines()
+    for replica in old:
+        rid = replica["replica_id"]
+        assert f"{rid} (chat): serves on gpu-1 until its replacement serves" in lines, lines
+        assert f"{rid} (chat): stopped, off gpu-1" in lines, lines
+    assert len([line for line in lines if line.endswith("replacement on gpu-2: serves")]) == 2
+    assert lines[-1] == "gpu-1: drained, no replica left on it"
+    new = fleet.serving("chat")
+    assert [r["shards"][0]["node"] for r in new] == ["gpu-2", "gpu-2"] and fleet.node("gpu-1")["draining"]
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old + new}
+    assert loop.served_by == ports  # the loop ran on the old replicas, then on the new ones
+    # The router sends each engine its key; a request that goes around the router has none.
+    direct = httpx.post(
+        new[0]["url"] + "/v1/chat/completions", json={"model": "chat", "messages": CHAT}
+    )
+    assert direct.status_code == 401
     unknown = fleet.cli("cordon", "no-such-node")
     assert unknown.returncode == 1 and "no node 'no-such-node'" in unknown.stderr
+
+
+def test_a_drain_that_would_take_a_model_offline_is_refused_unless_forced(fleet: Fleet) -> None:
+    fleet.server(model("solo"))
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    (replica,) = wait_until(lambda: fleet.serving("solo"), what="the replica")
+    rid = replica["replica_id"]
+    refused = fleet.cli("drain", "gpu-1")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert (
+        f"draining gpu-1 would take replicas offline: replica {rid} of solo fits nowhere else: "
+        "0 of 1 nodes fit: 1 draining (gpu-1)" in refused.stderr
+    )
+    assert "--force drains anyway" in refused.stderr
+    assert not fleet.node("gpu-1")["draining"] and fleet.serving("solo")
+    forced = fleet.cli("drain", "gpu-1", "--force", timeout=60)
+    assert forced.returncode == 0, forced.stderr
+    lines = forced.stdout.splitlines()
+    assert f"{rid} (solo): stopped, off gpu-1" in lines and lines[-1] == "gpu-1: drained, no replica left on it"
+    assert fleet.status()["replicas"] == []
+    (solo,) = fleet.status()["models"]
+    assert solo["unplaced"]["explanation"] == "0 of 1 nodes fit: 1 draining (gpu-1)"
