@@ -41,7 +41,7 @@ import attrs
 
 from llmgw_core.catalog import Catalog, Endpoint, ModelEntry, parse_endpoint
 from llmgw_core.control_config import ControlSection
-from llmgw_core.inventory import Inventory, ShardReport, ShardState
+from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.launch import free_port, launch_specs
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
@@ -360,22 +360,16 @@ class Reconciler:
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key."""
         out: dict[str, list[Endpoint]] = {m.name: [] for m in self.catalog.profiled}
+        heads = self._heads()
         for replica in self.view().replicas:
             if replica.serving and replica.model in out:
-                found = self.endpoint(replica.replica_id)
-                if found is not None:
-                    out[replica.model].append(found[1])
+                out[replica.model].append(_endpoint(heads[replica.replica_id]))
         return {model: tuple(endpoints) for model, endpoints in out.items()}
 
     def endpoint(self, replica_id: str) -> tuple[str, Endpoint] | None:
         """A replica's model and the endpoint of its head, carrying the engine key."""
-        records = [r for r in self._shards.values() if r.spec.replica_id == replica_id]
-        if not records:
-            return None
-        # Every shard of a replica carries its key and its head's address.
-        spec = min(records, key=lambda r: r.spec.rank).spec
-        endpoint = attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)
-        return spec.model_name, endpoint
+        spec = self._heads().get(replica_id)
+        return None if spec is None else (spec.model_name, _endpoint(spec))
 
     def explain(self, model: str) -> Explanation | None:
         """Why one more replica of `model` could or could not be placed now."""
@@ -770,6 +764,17 @@ class Reconciler:
                 out[rid] = records[0].spec.model_name
         return out
 
+    def _heads(self) -> dict[str, LaunchSpec]:
+        """Each replica's lowest-ranked shard spec: every shard carries the replica's key
+        and its head's address."""
+        heads: dict[str, LaunchSpec] = {}
+        for record in self._shards.values():
+            spec = record.spec
+            known = heads.get(spec.replica_id)
+            if known is None or spec.rank < known.rank:
+                heads[spec.replica_id] = spec
+        return heads
+
     def _by_replica(self) -> dict[str, list[ShardRecord]]:
         out: dict[str, list[ShardRecord]] = {}
         for record in self._shards.values():
@@ -818,3 +823,7 @@ class Reconciler:
     def _new_replica_id(self, model: str) -> str:
         self._seq += 1
         return f"{_UNSAFE.sub('_', model)}-{self._instance}-{self._seq}"
+
+
+def _endpoint(spec: LaunchSpec) -> Endpoint:
+    return attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)
