@@ -78,6 +78,5 @@ def test_a_replacement_with_no_room_is_explained_and_an_undrain_ends_the_watch()
         "chat-1 (chat): serves on gpu-1 until its replacement serves",
         "chat: no room for a replacement yet: 0 of 2 nodes fit: 1 draining (gpu-1); "
         "1 cordoned (gpu-2)",
-        "chat-1 (chat): live on gpu-1 (ready)",
         "gpu-1: no longer draining; stopped following",
     ]

@@ -124,7 +124,11 @@ class DrainProgress:
         here = {r["replica_id"]: r for r in data["replicas"] if self._on_node(r)}
         self.models |= {r["model"] for r in here.values()}
         self.leaving |= {rid: r["model"] for rid, r in here.items()}
-        current = {rid: f"{rid} ({r['model']}): {self._leaving(r)}" for rid, r in here.items()}
+        current = {
+            rid: f"{rid} ({r['model']}): {leaving}"
+            for rid, r in here.items()
+            if (leaving := self._leaving(r)) is not None
+        }
         for r in data["replicas"]:
             rid = r["replica_id"]
             if rid not in here and rid not in self.existing and r["model"] in self.models:
@@ -144,12 +148,13 @@ class DrainProgress:
     def _on_node(self, replica: dict[str, Any]) -> bool:
         return any(s["node"] == self.node for s in replica["shards"])
 
-    def _leaving(self, r: dict[str, Any]) -> str:
+    def _leaving(self, r: dict[str, Any]) -> str | None:
+        """How a replica on the node is leaving it; None before the control plane decided."""
         if r["moving"] and r["serving"]:
             return f"serves on {self.node} until its replacement serves"
         if any(s["retiring"] for s in r["shards"]):
             return f"leaving {self.node}: no new requests, stopping once those in flight end"
-        return f"{r['phase']} on {self.node}{_shard_states(r)}"
+        return None
 
 
 def _shard_states(replica: dict[str, Any]) -> str:

@@ -503,6 +503,16 @@ def test_a_forced_drain_still_moves_what_can_move_before_stopping_it() -> None:
     assert kinds(f.commands)[3:] == ["DrainShard"] and serving_nodes(f, "a") == ["n2"]
 
 
+def test_a_refusal_names_the_stuck_replicas_of_a_model_once_with_the_explanation() -> None:
+    f = fleet_with(model("a", 2, tensor_parallel=4), nodes=1)
+    with pytest.raises(DrainRefused) as refused:
+        f.cp.request_drain("n1", f.now)
+    assert str(refused.value) == (
+        "draining n1 would take replicas offline: replicas a-a-1, a-a-2 of a fit nowhere "
+        "else: 0 of 1 nodes fit: 1 draining (n1)"
+    )
+
+
 def test_a_replica_failing_on_a_draining_node_is_stopped_not_restarted_there() -> None:
     f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
     f.ready_all()

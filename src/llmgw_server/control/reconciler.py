@@ -103,9 +103,16 @@ class DrainRefused(Exception):
     def __init__(self, node: str, stuck: Sequence[Stuck]) -> None:
         self.node = node
         self.stuck = tuple(stuck)
+        by_model: dict[str, list[Stuck]] = {}
+        for s in self.stuck:
+            by_model.setdefault(s.model, []).append(s)
         reasons = "; ".join(
-            f"replica {s.replica_id} of {s.model} fits nowhere else: {s.explanation.text}"
-            for s in self.stuck
+            f"replica {group[0].replica_id} of {model} fits nowhere else: "
+            f"{group[0].explanation.text}"
+            if len(group) == 1
+            else f"replicas {', '.join(s.replica_id for s in group)} of {model} fit nowhere "
+            f"else: {group[-1].explanation.text}"
+            for model, group in by_model.items()
         )
         super().__init__(f"draining {node} would take replicas offline: {reasons}")
 
