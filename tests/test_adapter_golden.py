@@ -6,6 +6,11 @@ file and line): vLLM 0.34.0 (`vllm serve`: --nnodes, --node-rank, --master-addr,
 --master-port, --headless of its multiprocessing multi-node backend) and SGLang
 0.5.23 (`sglang.launch_server`: --nnodes, --node-rank, --dist-init-addr). A change
 to any of them must be made here on purpose, against the engine's parser.
+
+These argv were also parsed once by the real parsers (outside the suite, which
+cannot install the engines): vLLM 0.34.0's `vllm serve` parser and SGLang 0.5.23's
+ServerArgs parser with its --config merger read back every value, the SGLang key
+included.
 """
 
 from __future__ import annotations
@@ -159,7 +164,7 @@ def test_sglang_multi_node_head() -> None:
     )  # fmt: skip
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     # SGLang reads its key from nowhere but --api-key: a YAML --config file carries it.
-    assert cmd.files == (("/var/lib/llmgw-agent/shards/r-1.0.key.yaml", 'api_key: "k-3f9a"\n'),)
+    assert cmd.files == (("/var/lib/llmgw-agent/shards/r-1.0.key.yaml", 'api-key: "k-3f9a"\n'),)
 
 
 def test_sglang_multi_node_worker() -> None:
@@ -186,6 +191,6 @@ def test_sglang_key_file_quotes_any_key() -> None:
     odd = 'k: "#\\x\' {y}'
     cmd = build_command(SGLANG, launch("sglang", api_key=odd, key_file="/k.yaml"))
     ((path, text),) = cmd.files
-    assert path == "/k.yaml" and text.startswith('api_key: "') and text.endswith('"\n')
+    assert path == "/k.yaml" and text.startswith('api-key: "') and text.endswith('"\n')
     assert json.loads(text.split(": ", 1)[1]) == odd
     assert not any(odd in a for a in cmd.argv)

@@ -216,7 +216,7 @@ async def test_the_key_file_is_private_probes_carry_the_key_and_the_tail_masks_i
         engine = EngineProcess(
             [sys.executable, "-c", KEYED_ENGINE, str(port), str(key_file)],
             dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
-            tmp_path / "r-1.0.log", api_key=key, files=((str(key_file), f'api_key: "{key}"\n'),),
+            tmp_path / "r-1.0.log", api_key=key, files=((str(key_file), f'api-key: "{key}"\n'),),
         )
         with trio.fail_after(20):
             await engine.run()

@@ -152,14 +152,15 @@ def sglang(prefix: Sequence[str], launch: EngineLaunch) -> Command:
     if launch.api_key:
         # SGLang 0.5.23 reads its key from --api-key only (fields/serving.py:160; no
         # environment variable). Its --config YAML file (sglang/srt/server_args.py:402,683,
-        # merged in-process by sglang/srt/utils/server_args_config_parser.py) keeps the key
-        # off the command line. SGLang logs its resolved arguments at start
+        # merged in-process by sglang/srt/utils/server_args_config_parser.py, which makes
+        # `--KEY` of each YAML key as spelt: hence `api-key`) keeps the key off the command
+        # line. SGLang logs its resolved arguments at start
         # (sglang/srt/entrypoints/engine.py:311), key included: the engine's log is private
         # to the agent's user and the supervisor masks the key in the tail it reports.
         if not launch.key_file:
             raise ValueError("an SGLang engine key needs a key file to travel in")
         argv += ["--config", launch.key_file]
-        files = ((launch.key_file, f"api_key: {json.dumps(launch.api_key)}\n"),)
+        files = ((launch.key_file, f"api-key: {json.dumps(launch.api_key)}\n"),)
     argv += launch.args
     return Command(tuple(argv), _gpu_env(launch), files)
 
