@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -18,6 +21,19 @@ def model(name: str) -> str:
         f'\n[[models]]\nname = "{name}"\n[models.profile]\nengine = "vllm"\n'
         f'model = "org/{name}"\ntensor_parallel = 1\n'
     )
+
+
+def engine_pids_by_node(fleet: Fleet) -> dict[str, list[int]]:
+    """The PIDs of the engines each agent started, from its log ("... starting pid N")."""
+    return {
+        name: [int(line.rsplit(" ", 1)[1]) for line in proc.output().splitlines() if ": starting pid " in line]
+        for name, proc in fleet.agents.items()
+    }
+
+
+def layout(replicas: list[dict[str, Any]]) -> dict[str, list[tuple[str, int]]]:
+    """Each replica id and where its shards run."""
+    return {r["replica_id"]: sorted((s["node"], s["rank"]) for s in r["shards"]) for r in replicas}
 
 
 def test_server_killed_mid_stream_the_client_sees_an_error_and_engines_are_adopted(fleet: Fleet) -> None:
@@ -127,3 +143,72 @@ def test_a_lost_node_that_comes_back_has_its_old_shard_drained_and_stopped(fleet
         what="only the replacement left",
     )
     assert fleet.serving("chat")[0]["shards"][0]["node"] == "gpu-2"
+
+
+def test_stragglers_back_within_lost_after_of_the_guards_release_keep_their_replicas(
+    fleet: Fleet,
+) -> None:
+    """Three of four agents killed at once: the mass-loss guard holds. They come back one after
+    another; the first back releases the guard, and the others, silent for longer than
+    lost_after by then, get a fresh lost_after from the release: none is declared lost,
+    every engine is adopted with its PID, nothing is rescheduled."""
+    big = model("big").replace("tensor_parallel = 1", "tensor_parallel = 2\npipeline_parallel = 2")
+    chat = model("chat").replace("tensor_parallel = 1", "tensor_parallel = 2")
+    fleet.server(big + chat.replace('name = "chat"', 'name = "chat"\nreplicas = 2'))
+    control = tomllib.loads((fleet.procs.tmp / "server.toml").read_text())["control"]
+    lost_after = float(control["lost_after_s"])
+    names = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
+    for name in names:
+        fleet.agent(name, "node-2xl4.toml")
+
+    def all_serving() -> list[dict[str, Any]]:
+        replicas: list[dict[str, Any]] = fleet.status()["replicas"]
+        return replicas if len(replicas) == 3 and all(r["serving"] for r in replicas) else []
+
+    before = layout(wait_until(all_serving, timeout=30, what="a two-node and two one-node replicas"))
+    pids = engine_pids_by_node(fleet)
+    assert sorted(len(p) for p in pids.values()) == [1, 1, 1, 1]  # an engine (shard) on each node
+    (two_node,) = [shards for shards in before.values() if len(shards) == 2]
+    head, worker = two_node[0][0], two_node[1][0]
+    survivor, first_back = [n for n in names if n not in (head, worker)]
+    order = [first_back, head, worker]  # the two-node replica's nodes last, as in the issue
+
+    for name in order:
+        fleet.agents[name].signal(signal.SIGKILL)  # their engines run on
+    guard = wait_until(lambda: fleet.status()["guard"], timeout=10, what="the mass-loss guard")
+    assert guard.startswith("3 of 4 nodes turned unreachable")
+    # Silent for longer than lost_after while the guard holds: without a fresh grace they
+    # would be declared lost the moment it releases.
+    wait_until(
+        lambda: all(fleet.node(n)["last_seen_s_ago"] > lost_after + 0.5 for n in order),
+        timeout=lost_after + 10,
+        what="the killed nodes silent for longer than lost_after",
+    )
+    statuses = {n["name"]: n["status"] for n in fleet.status()["nodes"]}
+    assert statuses == {**{n: "unreachable" for n in order}, survivor: "reachable"}
+
+    fleet.agent(first_back, "node-2xl4.toml")
+    wait_until(lambda: fleet.status()["guard"] is None, timeout=10, what="the guard's release")
+    released = time.monotonic()
+    for straggler in order[1:]:
+        fleet.agent(straggler, "node-2xl4.toml")
+        wait_until(
+            lambda n=straggler: fleet.node(n)["status"] == "reachable",
+            timeout=lost_after,
+            what=f"{straggler} back",
+        )
+    took = time.monotonic() - released
+    assert took < lost_after, f"the stragglers took {took:.1f} s, more than lost_after"
+
+    server_log = fleet.server_proc.output() if fleet.server_proc else ""
+    assert "mass-loss guard released" in server_log
+    assert "-> lost" not in server_log, server_log
+    for name in order:
+        agent_log = fleet.agents[name].output()
+        (pid,) = pids[name]
+        assert f"adopting engine pid {pid}" in agent_log, agent_log
+        assert ": starting pid" not in agent_log, agent_log  # nothing was started again
+        os.kill(pid, 0)
+    after = wait_until(all_serving, timeout=10, what="every replica serving again")
+    assert layout(after) == before  # the same replica ids on the same nodes
+    assert all(r["attempt"] == 0 for r in after)
