@@ -303,6 +303,8 @@ class Agent:
                 node_rank=spec.rank,
                 master_addr=spec.head_address,
                 master_port=spec.dist_port,
+                api_key=spec.api_key,
+                key_file=str(records.key_path(config.state_dir, spec)),
             ),
         )
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
@@ -330,6 +332,8 @@ class Agent:
             stop_grace_s=config.stop_grace_s,
             start_timeout_s=config.start_timeout_s,
             on_spawn=remember,
+            api_key=spec.api_key,
+            files=command.files,
         )
         with shard.scope:
             await shard.process.run()
@@ -375,6 +379,7 @@ class Agent:
                 Path(record.log),
                 stop_grace_s=config.stop_grace_s,
                 start_timeout_s=config.start_timeout_s,
+                api_key=spec.api_key,
             )
             self._engines.start_soon(self._watch_adopted, shard, record)
 
