@@ -3,8 +3,10 @@ depend on one connection."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 import trio
 import trio_websocket
 
@@ -13,9 +15,17 @@ from llmgw_agent.config import parse_agent_config
 from llmgw_core.inventory import Inventory
 from llmgw_core.wire import PROTOCOL, Welcome, encode
 
+# JSON has no NaN or infinities, but Python's json module reads and writes them, so a
+# control plane may send them as a heartbeat interval.
+NON_FINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
 
-async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(tmp_path: Path) -> None:
-    behaviours = ["garbage after welcome", "no welcome", "garbage instead of welcome", "refuse", "nan interval"]
+
+async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="llmgw.agent")
+    intervals = [f"interval {token}" for token in NON_FINITE]
+    behaviours = ["garbage after welcome", "no welcome", "garbage instead of welcome", "refuse", *intervals]
     seen: list[str] = []
 
     async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
@@ -31,8 +41,10 @@ async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(tmp_
             await ws.send_message("this is not json")
         elif what == "garbage instead of welcome":
             await ws.send_message("{]")
-        elif what == "nan interval":
-            await ws.send_message(encode(Welcome(PROTOCOL, float("nan"))).replace("NaN", "NaN"))
+        elif what in intervals:
+            frame = encode(Welcome(PROTOCOL, 7.25))
+            assert frame.count(":7.25,") == 1
+            await ws.send_message(frame.replace(":7.25,", f":{what.split()[1]},"))
         await trio.sleep(30)  # "no welcome": the agent gives up waiting on its own
 
     with trio.fail_after(60):
@@ -55,3 +67,9 @@ async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(tmp_
                 await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert seen[: len(behaviours)] == behaviours
+    # Each interval was refused as such, not left to break the session further on.
+    refused = [r.getMessage() for r in caplog.records if "heartbeat interval" in r.getMessage()]
+    assert refused == [
+        f"the control plane sent a bad frame: a heartbeat interval of {value} s makes no sense"
+        for value in NON_FINITE.values()
+    ]
