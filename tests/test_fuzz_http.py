@@ -12,7 +12,7 @@ import json
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 import httpx
@@ -45,6 +45,7 @@ def settings_(n: int) -> settings:
 class Server:
     proc: Proc
     client: httpx.Client
+    slow_engine: Proc  # the engine behind the model "slow"
     log_seen: int = 0
 
     @property
@@ -83,7 +84,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             ),
         )
         with httpx.Client(timeout=HANG_S) as client:
-            yield Server(router, client)
+            yield Server(router, client, slow)
     finally:
         procs.stop_all()
 
@@ -491,13 +492,45 @@ def test_head_gets_the_head_of_a_get(server: Server) -> None:
     assert out.statuses == [200], out.data
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = HANG_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_a_client_that_goes_away_mid_request_logs_no_traceback(server: Server) -> None:
     server.still_serves()
     before = len(server.proc.output())
+
+    def router(name: str, **labels: str) -> float:
+        text = server.client.get(server.proc.url + "/metrics").text
+        return metric(text, name, model="slow", **labels)
+
+    def engine_running() -> float:
+        text = server.client.get(server.slow_engine.url + "/metrics").text
+        return metric(text, "vllm:num_requests_running")
+
+    gone_before = router("llmgw_requests_total", status="0")
     with socket.create_connection(server.addr, timeout=HANG_S) as s:
         s.sendall(post(CHAT.replace(b'"m"', b'"slow"')))
-        time.sleep(0.3)  # the request is in flight to the engine
-    time.sleep(0.3)
+        wait_for(
+            lambda: router("llmgw_requests_in_flight") == 1 and engine_running() == 1,
+            "the request in flight through the router to the engine",
+        )
+    # The router finishes with the request it can no longer answer ...
+    wait_for(lambda: router("llmgw_requests_in_flight") == 0, "the router to let the request go")
+    assert router("llmgw_requests_total", status="0") == gone_before + 1  # ... as gone
     server.still_serves()  # it serves on
     new = server.proc.output()[before:]
     server.log_seen = before + len(new)
