@@ -146,6 +146,18 @@ async def nodes(server: Server, client: httpx.AsyncClient) -> dict[str, str]:
     return {n["name"]: n["status"] for n in reply.json()["nodes"]}
 
 
+async def heard_again(server: Server, client: httpx.AsyncClient, name: str) -> None:
+    """Returns once the server hears from `name` after the call: its last_seen_s_ago drops."""
+    last: float | None = None
+    while True:
+        reply = await client.get(server.status_url, timeout=5)
+        (node,) = [n for n in reply.json()["nodes"] if n["name"] == name]
+        if last is not None and node["last_seen_s_ago"] < last:
+            return
+        last = node["last_seen_s_ago"]
+        await trio.sleep(0.05)
+
+
 async def router_serves(server: Server, client: httpx.AsyncClient) -> None:
     health = await client.get(server.proc.url + "/healthz", timeout=5)
     assert health.status_code == 200
@@ -282,7 +294,10 @@ def test_claiming_a_connected_nodes_name_replaces_its_stream(server: Server) -> 
                         reason = closed.reason
                 assert reason.code == 1008
                 assert "node victim connected again from 127.0.0.1:" in (reason.reason or "")
-                await trio.sleep(UNREACHABLE_AFTER_S + 0.5)  # heartbeats now come from it
+                # The victim's stream never heartbeats: what the server hears now comes
+                # from the newcomer, and keeps the node reachable.
+                with trio.fail_after(5):
+                    await heard_again(server, client, "victim")
                 status = await nodes(server, client)
                 assert status["victim"] == "reachable"
                 assert status["bystander-2"] == "reachable"
@@ -392,18 +407,20 @@ def test_a_register_with_an_impossible_shard_leaves_the_server_up(own_server: Se
     data["shards"][0]["spec"]["rank"] = 3
     frame = json.dumps(data)
 
-    async def run() -> None:
+    async def run() -> trio_websocket.CloseReason:
         async with trio_websocket.open_websocket_url(own_server.agent_url) as ws:
             await ws.send_message(frame)
-            with trio.move_on_after(1.5):
+            with trio.fail_after(5):
                 try:
                     while True:
                         await ws.get_message()
-                except trio_websocket.ConnectionClosed:
-                    pass
+                except trio_websocket.ConnectionClosed as closed:
+                    return closed.reason
 
-    trio.run(run)
-    time.sleep(0.5)
+    # The server closes that stream with a reason (a server that died would close none) ...
+    reason = trio.run(run)
+    assert reason.code == 1008 and "shards[0].spec" in (reason.reason or ""), reason
+    # ... and serves on.
     assert own_server.proc.popen.poll() is None, own_server.proc.output()[-3000:]
     assert httpx.get(own_server.proc.url + "/healthz", timeout=5).status_code == 200
 
