@@ -106,3 +106,33 @@ def test_a_draining_replica_takes_no_new_requests() -> None:
     balancer = Balancer(rs)
     rs[0].draining = True
     assert all(balancer.pick() is rs[1] for _ in range(4))
+
+
+def test_what_each_status_says_about_the_replica() -> None:
+    from llmgw_server.balancer import Verdict, judge
+
+    assert {s: judge(s) for s in (200, 400, 401, 404, 422, 501, 505)} == dict.fromkeys(
+        (200, 400, 401, 404, 422, 501, 505), Verdict.RELAY
+    )
+    assert [judge(s) for s in (500, 502, 504)] == [Verdict.FAILED] * 3
+    assert [judge(s) for s in (429, 503)] == [Verdict.BUSY] * 2
+
+
+def test_retry_after_within_bounds() -> None:
+    from llmgw_server.balancer import busy_pause_s
+
+    assert busy_pause_s(b"7") == 7.0
+    assert busy_pause_s(b"") == 1.0  # none given: still set aside for a moment
+    assert busy_pause_s(b"Wed, 21 Oct 2015 07:28:00 GMT") == 1.0
+    assert busy_pause_s(b"nan") == 1.0
+    assert busy_pause_s(b"-5") == 1.0
+    assert busy_pause_s(b"86400") == 60.0
+
+
+def test_a_busy_replica_goes_last_until_its_pause_ends() -> None:
+    rs = replicas(2)
+    balancer = Balancer(rs)
+    balancer.busy(rs[0], 5.0, now=100.0)
+    assert {balancer.pick(now=101.0) for _ in range(10)} == {rs[1]}
+    assert balancer.pick(exclude=[rs[1]], now=101.0) is rs[0]  # busy, but the only one
+    assert {balancer.pick(now=105.0) for _ in range(10)} == set(rs)

@@ -19,9 +19,10 @@ import pytest
 from procs import Proc, Procs, free_port, metric, models_toml
 
 TESTS = Path(__file__).parent
-# Longer than the engines' 5 s keep-alive: the idle pause is the condition under test.
-PAUSE_S = 5.5
-ROUNDS = 3
+# Idle pauses around the engines' 5 s keep-alive: past it, and right at it, where the
+# engine's close and the next request may cross. The pause is the condition under test.
+PAUSES_S = (5.5, 5.0)
+ROUNDS = len(PAUSES_S) + 1
 
 
 def uvicorn_engine(procs: Procs) -> Proc:
@@ -117,8 +118,8 @@ def test_uvicorn_closing_idle_connections_fails_nothing(procs: Procs) -> None:
     for i in range(ROUNDS):
         sent += one_round(clients, "u")
         sent += concurrent_streams(clients, "u", 4)
-        if i < ROUNDS - 1:
-            procs_idle(PAUSE_S)
+        if i < len(PAUSES_S):
+            procs_idle(PAUSES_S[i])
     for router in both:
         assert_all_served(router, "u", sent // 2)
 
@@ -138,8 +139,8 @@ def test_llama_server_streams_idle_pauses_and_501(procs: Procs, real_engine: obj
                 )
                 assert list(chunks)
                 sent += 1
-        if i < ROUNDS - 1:
-            procs_idle(PAUSE_S)
+        if i < len(PAUSES_S):
+            procs_idle(PAUSES_S[i])
     # Not started with --embeddings: the engine's 501 reaches the client as it is, and
     # is the engine's answer, not a sign of a broken replica.
     for client in clients:

@@ -301,7 +301,7 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
 
 
 def test_graceful_shutdown_finishes_the_request_in_flight(procs: Procs) -> None:
-    engine = procs.mock("m", "--mock-tokens", "15", "--mock-tokens-per-second", "10")
+    engine = procs.mock("m", "--mock-tokens", "40", "--mock-tokens-per-second", "10")
     router = procs.router(models_toml({"m": [engine.url]}), server="shutdown_grace_s = 10")
     result: dict[str, object] = {}
 
@@ -319,11 +319,11 @@ def test_graceful_shutdown_finishes_the_request_in_flight(procs: Procs) -> None:
     )
     router.signal(signal.SIGTERM)
     wait_until(lambda: refuses_connections(router.url), what="the router to stop listening")
-    assert reader.is_alive()  # 15 tokens at 10/s: still streaming while the router drains
+    assert reader.is_alive()  # 40 tokens at 10/s: still streaming while the router drains
     reader.join(20)
     assert router.popen.wait(10) == 0
     lines = result["lines"]
-    assert isinstance(lines, list) and lines[-1] == "data: [DONE]" and len(lines) == 15 + 3
+    assert isinstance(lines, list) and lines[-1] == "data: [DONE]" and len(lines) == 40 + 3
 
 
 def router_metrics(router: object) -> str:

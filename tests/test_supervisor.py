@@ -225,3 +225,14 @@ async def test_the_key_file_is_private_probes_carry_the_key_and_the_tail_masks_i
     assert key not in repr(engine)
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert key_file.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_key_cut_by_the_tail_window_is_not_left_half_shown(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    key = "k" * 20 + "SECRET" + "k" * 20
+    # The 64 KiB window begins inside the key: its second half must not come out.
+    filler = b"x" * (64 * 1024 - 23)
+    log.write_bytes(b"args: --api-key " + key.encode() + b"\n" + filler + b"\nlast line\n")
+    tail = read_tail(log, secret=key)
+    assert tail[-1] == "last line"
+    assert not any("SECRET" in line or "kkkk" in line for line in tail)

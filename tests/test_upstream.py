@@ -53,6 +53,9 @@ class Engine:
                 nth += 1
                 if action == "vanish":
                     return
+                if action == "vanish-late":  # as if the engine died while working on it
+                    await trio.sleep(1.5)
+                    return
                 headers = [(b"content-length", b"2")]
                 if self.keep_alive_header:
                     headers.append((b"keep-alive", self.keep_alive_header))
@@ -188,4 +191,17 @@ async def test_after_one_stale_connection_the_request_goes_to_a_fresh_one() -> N
             assert await get(pool) == b"ok"
             assert (engine.connections, pool.stale_retries, len(pool._idle)) == (4, 1, 1)
             pool.close()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_reused_connection_closed_long_after_the_request_is_a_failure() -> None:
+    engine = Engine(plan=["answer", "vanish-late"])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.serve)
+            pool = Pool(Endpoint("127.0.0.1", engine.port), 3.0, reuse_idle_s=60)
+            assert await get(pool) == b"ok"
+            with pytest.raises(UpstreamError):
+                await get(pool)  # the engine may have done the work: not sent again
+            assert (engine.connections, pool.stale_retries) == (1, 0)
             nursery.cancel_scope.cancel()

@@ -55,10 +55,13 @@ def read_tail(path: Path, lines: int = TAIL_LINES, secret: str = "") -> tuple[st
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
+            start = max(0, f.tell() - 64 * 1024)
+            f.seek(start)
             data = f.read()
     except OSError:
         return ()
+    if start:  # the first line is cut: it could hold part of the key, which masking misses
+        data = data.partition(b"\n")[2]
     text = data.decode("utf-8", errors="replace")
     if secret:
         text = text.replace(secret, "****")

@@ -7,6 +7,7 @@ failures until a health probe brings the replica back.
 
 from __future__ import annotations
 
+import enum
 import random
 from collections import OrderedDict
 from collections.abc import Collection
@@ -17,6 +18,36 @@ from llmgw_core.catalog import Endpoint
 
 _P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
 _AFFINITY_MAX = 100_000
+_BUSY_MIN_S = 1.0  # a 429/503 without Retry-After still sets the replica aside this long
+_BUSY_MAX_S = 60.0  # an engine cannot take itself out for longer with one header
+
+
+class Verdict(enum.Enum):
+    """What an engine's answer, before its body, says about the replica."""
+
+    RELAY = "relay"  # the engine's answer to this request (2xx, 3xx, any 4xx, 501, ...)
+    FAILED = "failed"  # a sign of a broken replica: tried elsewhere, counted towards ejection
+    BUSY = "busy"  # alive but asking for a pause: tried elsewhere, never counted
+
+
+_VERDICTS = {500: Verdict.FAILED, 502: Verdict.FAILED, 504: Verdict.FAILED}
+_VERDICTS |= {429: Verdict.BUSY, 503: Verdict.BUSY}
+
+
+def judge(status: int) -> Verdict:
+    return _VERDICTS.get(status, Verdict.RELAY)
+
+
+def busy_pause_s(retry_after: bytes) -> float:
+    """How long a replica that answered 429/503 is passed over: its Retry-After in
+    seconds, within bounds (the HTTP-date form and nonsense count as none)."""
+    try:
+        value = float(retry_after)
+    except ValueError:
+        value = 0.0
+    if value != value:  # NaN
+        value = 0.0
+    return min(max(value, _BUSY_MIN_S), _BUSY_MAX_S)
 
 
 @attrs.define(eq=False, slots=True)
@@ -45,6 +76,7 @@ class Balancer:
     rng: random.Random = attrs.field(factory=random.Random)
     _affinity: OrderedDict[str, Replica] = attrs.field(factory=OrderedDict)
     _turn: int = 0
+    _busy_until: float = 0.0  # the latest busy_until of any replica: no filter after it
 
     def pick(
         self,
@@ -67,7 +99,7 @@ class Balancer:
         candidates = [r for r in self.replicas if r.available and r not in exclude]
         if not candidates:
             return None
-        if now is not None:
+        if now is not None and self._busy_until > now:
             # The engine asked for a pause; it still answers, so it is not ruled out.
             rested = [r for r in candidates if r.busy_until <= now]
             candidates = rested or candidates
@@ -102,6 +134,7 @@ class Balancer:
     def busy(self, replica: Replica, retry_after_s: float, now: float) -> None:
         """It answered 429/503: alive, but others go first for `retry_after_s`."""
         replica.busy_until = max(replica.busy_until, now + retry_after_s)
+        self._busy_until = max(self._busy_until, replica.busy_until)
 
     def failed(self, replica: Replica, now: float) -> bool:
         """Count a failure; returns True when it ejects the replica."""

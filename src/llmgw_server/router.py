@@ -16,7 +16,7 @@ from llmgw_core.config import Config, digest_of
 from llmgw_core.http_server import JSON, Request, Responder
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
-from llmgw_server.balancer import Balancer, Replica
+from llmgw_server.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
 from llmgw_server.metrics import RouterMetrics
 from llmgw_server.upstream import Exchange, Pool, UpstreamError
 
@@ -219,7 +219,8 @@ class Router:
                 try:
                     ttfb = time.monotonic() - started
                     status = exchange.status
-                    if status in _UNHEALTHY or status in _BUSY:
+                    verdict = judge(status)
+                    if verdict is not Verdict.RELAY:
                         try:
                             text = await exchange.read_body(_ERROR_BODY_LIMIT)
                         except UpstreamError:
@@ -227,10 +228,11 @@ class Router:
                         why = f"answered {status}"
                         retry_after = _header(exchange.headers, b"retry-after")
                         last = _Refusal(status, text, replica, why, retry_after)
-                        if status in _UNHEALTHY:
+                        if verdict is Verdict.FAILED:
                             self._failed(model, balancer, replica, why)
                         else:  # the engine is alive and says so: not a failure
-                            balancer.busy(replica, _seconds(retry_after), trio.current_time())
+                            pause = busy_pause_s(retry_after)
+                            balancer.busy(replica, pause, trio.current_time())
                         continue
                     self.metrics.ttfb[model].observe(ttfb)
                     await self._relay(model, balancer, replica, exchange, responder, stream)
@@ -323,15 +325,6 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/v1/models", b"/healthz", b"/readyz", b"/metrics"})
-# Signs of an unhealthy replica: counted towards ejection, tried on another replica.
-_UNHEALTHY = frozenset({500, 502, 504})
-# A live engine saying "not now" (overloaded, still loading): tried on another replica,
-# never counted. Every other status (any 4xx, 501, ...) is the engine's answer to this
-# request, relayed as it is.
-_BUSY = frozenset({429, 503})
-_RETRY_AFTER_MAX_S = 60.0
-
-
 @attrs.frozen
 class _Refusal:
     """The last answer that was not relayed, what the client gets if no replica does better."""
@@ -341,15 +334,6 @@ class _Refusal:
     replica: Replica
     why: str
     retry_after: bytes = b""
-
-
-def _seconds(retry_after: bytes) -> float:
-    """Retry-After in seconds (the HTTP-date form and nonsense count as none), capped."""
-    try:
-        value = float(retry_after)
-    except ValueError:
-        return 0.0
-    return min(value, _RETRY_AFTER_MAX_S) if value > 0 else 0.0
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:

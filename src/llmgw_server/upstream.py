@@ -26,6 +26,8 @@ from llmgw_core.chunked import ChunkedError, ChunkScanner
 
 _RECV = 65536
 _MAX_IDLE = 256
+# How soon after the request a silent close must come to be taken for a stale connection.
+_STALE_WITHIN_S = 1.0
 
 
 class UpstreamError(Exception):
@@ -145,15 +147,20 @@ class Pool:
         conn = self._reusable()
         if conn is not None:
             exchange = Exchange(self, conn)
+            sent_at: float | None = None
             try:
                 await self._send(exchange._conn, method, target, head, body)
+                sent_at = trio.current_time()
                 await exchange.read_head()
             except (trio.BrokenResourceError, OSError, h11.LocalProtocolError):
                 exchange.release()  # the engine had closed this idle connection
                 self._stale()
             except UpstreamError as exc:
                 exchange.release()
-                if not exc.silent:
+                # A close that answers the request at once is the engine's idle timer;
+                # one that comes later may follow work done, and is not sent again.
+                late = sent_at is not None and trio.current_time() - sent_at > _STALE_WITHIN_S
+                if not exc.silent or late:
                     raise
                 self._stale()  # closed before a single byte: not a failure of the engine
             except BaseException:  # cancelled (client gone, first-byte timeout): close now
