@@ -53,16 +53,20 @@ def _path(state_dir: Path, spec: LaunchSpec) -> Path:
     return _dir(state_dir) / f"{spec.replica_id}.{spec.rank}.json"
 
 
-def save(state_dir: Path, record: ShardRecord) -> None:
-    directory = _dir(state_dir)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = _path(state_dir, record.spec)
-    tmp = path.with_suffix(".tmp")
+def write_private(path: Path, text: str) -> None:
+    """Write a file only the agent's user can read, whole or not at all (a crash never
+    leaves half a record or half a key file)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode otherwise
-        f.write(json.dumps(converter.unstructure(record)))
-    os.replace(tmp, path)  # never a half-written record after a crash
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def save(state_dir: Path, record: ShardRecord) -> None:
+    write_private(_path(state_dir, record.spec), json.dumps(converter.unstructure(record)))
 
 
 def remove(state_dir: Path, spec: LaunchSpec) -> None:

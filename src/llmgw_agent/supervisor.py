@@ -31,6 +31,7 @@ import httpx
 import trio
 
 from llmgw_agent import procinfo
+from llmgw_agent.shard_records import write_private
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -77,17 +78,6 @@ def open_fresh_log(path: Path) -> BinaryIO:
     except FileNotFoundError:
         pass
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only the agent's user can read, whole or not at all."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode otherwise
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class _Child:
