@@ -114,11 +114,16 @@ class ControlMachine(RuleBasedStateMachine):
         self.fleet.advance(dt, beat=False)
 
     @precondition(lambda self: self.fleet.cp.lifecycle.nodes)
-    @rule(data=st.data(), on=st.booleans(), flag=st.sampled_from(["cordon", "drain"]))
+    @rule(
+        data=st.data(), on=st.booleans(), flag=st.sampled_from(["cordon", "drain", "force-drain"])
+    )
     def operator_flags(self, data: st.DataObject, on: bool, flag: str) -> None:
         name = data.draw(st.sampled_from(sorted(self.fleet.cp.lifecycle.nodes)))
-        mark = self.fleet.cp.cordon if flag == "cordon" else self.fleet.cp.drain_node
-        self.fleet.feed(mark(name, on, self.fleet.now))
+        cp, now = self.fleet.cp, self.fleet.now
+        if flag == "cordon":
+            self.fleet.feed(cp.cordon(name, on, now))
+        else:
+            self.fleet.feed(cp.drain_node(name, on, now, force=flag == "force-drain"))
 
     @rule(data=st.data())
     def control_plane_restarts(self, data: st.DataObject) -> None:
@@ -305,7 +310,7 @@ class ControlMachine(RuleBasedStateMachine):
             settled = (
                 len(f.commands) == count
                 and all(s.state is ShardState.READY for _, s in f.shards())
-                and all(r.phase is Phase.LIVE and r.kept for r in view.replicas)
+                and all(r.phase is Phase.LIVE and (r.kept or r.moving) for r in view.replicas)
                 and all(u.waiting is None for u in view.unplaced.values())
             )
             quiet = quiet + 1 if settled else 0
@@ -315,9 +320,16 @@ class ControlMachine(RuleBasedStateMachine):
             raise AssertionError(f"no quiescence: {f.cp.view()}")
         view = f.cp.view()
         assert all(n.status is R for n in view.nodes)
+        nodes = f.cp.lifecycle.nodes
         for m in view.models:
             ids = {r.replica_id for r in view.replicas if r.model == m.name}
-            assert len(ids) == m.kept == len(f.replicas(m.name))
+            # A drain not forced never takes a model offline: at rest, a replica stays on a
+            # draining node only while its drain is not forced and nothing else could take it.
+            held = [r for r in view.replicas if r.model == m.name and r.moving]
+            for r in held:
+                assert not any(nodes[s.node].drain_forced for s in r.shards), r
+                assert not fits_one_more(f, self.catalog().get(m.name)), r
+            assert len(ids) == m.kept + len(held) == len(f.replicas(m.name))
             assert all(r.serving for r in view.replicas if r.model == m.name)
             if m.kept < m.desired:
                 assert not fits_one_more(f, self.catalog().get(m.name)), m.name

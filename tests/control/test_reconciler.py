@@ -15,7 +15,7 @@ from llmgw_core.inventory import LaunchSpec, ShardState
 from llmgw_server.admin import status
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.lifecycle import NodeStatus
-from llmgw_server.control.reconciler import DrainRefused, Reconciler
+from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 from llmgw_server.control.shards import Phase
 
 READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
@@ -395,7 +395,6 @@ def test_nodes_that_share_an_address_share_one_port_space() -> None:
     assert len(ports) == 2 and ports[1] - ports[0] >= 2  # two pairs, no overlap
 
 
-
 def test_a_replica_given_up_with_its_lost_node_is_retired_when_the_node_returns() -> None:
     f = fleet_with(model("m", 1, tensor_parallel=8))
     (first,) = f.starts()
@@ -501,6 +500,102 @@ def test_a_forced_drain_still_moves_what_can_move_before_stopping_it() -> None:
     assert serving_nodes(f, "a") == ["n1"]  # the other one serves until its replacement does
     f.ready_all()
     assert kinds(f.commands)[3:] == ["DrainShard"] and serving_nodes(f, "a") == ["n2"]
+
+
+def lose_the_replacement_of_a_drain(*, force: bool) -> tuple[Fleet, StartShard, StartShard]:
+    """One replica, two nodes: drain its node (room on the other, so not refused); the
+    replacement starts, then its node goes silent and is declared lost before it serves."""
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (old,) = f.starts()
+    f.feed(f.cp.request_drain(old.node, f.now, force=force))
+    (_, new) = f.starts()
+    f.report(new.node, new.spec.replica_id, 0, STARTING)
+    f.commands.clear()
+    f.silence(new.node)
+    f.advance(FAST.lost_after_s + FAST.drain_timeout_s + 5)
+    assert f.cp.lifecycle.nodes[new.node].status is NodeStatus.LOST
+    return f, old, new
+
+
+def test_a_drain_not_forced_never_takes_a_model_offline_when_its_replacement_is_lost() -> None:
+    f, old, new = lose_the_replacement_of_a_drain(force=False)
+    assert [c for c in f.commands if isinstance(c, DrainShard | StopShard)] == []
+    assert serving_nodes(f, "a") == [old.node]  # still in the router
+    view = f.cp.view()
+    (moving,) = [r for r in view.replicas if r.replica_id == old.spec.replica_id]
+    assert moving.moving and moving.serving and not moving.kept
+    why = view.unplaced["a"]  # the operator is told why the drain does not end
+    assert why.count == 1 and why.waiting is None
+    assert why.explanation.text == f"0 of 2 nodes fit: 1 lost ({new.node}); 1 draining ({old.node})"
+    # The node comes back: the move resumes, and the old replica leaves once one serves.
+    f.agents[new.node].connected = True
+    f.register(new.node)
+    f.ready_all()
+    assert serving_nodes(f, "a") == [new.node]
+    f.advance(FAST.drain_timeout_s + 1)
+    assert not f.agents[old.node].shards and "a" not in f.cp.view().unplaced
+
+
+def test_a_forced_drain_stops_a_replica_whose_replacement_is_lost() -> None:
+    f, old, _ = lose_the_replacement_of_a_drain(force=True)
+    assert DrainShard(old.node, old.spec.replica_id, 0) in f.commands
+    assert any(f"the drain of node {old.node} is forced and it fits nowhere" in n for n in f.notes)
+    assert serving_nodes(f, "a") == [] and not f.agents[old.node].shards
+
+
+def test_forcing_a_drain_under_way_stops_what_fits_nowhere_else() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=1)
+    f.ready_all()
+    (old,) = f.starts()
+    f.feed(f.cp.drain_node("n1", True, f.now))  # not forced, not asked: it serves on
+    assert any("fits nowhere else and serves on there until" in n for n in f.notes)
+    f.advance(60)
+    assert serving_nodes(f, "a") == ["n1"] and not f.cp.view().nodes[0].drain_forced
+    f.feed(f.cp.request_drain("n1", f.now))  # asked again without force: nothing changes
+    assert serving_nodes(f, "a") == ["n1"]
+    f.commands.clear()
+    f.feed(f.cp.request_drain("n1", f.now, force=True))
+    assert any("draining n1 is forced now" in n for n in f.notes)
+    assert DrainShard("n1", old.spec.replica_id, 0) in f.commands
+    assert f.cp.view().nodes[0].drain_forced
+    # Undrained, then drained again: the new drain is not forced.
+    f.feed(f.cp.drain_node("n1", False, f.now))
+    f.feed(f.cp.drain_node("n1", True, f.now))
+    assert f.cp.view().nodes[0].draining and not f.cp.view().nodes[0].drain_forced
+
+
+def test_a_forced_drain_goes_on_unforced_after_a_control_plane_restart() -> None:
+    # Agents keep `draining`, not whether it was forced: the restarted control plane errs
+    # on the side that keeps models serving, and the operator forces again.
+    f = fleet_with(model("a", 1, tensor_parallel=4), model("b", 1, tensor_parallel=4), nodes=1)
+    f.ready_all()
+    f.join(gpu_node("n2", 4, fabric=POD_A))
+    f.feed(f.cp.request_drain("n1", f.now, force=True))
+    (start,) = f.starts()[2:]  # one of the two moves; the other stops
+    (gone,) = {c.replica_id for c in f.commands if isinstance(c, DrainShard)}
+    f.restart_control_plane(instance="b")
+    assert f.cp.lifecycle.nodes["n1"].draining and not f.cp.lifecycle.nodes["n1"].drain_forced
+    f.advance(FAST.drain_timeout_s + 1)  # what a forced drain began still stops
+    assert gone not in f.replicas(f.catalog.profiled[0].name) | f.replicas("b")
+    f.ready_all()
+    assert serving_nodes(f, start.spec.model_name) == ["n2"]
+
+
+def test_a_drain_checks_placement_once() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    checks = 0
+    check = f.cp.drain_check
+
+    def counted(node: str) -> list[Stuck]:
+        nonlocal checks
+        checks += 1
+        return check(node)
+
+    f.cp.drain_check = counted  # type: ignore[method-assign]
+    f.feed(f.cp.request_drain(f.starts()[0].node, f.now))
+    assert checks == 1 and len(f.starts()) == 2
 
 
 def test_a_refusal_names_the_stuck_replicas_of_a_model_once_with_the_explanation() -> None:

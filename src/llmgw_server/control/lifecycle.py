@@ -46,6 +46,10 @@ class Node:
     guard_released_at: float | None = None
     cordoned: bool = False  # no new placements
     draining: bool = False  # everything moves off
+    # The operator forced the drain: a replica that fits nowhere else stops without a
+    # replacement. Kept by this control plane only (agents keep `draining`, not this):
+    # after a restart a drain goes on unforced, the side that takes no model offline.
+    drain_forced: bool = False
 
     @property
     def name(self) -> str:

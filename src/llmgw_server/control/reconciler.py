@@ -16,9 +16,13 @@ Decisions, per model with a profile:
   A replica on an unreachable node is kept: it probably still serves.
 - A drain makes before it breaks: a serving replica on a draining node moves,
   that is, it keeps serving while a replacement is placed elsewhere, and is
-  retired only once enough replacements serve. A replica with no replacement
-  on the way (no room anywhere) is retired at once: operators are asked first
-  (`request_drain` refuses such a drain unless forced).
+  retired only once enough replacements serve. A drain that was not forced
+  never takes a model offline: a replica stays as long as no replacement serves,
+  even when none can be placed (room may be gone since `request_drain` checked:
+  the replacement's node lost, say), and the model's explanation says why. Only
+  a forced drain retires a replica with no replacement on the way. Whether a
+  drain was forced is not kept across a restart (agents keep only `draining`):
+  it goes on unforced, which errs on the side that keeps models serving.
 - Every other replica is retired: drained if it was serving, then stopped when
   the router reports it drained or `drain_timeout_s` passes.
 - A replica on a lost node, or missing a rank, is broken: its other shards are
@@ -265,31 +269,48 @@ class Reconciler:
 
     def request_drain(self, node: str, now: float, *, force: bool = False) -> Step:
         """An operator's drain: refused with DrainRefused when a replica on the node fits
-        nowhere else, unless `force` (raises KeyError for an unknown node)."""
+        nowhere else, unless `force` (raises KeyError for an unknown node). Asked again
+        with `force`, a drain under way becomes forced."""
         stuck = self.drain_check(node)
         if stuck and not force:
             raise DrainRefused(node, stuck)
-        return self.drain_node(node, True, now)
+        return self._drain(node, now, force=force, stuck=stuck)
 
-    def drain_node(self, node: str, on: bool, now: float) -> Step:
+    def drain_node(self, node: str, on: bool, now: float, *, force: bool = False) -> Step:
         """Move every replica off the node, each one retired once its replacement serves
-        (raises KeyError for an unknown node). A replica that fits nowhere else is stopped
-        without a replacement: `request_drain` asks first."""
+        (raises KeyError for an unknown node). Unless `force`, a replica that fits nowhere
+        else serves on there; `request_drain` refuses such a drain first."""
+        if not on:
+            return self._mark(node, now, draining=False, drain_forced=False)
+        return self._drain(node, now, force=force, stuck=self.drain_check(node))
+
+    def _drain(self, node: str, now: float, *, force: bool, stuck: Sequence[Stuck]) -> Step:
+        """Drain `node`; `stuck` is `drain_check(node)`, made once by the caller."""
         known = self.lifecycle.nodes[node]
         notes = []
-        if on and not known.draining:
+        if not known.draining:
             moving = self._replicas_on(node)
             if moving:
                 notes.append(
                     f"draining {node}: {len(moving)} replicas move before they stop "
                     f"({', '.join(moving)})"
                 )
-            for s in self.drain_check(node):
+            leaves = (
+                "stops without a replacement"
+                if force
+                else "serves on there until a replacement can be placed"
+            )
+            for s in stuck:
                 notes.append(
                     f"draining {node}: replica {s.replica_id} of {s.model} fits nowhere else "
-                    f"and stops without a replacement ({s.explanation.text})"
+                    f"and {leaves} ({s.explanation.text})"
                 )
-        step = self._mark(node, now, draining=on)
+        elif force and not known.drain_forced:
+            notes.append(
+                f"draining {node} is forced now: a replica that fits nowhere else stops "
+                "without a replacement"
+            )
+        step = self._mark(node, now, draining=True, drain_forced=known.drain_forced or force)
         return attrs.evolve(step, notes=(*notes, *step.notes))
 
     def drain_check(self, node: str) -> list[Stuck]:
@@ -337,6 +358,7 @@ class Reconciler:
                 n.status,
                 n.cordoned,
                 n.draining,
+                n.draining and n.drain_forced,
                 n.last_seen,
                 n.inventory,
                 tuple(sorted(used.get(n.name, ()))),
@@ -395,12 +417,19 @@ class Reconciler:
         return self._now
 
     def _mark(
-        self, name: str, now: float, *, cordoned: bool | None = None, draining: bool | None = None
+        self,
+        name: str,
+        now: float,
+        *,
+        cordoned: bool | None = None,
+        draining: bool | None = None,
+        drain_forced: bool | None = None,
     ) -> Step:
         now = self._clock(now)
         node = self.lifecycle.nodes[name]
         node.cordoned = node.cordoned if cordoned is None else cordoned
         node.draining = node.draining if draining is None else draining
+        node.drain_forced = node.drain_forced if drain_forced is None else drain_forced
         # Unreachable, the node hears of it when it comes back: it keeps the flags
         # for the next control plane.
         self._unmarked.add(name)
@@ -517,8 +546,8 @@ class Reconciler:
             count, waiting = self._short.get(name, (0, None))
             deferred = count if waiting is not None else 0  # placed once the settle time ends
             underway = kept - ready + placed + deferred
-            # Moving replicas serve until as many replacements serve, and only while
-            # replacements are on their way.
+            # Moving replicas serve until as many replacements serve; on a forced drain,
+            # only while replacements are on their way.
             retire += self._hold(moving, wanted[name].replicas - ready, underway)
         for rid, records, why in retire:
             sent = len(commands)
@@ -563,19 +592,34 @@ class Reconciler:
     def _hold(
         self, moving: list[tuple[str, list[ShardRecord]]], budget: int, underway: int
     ) -> list[tuple[str, list[ShardRecord], str]]:
-        """Keep the best `budget` serving replicas of a model that sit on draining nodes;
-        the others are retired (returned with why)."""
+        """Keep up to `budget` serving replicas of a model that sit on draining nodes (as
+        many as replacements do not serve yet); the others are retired (returned with why).
+
+        A replica on a node whose drain was not forced stays whatever is `underway`: that
+        drain never takes a model offline. One on a forced drain stays only while one of
+        the `underway` replacements is its own. The unforced come first: they stay anyway.
+        """
+        nodes = self.lifecycle.nodes
         retire = []
-        for rid, records in sorted(moving, key=lambda c: self._keep_order(c[0], c[1])):
-            draining = sorted({r.node for r in records if self.lifecycle.nodes[r.node].draining})
-            serves = self._serves(rid, records)
-            if serves and budget > 0 and underway > 0:
+
+        def forced(records: list[ShardRecord]) -> bool:
+            return any(nodes[r.node].draining and nodes[r.node].drain_forced for r in records)
+
+        for rid, records in sorted(
+            moving, key=lambda c: (forced(c[1]), *self._keep_order(c[0], c[1]))
+        ):
+            draining = sorted({r.node for r in records if nodes[r.node].draining})
+            serves, is_forced = self._serves(rid, records), forced(records)
+            if serves and budget > 0 and (underway > 0 or not is_forced):
                 self._status[rid].moving = True
-                budget, underway = budget - 1, underway - 1
+                budget -= 1
+                if is_forced:
+                    underway -= 1
                 continue
             why = f"node {draining[0]} is draining"
             if serves and budget > 0:
-                why += " and it fits nowhere else"
+                node = next(n for n in draining if nodes[n].drain_forced)
+                why = f"the drain of node {node} is forced and it fits nowhere else"
             elif serves:
                 why += " and its replacement serves"
             retire.append((rid, records, why))

@@ -19,6 +19,8 @@ class NodeView:
     status: NodeStatus
     cordoned: bool
     draining: bool
+    # The drain was forced: a replica that fits nowhere else stops without a replacement.
+    drain_forced: bool
     last_seen: float
     inventory: Inventory
     used_gpus: tuple[int, ...]
