@@ -77,6 +77,21 @@ def test_a_replacement_with_no_room_is_explained_and_an_undrain_ends_the_watch()
     assert out == [
         "chat-1 (chat): serves on gpu-1 until its replacement serves",
         "chat: no room for a replacement yet: 0 of 2 nodes fit: 1 draining (gpu-1); "
-        "1 cordoned (gpu-2)",
+        "1 cordoned (gpu-2); it serves on from gpu-1 meanwhile "
+        "(`drain --force` stops it without one)",
         "gpu-1: no longer draining; stopped following",
     ]
+
+
+def test_a_forced_drain_tells_no_room_without_the_hint_to_force() -> None:
+    forced = {"name": "gpu-1", "draining": True, "drain_forced": True}
+    why = "0 of 2 nodes fit: 1 draining (gpu-1); 1 lost (gpu-2)"
+    progress = DrainProgress("gpu-1", snapshot(OLD))
+    lines, done = progress.update({**snapshot(MOVING, unplaced=why), "nodes": [forced]})
+    assert (lines, done) == (
+        [
+            "chat-1 (chat): serves on gpu-1 until its replacement serves",
+            f"chat: no room for a replacement yet: {why}",
+        ],
+        False,
+    )

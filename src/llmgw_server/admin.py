@@ -193,6 +193,7 @@ def _node(view: NodeView, now: float) -> dict[str, Any]:
         "status": str(view.status),
         "cordoned": view.cordoned,
         "draining": view.draining,
+        "drain_forced": view.drain_forced,
         "last_seen_s_ago": round(now - view.last_seen, 1),
         "address": inventory.host,
         "labels": inventory.labels,

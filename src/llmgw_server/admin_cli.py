@@ -5,7 +5,9 @@ LLMGW_ADMIN_TOKEN; never from the command line, where other users could read it.
 
 `drain NODE` follows the drain until no replica is left on the node, a line for each
 replica as it moves (`--no-wait` returns at once); `--force` drains even when a replica
-fits nowhere else.
+fits nowhere else. A drain not forced never takes a model offline: a replica with no room
+for a replacement serves on from the node, and the progress says why (`drain NODE --force`
+again makes it stop).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def render_status(data: dict[str, Any]) -> str:
             [
                 n["name"],
                 n["status"],
-                ",".join(f for f in ("cordoned", "draining") if n[f]) or "-",
+                _flags(n),
                 f"{sum(g['used'] for g in n['gpus'])}/{len(n['gpus'])}",
                 n["gpus"][0]["name"] if n["gpus"] else "-",
                 ",".join(f"{k}={v}" for k, v in sorted(n["fabric"].items())) or "-",
@@ -105,6 +107,13 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _flags(node: dict[str, Any]) -> str:
+    flags = [f for f in ("cordoned", "draining") if node[f]]
+    if node.get("drain_forced"):
+        flags.append("forced")
+    return ",".join(flags) or "-"
+
+
 class DrainProgress:
     """A drain as successive status snapshots show it: a line for each change a user
     cares about, and whether the node is empty.
@@ -135,10 +144,19 @@ class DrainProgress:
                 where = ",".join(dict.fromkeys(s["node"] for s in r["shards"]))
                 state = "serves" if r["serving"] else r["phase"] + _shard_states(r)
                 current[rid] = f"{rid} ({r['model']}): replacement on {where}: {state}"
+        node: dict[str, Any] = next((n for n in data["nodes"] if n["name"] == self.node), {})
         for m in data["models"]:
             if m["name"] in self.models and m["unplaced"]:
                 why = m["unplaced"]["waiting"] or m["unplaced"]["explanation"]
-                current[m["name"]] = f"{m['name']}: no room for a replacement yet: {why}"
+                line = f"{m['name']}: no room for a replacement yet: {why}"
+                held = any(r["model"] == m["name"] and r["moving"] for r in here.values())
+                if held and not m["unplaced"]["waiting"] and not node.get("drain_forced"):
+                    # A drain not forced waits for room, however long: say how to end it.
+                    line += (
+                        f"; it serves on from {self.node} meanwhile "
+                        "(`drain --force` stops it without one)"
+                    )
+                current[m["name"]] = line
         lines = [text for key, text in current.items() if self.said.get(key) != text]
         for rid in [rid for rid in self.leaving if rid not in here]:
             lines.append(f"{rid} ({self.leaving.pop(rid)}): stopped, off {self.node}")
