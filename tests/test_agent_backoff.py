@@ -1,10 +1,15 @@
-"""The agent's reconnect delay: full jitter under an exponential cap."""
+"""The agent's reconnect delay: full jitter under an exponential cap, started over only
+after a session on which the control plane answered for a while."""
 
 from __future__ import annotations
 
 import random
 
-from llmgw_agent.agent import backoff_delay
+import attrs
+
+from llmgw_agent.agent import Session, backoff_delay, next_attempt
+from llmgw_agent.config import AgentConfig
+from llmgw_core.ws_frames import Heard, SilenceBound, silence_bound
 
 
 def test_full_jitter_stays_under_the_exponential_cap_and_spreads() -> None:
@@ -14,3 +19,57 @@ def test_full_jitter_stays_under_the_exponential_cap_and_spreads() -> None:
         assert all(0 <= d <= ceiling for d in delays)
         # Spread over the whole window, so a fleet does not come back in lockstep.
         assert min(delays) < ceiling * 0.05 and max(delays) > ceiling * 0.95
+
+
+# -- when the backoff starts over --------------------------------------------------
+
+BOUND = silence_bound(5.0)  # the control plane's default heartbeat: a ping after 10 s
+
+
+def session(answered_for_s: float | None, bound: SilenceBound = BOUND) -> Session:
+    """A session welcomed at t=100 on which the control plane was last heard
+    `answered_for_s` later (None: it never registered)."""
+    if answered_for_s is None:
+        return Session()
+    return Session(welcomed_at=100.0, heard=Heard(100.0 + answered_for_s), bound=bound)
+
+
+def test_a_session_that_never_registered_is_one_more_failure() -> None:
+    assert next_attempt(0, session(None)) == 1
+    assert next_attempt(7, session(None)) == 8
+
+
+def test_a_session_that_ended_right_after_the_welcome_is_one_more_failure() -> None:
+    # A bad frame or a close just after registering, or silence from the welcome on
+    # (a stalled control plane, cut by the agent after the bound): the backoff grows,
+    # so agents that a control plane admits and then fails spread out instead of all
+    # registering again within base_s, over and over.
+    for answered_for in (0.0, 0.2, 5.0, BOUND.probe_after_s - 0.01):
+        assert next_attempt(0, session(answered_for)) == 1
+        assert next_attempt(5, session(answered_for)) == 6
+
+
+def test_a_session_the_control_plane_answered_for_a_while_starts_the_backoff_over() -> None:
+    # On a quiet stream the first sign after the welcome is the pong to the ping sent
+    # after half the bound: that much is enough, however the session then ended.
+    for answered_for in (BOUND.probe_after_s, BOUND.probe_after_s + 0.003, 3600.0):
+        assert next_attempt(0, session(answered_for)) == 0
+        assert next_attempt(30, session(answered_for)) == 0
+    short = silence_bound(0.5)  # a ping after 1 s
+    assert next_attempt(4, session(1.0, short)) == 0
+    assert next_attempt(4, session(0.9, short)) == 5
+
+
+def test_a_black_holed_healthy_stream_is_redialled_within_the_30_s_promise() -> None:
+    """Silence that begins at any moment after the control plane answered for half the
+    bound: cut at the bound after the last sign, then a redial within base_s."""
+    base = attrs.fields(AgentConfig).reconnect_base_s.default
+    cap = attrs.fields(AgentConfig).reconnect_cap_s.default
+    rng = random.Random(2)
+    for interval in (0.05, 0.5, 5.0, 60.0):
+        bound = silence_bound(interval)
+        for answered_for in (bound.probe_after_s, 42.0, 86400.0):
+            attempt = next_attempt(rng.randrange(40), session(answered_for, bound))
+            redial = backoff_delay(attempt, base, cap, rng)
+            # The silence began at the last sign at the latest; the cut follows it by the bound.
+            assert bound.cut_after_s + redial <= 25

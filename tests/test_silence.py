@@ -1,18 +1,24 @@
 """Silence is a failure on both ends of the agent stream.
 
 The agent cuts a stream on which nothing has come from the control plane for
-its silence bound and dials again at once; the server closes the stream of a
-node it declares unreachable. Pure parts with an autojump clock, the two ends
+its silence bound and dials again at once, if the stream was healthy for a
+while; the server closes the stream of a node it declares unreachable, unless
+the mass-loss guard holds (a control plane that stalled must not have the whole
+fleet register again at once). Pure parts with an autojump clock, the two ends
 in process over real sockets, and the whole with real processes and a relay
 that black-holes the open connection while new ones get through.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import random
 import signal
 import sys
+import threading
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import attrs
@@ -25,8 +31,19 @@ from fleet import Fleet, wait_until
 from llmgw_agent.agent import Agent
 from llmgw_agent.config import AgentConfig, parse_agent_config
 from llmgw_core.config import parse_config
+from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Gpu, Inventory
-from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode
+from llmgw_core.wire import (
+    PROTOCOL,
+    Ack,
+    Heartbeat,
+    Mark,
+    Register,
+    Welcome,
+    decode_down,
+    decode_up,
+    encode,
+)
 from llmgw_core.ws_frames import (
     MAX_CUT_S,
     MIN_CUT_S,
@@ -37,7 +54,7 @@ from llmgw_core.ws_frames import (
 )
 from llmgw_server.agentsvc import silent_streams
 from llmgw_server.app import Running, main
-from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
+from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
 from procs import Proc, free_port
 from tcp_relay import Relay
 
@@ -124,18 +141,68 @@ async def test_a_closed_connection_is_left_to_the_reader(autojump_clock: object)
     assert not cut.cancel_called and len(peer.pings) == 1
 
 
-def test_only_open_streams_of_nodes_no_longer_reachable_are_closed() -> None:
-    def t(node: str, old: NodeStatus | None, new: NodeStatus, reason: str) -> NodeTransition:
-        return NodeTransition(node, old, new, 1.0, reason)
+def transition(node: str, old: NodeStatus | None, new: NodeStatus, reason: str) -> NodeTransition:
+    return NodeTransition(node, old, new, 1.0, reason)
 
+
+def test_only_open_streams_of_nodes_no_longer_reachable_are_closed() -> None:
+    t = transition
     transitions = [
         t("a", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "no heartbeat for 15 s"),
         t("b", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "stream closed"),  # already gone
         t("c", NodeStatus.UNREACHABLE, NodeStatus.REACHABLE, "heartbeat"),
         t("d", None, NodeStatus.REACHABLE, "registered"),
+        t("e", NodeStatus.UNREACHABLE, NodeStatus.LOST, "no heartbeat for 120 s"),
     ]
-    assert silent_streams(transitions, {"a", "c", "d"}) == [
-        ("a", "declared unreachable: no heartbeat for 15 s")
+    assert silent_streams(transitions, {"a", "c", "d", "e"}, None) == [
+        ("a", "declared unreachable: no heartbeat for 15 s"),
+        ("e", "declared lost: no heartbeat for 120 s"),
+    ]
+
+
+def test_no_stream_closes_for_silence_while_the_mass_loss_guard_holds() -> None:
+    t = transition
+    transitions = [
+        t("a", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "no heartbeat for 15 s"),
+        t("b", NodeStatus.REACHABLE, NodeStatus.UNREACHABLE, "no heartbeat for 15 s"),
+        # Declared lost before the guard came on in the same step: silent for minutes.
+        t("e", NodeStatus.UNREACHABLE, NodeStatus.LOST, "no heartbeat for 120 s"),
+    ]
+    guard = "2 of 3 nodes turned unreachable within 60 s (more than 50%): ..."
+    assert silent_streams(transitions, {"a", "b", "e"}, guard) == [
+        ("e", "declared lost: no heartbeat for 120 s")
+    ]
+
+
+def test_a_control_plane_that_stalled_past_unreachable_after_closes_no_stream() -> None:
+    """The reviewer's storm: the control plane stalls for longer than unreachable_after
+    while every agent's heartbeats wait unread in its sockets. The first tick declares
+    every node unreachable; the guard holds, so no stream closes, and the heartbeats
+    read next bring every node back on the stream it has."""
+    settings = ControlSection()
+    lifecycle = Lifecycle(settings, started_at=0.0)
+    names = [f"n{i}" for i in range(10)]
+    for name in names:
+        lifecycle.register(Inventory(name=name), 0.0)
+    for name in names:
+        lifecycle.heartbeat(name, 5.0)
+    stalled_until = 5.0 + settings.unreachable_after_s + 3.0
+    transitions = lifecycle.advance(stalled_until)
+    assert {t.node for t in transitions if t.new is NodeStatus.UNREACHABLE} == set(names)
+    assert lifecycle.guard is not None
+    assert silent_streams(transitions, set(names), lifecycle.guard) == []
+    for name in names:  # the heartbeats queued during the stall
+        revived = lifecycle.heartbeat(name, stalled_until + 0.01)
+        assert [t.new for t in revived] == [NodeStatus.REACHABLE]
+        assert silent_streams(revived, set(names), lifecycle.guard) == []
+    # One node falling silent on its own is still a dead stream.
+    for name in names[1:]:
+        lifecycle.heartbeat(name, stalled_until + settings.unreachable_after_s)
+    later = stalled_until + settings.unreachable_after_s + 0.5
+    transitions = lifecycle.advance(later)
+    assert lifecycle.guard is None
+    assert silent_streams(transitions, set(names), lifecycle.guard) == [
+        ("n0", f"declared unreachable: no heartbeat for {settings.unreachable_after_s:g} s")
     ]
 
 
@@ -155,12 +222,36 @@ class Ceilings(random.Random):
         return a
 
 
+def agent_config(tmp_path: Path, port: int) -> AgentConfig:
+    return parse_agent_config(
+        {
+            "name": "n1",
+            "server": f"ws://127.0.0.1:{port}/v1/agent",
+            "insecure": True,
+            "state_dir": str(tmp_path / "state"),
+            "reconnect": {"base_s": 0.5, "cap_s": 30.0},
+        },
+        "<test>",
+    )
+
+
+async def answer_for_a_while(ws: trio_websocket.WebSocketConnection, bound: SilenceBound) -> None:
+    """Be a healthy control plane for half the bound after the welcome: send a command
+    then, and return once the agent acknowledged it."""
+    await trio.sleep(bound.probe_after_s)
+    await ws.send_message(encode(Mark(1, cordoned=False, draining=False)))
+    while not isinstance(decode_up(await ws.get_message()), Ack):
+        pass  # heartbeats
+
+
 async def test_the_agent_cuts_a_black_holed_stream_and_redials_without_the_backoff_cap(
     tmp_path: Path,
 ) -> None:
     refusals = 8  # enough failed dials to push the backoff to its 30 s cap
     interval = 0.5
+    bound = silence_bound(interval)
     registered: list[float] = []
+    answered = trio.Event()
 
     async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
         if refusals > len(ceilings.ceilings):
@@ -171,13 +262,15 @@ async def test_the_agent_cuts_a_black_holed_stream_and_redials_without_the_backo
         await ws.send_message(encode(Welcome(PROTOCOL, interval)))
         registered.append(trio.current_time())
         try:
+            if len(registered) == 1:
+                await answer_for_a_while(ws, bound)
+                answered.set()
             while True:
                 await ws.get_message()  # heartbeats; its library answers pings
         except trio_websocket.ConnectionClosed:
             pass
 
     ceilings = Ceilings()
-    bound = silence_bound(interval)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             server = await nursery.start(
@@ -187,34 +280,74 @@ async def test_the_agent_cuts_a_black_holed_stream_and_redials_without_the_backo
             )
             relay = Relay(server.port)
             relay_port = await nursery.start(relay.serve)
-            config = parse_agent_config(
-                {
-                    "name": "n1",
-                    "server": f"ws://127.0.0.1:{relay_port}/v1/agent",
-                    "insecure": True,
-                    "state_dir": str(tmp_path / "state"),
-                    "reconnect": {"base_s": 0.5, "cap_s": 30.0},
-                },
-                "<test>",
-            )
-            agent = Agent(config, Inventory(name="n1"))
+            agent = Agent(agent_config(tmp_path, relay_port), Inventory(name="n1"))
             agent.rng = ceilings
             await nursery.start(agent.run)
-            while not registered:
-                await trio.sleep(0.01)
+            await answered.wait()
             assert ceilings.ceilings[-1] == 30.0  # the failed dials reached the cap
+            # The stream was healthy; now it goes silent, while new connections get through.
             silence_began = trio.current_time()
             relay.black_hole_open_connections()
             with trio.fail_after(bound.cut_after_s + 2.0):
                 while len(registered) < 2:
                     await trio.sleep(0.01)
             back_after = registered[1] - silence_began
+            # This one goes silent right after its welcome: no sign the control plane is
+            # healthy, so its cut counts as a failure (a stalled control plane looks so).
+            relay.black_hole_open_connections()
+            with trio.fail_after(bound.cut_after_s + 2.0):
+                while len(registered) < 3:
+                    await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     # Not before the bound: a ping after half of it went unanswered first.
     assert back_after >= bound.cut_after_s - 0.1
-    assert agent.registrations == 2
-    # The redial after the cut starts the backoff over: at most base_s, not the cap.
-    assert ceilings.ceilings[refusals:] == [0.5]
+    assert agent.registrations == 3
+    # The redial after the healthy stream's cut starts the backoff over: at most base_s,
+    # not the cap; after the stream silent from its welcome, the backoff grows again.
+    assert ceilings.ceilings[refusals:] == [0.5, 1.0]
+
+
+async def test_sessions_that_end_right_after_the_welcome_do_not_reset_the_backoff(
+    tmp_path: Path,
+) -> None:
+    """A control plane that admits the agent and then fails it, over and over (it closes
+    the stream, or sends garbage): each such session is one more failure, so the delays
+    grow as for refused dials; one healthy session starts them over."""
+    interval = 0.5
+    bound = silence_bound(interval)
+    behaviours = ["close", "garbage", "close", "garbage", "close", "healthy", "close"]
+    seen: list[str] = []
+
+    async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
+        what = behaviours[len(seen)] if len(seen) < len(behaviours) else "close"
+        seen.append(what)
+        ws = await request.accept()
+        await ws.get_message()  # the registration
+        await ws.send_message(encode(Welcome(PROTOCOL, interval)))
+        if what == "garbage":
+            await ws.send_message("this is not json")
+        elif what == "healthy":
+            await answer_for_a_while(ws, bound)
+        await ws.aclose()
+
+    ceilings = Ceilings()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(
+                lambda **kw: trio_websocket.serve_websocket(
+                    control_plane, "127.0.0.1", 0, None, **kw
+                )
+            )
+            agent = Agent(agent_config(tmp_path, server.port), Inventory(name="n1"))
+            agent.rng = ceilings
+            await nursery.start(agent.run)
+            while len(ceilings.ceilings) < len(behaviours):
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert seen[: len(behaviours)] == behaviours
+    assert agent.registrations >= len(behaviours)
+    # Base 0.5 s doubling per failure (as a refused dial would), then the healthy session.
+    assert ceilings.ceilings[: len(behaviours)] == [1.0, 2.0, 4.0, 8.0, 16.0, 0.5, 1.0]
 
 
 # -- the server's end, in process ------------------------------------------------------
@@ -289,6 +422,95 @@ async def test_the_server_closes_the_stream_of_a_node_it_declares_unreachable() 
             stop.set()
 
 
+async def fleet_in_a_thread(
+    url: str, names: list[str], registered: threading.Event, stop: threading.Event
+) -> None:
+    """Agents that register, then heartbeat on time whatever the server does: run by
+    their own trio loop in another thread, so a stalled server loop does not stop them."""
+    async with AsyncExitStack() as stack:
+        streams = [
+            await stack.enter_async_context(trio_websocket.open_websocket_url(url))
+            for _ in names
+        ]
+        interval = 0.0
+        for ws, name in zip(streams, names, strict=True):
+            await ws.send_message(encode(Register(PROTOCOL, "t", inventory(name))))
+            welcome = decode_down(await ws.get_message())
+            assert isinstance(welcome, Welcome)
+            interval = welcome.heartbeat_interval_s
+        registered.set()
+        seq = 0
+        while not stop.is_set():
+            await trio.sleep(interval)
+            seq += 1
+            for ws in streams:
+                await ws.send_message(encode(Heartbeat(seq)))
+        assert all(ws.closed is None for ws in streams), [ws.closed for ws in streams]
+
+
+async def test_a_control_plane_stalled_past_unreachable_after_closes_no_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's own loop stalls for longer than unreachable_after while four agents
+    heartbeat on time (their frames wait unread in its sockets). The first step after
+    the stall declares the nodes unreachable, the mass-loss guard holds, and no stream
+    is closed: the heartbeats read next bring every node back on the stream it has."""
+    caplog.set_level(logging.INFO, logger="llmgw.control")
+    names = ["n0", "n1", "n2", "n3"]
+    stop, registered = trio.Event(), threading.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            running: Running = await nursery.start(
+                lambda **kw: main(parse_config(CONFIG, "<test>"), stop=stop, **kw)
+            )
+            plane = running.plane
+            assert plane is not None
+            url = f"ws://127.0.0.1:{running.control_port}/v1/agent"
+            stop_agents = threading.Event()
+            agents_done = trio.Event()
+
+            async def agents() -> None:
+                try:
+                    await trio.to_thread.run_sync(
+                        functools.partial(
+                            trio.run, fleet_in_a_thread, url, names, registered, stop_agents
+                        )
+                    )
+                finally:
+                    agents_done.set()
+
+            nursery.start_soon(agents)
+            try:
+                while not registered.is_set() or len(plane.agents.streams) < len(names):
+                    await trio.sleep(0.01)
+                streams = dict(plane.agents.streams)
+                # The fault itself: the whole server loop blocks, past unreachable_after.
+                time.sleep(1.0 + 1.0)
+
+                def notes() -> list[str]:
+                    return [r.getMessage() for r in caplog.records]
+
+                def closing() -> bool:
+                    return any(stream.cancel_scope.cancel_called for stream in streams.values())
+
+                # The guard holds after the stall and releases once the heartbeats are read.
+                with trio.fail_after(5):
+                    while not (closing() or "mass-loss guard released" in " ".join(notes())):
+                        await trio.sleep(0.01)
+                lifecycle = plane.reconciler.lifecycle
+                assert all(n.status is NodeStatus.REACHABLE for n in lifecycle.nodes.values())
+                # The stall did declare nodes unreachable and the guard hold, or this
+                # proves nothing.
+                assert sum("reachable -> unreachable" in n for n in notes()) >= 3, notes()
+                assert any(n.startswith("mass-loss guard holds") for n in notes()), notes()
+                assert not closing() and plane.agents.streams == streams
+            finally:
+                stop_agents.set()
+            await agents_done.wait()  # it checked that none of its streams was closed
+            nursery.cancel_scope.cancel()
+        stop.set()
+
+
 # -- both ends, with real processes ------------------------------------------------
 
 
@@ -296,7 +518,10 @@ def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
     fleet: Fleet,
 ) -> None:
     """The control plane's default timers (unreachable after 15 s, a heartbeat every 5 s,
-    so the agent cuts after 20 s): what a fleet runs, so the 30 s are the real ones."""
+    so the agent cuts after 20 s): what a fleet runs, so the 30 s are the real ones.
+    A second node, on a direct route, keeps the silent one a minority: alone, it would
+    be all of the fleet, the mass-loss guard would hold, and its stream would stay open
+    on the server until the agent's new one replaced it."""
     relay_port = free_port()
     relay = Proc(
         [sys.executable, str(Path(__file__).parent / "tcp_relay.py"), str(relay_port), str(fleet.control_port)],
@@ -318,7 +543,12 @@ def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
     fleet.procs.all.append(server)
     server.wait_http("/healthz")
     agent = fleet.agent("gpu-1", "node-2xl4.toml", via=relay_port)
-    wait_until(lambda: fleet.node("gpu-1")["status"] == "reachable", what="registration")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    wait_until(
+        lambda: {n["name"]: n["status"] for n in fleet.status()["nodes"]}
+        == {"gpu-1": "reachable", "gpu-2": "reachable"},
+        what="registration",
+    )
 
     silence_began = time.monotonic()
     relay.signal(signal.SIGHUP)  # the open stream goes silent; new connections get through
@@ -335,5 +565,7 @@ def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
     assert back_after < 30, back_after
     assert "not even a pong: dialing again" in agent.output()
     assert "closing the stream of gpu-1: declared unreachable: no heartbeat for 15 s" in server.output()
+    assert "mass-loss guard holds" not in server.output()
+    assert fleet.node("gpu-2")["status"] == "reachable" and "gpu-2:" not in server.output()
     assert "black-holed 1 connections" in relay.output() and relay.popen.poll() is None
     print(f"back on a new stream {back_after:.1f} s after the silence began")

@@ -9,8 +9,12 @@ A stream on which nothing arrives from the control plane for the bound that
 `ws_frames.silence_bound` derives from the heartbeat interval (a ping is sent
 when it is quiet) is cut and dialled again: a control plane that vanished
 without closing (host off, route black-holed) is noticed in 20 s, not in TCP's
-15 minutes. A session that registered resets the backoff, so the redial comes
-within `reconnect.base_s`, whatever the failures before it.
+15 minutes. A session on which the control plane kept answering for a while
+(`next_attempt`) resets the backoff, so the redial comes within
+`reconnect.base_s`, whatever the failures before it; one that ended soon after
+the welcome (a bad frame, a close, silence) counts as one more failure, so a
+control plane that admits agents and then fails them does not have the whole
+fleet dial again in lockstep.
 """
 
 from __future__ import annotations
@@ -53,7 +57,14 @@ from llmgw_core.wire import (
     decode_down,
     encode,
 )
-from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound, write_frames
+from llmgw_core.ws_frames import (
+    Heard,
+    SilenceBound,
+    cut_when_silent,
+    read_frames,
+    silence_bound,
+    write_frames,
+)
 
 log = logging.getLogger("llmgw.agent")
 
@@ -67,6 +78,34 @@ DISCONNECT_TIMEOUT_S = 5.0
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
     """Full jitter: a fleet that lost its control plane must not come back in lockstep."""
     return rng.uniform(0, min(cap_s, base_s * 2 ** min(attempt, 30)))
+
+
+@attrs.define
+class Session:
+    """What one connection showed of the control plane, for the backoff (trio's clock)."""
+
+    welcomed_at: float | None = None  # None: it never registered
+    heard: Heard | None = None  # when the control plane was last heard from on it
+    bound: SilenceBound | None = None  # its silence bound
+
+
+def next_attempt(attempt: int, session: Session) -> int:
+    """The backoff's attempt after `session` ended: 0 when it was healthy for a while,
+    else `attempt` + 1.
+
+    Healthy for a while: something (a frame, a pong) came from the control plane at
+    least half the silence bound after the welcome (10 s with the default heartbeat:
+    on a quiet stream, the answer to the first ping). However it then ended, cut for
+    silence included, the redial comes within base_s: a black-holed stream is back
+    within 30 s. A session that ended sooner (a bad frame, a close just after the
+    welcome, silence from the start, as when the control plane stalls) is a failure
+    like a refused dial, so the delays grow and spread instead of the fleet
+    registering again and again at once.
+    """
+    if session.welcomed_at is None or session.heard is None or session.bound is None:
+        return attempt + 1
+    answered_for = session.heard.at - session.welcomed_at
+    return 0 if answered_for >= session.bound.probe_after_s else attempt + 1
 
 
 @attrs.define(eq=False)
@@ -120,9 +159,9 @@ class Agent:
     async def _connect_forever(self) -> None:
         attempt = 0
         while True:
-            registrations = self.registrations
+            session = Session()
             try:
-                await self._session()
+                await self._session(session)
             except* (
                 OSError,
                 trio.TooSlowError,
@@ -135,19 +174,17 @@ class Agent:
             except* Exception as group:
                 # Nothing that goes wrong with one connection may reach the engines.
                 log.error("the session with %s failed", self.config.server, exc_info=group)
-            # A session that registered, however it ended, starts the backoff over: the
-            # redial after a cut stream comes within base_s, not after the cap.
-            attempt = 0 if self.registrations > registrations else attempt + 1
+            attempt = next_attempt(attempt, session)
             delay = backoff_delay(
                 attempt, self.config.reconnect_base_s, self.config.reconnect_cap_s, self.rng
             )
             log.info("reconnecting in %.2f s", delay)
             await trio.sleep(delay)
 
-    async def _session(self) -> None:
+    async def _session(self, session: Session) -> None:
         """One connection, from dial to close (or to the cut of a silent stream)."""
         with trio.CancelScope() as cut:
-            await self._connection(cut)
+            await self._connection(cut, session)
         if cut.cancelled_caught:
             log.warning(
                 "nothing from the control plane %s for %g s, not even a pong: dialing again",
@@ -155,7 +192,7 @@ class Agent:
                 self._silence_s,
             )
 
-    async def _connection(self, cut: trio.CancelScope) -> None:
+    async def _connection(self, cut: trio.CancelScope, session: Session) -> None:
         # `cut` lies outside the websocket's context: cancelled, it closes the socket
         # without waiting for a close handshake that a vanished peer never answers.
         async with trio_websocket.open_websocket_url(
@@ -184,6 +221,7 @@ class Agent:
                 self.connected.set()
                 bound = silence_bound(interval)
                 self._silence_s = bound.cut_after_s
+                session.welcomed_at, session.heard, session.bound = heard.at, heard, bound
                 bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)

@@ -23,8 +23,9 @@ import trio_websocket
 SILENT_INTERVALS = 4.0
 # ...but never sooner than this, so a busy peer on a short interval is not cut off...
 MIN_CUT_S = 2.0
-# ...and never later than this, so that with a redial (a registered session's backoff
-# is at most reconnect base_s, 0.5 s by default) the node is back within 30 s.
+# ...and never later than this, so that with a redial (after a session that was
+# healthy, the backoff is at most reconnect base_s, 0.5 s by default) the node is back
+# within 30 s.
 MAX_CUT_S = 20.0
 
 

@@ -9,7 +9,10 @@ of order closes that one stream with a reason; nothing else is touched.
 A node the lifecycle declares unreachable while its stream is open has sent
 nothing for `unreachable_after`: its stream is dead (the agent vanished, or the
 route to it is black-holed) and is closed, so no task waits on it for TCP's
-retransmission timeout; a live agent dials again and registers.
+retransmission timeout; a live agent dials again and registers. Not while the
+mass-loss guard holds, though: so many nodes silent at once most likely means
+this control plane stalled with their heartbeats unread in its sockets, and
+closing every stream would bring the whole fleet back at once.
 """
 
 from __future__ import annotations
@@ -101,8 +104,10 @@ class AgentService:
         return True
 
     def close_silent(self, transitions: Iterable[NodeTransition]) -> None:
-        """Close the streams of nodes that `transitions` declare no longer reachable."""
-        for node, reason in silent_streams(transitions, self.streams):
+        """Close the streams of nodes that `transitions` declare no longer reachable, unless
+        the mass-loss guard holds (as `silent_streams` decides)."""
+        guard = self.plane.reconciler.lifecycle.guard
+        for node, reason in silent_streams(transitions, self.streams, guard):
             self.streams[node].close(reason)
 
     def next_command_id(self) -> int:
@@ -232,17 +237,24 @@ class AgentService:
 
 
 def silent_streams(
-    transitions: Iterable[NodeTransition], open_streams: Container[str]
+    transitions: Iterable[NodeTransition], open_streams: Container[str], guard: str | None
 ) -> list[tuple[str, str]]:
-    """The nodes whose open stream must close, with the reason, for these transitions.
+    """The nodes whose open stream must close, with the reason, for these transitions,
+    the lifecycle's mass-loss `guard` (its reason, None when it does not hold) as they left it.
 
     A stream that closed first has already left `open_streams`, so its own
-    "stream closed" transition closes nothing.
+    "stream closed" transition closes nothing. While the guard holds, a node turning
+    unreachable keeps its stream: the control plane itself may have stalled past
+    `unreachable_after` with every heartbeat waiting unread, and closing every stream
+    would have the whole fleet dial and register again at once. Such a stream that
+    really is dead ends otherwise: the agent cuts it for silence and registers anew
+    (which replaces it), or the node is declared lost once the guard has released.
     """
     return [
         (t.node, f"declared {t.new}: {t.reason}")
         for t in transitions
-        if t.new is not NodeStatus.REACHABLE and t.node in open_streams
+        if t.node in open_streams
+        and (t.new is NodeStatus.LOST or (t.new is NodeStatus.UNREACHABLE and guard is None))
     ]
 
 
