@@ -334,7 +334,7 @@ BAD_AGENT_FILES = {
     "no-server": "name = 'n'\n",
     "bad-scheme": "name = 'n'\nserver = 'http://h/v1/agent'\n",
     "unknown-engine": "name = 'n'\nserver = 'ws://h/v1/agent'\ninsecure = true\n[engines.bogus]\ncommand = ['x']\n",
-    "bad-inventory": "name = 'n'\nserver = 'ws://h/v1/agent'\ninsecure = true\ninventory_file = 'MISSING.toml'\n",
+    "bad-inventory": "name = 'n'\nserver = 'ws://h/v1/agent'\ninsecure = true\nadvertise_host = 'n.example'\ninventory_file = 'MISSING.toml'\n",
 }
 
 

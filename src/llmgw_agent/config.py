@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import attrs
 
+from llmgw_core.config import is_loopback
 from llmgw_core.tls_config import AgentTLS, read_agent_tls
 from llmgw_core.tomlshape import Table, load_toml
 
@@ -55,8 +59,63 @@ def load_agent_config(path: str | Path) -> AgentConfig:
     return parse_agent_config(data, file)
 
 
+_HOST_NAME = re.compile(
+    r"^(?=.{1,253}\.?$)[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+    r"(?:\.[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?)*\.?$",
+    re.IGNORECASE,
+)
+
+
+def is_host(text: str) -> bool:
+    """A DNS name or an IP address (what a URL's host may be, brackets aside)."""
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return bool(_HOST_NAME.match(text))
+    return True
+
+
+def _advertise_host(t: Table, server_host: str) -> str:
+    """Where the router reaches this node's engines. 127.0.0.1 only goes without saying
+    when the control plane (and its router) is on this machine too: on a real node a
+    loopback address would send every request to the router's own machine."""
+    server_is_local = is_loopback(server_host)
+    if not t.has("advertise_host"):
+        if server_is_local:
+            return "127.0.0.1"
+        t.fail(
+            "advertise_host",
+            "is required: the address or DNS name of this node that the router and this "
+            "agent reach its engines at (the control plane is on another machine)",
+        )
+    host: str = t.text("advertise_host")
+    if not is_host(host):
+        t.fail(
+            "advertise_host",
+            f"{host!r} is not a host name or IP address: give this node's address "
+            "that the router reaches its engines at",
+        )
+    if is_loopback(host) and not server_is_local:
+        t.fail(
+            "advertise_host",
+            f"{host!r} is a loopback address, but the control plane is at {server_host}: "
+            "its router could not reach this node's engines there; give this node's address",
+        )
+    return host
+
+
+def _program(base_dir: Path, command: tuple[str, ...]) -> tuple[str, ...]:
+    """A program given as a relative path (`bin/llama-server`) is taken from the config
+    file's directory; a bare name (`vllm`) is looked up on PATH when the engine starts."""
+    program = os.path.expanduser(command[0])
+    if "/" in program and not program.startswith("/"):
+        program = str(base_dir / program)
+    return (program, *command[1:])
+
+
 def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
-    """Relative paths are taken from the working directory, as in `conf/` examples."""
+    """Relative paths (state_dir, inventory_file, [tls] files, an engine program given as
+    a path) are taken from the config file's directory, not the working directory."""
     t = Table(data, file)
     name = t.text("name")
     server = t.text("server")
@@ -71,6 +130,8 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
             "server",
             f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent",
         )
+    if not is_host(hostname):
+        t.fail("server", f"{server!r}: {hostname!r} is not a host name or IP address")
     insecure = t.boolean("insecure", False)
     if parts.scheme == "ws" and not insecure:
         t.fail(
@@ -79,7 +140,7 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
             "where the network is trusted",
         )
     tls = read_agent_tls(t.table("tls"), secure=parts.scheme == "wss")
-    inventory = t.text("inventory_file", None)
+    inventory: Path | None = t.file_path("inventory_file", None)
     engines: dict[str, EngineCommand] = {
         kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()
     }
@@ -91,7 +152,7 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         command = table.texts("command", DEFAULT_COMMANDS[kind])
         if not command:
             table.fail("command", "must name the program to run")
-        engines[kind] = EngineCommand(tuple(command), table.labels("env", {}))
+        engines[kind] = EngineCommand(_program(t.base_dir, command), table.labels("env", {}))
         table.finish()
     section.finish()
     ports = t.table("ports")
@@ -106,12 +167,12 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
         file=file,
         name=name,
         server=server,
-        state_dir=Path(t.text("state_dir", "/var/lib/llmgw-agent")),
-        advertise_host=t.text("advertise_host", "127.0.0.1"),
+        state_dir=t.file_path("state_dir", Path("/var/lib/llmgw-agent")),
+        advertise_host=_advertise_host(t, hostname),
         bind_host=t.text("bind_host", "0.0.0.0"),
         labels=t.labels("labels", {}),
         fabric=t.labels("fabric", {}),
-        inventory_file=Path(inventory) if inventory else None,
+        inventory_file=inventory,
         engines=engines,
         port_min=port_min,
         port_max=port_max,

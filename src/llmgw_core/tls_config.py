@@ -38,12 +38,18 @@ class AgentTLS:
 
 
 def _files(t: Table, keys: tuple[str, ...]) -> dict[str, Path | None]:
+    """Relative paths are taken from the config file's directory (see `Table.file_path`)."""
     found: dict[str, Path | None] = {}
     for key in keys:
-        text = t.text(key, None)
-        if text is not None and not Path(text).is_file():
-            t.fail(key, f"{text} is not a file")
-        found[key] = Path(text) if text is not None else None
+        path: Path | None = t.file_path(key, None)
+        if path is not None:
+            try:
+                is_file = path.is_file()
+            except OSError as exc:  # a directory on the way that this user may not search
+                t.fail(key, f"{path} cannot be read: {exc.strerror}")
+            if not is_file:
+                t.fail(key, f"{path} is not a file")
+        found[key] = path
     return found
 
 

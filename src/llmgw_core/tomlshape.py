@@ -7,6 +7,7 @@ out-of-range value is reported the same way: file, key path, what is wrong.
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -52,13 +53,29 @@ def _type_name(value: object) -> str:
 
 
 class Table:
-    """One TOML table being read; keys that are never read are reported by `finish`."""
+    """One TOML table being read; keys that are never read are reported by `finish`.
 
-    def __init__(self, data: Mapping[str, Any], file: str, path: str = "") -> None:
+    `file` names the config file in messages and anchors its relative paths (`file_path`):
+    those are taken from the file's directory, never from the working directory, so that a
+    config means the same under a service manager as in a shell. A `file` that is not a
+    real path (a test's `"<test>"`) anchors them in the working directory.
+    """
+
+    def __init__(
+        self, data: Mapping[str, Any], file: str, path: str = "", *, base_dir: Path | None = None
+    ) -> None:
         self._data = data
         self._file = file
         self.path = path
         self._read: set[str] = set()
+        self._base_dir = base_dir
+
+    @property
+    def base_dir(self) -> Path:
+        """The directory that relative paths in this file are taken from."""
+        if self._base_dir is None:
+            self._base_dir = Path(os.path.abspath(self._file)).parent if self._file else Path.cwd()
+        return self._base_dir
 
     def _key_path(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -99,6 +116,18 @@ class Table:
         if not value.strip():
             self.fail(key, "must not be empty")
         return value
+
+    def file_path(self, key: str, default: Any = _MISSING) -> Any:
+        """A path in the file system; a relative one is taken from the config file's
+        directory, and `~` is the home directory. Whether it exists is for the caller."""
+        value = self.text(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        try:
+            path = Path(value).expanduser()
+        except RuntimeError as exc:  # ~user of no such user, or no home directory
+            self.fail(key, f"{value!r}: {exc}")
+        return path if path.is_absolute() else self.base_dir / path
 
     def boolean(self, key: str, default: Any = _MISSING) -> Any:
         value = self._get(key, default)
@@ -157,7 +186,7 @@ class Table:
         value = self._get(key, _MISSING if required else {})
         if not isinstance(value, dict):
             self.fail(key, f"must be a table, not {_type_name(value)}")
-        return Table(value, self._file, self._key_path(key))
+        return Table(value, self._file, self._key_path(key), base_dir=self._base_dir)
 
     def tables(self, key: str) -> Iterator[Table]:
         """An array of tables (`[[key]]`); each is yielded with its index in the path."""
@@ -167,7 +196,7 @@ class Table:
         for i, item in enumerate(value):
             if not isinstance(item, dict):
                 self.fail(f"{key}[{i}]", f"must be a table, not {_type_name(item)}")
-            yield Table(item, self._file, f"{self._key_path(key)}[{i}]")
+            yield Table(item, self._file, f"{self._key_path(key)}[{i}]", base_dir=self._base_dir)
 
     def finish(self) -> None:
         """Reject keys nobody read: a typo must not pass silently."""

@@ -24,6 +24,9 @@ def run(argv: list[str]) -> int:
     issue.add_argument("node")
     issue.add_argument("dir", type=Path)
     args = parser.parse_args(argv)
+    # Absolute in the printed config lines: a config takes relative paths from its own
+    # directory, which need not be where this command ran.
+    args.dir = args.dir.absolute()
     try:
         if args.command == "init":
             hosts = args.host or ["localhost", "127.0.0.1"]
