@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
+import trio
 
 from llmgw_core.mock_engine import parse_args
-from procs import Procs
+from llmgw_core.mock_scheduler import EngineModel
+from procs import Procs, metric
 
 
 def test_accepts_the_vllm_command_line() -> None:
@@ -50,3 +53,126 @@ def test_exit_after_leaves_a_line_in_its_output(procs: Procs) -> None:
     assert engine.popen.wait(10) == 3
     time.sleep(0.1)
     assert "exiting after 0.5 s" in engine.output()
+
+
+# --------------------------------------------------------------------------- the scheduler model
+
+
+def test_the_scheduler_model_is_off_by_default_and_its_flags_are_checked() -> None:
+    off = parse_args(["serve", "m"], {})
+    assert off.engine_model() is None
+    on = parse_args(
+        ["serve", "m", "--mock-kv-blocks", "100", "--mock-block-size", "8", "--mock-prefill-tps", "500",
+         "--mock-max-seqs", "3", "--mock-tokens-per-second", "7"],
+        {"LLMGW_MOCK_DECODE_TPS": "0"},
+    )
+    model = on.engine_model()
+    assert model is not None
+    assert (model.kv_blocks, model.block_size, model.prefill_tps, model.max_seqs) == (100, 8, 500.0, 3)
+    assert model.decode_tps == 7.0  # falls back to --mock-tokens-per-second
+    assert parse_args(["serve", "m"], {"LLMGW_MOCK_KV_BLOCKS": "5", "LLMGW_MOCK_DECODE_TPS": "9"}).engine_model() == EngineModel(5, decode_tps=9.0)
+    for bad in (["--mock-block-size", "0"], ["--mock-prefill-tps", "0"], ["--mock-max-seqs", "-1"], ["--mock-decode-tps", "nan"]):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "m", "--mock-kv-blocks", "10", *bad], {})
+
+
+def test_model_off_reports_nothing_and_costs_nothing(procs: Procs) -> None:
+    engine = procs.mock("m", "--mock-tokens", "3")
+    answer = httpx.post(engine.url + "/v1/completions", json={"model": "m", "prompt": "a b c"})
+    assert "x-mock-ttft-ms" not in answer.headers
+    assert answer.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert httpx.get(engine.url + "/mock/stats").json() == {"model": None, "requests": []}
+    assert httpx.post(engine.url + "/mock/reset").status_code == 409
+    assert "vllm:prefix_cache_queries_total" not in httpx.get(engine.url + "/metrics").text
+
+
+def test_a_repeated_prompt_and_the_next_turn_hit_the_prefix_cache(procs: Procs) -> None:
+    engine = procs.mock(
+        "m", "--mock-kv-blocks", "256", "--mock-block-size", "4", "--mock-prefill-tps", "1000",
+        "--mock-decode-tps", "1000", "--mock-tokens", "4",
+    )
+    messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(400))}]
+    body = {"model": "m", "messages": messages}
+    first = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10)
+    again = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10)
+    ttft_first, ttft_again = (float(r.headers["x-mock-ttft-ms"]) for r in (first, again))
+    assert ttft_first >= 402.0  # <|user|>, 400 words, <|assistant|> at 1,000 tokens/s
+    assert ttft_again < ttft_first / 4
+    assert first.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 400}  # 1 computed
+    answer = again.json()["choices"][0]["message"]["content"]
+    turn = {
+        "model": "m",
+        "stream": True,
+        "messages": [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "more please"}],
+    }
+    with httpx.stream("POST", engine.url + "/v1/chat/completions", json=turn, timeout=10) as stream:
+        assert float(stream.headers["x-mock-ttft-ms"]) < ttft_first / 4
+        assert stream.read().endswith(b"data: [DONE]\n\n")
+    stats = httpx.get(engine.url + "/mock/stats").json()
+    # 402 prompt tokens + 4 answer tokens fill 101 blocks of 4: the answer's block is cached too.
+    assert stats["requests"][-1]["cached_tokens"] == 404
+    assert [r["completed"] for r in stats["requests"]] == [True, True, True]
+    assert [r["output_tokens"] for r in stats["requests"]] == [4, 4, 4]
+    page = httpx.get(engine.url + "/metrics").text
+    assert metric(page, "vllm:prefix_cache_queries_total", model_name="m") == stats["prefix_cache_queries"] == 402 * 2 + 410
+    assert metric(page, "vllm:prefix_cache_hits_total", model_name="m") == stats["prefix_cache_hits"] == 400 + 404
+    assert metric(page, "vllm:time_to_first_token_seconds_count", model_name="m") == 3
+    assert metric(page, "vllm:time_to_first_token_seconds_bucket", le="0.25", model_name="m") == 2
+    assert metric(page, "vllm:cache_config_info", block_size="4", num_gpu_blocks="256") == 1
+    # Longer than the whole cache: refused as vLLM refuses it, and the engine serves on.
+    huge = httpx.post(engine.url + "/v1/completions", json={"model": "m", "prompt": "x " * 1100})
+    assert huge.status_code == 400 and "maximum context length is 1024 tokens" in huge.text
+    assert httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+
+
+async def _wait_metrics(client: httpx.AsyncClient, **want: float) -> None:
+    with trio.fail_after(10):
+        while True:
+            page = (await client.get("/metrics")).text
+            if all(metric(page, f"vllm:{name}", model_name="m") == value for name, value in want.items()):
+                return
+            await trio.sleep(0.02)
+
+
+async def test_a_full_engine_queues_first_come_first_served(procs: Procs) -> None:
+    engine = procs.mock(
+        "m", "--mock-kv-blocks", "64", "--mock-max-seqs", "1", "--mock-decode-tps", "10",
+        "--mock-tokens", "10", "--mock-prefill-tps", "100000",
+    )
+    answers: dict[str, httpx.Response] = {}
+    leaving = trio.CancelScope()
+
+    async def ask(client: httpx.AsyncClient, name: str) -> None:
+        body = {"model": "m", "prompt": f"request {name}"}
+        answers[name] = await client.post("/v1/completions", json=body)
+
+    async def ask_and_leave(client: httpx.AsyncClient) -> None:
+        with leaving:
+            await ask(client, "gone")
+
+    async with httpx.AsyncClient(base_url=engine.url, timeout=20) as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, client, "a")
+            await _wait_metrics(client, num_requests_running=1)
+            assert (await client.post("/mock/reset")).status_code == 409  # not while running
+            nursery.start_soon(ask, client, "b")
+            await _wait_metrics(client, num_requests_running=1, num_requests_waiting=1)
+            nursery.start_soon(ask_and_leave, client)
+            await _wait_metrics(client, num_requests_running=1, num_requests_waiting=2)
+            leaving.cancel()  # this client goes away while it waits: it leaves the queue
+            await _wait_metrics(client, num_requests_running=1, num_requests_waiting=1)
+        stats = (await client.get("/mock/stats")).json()
+        assert sorted(answers) == ["a", "b"]
+        assert answers["a"].status_code == answers["b"].status_code == 200
+        # b waited for a's whole answer: 10 tokens at 10 tokens/s, the first right away.
+        assert float(answers["b"].headers["x-mock-ttft-ms"]) >= 850
+        assert len(stats["requests"]) == 3 and stats["running"] == stats["waiting"] == 0
+        a, b, gone = sorted(stats["requests"], key=lambda r: r["id"])  # in arrival order
+        assert (a["completed"], gone["completed"], b["completed"]) == (True, False, True)
+        assert gone["ttft_s"] is None and gone["queued_s"] is None and gone["output_tokens"] == 0
+        assert a["queued_s"] == 0 and b["queued_s"] >= 0.85
+        assert a["arrival"] < b["arrival"] < gone["arrival"] < gone["end"] < a["end"] < b["end"]
+        assert (await client.post("/mock/reset")).status_code == 200
+        after = (await client.get("/mock/stats")).json()
+        assert after["requests"] == [] and after["prefix_cache_queries"] == 0

@@ -4,6 +4,14 @@ It takes the `vllm serve` command line, so the agent's vLLM adapter can launch
 it through its real argument construction, and answers deterministically.
 Flags (or LLMGW_MOCK_* environment variables) set its pace and failure modes;
 `POST /mock/control` changes them while it runs, for tests.
+
+With `--mock-kv-blocks N` (N > 0) it also models an engine's scheduler
+(llmgw_core.mock_scheduler): a paged prefix cache, a shared prefill rate, a decode
+rate per sequence and a limit on running sequences with a FIFO queue. It sleeps for
+those costs, reports each request's time to first token (the `x-mock-ttft-ms`
+response header, `GET /mock/stats`, and vLLM's TTFT histogram on /metrics) and
+publishes vLLM's scheduler and prefix-cache metrics. `POST /mock/reset` empties the
+cache and the records while nothing runs. Off (the default), none of it costs anything.
 """
 
 from __future__ import annotations
@@ -17,13 +25,21 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import attrs
 import trio
 
 from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_core.mock_scheduler import (
+    Admission,
+    EngineModel,
+    PromptTooLong,
+    Scheduler,
+    prompt_tokens,
+)
 from llmgw_core.openai_errors import error_body
 
 log = logging.getLogger("llmgw.mock_engine")
@@ -59,6 +75,23 @@ class MockSettings:
     close_after_stream: bool = False  # close the connection after each stream (llama-server)
     unsupported: tuple[str, ...] = ()  # endpoints answered 501 (llama-server without a flag)
     api_key: str = ""  # required as a bearer token on /v1 (vLLM's --api-key / VLLM_API_KEY)
+    # The scheduler model (llmgw_core.mock_scheduler), on when kv_blocks > 0.
+    kv_blocks: int = 0
+    block_size: int = 16
+    prefill_tps: float = 8000.0
+    decode_tps: float = 0.0  # 0: tokens_per_second
+    max_seqs: int = 16
+
+    def engine_model(self) -> EngineModel | None:
+        if self.kv_blocks <= 0:
+            return None
+        return EngineModel(
+            kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            prefill_tps=self.prefill_tps,
+            decode_tps=self.decode_tps or self.tokens_per_second,
+            max_seqs=self.max_seqs,
+        )
 
 
 _CONTROLLABLE = (
@@ -118,11 +151,46 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     parser.add_argument(
         "--mock-sse-ping", action="store_true", default=e("LLMGW_MOCK_SSE_PING", "") == "1"
     )
+    model = parser.add_argument_group(
+        "scheduler model",
+        "an engine's scheduler in miniature, on when --mock-kv-blocks is above 0",
+    )
+    model.add_argument(
+        "--mock-kv-blocks",
+        type=int,
+        default=int(e("LLMGW_MOCK_KV_BLOCKS", "0")),
+        help="KV-cache capacity in blocks; 0 (the default) turns the model off",
+    )
+    model.add_argument(
+        "--mock-block-size",
+        type=int,
+        default=int(e("LLMGW_MOCK_BLOCK_SIZE", "16")),
+        help="tokens per KV block, the prefix cache's unit (default 16, as vLLM)",
+    )
+    model.add_argument(
+        "--mock-prefill-tps",
+        type=float,
+        default=float(e("LLMGW_MOCK_PREFILL_TPS", "8000")),
+        help="uncached prompt tokens per second, shared by the engine (default 8000)",
+    )
+    model.add_argument(
+        "--mock-decode-tps",
+        type=float,
+        default=float(e("LLMGW_MOCK_DECODE_TPS", "0")),
+        help="output tokens per second of each running sequence "
+        "(default: --mock-tokens-per-second; 0 there too: unpaced)",
+    )
+    model.add_argument(
+        "--mock-max-seqs",
+        type=int,
+        default=int(e("LLMGW_MOCK_MAX_SEQS", "16")),
+        help="sequences running at once; the rest wait in arrival order (default 16)",
+    )
     args, unknown = parser.parse_known_args(list(argv))
     for flag in unknown:
         if flag.startswith("-"):
             log.info("mock engine: accepting and ignoring %s", flag)
-    return MockSettings(
+    settings = MockSettings(
         model=args.model,
         served_model_names=args.served_model_name or [args.model],
         host=args.host,
@@ -140,13 +208,28 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         close_after_stream=args.mock_close_after_stream,
         unsupported=tuple(args.mock_unsupported),
         api_key=args.api_key,
+        kv_blocks=args.mock_kv_blocks,
+        block_size=args.mock_block_size,
+        prefill_tps=args.mock_prefill_tps,
+        decode_tps=args.mock_decode_tps,
+        max_seqs=args.mock_max_seqs,
     )
+    try:
+        settings.engine_model()
+    except ValueError as exc:
+        parser.error(f"the scheduler model: {exc}")
+    return settings
 
 
 def _words(seed_text: str, count: int) -> Iterator[str]:
     """Generated one at a time: a long stream must not hold its whole answer in memory."""
     seed = zlib.crc32(seed_text.encode())
     return (_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(count))
+
+
+def answer_text(body: dict[str, Any], count: int) -> str:
+    """The answer of `count` tokens the mock engine gives to a request `body`."""
+    return " ".join(_words(_prompt_of(body), count))
 
 
 def _prompt_of(body: dict[str, Any]) -> str:
@@ -160,6 +243,78 @@ def _prompt_of(body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+# vllm:time_to_first_token_seconds's buckets, as vLLM's PrometheusStatLogger declares them
+# (vllm/v1/metrics/loggers.py at 005a810bc40faa25b8870fbc8559c3462581eee3).
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_RECORDS_KEPT = 100_000  # per-request records in /mock/stats, the oldest dropped first
+
+
+@attrs.define
+class _Turn:
+    """A request the scheduler model has prefilled: its answer is decoded from here."""
+
+    first_token_at: float  # trio time
+    decode_tps: float
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    emitted: list[str] = attrs.field(factory=list)
+    completed: bool = False
+
+    def token_at(self, index: int) -> float:
+        """When the answer's token `index` (from 0) is ready."""
+        return self.first_token_at + (index / self.decode_tps if self.decode_tps > 0 else 0.0)
+
+
+class _Modelled:
+    """The scheduler model inside the engine: the pure scheduler, the requests waiting for
+    it to admit them, and what is reported about them."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+        self.scheduler = Scheduler(model)
+        self.wakeups: dict[int, trio.Event] = {}
+        self.admitted: dict[int, Admission] = {}
+        self.records: deque[dict[str, Any]] = deque(maxlen=_RECORDS_KEPT)
+        self.ttft_buckets = [0] * len(_TTFT_BUCKETS)
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.next_id = 0
+
+    def dispatch(self, admissions: list[Admission]) -> None:
+        for admission in admissions:
+            self.admitted[admission.seq_id] = admission
+            self.wakeups[admission.seq_id].set()
+
+    def observe_ttft(self, seconds: float) -> None:
+        for i, bound in enumerate(_TTFT_BUCKETS):
+            if seconds <= bound:
+                self.ttft_buckets[i] += 1
+        self.ttft_sum += seconds
+        self.ttft_count += 1
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.scheduler
+        return {
+            "model": attrs.asdict(self.model),
+            "running": scheduler.running,
+            "waiting": scheduler.waiting,
+            "kv_cache_usage": scheduler.kv_usage,
+            "cached_blocks": scheduler.cache.cached,
+            "evictions": scheduler.cache.evictions,
+            "prefix_cache_queries": scheduler.queried_tokens,
+            "prefix_cache_hits": scheduler.hit_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "requests": list(self.records),
+        }
+
+
 class MockEngine:
     def __init__(self, settings: MockSettings) -> None:
         self.settings = settings
@@ -168,6 +323,8 @@ class MockEngine:
         self.served = 0
         self.counter = 0
         self.fingerprint = f"mock:{settings.port}"
+        model = settings.engine_model()
+        self.modelled = _Modelled(model) if model is not None else None
 
     async def handle(self, request: Request, responder: Responder) -> None:
         path = request.path
@@ -188,6 +345,13 @@ class MockEngine:
             return
         if path == b"/mock/control" and request.method == b"POST":
             await self._control(request, responder)
+            return
+        if path == b"/mock/stats" and request.method == b"GET":
+            stats = self.modelled.stats() if self.modelled else {"model": None, "requests": []}
+            await responder.whole(200, json.dumps(stats).encode())
+            return
+        if path == b"/mock/reset" and request.method == b"POST":
+            await self._reset(responder)
             return
         if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
             await responder.error(404, f"no route {path.decode(errors='replace')}")
@@ -252,15 +416,101 @@ class MockEngine:
             return
         await responder.whole(200, json.dumps(attrs.asdict(self.settings)).encode())
 
+    async def _reset(self, responder: Responder) -> None:
+        modelled = self.modelled
+        if modelled is None:
+            await responder.error(409, "the scheduler model is off (--mock-kv-blocks 0)")
+            return
+        if modelled.scheduler.running or modelled.scheduler.waiting:
+            await responder.error(409, "requests are still scheduled: reset when idle")
+            return
+        self.modelled = _Modelled(modelled.model)
+        await responder.whole(200, b"{}")
+
     async def _generate(self, chat: bool, body: dict[str, Any], responder: Responder) -> None:
-        settings = self.settings
-        count = settings.tokens
+        count = self.settings.tokens
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if isinstance(limit, int) and 0 < limit < count:
             count = limit
+        if self.modelled is None:
+            await self._answer(chat, body, responder, count, limit, None)
+            return
+        tokens = prompt_tokens(body)
+        try:
+            async with self._scheduled(self.modelled, tokens, count) as turn:
+                await self._answer(chat, body, responder, count, limit, turn)
+        except PromptTooLong as exc:
+            await responder.error(400, str(exc))
+
+    @contextlib.asynccontextmanager
+    async def _scheduled(
+        self, modelled: _Modelled, tokens: list[str], count: int
+    ) -> AsyncIterator[_Turn]:
+        """Queue for the scheduler model, sleep through the prefill, then decode; on the
+        way out (done, broken or gone), leave the scheduler and record the request."""
+        scheduler = modelled.scheduler
+        seq_id = modelled.next_id
+        modelled.next_id += 1
+        arrival = trio.current_time()
+        arrival_wall = time.monotonic()  # one clock for every process on the machine
+        wakeup = modelled.wakeups[seq_id] = trio.Event()
+        try:
+            admissions = scheduler.submit(seq_id, tokens, count, arrival)
+        except PromptTooLong:
+            del modelled.wakeups[seq_id]
+            raise
+        turn: _Turn | None = None
+        admission: Admission | None = None
+        try:
+            modelled.dispatch(admissions)
+            await wakeup.wait()
+            admission = modelled.admitted.pop(seq_id)
+            await trio.sleep_until(admission.first_token_at)
+            scheduler.prefilled(seq_id)
+            now = trio.current_time()
+            turn = _Turn(
+                first_token_at=now,
+                decode_tps=self.settings.decode_tps or self.settings.tokens_per_second,
+                ttft_s=now - arrival,
+                prompt_tokens=len(tokens),
+                cached_tokens=admission.cached_tokens,
+            )
+            modelled.observe_ttft(turn.ttft_s)
+            modelled.prompt_tokens += len(tokens)
+            yield turn
+        finally:
+            del modelled.wakeups[seq_id]
+            modelled.admitted.pop(seq_id, None)
+            emitted = turn.emitted if turn else []
+            modelled.generation_tokens += len(emitted)
+            modelled.dispatch(scheduler.finish(seq_id, emitted, trio.current_time()))
+            modelled.records.append(
+                {
+                    "id": seq_id,
+                    "arrival": arrival_wall,
+                    "end": time.monotonic(),
+                    "queued_s": admission.admitted_at - arrival if admission else None,
+                    "ttft_s": turn.ttft_s if turn else None,
+                    "prompt_tokens": len(tokens),
+                    "cached_tokens": admission.cached_tokens if admission else 0,
+                    "output_tokens": len(emitted),
+                    "completed": turn.completed if turn else False,
+                }
+            )
+
+    async def _answer(
+        self,
+        chat: bool,
+        body: dict[str, Any],
+        responder: Responder,
+        count: int,
+        limit: object,
+        turn: _Turn | None,
+    ) -> None:
+        settings = self.settings
         prompt = _prompt_of(body)
         words = _words(prompt, count)
-        prompt_tokens = len(prompt.split())
+        prompt_tokens = turn.prompt_tokens if turn else len(prompt.split())
         self.counter += 1
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-mock-{self.counter}",
@@ -269,14 +519,24 @@ class MockEngine:
             "model": body["model"],
             "system_fingerprint": self.fingerprint,
         }
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": count,
             "total_tokens": prompt_tokens + count,
         }
+        headers = []
+        if turn:
+            # vLLM reports this with --enable-prompt-tokens-details.
+            usage["prompt_tokens_details"] = {"cached_tokens": turn.cached_tokens}
+            headers.append((b"x-mock-ttft-ms", f"{turn.ttft_s * 1000:.3f}".encode()))
         finish = "length" if count == settings.tokens or count == limit else "stop"
         if not body.get("stream"):
-            await self._pace(count)
+            if turn:
+                await trio.sleep_until(turn.token_at(count - 1))
+                turn.emitted = list(words)
+                words = iter(turn.emitted)
+            else:
+                await self._pace(count)
             text = "".join(" " + w for w in words).lstrip()
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
@@ -289,9 +549,11 @@ class MockEngine:
                 "choices": [choice],
                 "usage": usage,
             }
-            await responder.whole(200, json.dumps(answer).encode())
+            await responder.whole(200, json.dumps(answer).encode(), [*_JSON, *headers])
+            if turn:
+                turn.completed = True
             return
-        await responder.start(200, _SSE)
+        await responder.start(200, [*_SSE, *headers])
         if settings.sse_ping:
             await responder.send(b": ping\n\n")
         chunks = 0
@@ -310,7 +572,11 @@ class MockEngine:
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
             )
         for i, word in enumerate(words):
-            await self._pace(1)
+            if turn:
+                await trio.sleep_until(turn.token_at(i))
+                turn.emitted.append(word)
+            else:
+                await self._pace(1)
             piece = word if i == 0 else " " + word
             if chat:
                 await emit({"index": 0, "delta": {"content": piece}, "finish_reason": None})
@@ -328,6 +594,8 @@ class MockEngine:
             await responder.send(b"data: " + json.dumps(event).encode() + b"\n\n")
         await responder.send(b"data: [DONE]\n\n")
         await responder.end()
+        if turn:
+            turn.completed = True
         if settings.close_after_stream:
             await responder.abort()  # as llama-server: the connection ends with the stream
 
@@ -371,17 +639,60 @@ class MockEngine:
     def _metrics(self) -> bytes:
         name = self.settings.served_model_names[0]
         label = f'{{model_name="{name}"}}'
+        running, waiting, usage = self.running, 0, min(1.0, self.running / 256)
+        if self.modelled:
+            scheduler = self.modelled.scheduler
+            running, waiting, usage = scheduler.running, scheduler.waiting, scheduler.kv_usage
         lines = [
             "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{label} {self.running}",
+            f"vllm:num_requests_running{label} {running}",
             "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{label} 0",
+            f"vllm:num_requests_waiting{label} {waiting}",
             "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{label} {min(1.0, self.running / 256):.4f}",
+            f"vllm:kv_cache_usage_perc{label} {usage:.4f}",
             "# TYPE vllm:request_success_total counter",
             f"vllm:request_success_total{label} {self.served}",
         ]
+        if self.modelled:
+            lines += self._model_metrics(self.modelled, name)
         return ("\n".join(lines) + "\n").encode()
+
+    def _model_metrics(self, modelled: _Modelled, name: str) -> list[str]:
+        """The rest of vLLM's metrics the model can give, under vLLM's names (counters in
+        tokens, as PrometheusStatLogger in vllm/v1/metrics/loggers.py at
+        005a810bc40faa25b8870fbc8559c3462581eee3 declares them; prometheus_client adds the
+        `_total` of a counter)."""
+        label = f'{{model_name="{name}"}}'
+        model, scheduler = modelled.model, modelled.scheduler
+        info = (
+            f'{{block_size="{model.block_size}",num_gpu_blocks="{model.kv_blocks}",'
+            f'enable_prefix_caching="True",model_name="{name}"}}'
+        )
+        lines = [
+            "# TYPE vllm:cache_config_info gauge",
+            f"vllm:cache_config_info{info} 1",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{label} {scheduler.queried_tokens}",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{label} {scheduler.hit_tokens}",
+            "# TYPE vllm:prompt_tokens_total counter",
+            f"vllm:prompt_tokens_total{label} {modelled.prompt_tokens}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {modelled.generation_tokens}",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+        ]
+        for bound, count in zip(_TTFT_BUCKETS, modelled.ttft_buckets, strict=True):
+            lines.append(
+                f'vllm:time_to_first_token_seconds_bucket{{le="{bound}",model_name="{name}"}} '
+                f"{count}"
+            )
+        lines += [
+            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="{name}"}} '
+            f"{modelled.ttft_count}",
+            f"vllm:time_to_first_token_seconds_count{label} {modelled.ttft_count}",
+            f"vllm:time_to_first_token_seconds_sum{label} {modelled.ttft_sum}",
+        ]
+        return lines
 
 
 async def main(
