@@ -7,9 +7,20 @@ STAMP := $(VENV)/.installed-stamp
 AUDIT := .venv-audit
 AUDIT_STAMP := $(AUDIT)/.installed-stamp
 
-.PHONY: venv test lint demo bench vuln check clean real-engine
+.PHONY: venv test lint demo bench vuln check clean real-engine wheel
+
+# One clear line, before anything is created, when the interpreter that would make (or
+# made) a virtualenv is older than 3.11: otherwise pip fails cryptically half-way.
+# $(1): the interpreter to ask.
+comma := ,
+define need_python_3_11
+@$(1) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+  echo "llmgw needs Python 3.11 or newer; $(1) is $$($(1) -V 2>/dev/null || echo 'not found'): run $(if $(filter $(BIN)/python $(AUDIT)/bin/python,$(1)),make clean$(comma) then )make PY=python3.11 (or newer)" >&2; \
+  exit 1; }
+endef
 
 $(STAMP): pyproject.toml requirements.lock
+	$(call need_python_3_11,$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)))
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements.lock
@@ -41,6 +52,7 @@ bench: venv
 
 # pip-audit in its own virtualenv, so the audited set is exactly requirements.lock.
 $(AUDIT_STAMP): requirements-audit.lock
+	$(call need_python_3_11,$(if $(wildcard $(AUDIT)/bin/python),$(AUDIT)/bin/python,$(PY)))
 	test -x $(AUDIT)/bin/python || $(PY) -m venv $(AUDIT)
 	$(AUDIT)/bin/python -m pip install -q -r requirements-audit.lock
 	touch $(AUDIT_STAMP)
@@ -52,5 +64,11 @@ vuln: $(AUDIT_STAMP)
 
 check: lint test vuln
 
+# The wheel (dist/llmgw-*.whl) that `pip install` or `pipx install` takes: see the README.
+# build/ goes first: setuptools copies into it and never removes a module deleted since.
+wheel: venv
+	rm -rf build
+	$(BIN)/python -m pip wheel --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) $(AUDIT) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(AUDIT) build dist *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

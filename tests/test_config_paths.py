@@ -4,8 +4,11 @@ real node cannot advertise an address its router cannot reach."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -193,3 +196,57 @@ def test_real_advertise_hosts_are_taken(host: str) -> None:
 def test_a_server_url_with_a_placeholder_host_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"server: .*'<cp>' is not a host name or IP address"):
         _parse(server="ws://<cp>:8081/v1/agent")
+
+
+def _load_as_another_user(path: Path) -> str:
+    """What load_config says to a user who is not the key's owner (nobody, when these
+    tests run as root, who reads every file)."""
+    if os.geteuid() != 0:
+        try:
+            load_config(path)
+        except ConfigError as exc:
+            return str(exc)
+        return "loaded"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                load_config(path)
+                said = "loaded"
+            except ConfigError as exc:
+                said = str(exc)
+            os.write(write, said.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as said:
+        text = said.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_a_key_the_daemons_user_cannot_read_is_a_config_error() -> None:
+    """certs init makes keys 0600 for whoever ran it: a service's own user may not read
+    them, which is one line (exit 2, not restarted) rather than a traceback at start."""
+    etc = Path(tempfile.mkdtemp(prefix="llmgw-paths-"))
+    try:
+        etc.chmod(0o755)
+        init_ca(etc / "tls")
+        (etc / "server.toml").write_text(SERVER)
+        for path in (etc / "server.toml", etc / "tls" / "ca.crt", etc / "tls" / "server.crt"):
+            path.chmod(0o644)
+        (etc / "tls").chmod(0o755)
+        (etc / "tls" / "server.key").chmod(0o600 if os.geteuid() == 0 else 0)
+        assert _load_as_another_user(etc / "server.toml") == (
+            f"{etc / 'server.toml'}: agents.key: {etc / 'tls' / 'server.key'} cannot be read: "
+            "Permission denied"
+        )
+        (etc / "tls" / "server.key").chmod(0o644)
+        assert _load_as_another_user(etc / "server.toml") == "loaded"
+    finally:
+        shutil.rmtree(etc)

@@ -44,11 +44,14 @@ def _files(t: Table, keys: tuple[str, ...]) -> dict[str, Path | None]:
         path: Path | None = t.file_path(key, None)
         if path is not None:
             try:
-                is_file = path.is_file()
-            except OSError as exc:  # a directory on the way that this user may not search
+                if not path.is_file():
+                    t.fail(key, f"{path} is not a file")
+                # Read now, as the daemon's user: a key left owned by whoever made it is
+                # one clear line (exit 2) here, not a traceback when TLS starts.
+                with path.open("rb"):
+                    pass
+            except OSError as exc:
                 t.fail(key, f"{path} cannot be read: {exc.strerror}")
-            if not is_file:
-                t.fail(key, f"{path} is not a file")
         found[key] = path
     return found
 
