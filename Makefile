@@ -49,6 +49,7 @@ bench: venv
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/placement_bench.py
 	$(BIN)/python bench/fleet_bench.py
+	$(BIN)/python bench/routing_bench.py
 
 # pip-audit in its own virtualenv, so the audited set is exactly requirements.lock.
 $(AUDIT_STAMP): requirements-audit.lock
