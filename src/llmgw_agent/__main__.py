@@ -18,19 +18,54 @@ def cli(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_cli(sys.argv[1:] if argv is None else list(argv)))
 
 
-def run_cli(argv: list[str]) -> int:
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """Options taken before or after the command's name (after it, SUPPRESS keeps one given
+    before the name from being overwritten by the subcommand's default)."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS if after_command else None,
+        help="the agent's TOML config file",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS if after_command else "info",
+        help="how much the agent logs (default: info)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw-agent",
         description="Runs inference engines on this node for the llmgw control plane.",
     )
-    parser.add_argument("--config", help="the agent's TOML config file")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("run", help="run the agent (the default)")
+    add_global_options(parser, after_command=False)
+    common = argparse.ArgumentParser(add_help=False)
+    add_global_options(common, after_command=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("run", help="run the agent (the default)", parents=[common])
+    check = sub.add_parser(
+        "check-config",
+        help="validate an agent config file (and the files it names) and exit",
+        parents=[common],
+    )
+    check.add_argument("file")
     probe = sub.add_parser(
-        "probe", help="print this node's inventory as TOML, the inventory_file format"
+        "probe",
+        help="print this node's inventory as TOML, the inventory_file format",
+        parents=[common],
     )
     probe.add_argument("--from", dest="source", help="read a simulated inventory instead of NVML")
+    return parser
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -50,6 +85,8 @@ def run_cli(argv: list[str]) -> int:
             hardware = read_simulated(Path(args.source)) if args.source else detect_hardware()
             print(hardware_to_toml(hardware), end="")
             return 0
+        if args.command == "check-config":
+            return check_config(args.file)
         if not args.config:
             parser.error("--config FILE is required")
         config = load_agent_config(args.config)
@@ -67,6 +104,33 @@ def run_cli(argv: list[str]) -> int:
     )
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(_run_until_signal, Agent(config, inventory))
+    return 0
+
+
+def check_config(file: str) -> int:
+    """Validate an agent config as the agent would read it at start: the file, the
+    simulated inventory it names and its [tls] files; the hardware is not probed."""
+    import ssl
+
+    from llmgw_agent.inventory_probe import read_simulated
+    from llmgw_core.tls_config import client_context
+
+    config = load_agent_config(file)  # ConfigError: the caller says it
+    gpus = "probed at start (NVML)"
+    if config.inventory_file is not None:
+        gpus = f"{len(read_simulated(config.inventory_file).gpus)} simulated"
+    if config.tls.cert:
+        try:
+            client_context(config.tls)
+        except (OSError, ssl.SSLError) as exc:
+            print(
+                f"llmgw-agent: config error: {file}: [tls]: cannot load the CA, certificate or "
+                f"key: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+    engines = ", ".join(sorted(config.engines)) or "none"
+    print(f"{file}: ok, node {config.name}, server {config.server}, GPUs {gpus}, engines {engines}")
     return 0
 
 

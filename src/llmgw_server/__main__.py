@@ -9,31 +9,80 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from llmgw_core.config import load_config
+from llmgw_core.config import ListenAddress, load_config
 from llmgw_core.tomlshape import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ADMIN_COMMANDS = ("status", "explain", "drain", "undrain", "cordon", "uncordon")
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_cli(sys.argv[1:] if argv is None else list(argv)))
 
 
-def run_cli(argv: list[str]) -> int:
-    if argv[:1] == ["certs"]:
-        from llmgw_server.certs_cli import run as run_certs
+def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """The options every command takes, before or after its name.
 
-        return run_certs(argv[1:])
+    After the name their default is SUPPRESS, so that one given before the name is not
+    overwritten by the subcommand's default.
+    """
+
+    def default(value: str | None) -> str | None:
+        return argparse.SUPPRESS if after_command else value
+
+    parser.add_argument(
+        "--config", metavar="FILE", default=default(None), help="the server's TOML config file"
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default=default("info"),
+        help="how much the server logs (default: info)",
+    )
+    parser.add_argument(
+        "--control",
+        default=default(None),
+        help="the control plane's admin URL (default: control_listen of --config, "
+        "else http://127.0.0.1:8081)",
+    )
+    parser.add_argument(
+        "--ca",
+        metavar="FILE",
+        default=default(None),
+        help="the fleet CA to trust for an https control URL (default: [agents] ca of "
+        "--config, else the system's trust store or SSL_CERT_FILE)",
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=default(None),
+        help="a file holding the admin token for status, explain, drain, cordon... "
+        "(default: the environment variable LLMGW_ADMIN_TOKEN)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw-server",
         description="One OpenAI-compatible endpoint in front of your inference engines.",
     )
-    parser.add_argument("--config", help="the server's TOML config file")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("serve", help="run the server (the default)")
-    check = sub.add_parser("check-config", help="validate a config file and exit")
+    add_global_options(parser, after_command=False)
+    common = argparse.ArgumentParser(add_help=False)
+    add_global_options(common, after_command=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    command("serve", "run the server (the default)")
+    check = command("check-config", "validate a config file and exit")
     check.add_argument("file")
-    sub.add_parser("status", help="nodes, replicas and what cannot run, as tables")
-    explain = sub.add_parser("explain", help="why a model cannot be placed")
+    status = command("status", "nodes, replicas and what cannot run, as tables")
+    status.add_argument(
+        "--json", action="store_true", help="print the control plane's status as JSON, for scripts"
+    )
+    explain = command("explain", "why a model cannot be placed")
     explain.add_argument("target", metavar="MODEL")
     for action, what in (
         ("drain", "move every replica off a node"),
@@ -41,7 +90,7 @@ def run_cli(argv: list[str]) -> int:
         ("cordon", "place nothing new on a node"),
         ("uncordon", "let a cordoned node take new replicas"),
     ):
-        node_action = sub.add_parser(action, help=what)
+        node_action = command(action, what)
         node_action.add_argument("target", metavar="NODE")
         if action == "drain":
             node_action.add_argument(
@@ -55,66 +104,56 @@ def run_cli(argv: list[str]) -> int:
                 action="store_true",
                 help="return at once instead of following the replicas until the node is empty",
             )
-    parser.add_argument(
-        "--control",
-        help="the control plane's admin URL (default: control_listen of --config, "
-        "else http://127.0.0.1:8081)",
-    )
-    parser.add_argument(
-        "--ca",
-        metavar="FILE",
-        help="the fleet CA to trust for an https control URL (default: [agents] ca of "
-        "--config, else the system's trust store or SSL_CERT_FILE)",
-    )
-    parser.add_argument(
-        "--token-file",
-        metavar="PATH",
-        help="a file holding the admin token for status, explain, drain, cordon... "
-        "(default: the environment variable LLMGW_ADMIN_TOKEN)",
-    )
-    hash_key = sub.add_parser(
+    hash_key = command(
         "hash-key",
-        help="print the digest of a key or token ([auth] api_keys, [[auth.keys]] digest, "
+        "print the digest of a key or token ([auth] api_keys, [[auth.keys]] digest, "
         "[admin] token_digest)",
     )
-    hash_key.add_argument("key", nargs="?", help="the key (read from the terminal when absent)")
+    hash_key.add_argument(
+        "key", nargs="?", help="the key (default: read from stdin, or asked at the terminal)"
+    )
+    # Listed for --help only: `certs` has its own parser (certs_cli), reached before this one.
+    sub.add_parser(
+        "certs",
+        help="make the fleet's CA and certificates (certs init DIR, certs issue NODE DIR; "
+        "certs --help)",
+    )
+    return parser
+
+
+def _split_certs(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """(global options, certs arguments) when the command is `certs`, else None."""
+    takes_value = {"--config", "--log-level", "--control", "--ca", "--token-file"}
+    i = 0
+    while i < len(argv):
+        if argv[i] == "certs":
+            return argv[:i], argv[i + 1 :]
+        if argv[i] in takes_value:
+            i += 2
+        elif argv[i].split("=", 1)[0] in takes_value:
+            i += 1
+        else:
+            return None
+    return None
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = build_parser()
+    certs = _split_certs(argv)
+    if certs is not None:
+        parser.parse_args(certs[0])  # the options before `certs` must still make sense
+        from llmgw_server.certs_cli import run as run_certs
+
+        return run_certs(certs[1])
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "hash-key":
-        key = args.key or getpass.getpass("API key or admin token: ")
-        print("sha256:" + hashlib.sha256(key.encode()).hexdigest())
-        return 0
-    if args.command in ("status", "explain", "drain", "undrain", "cordon", "uncordon"):
-        from llmgw_server.admin_cli import read_token
-        from llmgw_server.admin_cli import run as run_admin
-
-        try:
-            token = read_token(args.token_file)
-        except ValueError as exc:
-            print(f"llmgw-server: {exc}", file=sys.stderr)
-            return 2
-        control, ca = args.control, args.ca
-        if args.config and (control is None or ca is None):
-            try:
-                config = load_config(args.config)
-            except ConfigError as exc:
-                print(f"llmgw-server: config error: {exc}", file=sys.stderr)
-                return 2
-            scheme = "http" if config.agents.insecure else "https"
-            control = control or f"{scheme}://{config.server.control_listen}"
-            ca = ca or (str(config.agents.ca) if config.agents.ca else None)
-        return run_admin(
-            args.command,
-            getattr(args, "target", None),
-            control or "http://127.0.0.1:8081",
-            token,
-            ca=ca,
-            force=getattr(args, "force", False),
-            wait=not getattr(args, "no_wait", False),
-        )
+        return _hash_key(args.key)
+    if args.command in ADMIN_COMMANDS:
+        return _admin(args)
     file = args.file if args.command == "check-config" else args.config
     if not file:
         parser.error("--config FILE is required")
@@ -129,6 +168,74 @@ def run_cli(argv: list[str]) -> int:
     from llmgw_server.app import run
 
     return run(config)
+
+
+def _hash_key(given: str | None) -> int:
+    try:
+        key = _read_key(given).strip()  # as a header's value is: no surrounding whitespace
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    if not key:
+        print(
+            "llmgw-server: hash-key: no key given (pass it as an argument, on stdin, "
+            "or type it at the prompt)",
+            file=sys.stderr,
+        )
+        return 2
+    print("sha256:" + hashlib.sha256(key.encode()).hexdigest())
+    return 0
+
+
+def _read_key(given: str | None) -> str:
+    if given is not None:
+        return given
+    if sys.stdin is None:
+        return ""
+    if not sys.stdin.isatty():  # piped in: the first line, no prompt
+        return sys.stdin.readline()
+    try:
+        return getpass.getpass("API key or admin token: ")
+    except EOFError:  # Ctrl-D at the prompt
+        return ""
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from llmgw_server.admin_cli import read_token
+    from llmgw_server.admin_cli import run as run_admin
+
+    try:
+        token = read_token(args.token_file)
+    except ValueError as exc:
+        print(f"llmgw-server: {exc}", file=sys.stderr)
+        return 2
+    control, ca = args.control, args.ca
+    if args.config and (control is None or ca is None):
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            print(f"llmgw-server: config error: {exc}", file=sys.stderr)
+            return 2
+        scheme = "http" if config.agents.insecure else "https"
+        control = control or f"{scheme}://{_reachable(config.server.control_listen)}"
+        ca = ca or (str(config.agents.ca) if config.agents.ca else None)
+    return run_admin(
+        args.command,
+        getattr(args, "target", None),
+        control or "http://127.0.0.1:8081",
+        token,
+        ca=ca,
+        force=getattr(args, "force", False),
+        wait=not getattr(args, "no_wait", False),
+        as_json=getattr(args, "json", False),
+    )
+
+
+def _reachable(listen: ListenAddress) -> ListenAddress:
+    """Where to reach a control plane listening on `listen` from this machine: a wildcard
+    address is reached on loopback (and a certificate made by `certs init` names it)."""
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+    return ListenAddress(loopback.get(listen.host, listen.host), listen.port)
 
 
 if __name__ == "__main__":

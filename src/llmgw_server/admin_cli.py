@@ -12,7 +12,9 @@ again makes it stop).
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import ssl
 import sys
 import time
@@ -88,15 +90,14 @@ def render_status(data: dict[str, Any]) -> str:
         ],
     )
     models = table(
-        ["MODEL", "DESIRED", "RUNNING", "WHY NOT"],
+        ["MODEL", "DESIRED", "PLACED", "SERVING", "WHY NOT"],
         [
             [
                 m["name"],
                 m["desired"],
                 m["kept"],
-                "-"
-                if not m["unplaced"]
-                else m["unplaced"]["waiting"] or m["unplaced"]["explanation"],
+                sum(r["serving"] for r in data["replicas"] if r["model"] == m["name"]),
+                "; ".join(_why_not(m, data["replicas"])) or "-",
             ]
             for m in data["models"]
         ],
@@ -105,6 +106,26 @@ def render_status(data: dict[str, Any]) -> str:
     if data.get("guard"):
         out += ["", f"mass-loss guard: {data['guard']}"]
     return "\n".join(out)
+
+
+def _why_not(model: dict[str, Any], replicas: Sequence[dict[str, Any]]) -> list[str]:
+    """Why a model has fewer replicas serving than it wants: what cannot be placed, and
+    each placed replica that failed (a crash loop most of all) with its reason."""
+    reasons = []
+    if model["unplaced"]:
+        reasons.append(model["unplaced"]["waiting"] or model["unplaced"]["explanation"])
+    for r in replicas:
+        failed = r["phase"] in ("failed", "broken")
+        if r["model"] != model["name"] or r["serving"] or not (r["crash_loop"] or failed):
+            continue
+        what = "crash loop" if r["crash_loop"] else r["phase"]
+        why = r["reason"] or ("restarting" if r["phase"] == "live" else "no reason given")
+        failures = r["failures"]
+        counted = f"{failures} failure{'s' if failures != 1 else ''}" if failures else ""
+        restart = "" if r["restart_in_s"] is None else f"restart in {r['restart_in_s']:g} s"
+        detail = ", ".join(x for x in (counted, restart) if x)
+        reasons.append(f"{r['replica_id']} {what}: {why}" + (f" ({detail})" if detail else ""))
+    return reasons
 
 
 def _flags(node: dict[str, Any]) -> str:
@@ -215,6 +236,7 @@ def run(
     force: bool = False,
     wait: bool = True,
     poll_s: float = 0.5,
+    as_json: bool = False,
 ) -> int:
     base = control.rstrip("/") + "/v1/admin"
     headers = {"authorization": f"Bearer {token}"} if token else {}
@@ -230,7 +252,8 @@ def run(
             if command == "status":
                 response = client.get(f"{base}/status")
                 if response.status_code == 200:
-                    print(render_status(response.json()))
+                    data = response.json()
+                    print(json.dumps(data, indent=2) if as_json else render_status(data))
             elif command == "explain":
                 response = client.get(f"{base}/explain/{target}")
                 if response.status_code == 200:
@@ -243,9 +266,57 @@ def run(
                 if response.status_code == 200:
                     print(f"{target}: {command} done")
     except httpx.HTTPError as exc:
-        print(f"llmgw-server: cannot reach the control plane at {control}: {exc}", file=sys.stderr)
+        print(
+            f"llmgw-server: cannot reach the control plane at {control}: {exc}"
+            + tls_hint(control, exc, ca),
+            file=sys.stderr,
+        )
         return 1
     return _failed(response, token)
+
+
+def tls_hint(control: str, exc: httpx.HTTPError, ca: str | None) -> str:
+    """What to do when the error is the wrong scheme or an untrusted certificate ("" when
+    it is neither). A plain-HTTP request to the TLS control port is only seen as a
+    dropped connection, so the port is asked directly whether it speaks TLS."""
+    url = httpx.URL(control)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    text = str(exc)
+    if url.scheme == "http" and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        if speaks_tls(url.host, port):
+            where = f"https://{url.netloc.decode()}"
+            return (
+                f" (the control port speaks https: use --control {where} with --ca FILE, "
+                "the fleet's CA, or --config with the server's config)"
+            )
+    elif url.scheme == "https" and "CERTIFICATE_VERIFY_FAILED" in text:
+        if ca is None:
+            return (
+                " (the control plane's certificate is not trusted: give --ca FILE, the "
+                "fleet's CA (ca.crt from `certs init`), or --config with the server's config)"
+            )
+        return f" (the control plane's certificate is not trusted by {ca}: is it the fleet's CA?)"
+    elif url.scheme == "https" and ("WRONG_VERSION_NUMBER" in text or "record layer" in text):
+        return (
+            " (that port does not speak https: a control plane with [agents] insecure = true "
+            "takes http://)"
+        )
+    return ""
+
+
+def speaks_tls(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether host:port completes a TLS handshake (the certificate is not checked)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with (
+            socket.create_connection((host, port), timeout=timeout_s) as raw,
+            context.wrap_socket(raw, server_hostname=host),
+        ):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
 
 
 class _Failed(Exception):

@@ -81,12 +81,14 @@ async def main(
                 control_port = control_listeners[0].socket.getsockname()[1]
                 await nursery.start(plane.run)
                 await nursery.start(control.serve, control_listeners)
+                where = f"{_url_host(s.control_listen.host)}:{control_port}"
                 log.info(
-                    "control plane listening on %s:%d (agents: ws://%s:%d/v1/agent)",
-                    s.control_listen.host,
-                    control_port,
-                    s.control_listen.host,
-                    control_port,
+                    "control plane listening on %s (agents: %s://%s/v1/agent, admin: %s://%s)",
+                    where,
+                    "ws" if tls.insecure else "wss",
+                    where,
+                    "http" if tls.insecure else "https",
+                    where,
                 )
             await nursery.start(http.serve, listeners)
             await nursery.start(probe_forever, router, client)
@@ -109,6 +111,10 @@ async def main(
     for pool in router.pools.values():
         pool.close()
     log.info("stopped")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
