@@ -1,0 +1,170 @@
+"""`make demo` as a user runs it: the banner tells what runs where (checked against the
+control plane's own status), its command lines work as printed, it stops on SIGTERM and
+leaves nothing behind; ports in use stop it before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from procs import free_port
+
+END_OF_BANNER = "Ctrl-C stops it all"
+
+
+def free_pair() -> int:
+    """A free port whose next port is free too (the demo takes both)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
+def start_demo(port: int | str, tmp: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw_server.demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LLMGW_DEMO_PORT": str(port), "TMPDIR": str(tmp)},
+        start_new_session=True,
+    )
+
+
+def read_banner(demo: subprocess.Popen[str], timeout: float = 30) -> str:
+    """The demo's output up to the banner's last line (a thread reads: a pipe's buffered
+    lines cannot be waited for with select)."""
+    assert demo.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in demo.stdout or ()], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    while not seen or not seen[-1].startswith(END_OF_BANNER):
+        try:
+            seen.append(lines.get(timeout=max(0.01, deadline - time.monotonic())))
+        except queue.Empty:
+            stderr = demo.stderr.read() if demo.poll() is not None and demo.stderr else ""
+            raise AssertionError(
+                f"no banner within {timeout} s:\n{''.join(seen)}\n{stderr}"
+            ) from None
+    return "".join(seen)
+
+
+def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: Path) -> None:
+    port = free_pair()
+    demo = start_demo(port, tmp_path)
+    try:
+        banner = read_banner(demo)
+        work = Path(re.search(r"--config (\S+)/server\.toml status", banner)[1])  # type: ignore[index]
+        assert work.parent == tmp_path and (work / "certs" / "ca.key").is_file()
+        assert f"the router is at http://127.0.0.1:{port}/v1" in banner
+        assert f"the control plane at https://127.0.0.1:{port + 1}" in banner
+
+        # The CLI line as printed, --json added: the control plane's own view.
+        cli_line = next(x.strip() for x in banner.splitlines() if x.strip().endswith(" status"))
+        done = subprocess.run(
+            [*cli_line.split(), "--json"], capture_output=True, text=True, timeout=20
+        )
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        table = subprocess.run(cli_line.split(), capture_output=True, text=True, timeout=20)
+        assert table.returncode == 0 and "demo-big" in table.stdout, table.stderr
+
+        # Each replica's line names the nodes and GPUs the control plane placed it on.
+        assert len(status["replicas"]) == 3
+        for replica in status["replicas"]:
+            line = next(x for x in banner.splitlines() if f" {replica['replica_id']} " in x)
+            nodes = {s["node"] for s in replica["shards"]}
+            assert ("on one node" if len(nodes) == 1 else f"across {len(nodes)} nodes") in line
+            for shard in replica["shards"]:
+                gpus = ",".join(str(g) for g in shard["gpus"])
+                assert f"{shard['node']} GPU" in line and gpus in line, (line, shard)
+            assert line.endswith("serving")
+        for node in status["nodes"]:
+            assert f"node {node['name']}: {len(node['gpus'])} x " in banner
+
+        # The curl line, as printed.
+        curl = banner[banner.index("  curl") : banner.index("}'") + 2]
+        if shutil.which("curl"):
+            sent = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=20)
+            assert sent.returncode == 0, sent.stderr
+            answer = sent.stdout
+        else:  # the same request, as the line spells it
+            url = re.search(r"curl -N (\S+)", curl)[1]  # type: ignore[index]
+            body = json.loads(re.search(r"-d '(.*)'", curl)[1])  # type: ignore[index]
+            answer = httpx.post(url, json=body, timeout=20).text
+        assert answer.rstrip().endswith("data: [DONE]"), answer
+
+        engines = [json.loads(record.read_text())["pid"] for record in work.glob("*/shards/*.json")]
+        assert len(engines) == 3
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 0
+        assert not work.exists()
+        assert list(tmp_path.iterdir()) == []
+        for pid in engines:
+            assert not _alive(pid), pid
+    finally:
+        if demo.poll() is None:  # a failed check: the demo still stops what it started
+            demo.send_signal(signal.SIGTERM)
+            try:
+                demo.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(demo.pid, signal.SIGKILL)
+                demo.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie not yet reaped by init has ended too.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_refuses_ports_in_use_before_starting_anything(tmp_path: Path) -> None:
+    for taken, what in ((0, "the router"), (1, "the control plane")):
+        port = free_pair()
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", port + taken))
+            holder.listen()
+            demo = start_demo(port, tmp_path)
+            out, err = demo.communicate(timeout=20)
+        assert demo.returncode == 1
+        assert out == ""
+        assert err.strip() == (
+            f"llmgw demo: port {port + taken} ({what}) on 127.0.0.1: in use: stop what listens "
+            "there, or run the demo on other ports with LLMGW_DEMO_PORT=PORT (it takes PORT and "
+            "PORT+1)"
+        )
+        assert list(tmp_path.iterdir()) == []  # no directory, no CA key
+
+
+def test_demo_port_must_be_a_port(tmp_path: Path) -> None:
+    for bad in ("0", "http", "65500"):
+        demo = start_demo(bad, tmp_path)
+        _, err = demo.communicate(timeout=20)
+        assert demo.returncode == 2
+        assert (
+            err.strip() == f"llmgw demo: LLMGW_DEMO_PORT={bad!r} must be a port from 1024 to 65434"
+        )
