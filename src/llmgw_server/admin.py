@@ -4,6 +4,10 @@ Who may call it is `[admin]` in the config (`AdminSection`): reads (GET status a
 explain) and actions (POST cordon/drain...) need `Authorization: Bearer <admin token>`
 unless the config opens them.
 
+`GET /metrics` is the control plane's metrics (`control_metrics`), a read like status:
+it needs the admin token unless `open_status`, and also takes `[server] metrics_token`
+where one is set, so that a scraper needs no token that may act on the fleet.
+
 `POST /v1/admin/nodes/NODE/drain` takes an optional JSON body `{"force": true}`: without
 it, a drain that would leave a replica nowhere to go is refused with 409 and why.
 """
@@ -93,6 +97,9 @@ class AdminAPI:
         return 401, "a valid admin token is required (Authorization: Bearer)", "invalid_admin_token"
 
     async def handle(self, request: Request, responder: Responder) -> None:
+        if request.path == b"/metrics":
+            await self._metrics(request, responder)
+            return
         parts = request.path.decode("utf-8", errors="replace").strip("/").split("/")
         if parts[:2] != ["v1", "admin"]:
             await responder.error(404, "the admin API is under /v1/admin")
@@ -152,6 +159,32 @@ class AdminAPI:
             await self._json(responder, 200, {"node": node, "action": action, "force": force})
         else:
             await responder.error(404, "no such admin route")
+
+    async def _metrics(self, request: Request, responder: Responder) -> None:
+        if request.method not in (b"GET", b"HEAD"):
+            await responder.error(405, "/metrics takes GET")
+            return
+        refusal = self._refusal(request, write=False)
+        if refusal is not None and not self._metrics_token(request):
+            status_code, message, code = refusal
+            if status_code == 401:
+                message = "a valid admin or metrics token is required (Authorization: Bearer)"
+            await responder.whole(status_code, error_body(status_code, message, code))
+            return
+        plane = self.plane
+        page = plane.metrics.render(plane.reconciler.view(), len(plane.agents.streams))
+        await responder.whole(200, page, [(b"content-type", b"text/plain; version=0.0.4")])
+
+    def _metrics_token(self, request: Request) -> bool:
+        # getattr: [server] metrics_token is newer than this API; None where it is not set.
+        digest: str | None = getattr(self.plane.config.server, "metrics_token_digest", None)
+        value = request.header(b"authorization")
+        return (
+            digest is not None
+            and value is not None
+            and value[:7].lower() == b"bearer "
+            and hmac.compare_digest(digest_of(value[7:].strip()), digest)
+        )
 
     @staticmethod
     async def _json(responder: Responder, status_code: int, data: Any) -> None:

@@ -56,10 +56,11 @@ OUTBOX_SIZE = 1024
 class StreamClosed(Exception):
     """Close this stream with a reason the agent and the log both see."""
 
-    def __init__(self, reason: str, code: int = 1008) -> None:
+    def __init__(self, reason: str, code: int = 1008, kind: str = "protocol") -> None:
         super().__init__(reason)
         self.reason = reason
         self.code = code
+        self.kind = kind  # one of control_metrics.STREAM_REFUSALS
 
 
 class _Stream:
@@ -69,9 +70,10 @@ class _Stream:
         self.outbox_send, self.outbox_receive = trio.open_memory_channel[str](OUTBOX_SIZE)
         self.cancel_scope = trio.CancelScope()
         self.close_reason = ""
+        self.close_kind = "protocol"
 
-    def close(self, reason: str) -> None:
-        self.close_reason = reason
+    def close(self, reason: str, kind: str) -> None:
+        self.close_reason, self.close_kind = reason, kind
         self.cancel_scope.cancel()
 
 
@@ -90,6 +92,7 @@ class AgentService:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.streams: dict[str, _Stream] = {}
         self._command_ids = 0
+        self.metrics = plane.metrics
 
     def send(self, node: str, message: DownMessage) -> bool:
         """Queue a message for a node; False when the node has no open stream."""
@@ -99,8 +102,9 @@ class AgentService:
         try:
             stream.outbox_send.send_nowait(encode(message))
         except trio.WouldBlock:
-            stream.close(f"{OUTBOX_SIZE} messages wait unread")
+            stream.close(f"{OUTBOX_SIZE} messages wait unread", "backlog")
             return False
+        self.metrics.frame_out(message)
         return True
 
     def close_silent(self, transitions: Iterable[NodeTransition]) -> None:
@@ -108,7 +112,7 @@ class AgentService:
         the mass-loss guard holds (as `silent_streams` decides)."""
         guard = self.plane.reconciler.lifecycle.guard
         for node, reason in silent_streams(transitions, self.streams, guard):
-            self.streams[node].close(reason)
+            self.streams[node].close(reason, "silent")
 
     def next_command_id(self) -> int:
         self._command_ids += 1
@@ -126,6 +130,7 @@ class AgentService:
             certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
             if self.require_certificates and not certificate:
                 log.warning("refused an agent stream from %s: no client certificate", _peer(raw))
+                self.metrics.streams_refused["no_certificate"] += 1
                 await ws_request.reject(
                     403, body=b"a client certificate signed by the fleet CA is required"
                 )
@@ -143,12 +148,15 @@ class AgentService:
         holder = peer_identity(certificate)
         if holder != name:
             raise StreamClosed(
-                f"the certificate from {peer} is for {holder!r}, but it registered as {name!r}"
+                f"the certificate from {peer} is for {holder!r}, but it registered as {name!r}",
+                kind="identity",
             )
         assert certificate is not None
         serial = int(str(certificate.get("serialNumber", "0")), 16)
         if serial in self.deny_serials:
-            raise StreamClosed(f"the certificate of {name} (serial {serial:x}) is on the deny list")
+            raise StreamClosed(
+                f"the certificate of {name} (serial {serial:x}) is on the deny list", kind="denied"
+            )
 
     async def _serve(
         self, ws: trio_websocket.WebSocketConnection, peer: str, certificate: dict[str, Any] | None
@@ -165,7 +173,7 @@ class AgentService:
                         raise StreamClosed("", code=1000) from None  # gone before registering
                 if register_scope.cancelled_caught:
                     raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
-                register = _decode(frame)
+                register = self._decode(frame)
                 if not isinstance(register, Register):
                     raise StreamClosed(
                         f"the first message must be register, not {type(register).__name__}"
@@ -183,7 +191,7 @@ class AgentService:
                     log.warning(
                         "node %s connected again from %s: closing its old stream", stream.node, peer
                     )
-                    old.close(f"node {stream.node} connected again from {peer}")
+                    old.close(f"node {stream.node} connected again from {peer}", "replaced")
                 self.streams[stream.node] = stream
                 log.info(
                     "node %s registered from %s with %d shards",
@@ -200,15 +208,21 @@ class AgentService:
                         if not budget.take(trio.current_time()):
                             raise StreamClosed(
                                 f"more than {_BURST} messages in a burst "
-                                f"(at most {_RATE:g} a second are allowed)"
+                                f"(at most {_RATE:g} a second are allowed)",
+                                kind="flood",
                             )
-                        self._dispatch(stream.node, _decode(frame))
+                        self._dispatch(stream.node, self._decode(frame))
                     stream.close_reason = ""  # the reader ended: the agent went away
-                raise StreamClosed(stream.close_reason, code=1008 if stream.close_reason else 1000)
+                raise StreamClosed(
+                    stream.close_reason,
+                    code=1008 if stream.close_reason else 1000,
+                    kind=stream.close_kind,
+                )
         except* StreamClosed as group:
             closed = group.exceptions[0]
             assert isinstance(closed, StreamClosed)
             if closed.reason:
+                self.metrics.streams_refused[closed.kind] += 1
                 log.warning(
                     "closing the stream of %s: %s", stream.node if stream else peer, closed.reason
                 )
@@ -220,6 +234,15 @@ class AgentService:
                 del self.streams[stream.node]
                 log.info("node %s disconnected", stream.node)
                 self.plane.disconnected(stream.node)
+
+    def _decode(self, frame: str | bytes) -> object:
+        try:
+            message = decode_up(frame)
+        except WireError as exc:
+            self.metrics.bad_frame()
+            raise StreamClosed(str(exc)) from None
+        self.metrics.frame_in(message)
+        return message
 
     def _dispatch(self, node: str, message: object) -> None:
         if isinstance(message, Heartbeat):
@@ -293,10 +316,3 @@ def _peer(stream: trio.abc.Stream) -> str:
     except (AttributeError, OSError, ValueError):
         return "an unknown peer"
     return f"{host}:{port}"
-
-
-def _decode(frame: str | bytes) -> object:
-    try:
-        return decode_up(frame)
-    except WireError as exc:
-        raise StreamClosed(str(exc)) from None

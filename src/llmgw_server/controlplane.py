@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
+from collections.abc import Callable
 
 import trio
 
@@ -21,6 +23,7 @@ from llmgw_server.agentsvc import AgentService
 from llmgw_server.balancer import Replica
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
+from llmgw_server.control_metrics import ControlMetrics
 from llmgw_server.router import Router
 
 log = logging.getLogger("llmgw.control")
@@ -33,6 +36,7 @@ class ControlPlane:
     def __init__(self, config: Config, router: Router, *, heartbeat_interval_s: float) -> None:
         self.config = config
         self.router = router
+        self.metrics = ControlMetrics()
         self.reconciler = Reconciler(
             config.control,
             config.catalog,
@@ -58,7 +62,7 @@ class ControlPlane:
         """Own the drain watchers and the clock; wake the reconciler when a deadline comes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.apply(self.reconciler.tick(trio.current_time()))
+            self._run(lambda: self.reconciler.tick(trio.current_time()))
             task_status.started()
             while True:
                 self._sleep_until = trio.current_time() + _MAX_SLEEP_S
@@ -67,13 +71,13 @@ class ControlPlane:
                 with trio.move_on_at(self._sleep_until):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                self.apply(self.reconciler.tick(trio.current_time()))
+                self._run(lambda: self.reconciler.tick(trio.current_time()))
 
     # -- events from agent streams ------------------------------------------
 
     def registered(self, message: Register) -> None:
-        self.apply(
-            self.reconciler.register(
+        self._run(
+            lambda: self.reconciler.register(
                 message.inventory,
                 message.shards,
                 trio.current_time(),
@@ -83,17 +87,18 @@ class ControlPlane:
         )
 
     def heartbeat(self, node: str) -> None:
-        self.apply(self.reconciler.heartbeat(node, trio.current_time()))
+        self._run(lambda: self.reconciler.heartbeat(node, trio.current_time()))
 
     def disconnected(self, node: str) -> None:
         if self.closing:
             return  # the control plane itself is going away: nothing to decide
-        self.apply(self.reconciler.disconnected(node, trio.current_time()))
+        self._run(lambda: self.reconciler.disconnected(node, trio.current_time()))
 
     def shard_update(self, node: str, message: ShardUpdate) -> None:
         report = message.report
         spec = report.spec
         if report.state is ShardState.FAILED:
+            self.metrics.engine_failures[spec.model_name] += 1
             self.output_tails[(node, spec.replica_id, spec.rank)] = message.output_tail
             tail = "\n    ".join(message.output_tail[-10:])
             log.warning(
@@ -104,8 +109,8 @@ class ControlPlane:
                 report.detail,
                 tail,
             )
-        self.apply(
-            self.reconciler.shard_status(
+        self._run(
+            lambda: self.reconciler.shard_status(
                 node, spec.replica_id, spec.rank, report.state, trio.current_time(), report.detail
             )
         )
@@ -113,18 +118,26 @@ class ControlPlane:
     # -- operator actions ------------------------------------------------------
 
     def cordon(self, node: str, on: bool) -> None:
-        self.apply(self.reconciler.cordon(node, on, trio.current_time()))
+        self._run(lambda: self.reconciler.cordon(node, on, trio.current_time()))
 
     def drain_node(self, node: str, on: bool, *, force: bool = False) -> None:
         """Raises KeyError for an unknown node, DrainRefused for a drain that would leave a
         replica nowhere to go (unless `force`)."""
         now = trio.current_time()
         if on:
-            self.apply(self.reconciler.request_drain(node, now, force=force))
+            self._run(lambda: self.reconciler.request_drain(node, now, force=force))
         else:
-            self.apply(self.reconciler.drain_node(node, False, now))
+            self._run(lambda: self.reconciler.drain_node(node, False, now))
 
     # -- carrying out a step ----------------------------------------------------
+
+    def _run(self, decide: Callable[[], Step]) -> None:
+        """Take one step of the reconciler (timed, when it reconciled) and carry it out."""
+        started = time.perf_counter()
+        step = decide()
+        if step.reconciled:
+            self.metrics.reconcile.observe(time.perf_counter() - started)
+        self.apply(step)
 
     def apply(self, step: Step) -> None:
         for transition in step.transitions:
@@ -145,6 +158,8 @@ class ControlPlane:
         agents = self.agents
         if isinstance(command, StartShard):
             spec = command.spec
+            if spec.attempt > 0 and spec.rank == 0:  # a failed replica started again
+                self.metrics.replica_restarts[spec.model_name] += 1
             log.info(
                 "starting replica %s of %s rank %d on %s (GPUs %s, port %d)",
                 spec.replica_id,
@@ -193,7 +208,7 @@ class ControlPlane:
         with trio.move_on_after(self.config.control.drain_timeout_s):
             while replica is not None and replica.outstanding:
                 await trio.sleep(0.1)
-        self.apply(self.reconciler.replica_drained(replica_id, trio.current_time()))
+        self._run(lambda: self.reconciler.replica_drained(replica_id, trio.current_time()))
 
     def _sync_router(self) -> None:
         serving = self.reconciler.serving()

@@ -165,6 +165,8 @@ class Reconciler:
         self._last_reconcile: float | None = None
         self._timer: float | None = None  # when a decision falls due (backoff, drain, grace)
         self._wake: float | None = None  # the last Step's wake_at, for steps that change nothing
+        # The settle time's start and end go to the log once each: "start", "end", "said".
+        self._settle_said = "start" if settings.settle_after_start_s > 0 else "said"
         # With no node and no shard yet this yields no command, only what is unplaced.
         self._reconcile(now, [], [])
 
@@ -444,6 +446,7 @@ class Reconciler:
         notes: Iterable[str] = (),
     ) -> Step:
         transitions, commands, notes = list(transitions), list(commands), list(notes)
+        notes[:0] = self._settle_notes(now)
         guard = self.lifecycle.guard
         transitions += self.lifecycle.advance(now)
         if self.lifecycle.guard != guard:
@@ -483,6 +486,22 @@ class Reconciler:
         return Step(
             tuple(commands), tuple(placements), tuple(transitions), tuple(notes), self._wake, ran
         )
+
+    def _settle_notes(self, now: float) -> list[str]:
+        """One line when the first step sees the settle time, one when it has passed."""
+        settle_s = self.settings.settle_after_start_s
+        settle_until = self.started_at + settle_s
+        if self._settle_said == "start" and now < settle_until:
+            self._settle_said = "end"
+            return [
+                f"no new replica is placed for {settle_until - now:g} s after the start "
+                f"(settle_after_start_s = {settle_s:g}), so that re-registering agents get "
+                "their engines adopted"
+            ]
+        if self._settle_said != "said" and now >= settle_until:
+            self._settle_said = "said"
+            return [f"settle time of {settle_s:g} s over: missing replicas are placed from now on"]
+        return []
 
     def _reconcile(self, now: float, commands: list[Command], notes: list[str]) -> list[Assignment]:
         times: list[float] = []

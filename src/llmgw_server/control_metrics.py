@@ -1,0 +1,198 @@
+"""The control plane's metrics, served as `GET /metrics` on the control port in the
+Prometheus text format (with the router's helpers).
+
+Counters are kept by the shell, where the events happen: the agent streams count
+frames, the control plane counts engine failures and restarts and times its steps.
+Gauges (nodes, replicas, what cannot be placed, streams open) are read from the
+reconciler's view when the page is asked for, so the pure core counts nothing.
+
+A model's unplaced replicas are counted under every reason that kept a node from
+taking one (as Kubernetes counts unschedulable pods under each plugin that
+rejected them), so the reasons of one model need not add up to its count.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.shards import Phase
+from llmgw_server.control.views import ControlView, Unplaced
+from llmgw_server.metrics import Histogram, _labels
+
+# Why a node could not take a replica: the explanation's reasons, as a bounded label set.
+PLACEMENT_REASONS = (
+    "lost",
+    "unreachable",
+    "cordoned",
+    "draining",
+    "engine",
+    "node_selector",
+    "gpu_model",
+    "free_gpus",
+    "gpu_memory",
+    "no_fabric_label",
+    "fabric_domain",
+    "waiting",  # deferred: the settle time after a start
+    "no_nodes",  # no node has registered
+    "other",
+)
+
+# Why the control plane refused or closed an agent stream: a bounded label set.
+STREAM_REFUSALS = (
+    "no_certificate",  # a stream without a client certificate on a TLS control port
+    "identity",  # registered under a name its certificate does not carry
+    "denied",  # its certificate is on the deny list
+    "protocol",  # no registration in time, a bad frame, a message out of order...
+    "flood",  # more messages than the budget allows
+    "replaced",  # the node connected again
+    "silent",  # declared unreachable or lost
+    "backlog",  # too many messages waited unread
+)
+
+_CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+
+
+def message_type(message: object) -> str:
+    """A wire message's type as the protocol spells it (`ShardUpdate` -> shard_update)."""
+    return _CAMEL.sub("_", type(message).__name__).lower()
+
+
+def placement_reason(passed_over: str) -> str:
+    """The reason label for one node's entry in an explanation's `passed_over`."""
+    if passed_over in ("lost", "unreachable", "cordoned", "draining"):
+        return passed_over
+    if passed_over.startswith("cannot launch "):
+        return "engine"
+    if passed_over.startswith("does not match node_selector"):
+        return "node_selector"
+    if passed_over.startswith("has no ") and passed_over.endswith(" label"):
+        return "no_fabric_label"
+    if passed_over.startswith("has no "):
+        return "gpu_model"
+    if " free GPUs, needs " in passed_over:
+        return "free_gpus"
+    if " GiB free per GPU" in passed_over:
+        return "gpu_memory"
+    if passed_over.startswith("its fabric domain "):
+        return "fabric_domain"
+    return "other"
+
+
+def placement_reasons(unplaced: Unplaced) -> set[str]:
+    """Every reason that keeps a replica of this model from being placed now."""
+    if unplaced.waiting is not None:
+        return {"waiting"}
+    explanation = unplaced.explanation
+    if not explanation.passed_over and not explanation.fitting:
+        return {"no_nodes"}
+    return {placement_reason(why) for why in explanation.passed_over.values()} or {"other"}
+
+
+class ControlMetrics:
+    def __init__(self) -> None:
+        self.frames: defaultdict[tuple[str, str], int] = defaultdict(int)  # direction, type
+        self.engine_failures: defaultdict[str, int] = defaultdict(int)  # by model
+        self.replica_restarts: defaultdict[str, int] = defaultdict(int)  # by model
+        self.streams_refused: defaultdict[str, int] = defaultdict(int)  # by STREAM_REFUSALS
+        self.reconcile = Histogram()
+
+    def frame_in(self, message: object) -> None:
+        self.frames[("in", message_type(message))] += 1
+
+    def frame_out(self, message: object) -> None:
+        self.frames[("out", message_type(message))] += 1
+
+    def bad_frame(self) -> None:
+        self.frames[("in", "invalid")] += 1
+
+    def render(self, view: ControlView, streams_open: int) -> bytes:
+        out: list[str] = []
+
+        def family(name: str, kind: str, help_text: str) -> None:
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} {kind}")
+
+        family("llmgw_control_nodes", "gauge", "Nodes known to the control plane, by status.")
+        for status in NodeStatus:
+            n = sum(node.status is status for node in view.nodes)
+            out.append(f"llmgw_control_nodes{_labels(status=str(status))} {n}")
+        family("llmgw_control_nodes_cordoned", "gauge", "Nodes cordoned by the operator.")
+        out.append(f"llmgw_control_nodes_cordoned {sum(n.cordoned for n in view.nodes)}")
+        family("llmgw_control_nodes_draining", "gauge", "Nodes being drained.")
+        out.append(f"llmgw_control_nodes_draining {sum(n.draining for n in view.nodes)}")
+
+        family(
+            "llmgw_control_replicas",
+            "gauge",
+            "Replicas by model and phase (live: pending, starting or ready; failed: "
+            "waiting to restart; retiring; broken).",
+        )
+        models = sorted({m.name for m in view.models} | {r.model for r in view.replicas})
+        for model in models:
+            for phase in Phase:
+                n = sum(r.model == model and r.phase is phase for r in view.replicas)
+                out.append(f"llmgw_control_replicas{_labels(model=model, phase=str(phase))} {n}")
+        family("llmgw_control_replicas_serving", "gauge", "Replicas the router sends requests.")
+        for model in models:
+            n = sum(r.model == model and r.serving for r in view.replicas)
+            out.append(f"llmgw_control_replicas_serving{_labels(model=model)} {n}")
+        family("llmgw_control_replicas_desired", "gauge", "Replicas each model asks for.")
+        for m in sorted(view.models, key=lambda m: m.name):
+            out.append(f"llmgw_control_replicas_desired{_labels(model=m.name)} {m.desired}")
+        family("llmgw_control_crash_loops", "gauge", "Replicas in a crash loop (restarting again).")
+        for model in models:
+            n = sum(r.model == model and r.crash_loop for r in view.replicas)
+            out.append(f"llmgw_control_crash_loops{_labels(model=model)} {n}")
+
+        family(
+            "llmgw_control_unplaced_replicas",
+            "gauge",
+            "Replicas wanted but not placed, under each reason that kept a node from taking "
+            "one (a model's reasons need not add up).",
+        )
+        for model, unplaced in sorted(view.unplaced.items()):
+            for reason in sorted(placement_reasons(unplaced)):
+                labels = _labels(model=model, reason=reason)
+                out.append(f"llmgw_control_unplaced_replicas{labels} {unplaced.count}")
+
+        family("llmgw_control_guard_holds", "gauge", "1 while the mass-loss guard holds.")
+        out.append(f"llmgw_control_guard_holds {int(view.guard is not None)}")
+
+        family(
+            "llmgw_control_reconcile_seconds",
+            "histogram",
+            "Time the control plane's steps that ran a reconcile took.",
+        )
+        out.extend(self.reconcile.render("llmgw_control_reconcile_seconds", ""))
+
+        family("llmgw_agent_streams_open", "gauge", "Agent streams registered and open.")
+        out.append(f"llmgw_agent_streams_open {streams_open}")
+        family(
+            "llmgw_agent_frames_total",
+            "counter",
+            "Agent stream messages received (in, invalid ones included) and queued to send "
+            "(out), by type.",
+        )
+        for (direction, kind), n in sorted(self.frames.items()):
+            out.append(f"llmgw_agent_frames_total{_labels(direction=direction, type=kind)} {n}")
+        family(
+            "llmgw_agent_streams_refused_total",
+            "counter",
+            "Agent streams closed or refused by the control plane, by reason.",
+        )
+        for reason, n in sorted(self.streams_refused.items()):
+            out.append(f"llmgw_agent_streams_refused_total{_labels(reason=reason)} {n}")
+
+        family("llmgw_engine_failures_total", "counter", "Engines (shards) agents reported failed.")
+        for model, n in sorted(self.engine_failures.items()):
+            out.append(f"llmgw_engine_failures_total{_labels(model=model)} {n}")
+        family(
+            "llmgw_replica_restarts_total",
+            "counter",
+            "Failed replicas started again (whole, after the backoff).",
+        )
+        for model, n in sorted(self.replica_restarts.items()):
+            out.append(f"llmgw_replica_restarts_total{_labels(model=model)} {n}")
+        return ("\n".join(out) + "\n").encode()
