@@ -45,6 +45,11 @@ class ServerSection:
     body_timeout_s: float = 60.0  # for the whole request body
     keepalive_timeout_s: float = 75.0  # an idle connection between requests
     shutdown_grace_s: float = 30.0
+    access_log: bool = True  # one line per request
+    access_log_format: str = "logfmt"  # or "json"
+    access_log_file: Path | None = None  # None: stderr, with the other log lines
+    # Hex SHA-256 digest of the token that GET /metrics asks for; None: /metrics is open.
+    metrics_token_digest: str | None = None
 
 
 @attrs.frozen
@@ -122,7 +127,7 @@ def parse_config(
     """Validate config data; keys named by `env` are read from `environ` (os.environ)."""
     root = Table(data, file)
     environ = os.environ if environ is None else environ
-    server = _read_server(root.table("server"))
+    server = _read_server(root.table("server"), environ)
     catalog = read_catalog(root)
     config = Config(
         file=file,
@@ -144,7 +149,7 @@ def parse_config(
     return config
 
 
-def _read_server(t: Table) -> ServerSection:
+def _read_server(t: Table, environ: Mapping[str, str]) -> ServerSection:
     d = ServerSection()
 
     def address(key: str, default: ListenAddress) -> ListenAddress:
@@ -163,9 +168,38 @@ def _read_server(t: Table) -> ServerSection:
         body_timeout_s=t.number("body_timeout_s", d.body_timeout_s, min=0.1),
         keepalive_timeout_s=t.number("keepalive_timeout_s", d.keepalive_timeout_s, min=0.1),
         shutdown_grace_s=t.number("shutdown_grace_s", d.shutdown_grace_s, min=0),
+        access_log=t.boolean("access_log", d.access_log),
+        access_log_format=_access_log_format(t),
+        access_log_file=_access_log_file(t),
+        metrics_token_digest=_optional_secret(t, "metrics_token", environ),
     )
     t.finish()
     return section
+
+
+def _access_log_format(t: Table) -> str:
+    text: str = t.text("access_log_format", "logfmt")
+    if text not in ("logfmt", "json"):
+        t.fail("access_log_format", "must be 'logfmt' or 'json'")
+    return text
+
+
+def _access_log_file(t: Table) -> Path | None:
+    path: Path | None = t.file_path("access_log_file", None)
+    if path is not None and not path.parent.is_dir():
+        t.fail("access_log_file", f"{str(path)!r}: no directory {str(path.parent)!r}")
+    return path
+
+
+def _optional_secret(t: Table, name: str, environ: Mapping[str, str]) -> str | None:
+    """The digest at `name`_digest or of the variable named at `name`_env; None if neither."""
+    if t.has(f"{name}_digest") and t.has(f"{name}_env"):
+        t.fail(f"{name}_env", f"give {name}_digest or {name}_env, not both")
+    if t.has(f"{name}_digest"):
+        return _digest(t, f"{name}_digest")
+    if t.has(f"{name}_env"):
+        return _secret_from_env(t, f"{name}_env", environ)
+    return None
 
 
 def _read_router(t: Table) -> RouterSection:

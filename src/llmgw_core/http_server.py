@@ -197,8 +197,11 @@ class HTTPServer:
         limits: ServerLimits,
         upgrade: UpgradeHandler | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        on_reject: Callable[[int, str], None] | None = None,
     ) -> None:
         self.handler = handler
+        # Told of each request refused before the handler (413, 408, malformed).
+        self.on_reject = on_reject
         self.limits = limits
         self.ssl_context = ssl_context  # TLS on every accepted connection
         self.upgrade = upgrade  # takes over connections that ask for `Upgrade: websocket`
@@ -468,6 +471,8 @@ class _Connection:
     async def _reject(self, status: int, message: str) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
+        if self.server.on_reject is not None:
+            self.server.on_reject(status, message)
         body = error_body(status, message)
         try:
             out = self.conn.send(

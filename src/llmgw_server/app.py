@@ -50,6 +50,7 @@ async def main(
             body_timeout_s=s.body_timeout_s,
             keepalive_timeout_s=s.keepalive_timeout_s,
         ),
+        on_reject=router.rejected,
     )
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]
@@ -90,6 +91,8 @@ async def main(
                     "http" if tls.insecure else "https",
                     where,
                 )
+            if router.access_log is not None:
+                await nursery.start(router.access_log.run)
             await nursery.start(http.serve, listeners)
             await nursery.start(probe_forever, router, client)
             log.info("llmgw router listening on http://%s:%d", s.listen.host, port)

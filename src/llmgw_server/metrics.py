@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from llmgw_core.catalog import Endpoint
 from llmgw_server.balancer import Balancer
@@ -53,6 +53,8 @@ class RouterMetrics:
         self.ejections: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.latency: defaultdict[str, Histogram] = defaultdict(Histogram)
         self.ttfb: defaultdict[str, Histogram] = defaultdict(Histogram)
+        self.tokens: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self.auth_failures: defaultdict[str, int] = defaultdict(int)
 
     def render(self, balancers: dict[str, Balancer], pools: dict[Endpoint, Pool]) -> bytes:
         out: list[str] = []
@@ -61,9 +63,16 @@ class RouterMetrics:
             out.append(f"# HELP {name} {help_text}")
             out.append(f"# TYPE {name} {kind}")
 
-        family("llmgw_requests_total", "counter", "Requests answered, by model and HTTP status.")
+        family(
+            "llmgw_requests_total",
+            "counter",
+            "Requests answered, by model (- when no model of this router was named) and HTTP "
+            "status (0: the client went away before the answer ended); health probes and "
+            "metrics scrapes are not counted.",
+        )
         for (model, status), n in sorted(self.requests.items()):
             out.append(f"llmgw_requests_total{_labels(model=model, status=str(status))} {n}")
+        self._render_access(out, family)
         family("llmgw_requests_in_flight", "gauge", "Requests being answered now.")
         for model, n in sorted(self.in_flight.items()):
             out.append(f"llmgw_requests_in_flight{_labels(model=model)} {n}")
@@ -108,3 +117,21 @@ class RouterMetrics:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_outstanding{labels} {r.outstanding}")
         return ("\n".join(out) + "\n").encode()
+
+    def _render_access(self, out: list[str], family: Callable[[str, str, str], None]) -> None:
+        family(
+            "llmgw_tokens_total",
+            "counter",
+            "Tokens in the engines' usage reports, by model, API key id and kind "
+            "(prompt or completion).",
+        )
+        for (model, key_id, kind), n in sorted(self.tokens.items()):
+            out.append(f"llmgw_tokens_total{_labels(model=model, key_id=key_id, kind=kind)} {n}")
+        family(
+            "llmgw_auth_failures_total",
+            "counter",
+            "Requests refused for their credentials: missing_key, invalid_key, "
+            "model_not_allowed, metrics_token.",
+        )
+        for reason, n in sorted(self.auth_failures.items()):
+            out.append(f"llmgw_auth_failures_total{_labels(reason=reason)} {n}")

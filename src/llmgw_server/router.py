@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -16,8 +17,16 @@ from llmgw_core.config import Config, digest_of
 from llmgw_core.http_server import JSON, Request, Responder
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
+from llmgw_server.access_log import (
+    FORMATTERS,
+    AccessRecord,
+    key_id_of,
+    logfmt_value,
+    valid_request_id,
+)
 from llmgw_server.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
 from llmgw_server.metrics import RouterMetrics
+from llmgw_server.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -41,6 +50,9 @@ _HOP_BY_HOP = frozenset(
 )
 _ERROR_BODY_LIMIT = 1024 * 1024
 _WHOLE_LIMIT = 1024 * 1024
+_REQUEST_ID = b"x-request-id"
+_PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered, neither logged nor counted
+_CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 
 
 class Router:
@@ -54,6 +66,12 @@ class Router:
         self.ready = False  # the first health probe round is done
         self.draining = False
         self._5xx_log = RateLimit(period_s=10.0)
+        self._refusal_log = RateLimit(period_s=10.0)
+        s = config.server
+        self.metrics_token = s.metrics_token_digest  # None: /metrics is open
+        self.access_log = (
+            LineWriter(FORMATTERS[s.access_log_format], s.access_log_file) if s.access_log else None
+        )
         for model in config.catalog.models:
             self.set_endpoints(model.name, model.endpoints)
 
@@ -87,6 +105,89 @@ class Router:
         return None
 
     async def handle(self, request: Request, responder: Responder) -> None:
+        """Answer one request. Its id (the client's x-request-id, or a new one) goes to the
+        engine and back to the client; what happened goes to the access log and the metrics."""
+        arrived = time.monotonic()
+        request_id = valid_request_id(request.header(_REQUEST_ID))
+        if request_id is None:
+            request_id = new_request_id()
+            request.headers = [h for h in request.headers if h[0] != _REQUEST_ID]
+            request.headers.append((_REQUEST_ID, request_id.encode()))
+        digest = _bearer_digest(request)
+        record = AccessRecord(
+            time.time(),
+            request_id,
+            request.method.decode("latin-1"),
+            request.path.decode("latin-1"),
+            key_id=None if digest is None else key_id_of(digest),
+        )
+        recorder = RecordingResponder(responder, record, arrived)
+        try:
+            await self._route(request, recorder)
+        except BaseException as exc:
+            # Status 0: the client went away before the answer ended (as in the metrics).
+            # Anything else is a bug, which the server answers with 500 if it still can.
+            gone = isinstance(exc, _CLIENT_GONE) or recorder.started
+            record.status = 0 if gone else 500
+            raise
+        finally:
+            record.duration_s = time.monotonic() - arrived
+            self._finished(recorder, digest)
+
+    def _finished(self, recorder: RecordingResponder, digest: str | None) -> None:
+        record = recorder.record
+        status = record.status
+        if status in (200, 503) and record.path in _PROBES and record.method in ("GET", "HEAD"):
+            return  # health probes and metrics scrapes
+        model = record.model if record.model in self.balancers else "-"
+        metrics = self.metrics
+        metrics.requests[(model, status)] += 1
+        if record.prompt_tokens is not None:
+            key = record.key_id if digest in self.keys and record.key_id else "-"
+            metrics.tokens[(model, key, "prompt")] += record.prompt_tokens
+            if record.completion_tokens is not None:
+                metrics.tokens[(model, key, "completion")] += record.completion_tokens
+        if 400 <= status < 500 and record.replica is None:  # refused here, not by an engine
+            self._refused(record, recorder.message)
+        if self.access_log is not None:
+            self.access_log.write(record)
+
+    def rejected(self, status: int, message: str) -> None:
+        """A request that the HTTP server refused before routing (413, 408, malformed)."""
+        record = AccessRecord(time.time(), "-", "-", "-", status=status)
+        self.metrics.requests[("-", status)] += 1
+        self._refused(record, message)
+        if self.access_log is not None:
+            self.access_log.write(record)
+
+    def _refused(self, record: AccessRecord, message: str | None) -> None:
+        """Count an auth failure; log the refusal, one line a period per status and reason."""
+        reason = _auth_failure(record)
+        if reason is not None:
+            self.metrics.auth_failures[reason] += 1
+        suppressed = self._refusal_log.allow((record.status, reason), trio.current_time())
+        if suppressed is None:
+            return
+        detail = f"{reason}: {message}" if reason and message else message or reason or "-"
+        log.warning(
+            "refused %s %s with %d (%s); model=%s key_id=%s request_id=%s%s",
+            record.method,
+            logfmt_value(record.path[:256]),
+            record.status,
+            detail[:300],
+            logfmt_value(record.model and record.model[:256]),
+            record.key_id or "-",
+            logfmt_value(record.request_id),
+            f" ({suppressed} more since the last line)" if suppressed else "",
+        )
+
+    def _metrics_allowed(self, request: Request) -> bool:
+        if self.metrics_token is None:
+            return True
+        digest = _bearer_digest(request)
+        return digest is not None and hmac.compare_digest(digest, self.metrics_token)
+
+    async def _route(self, request: Request, responder: RecordingResponder) -> None:
         path = request.path
         if path in INFERENCE_PATHS:
             if request.method != b"POST":
@@ -106,6 +207,8 @@ class Router:
         elif path == b"/readyz":
             ok = self.ready and not self.draining
             await responder.whole(200 if ok else 503, json.dumps(self._readiness()).encode())
+        elif path == b"/metrics" and not self._metrics_allowed(request):
+            await responder.error(401, "a valid metrics token is required (Authorization: Bearer)")
         elif path == b"/metrics":
             await responder.whole(
                 200,
@@ -140,7 +243,7 @@ class Router:
             "models": {name: b.healthy_count for name, b in self.balancers.items()},
         }
 
-    async def _proxy(self, request: Request, responder: Responder) -> None:
+    async def _proxy(self, request: Request, responder: RecordingResponder) -> None:
         allowed = self._authorized(request)
         if allowed is False:
             await responder.error(401, "a valid API key is required (Authorization: Bearer)")
@@ -160,6 +263,7 @@ class Router:
         if not isinstance(model, str):
             await responder.error(400, "'model' must be a string")
             return
+        responder.record.model = model
         if allowed is not None and model not in allowed:  # whether it exists or not
             message = f"this API key may not use the model {model!r}"
             await responder.whole(403, error_body(403, message, "model_not_allowed"))
@@ -170,14 +274,12 @@ class Router:
             return
         metrics = self.metrics
         metrics.in_flight[model] += 1
-        status = 0
-        try:
-            status = await self._forward(
+        try:  # counted in llmgw_requests_total by handle, with the status sent
+            await self._forward(
                 model, balancer, request, responder, body.get("stream") is True
             )
         finally:
             metrics.in_flight[model] -= 1
-            metrics.requests[(model, status)] += 1  # status 0: the client went away
 
     async def _forward(
         self, model: str, balancer: Balancer, request: Request, responder: Responder, stream: bool
@@ -195,6 +297,7 @@ class Router:
             if attempt:
                 self.metrics.retries[model] += 1
             tried.append(replica)
+            _served_by(responder, replica)
             replica.outstanding += 1
             try:
                 started = time.monotonic()
@@ -334,6 +437,31 @@ class _Refusal:
     replica: Replica
     why: str
     retry_after: bytes = b""
+
+
+def _served_by(responder: Responder, replica: Replica) -> None:
+    if isinstance(responder, RecordingResponder):
+        responder.record.replica = replica.endpoint.url
+
+
+def _bearer_digest(request: Request) -> str | None:
+    """The digest of the key in `Authorization: Bearer`; None when there is none."""
+    value = request.header(b"authorization")
+    if value is None or value[:7].lower() != b"bearer ":
+        return None
+    token = value[7:].strip()
+    return digest_of(token) if token else None
+
+
+def _auth_failure(record: AccessRecord) -> str | None:
+    """The llmgw_auth_failures_total reason of an answer the router made itself."""
+    if record.status == 403:
+        return "model_not_allowed"
+    if record.status != 401:
+        return None
+    if record.path == "/metrics":
+        return "metrics_token"
+    return "missing_key" if record.key_id is None else "invalid_key"
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:

@@ -1,0 +1,171 @@
+"""The access log's content: one record per request, written as one logfmt or JSON line.
+
+Pure: records in, text out. The router fills a record while it answers
+(llmgw_server.recorder) and a writer puts the lines out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import TypeGuard
+
+import attrs
+
+FORMATS = ("logfmt", "json")
+REQUEST_ID_MAX = 128
+_TEXT_MAX = 256  # a client's model name or path is its own text: bounded in the log
+_USAGE_WINDOW = 4096  # a usage object is a few hundred bytes
+_NEEDS_QUOTES = re.compile(r'[^\x21-\x7e]|["=\\]')
+_USAGE_KEY = b'"usage"'
+_decoder = json.JSONDecoder()
+
+
+@attrs.define(slots=True)
+class AccessRecord:
+    """What one request did, filled in as it is answered."""
+
+    started: float  # wall-clock time (time.time()) when the request arrived
+    request_id: str
+    method: str
+    path: str
+    key_id: str | None = None  # see key_id_of; None: the client sent no key
+    model: str | None = None  # as the client asked for it, None until read
+    replica: str | None = None  # the engine's URL, None when none was tried
+    status: int = 0  # 0: the client went away before the answer ended
+    duration_s: float = 0.0
+    ttfb_s: float | None = None  # until the first byte of the body went to the client
+    bytes_sent: int = 0  # body bytes written to the client
+    prompt_tokens: int | None = None  # from the engine's usage, when it sent one
+    completion_tokens: int | None = None
+
+
+def key_id_of(digest_hex: str) -> str:
+    """A short, public id of an API key: the first 8 hex digits of its SHA-256 digest,
+    as it is written in [auth] after "sha256:". Never the key itself."""
+    return digest_hex[:8]
+
+
+def valid_request_id(value: bytes | None) -> str | None:
+    """The client's x-request-id when it is printable ASCII without spaces and at most
+    REQUEST_ID_MAX long; None otherwise (the router then makes its own)."""
+    if not value or len(value) > REQUEST_ID_MAX:
+        return None
+    if not value.isascii():
+        return None
+    text = value.decode("ascii")
+    return text if text.isprintable() and " " not in text else None
+
+
+def logfmt_value(value: str | None) -> str:
+    """A logfmt value: as it is when it needs no quotes, else a JSON string; None is -."""
+    if value is None:
+        return "-"
+    if value and not _NEEDS_QUOTES.search(value):
+        return value
+    return json.dumps(value)  # quoted, with quotes, backslashes and controls escaped
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.3f}"
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+_second_cache: tuple[int, str] = (-1, "")
+
+
+def timestamp(wall: float) -> str:
+    """RFC 3339 in UTC with milliseconds; the seconds part is formatted once a second."""
+    global _second_cache
+    second = int(wall)
+    if _second_cache[0] != second:
+        _second_cache = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{_second_cache[1]}.{int((wall - second) * 1000):03d}Z"
+
+
+def _bounded(text: str | None) -> str | None:
+    """A client's text (a model name, a path), cut short for the log."""
+    return text if text is None or len(text) <= _TEXT_MAX else text[:_TEXT_MAX] + "..."
+
+
+def format_logfmt(record: AccessRecord) -> str:
+    return (
+        f"time={timestamp(record.started)} request_id={logfmt_value(record.request_id)} "
+        f"method={logfmt_value(record.method)} path={logfmt_value(_bounded(record.path))} "
+        f"model={logfmt_value(_bounded(record.model))} status={record.status} "
+        f"replica={logfmt_value(record.replica)} duration_ms={_ms(record.duration_s)} "
+        f"ttfb_ms={_ms(record.ttfb_s)} bytes={record.bytes_sent} "
+        f"key_id={logfmt_value(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
+        f"completion_tokens={_count(record.completion_tokens)}\n"
+    )
+
+
+def format_json(record: AccessRecord) -> str:
+    ttfb = record.ttfb_s
+    line = {
+        "time": timestamp(record.started),
+        "request_id": record.request_id,
+        "method": record.method,
+        "path": _bounded(record.path),
+        "model": _bounded(record.model),
+        "status": record.status,
+        "replica": record.replica,
+        "duration_ms": round(record.duration_s * 1000, 3),
+        "ttfb_ms": None if ttfb is None else round(ttfb * 1000, 3),
+        "bytes": record.bytes_sent,
+        "key_id": record.key_id,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+    }
+    return json.dumps(line, separators=(",", ":")) + "\n"
+
+
+FORMATTERS = {"logfmt": format_logfmt, "json": format_json}
+
+
+def usage_in(data: bytes) -> tuple[int, int | None] | None:
+    """(prompt_tokens, completion_tokens) from the last `"usage": {...}` in `data`, a
+    JSON answer or some server-sent events; None when there is none or it is cut off.
+
+    Only the usage object is parsed, never the whole answer: inside a JSON string a quote
+    is escaped, so the bytes `"usage"` followed by a colon can only be a key. An
+    embeddings answer has no completion_tokens.
+    """
+    at = data.rfind(_USAGE_KEY)
+    while at >= 0:
+        found = _usage_at(data, at + len(_USAGE_KEY))
+        if found is not None:
+            return found
+        at = data.rfind(_USAGE_KEY, 0, at)
+    return None
+
+
+def _usage_at(data: bytes, after_key: int) -> tuple[int, int | None] | None:
+    window = data[after_key : after_key + _USAGE_WINDOW]
+    stripped = window.lstrip()
+    if stripped[:1] != b":":
+        return None
+    value = stripped[1:].lstrip()
+    if value[:1] != b"{":  # "usage": null in the chunks before the last one
+        return None
+    try:
+        usage, _ = _decoder.raw_decode(value.decode("utf-8", errors="replace"))
+    except ValueError:
+        return None
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if not _is_count(prompt):
+        return None
+    if completion is None or _is_count(completion):
+        return prompt, completion
+    return None
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0

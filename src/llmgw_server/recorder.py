@@ -1,0 +1,166 @@
+"""What the router records of each answer as it goes out, and the access log's writer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+import trio
+
+from llmgw_core.http_server import JSON, Responder
+from llmgw_core.openai_errors import error_body
+from llmgw_server.access_log import AccessRecord, usage_in
+
+log = logging.getLogger("llmgw.router")
+
+_USAGE_KEY = b'"usage"'
+_REQUEST_ID = b"x-request-id"
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+class RecordingResponder(Responder):
+    """The server's responder, seen through: every write goes to `inner` unchanged but
+    for the request id added to the head, and the record learns the status, the bytes,
+    the time of the first body byte and the engine's token usage.
+
+    Usage is looked for only in writes that hold the bytes `"usage"`: the whole body of a
+    non-streamed answer, and with `stream_options.include_usage` the last event of a
+    stream (engines write each event at once, so it is never split between writes).
+    """
+
+    __slots__ = ("_arrived", "_id_header", "inner", "message", "record")
+
+    def __init__(self, inner: Responder, record: AccessRecord, arrived: float) -> None:
+        # No Responder.__init__: nothing is written but through `inner`.
+        self.inner = inner
+        self.record = record
+        self.message: str | None = None  # the error message of an answer made here
+        self.chunked = inner.chunked
+        self.head = inner.head
+        self.closing = inner.closing
+        self.started = False
+        self._arrived = arrived  # time.monotonic() when the request arrived
+        self._id_header = (_REQUEST_ID, record.request_id.encode())
+
+    def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        # An engine may echo the id too (vLLM's --enable-request-id-headers): sent once.
+        return [*(h for h in headers if h[0] != _REQUEST_ID), self._id_header]
+
+    def _body(self, data: bytes) -> None:
+        record = self.record
+        if record.ttfb_s is None:
+            record.ttfb_s = time.monotonic() - self._arrived
+        if not self.head:
+            record.bytes_sent += len(data)
+        if _USAGE_KEY in data:
+            usage = usage_in(data)
+            if usage is not None:
+                record.prompt_tokens, record.completion_tokens = usage
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.record.status = status
+        self.started = True
+        await self.inner.start(status, self._headers(headers))
+
+    async def send(self, data: bytes) -> None:
+        self._body(data)
+        await self.inner.send(data)
+
+    async def send_chunks(self, framed: bytes) -> None:
+        self._body(framed)
+        await self.inner.send_chunks(framed)
+
+    async def end(self) -> None:
+        await self.inner.end()
+
+    async def whole(
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
+    ) -> None:
+        self.record.status = status
+        self.started = True
+        self._body(body)
+        await self.inner.whole(status, body, self._headers(headers))
+
+    async def error(self, status: int, message: str) -> None:
+        self.message = message
+        await self.whole(status, error_body(status, message))
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+
+    async def send_raw(self, data: bytes) -> None:
+        self.started = True
+        await self.inner.send_raw(data)
+
+
+class LineWriter:
+    """Access log lines, kept in memory and written out together every `interval_s`,
+    or sooner once `max_lines` wait: one write for many requests, off the request's path.
+
+    `run` owns the file (stderr when there is none) and writes what is left when it ends;
+    a line that comes after that is written at once.
+    """
+
+    def __init__(
+        self,
+        format_line: Callable[[AccessRecord], str],
+        path: Path | None = None,
+        *,
+        interval_s: float = 0.5,
+        max_lines: int = 256,
+    ) -> None:
+        self.format_line = format_line
+        self.path = path
+        self.interval_s = interval_s
+        self.max_lines = max_lines
+        self._lines: list[str] = []
+        self._out: BinaryIO | None = None
+        self._running = False
+        self._failed_at = -1e9
+
+    def write(self, record: AccessRecord) -> None:
+        self._lines.append(self.format_line(record))
+        if len(self._lines) >= self.max_lines or not self._running:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        data = "".join(self._lines).encode()
+        self._lines.clear()
+        out = self._out or sys.stderr.buffer
+        try:
+            out.write(data)
+            out.flush()
+        except (OSError, ValueError) as exc:  # a full disk, a closed stream
+            now = time.monotonic()
+            if now - self._failed_at > 60:
+                self._failed_at = now
+                log.error("the access log lost lines: %s", exc)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.path is not None:
+            try:
+                self._out = self.path.open("ab")
+            except OSError as exc:
+                log.error("cannot open the access log %s (%s): using stderr", self.path, exc)
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(self.interval_s)
+                self.flush()
+        finally:
+            self._running = False
+            self.flush()
+            if self._out is not None:
+                self._out.close()
+                self._out = None
