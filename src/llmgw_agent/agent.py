@@ -35,6 +35,7 @@ from llmgw_agent import procinfo
 from llmgw_agent import shard_records as records
 from llmgw_agent.adapters import EngineLaunch, build_command
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.dial import ConnectFailed, open_agent_stream
 from llmgw_agent.supervisor import EngineProcess, Transition
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
@@ -70,6 +71,8 @@ log = logging.getLogger("llmgw.agent")
 
 ShardId = tuple[str, int]  # replica id, rank
 
+# Dialing, the TLS handshake and the websocket handshake together get this long.
+CONNECT_TIMEOUT_S = 10.0
 # Closing waits this long for the control plane's close frame (the library's default is
 # 60 s); a stream cut for silence is closed at once, without waiting.
 DISCONNECT_TIMEOUT_S = 5.0
@@ -140,7 +143,8 @@ class Agent:
         self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
         self._silence_s = 0.0  # the current stream's silence bound, for the log
-        self._ssl_context = client_context(config.tls) if config.tls.cert else None
+        secure = config.server.startswith("wss:")
+        self._ssl_context = client_context(config.tls) if secure and config.tls.cert else None
         if config.insecure:
             log.warning("insecure = true: the stream to %s is plaintext", config.server)
         self._load_flags()
@@ -162,6 +166,12 @@ class Agent:
             session = Session()
             try:
                 await self._session(session)
+            except* ConnectFailed as group:
+                log.warning(
+                    "cannot connect to the control plane %s: %s",
+                    self.config.server,
+                    group.exceptions[0],
+                )
             except* (
                 OSError,
                 trio.TooSlowError,
@@ -195,12 +205,13 @@ class Agent:
     async def _connection(self, cut: trio.CancelScope, session: Session) -> None:
         # `cut` lies outside the websocket's context: cancelled, it closes the socket
         # without waiting for a close handshake that a vanished peer never answers.
-        async with trio_websocket.open_websocket_url(
+        async with open_agent_stream(
             self.config.server,
             self._ssl_context,
+            ca=self.config.tls.ca,
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+            disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
-            connect_timeout=10,
-            disconnect_timeout=DISCONNECT_TIMEOUT_S,
         ) as ws:
             outbox_send, outbox_receive = trio.open_memory_channel[str](1024)
             # Queue transitions from the moment the snapshot is taken: one that happens

@@ -139,6 +139,13 @@ def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
             f"{server!r} is plaintext: use wss:// with [tls], or set insecure = true "
             "where the network is trusted",
         )
+    if parts.scheme == "ws" and t.has("tls"):
+        # Refused rather than ignored: a [tls] left in says the operator meant TLS.
+        t.fail(
+            "tls",
+            f"is for a wss:// server, but {server!r} is plaintext (insecure = true): "
+            "remove [tls], or use wss:// and drop insecure",
+        )
     tls = read_agent_tls(t.table("tls"), secure=parts.scheme == "wss")
     inventory: Path | None = t.file_path("inventory_file", None)
     engines: dict[str, EngineCommand] = {

@@ -19,6 +19,7 @@ import h11
 import trio
 
 from llmgw_core.openai_errors import error_body
+from llmgw_core.ratelog import RateLimit
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +211,8 @@ class HTTPServer:
         self.idle_done = trio.Event()
         self._idle_scopes: set[trio.CancelScope] = set()
         self._accepting = trio.CancelScope()
+        self.tls_failures = 0  # failed TLS handshakes, for metrics
+        self.tls_failures_log = RateLimit(60.0)
 
     async def serve(
         self,
@@ -241,7 +244,41 @@ class HTTPServer:
                 connections.start_soon(self.serve_connection, stream)
             else:
                 tls = trio.SSLStream(stream, self.ssl_context, server_side=True)
-                connections.start_soon(self.serve_connection, tls)
+                connections.start_soon(self._serve_tls, tls)
+
+    async def _serve_tls(self, tls: trio.SSLStream[trio.SocketStream]) -> None:
+        """The TLS handshake first, so that a failed one is logged with the peer's address
+        (rate-limited per peer host and reason: a fleet with the wrong CA must not flood
+        the log)."""
+        failure: BaseException | None = None
+        with trio.move_on_after(self.limits.header_timeout_s) as handshake:
+            try:
+                await tls.do_handshake()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                failure = exc.__cause__ or exc
+        if failure is None and not handshake.cancelled_caught:
+            await self.serve_connection(tls)
+            return
+        host, peer = _peer_address(tls.transport_stream)
+        await trio.aclose_forcefully(tls.transport_stream)
+        if failure is None:
+            level, why = logging.INFO, f"no handshake within {self.limits.header_timeout_s:g} s"
+        elif isinstance(failure, ssl.SSLCertVerificationError):
+            level = logging.WARNING
+            why = f"the client's certificate is not trusted ({failure.verify_message})"
+        elif isinstance(failure, ssl.SSLError) and not isinstance(failure, ssl.SSLEOFError):
+            level = logging.WARNING
+            why = (failure.reason or str(failure)).lower().replace("_", " ")
+            if why == "http request":
+                why = "plaintext HTTP on a TLS port (http request)"
+        else:
+            level = logging.INFO  # also what a port probe or a TCP health check does
+            why = "the peer closed the connection (as a client that does not trust us does)"
+        held = self.tls_failures_log.allow((host, why), trio.current_time())
+        self.tls_failures += 1
+        if held is not None:
+            more = f" ({held} more like it from {host} held back)" if held else ""
+            log.log(level, "TLS handshake with %s failed: %s%s", peer, why, more)
 
     async def shutdown(self, grace_s: float) -> bool:
         """Stop accepting, close idle keep-alives, wait up to `grace_s` for requests in flight.
@@ -270,6 +307,15 @@ class HTTPServer:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
+
+
+def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
+    """The peer's host, and its host:port for the log."""
+    try:
+        host, port, *_ = stream.socket.getpeername()
+    except (OSError, ValueError):
+        return "?", "an unknown peer"
+    return str(host), f"{host}:{port}"
 
 
 class _Connection:

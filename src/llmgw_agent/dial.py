@@ -1,0 +1,266 @@
+"""Dialing the control plane, with every way it can fail said in words for the log.
+
+trio-websocket dials and handshakes TLS itself, and a TLS failure inside it shows
+only as `ConnectionTimeout` once the connect timeout has passed (its reader task
+swallows the error), a refused connection as a bare `HandshakeError`. So the agent
+dials itself (TCP, then the TLS handshake, each failure named: refused, no route,
+certificate not trusted, name mismatch, not TLS at all) and hands the stream to
+trio-websocket for the websocket handshake, whose refusal (an HTTP status with the
+control plane's reason) is named too. The words are `ConnectFailed`'s message.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import attrs
+import trio
+import trio_websocket
+
+# OpenSSL's verify codes for a certificate that is valid but not for the name dialed.
+_NAME_MISMATCH = {62, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+# What OpenSSL says when the peer's first bytes are not TLS (a plaintext server).
+_NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}
+
+
+class ConnectFailed(Exception):
+    """A connection to the control plane that failed; `str()` says why, in words."""
+
+
+@attrs.frozen
+class Target:
+    host: str
+    port: int
+    resource: str  # path and query
+    secure: bool
+
+    @property
+    def where(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def target(url: str) -> Target:
+    """The parts of a ws:// or wss:// URL the agent's config has already validated."""
+    parts = urlsplit(url)
+    secure = parts.scheme == "wss"
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Target(parts.hostname or "", parts.port or (443 if secure else 80), resource, secure)
+
+
+def describe_os_error(exc: OSError, where: str) -> str:
+    """A failed TCP connect, in words."""
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the control plane's host name ({where}): {exc.strerror}"
+    codes = _errnos(exc)
+    if errno.ECONNREFUSED in codes:
+        return (
+            f"connection refused by {where}: nothing listens there (is the server running, "
+            "and is this its control_listen port?)"
+        )
+    if codes & {errno.EHOSTUNREACH, errno.ENETUNREACH}:
+        return f"no route to {where}"
+    if errno.ETIMEDOUT in codes:
+        return f"no answer from {where} (connect timed out)"
+    detail = next((e.strerror for e in _leaves(exc) if e.strerror), None) or str(exc)
+    return f"cannot connect to {where}: {detail}"
+
+
+def describe_tls_error(exc: BaseException, where: str, ca: Path | None) -> str:
+    """A failed TLS handshake (the `ssl` error, or what broke the connection), in words."""
+    trust = f"[tls] ca ({ca})" if ca else "[tls] ca"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason or str(exc)
+        if exc.verify_code in _NAME_MISMATCH:
+            return (
+                f"name mismatch: the control plane's certificate is not valid for the name "
+                f"dialed ({why}): dial a name or address the certificate holds, or make the "
+                "server's certificate for it (certs init --host)"
+            )
+        return (
+            f"the control plane's certificate at {where} is not trusted ({why}): {trust} "
+            "must be the fleet CA that signed the server's certificate"
+        )
+    if isinstance(exc, ssl.SSLError):
+        reason = exc.reason or ""
+        if reason in _NOT_TLS:
+            return (
+                f"{where} does not speak TLS ({reason.lower().replace('_', ' ')}): the server "
+                "may run with [agents] insecure = true (then dial ws://) or this is not its "
+                "control port"
+            )
+        if "ALERT" in reason:
+            return (
+                f"the control plane at {where} refused this agent's certificate during the TLS "
+                f"handshake ({reason.lower().replace('_', ' ')}): [tls] cert must be issued by "
+                "the fleet CA the server trusts ([agents] ca); the server's log says more"
+            )
+        return f"the TLS handshake with {where} failed: {reason or exc}"
+    if isinstance(exc, OSError | trio.BrokenResourceError | trio.ClosedResourceError):
+        return f"{where} closed the connection during the TLS handshake"
+    return f"the TLS handshake with {where} failed: {exc}"
+
+
+def describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
+    """The control plane answered the websocket handshake with an HTTP error."""
+    body = (exc.body or b"").decode("utf-8", errors="replace").strip()
+    reason = " ".join(body.split())[:300] or "no reason given"
+    return f"refused by the control plane: HTTP {exc.status_code}: {reason}"
+
+
+async def dial(
+    where: Target, ssl_context: ssl.SSLContext | None, ca: Path | None = None
+) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+    """A TCP connection, with the TLS handshake done when `ssl_context` is given.
+    Raises ConnectFailed; the caller bounds the time."""
+    try:
+        tcp = await trio.open_tcp_stream(where.host, where.port)
+    except OSError as exc:
+        raise ConnectFailed(describe_os_error(exc, where.where)) from None
+    if ssl_context is None:
+        return tcp
+    tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
+    try:
+        await tls.do_handshake()
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        await trio.aclose_forcefully(tcp)
+        raise ConnectFailed(describe_tls_error(exc.__cause__ or exc, where.where, ca)) from None
+    except BaseException:
+        await trio.aclose_forcefully(tcp)
+        raise
+    return tls
+
+
+class _Watched(trio.abc.Stream):
+    """The dialed stream, remembering why reading from it broke: trio-websocket's reader
+    ends quietly on a broken stream and its opening handshake would then wait forever."""
+
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
+        self.stream = stream
+        self.broken: BaseException | None = None
+        self.broke = trio.Event()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        try:
+            data = bytes(await self.stream.receive_some(max_bytes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.broken = exc.__cause__ or exc
+            self.broke.set()
+            raise
+        if not data:
+            self.broke.set()
+        return data
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def _closed_early(where: Target, broken: BaseException | None, ca: Path | None) -> str:
+    """The connection ended before the websocket handshake was answered."""
+    if isinstance(broken, ssl.SSLError):
+        return describe_tls_error(broken, where.where, ca)
+    if where.secure:
+        # With TLS 1.3 the server checks the client's certificate after the client has
+        # finished its handshake: a refusal shows as a reset on the first read.
+        return (
+            f"{where.where} closed the connection right after the TLS handshake: the control "
+            "plane most likely refused this agent's certificate ([tls] cert must be issued by "
+            "the fleet CA the server trusts); the server's log says why"
+        )
+    return (
+        f"{where.where} closed the connection without answering the websocket handshake: "
+        "if the server runs TLS ([agents] insecure = false), dial wss:// with [tls]"
+    )
+
+
+@asynccontextmanager
+async def open_agent_stream(
+    url: str,
+    ssl_context: ssl.SSLContext | None,
+    *,
+    ca: Path | None = None,
+    connect_timeout_s: float,
+    disconnect_timeout_s: float,
+    max_message_size: int,
+) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit.
+    Raises ConnectFailed, alone or in an exception group, when it cannot be opened."""
+    where = target(url)
+    default_port = 443 if where.secure else 80
+    host_header = where.host if where.port == default_port else where.where
+    stream: _Watched | None = None
+    ws: trio_websocket.WebSocketConnection | None = None
+    rejected: trio_websocket.ConnectionRejected | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(connect_timeout_s) as connecting:
+                stream = _Watched(await dial(where, ssl_context, ca))
+                async with trio.open_nursery() as handshake:
+                    handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        stream,  # type: ignore[arg-type]  # any stream works; it is typed narrowly
+                        host_header,
+                        where.resource,
+                        max_message_size=max_message_size,
+                    )
+                    handshake.cancel_scope.cancel()
+            if ws is None:
+                if stream is not None:
+                    await trio.aclose_forcefully(stream.stream)
+                if connecting.cancelled_caught:
+                    raise ConnectFailed(
+                        f"no answer from the control plane at {where.where} within "
+                        f"{connect_timeout_s:g} s (timeout)"
+                    )
+                assert stream is not None
+                raise ConnectFailed(_closed_early(where, stream.broken, ca))
+            try:
+                yield ws
+            finally:
+                try:
+                    with trio.move_on_after(disconnect_timeout_s):
+                        await ws.aclose()
+                finally:
+                    nursery.cancel_scope.cancel()
+    except* trio_websocket.ConnectionRejected as group:
+        first = group.exceptions[0]
+        assert isinstance(first, trio_websocket.ConnectionRejected)
+        rejected = first
+    if rejected is not None:
+        raise ConnectFailed(describe_rejection(rejected))
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+def _errnos(exc: BaseException) -> set[int]:
+    return {e.errno for e in _leaves(exc) if e.errno is not None}
+
+
+def _leaves(exc: BaseException) -> list[OSError]:
+    """The OSErrors in an exception, its cause and any group (trio's connect attempts)."""
+    found: list[OSError] = []
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        elif isinstance(e, OSError):
+            found.append(e)
+        if e.__cause__ is not None:
+            stack.append(e.__cause__)
+    return found
