@@ -36,7 +36,7 @@ from llmgw_agent import shard_records as records
 from llmgw_agent.adapters import EngineLaunch, build_command
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.dial import ConnectFailed, open_agent_stream
-from llmgw_agent.supervisor import EngineProcess, Transition
+from llmgw_agent.supervisor import LOG_FILES_KEPT, EngineProcess, Transition, prune_logs
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
@@ -362,6 +362,9 @@ class Agent:
 
         state_dir = config.state_dir
         logfile = records.log_path(state_dir, spec)
+        known = {records.log_path(state_dir, s.spec).name for s in self.shards.values()}
+        for old in prune_logs(logfile.parent, LOG_FILES_KEPT, known):
+            log.info("removed the old engine log %s", old)
 
         def remember(pid: int) -> None:
             records.save(

@@ -8,6 +8,16 @@ start writes a fresh log (the previous start's is kept as `.1`), so the lines
 reported with a failure are this attempt's. Each transition is reported
 through `report`.
 
+The log is capped in size and count. The engine writes to its file descriptor
+itself (a pipe the agent had to drain would tie the engine's output to the
+agent's life), so the size is checked every `LOG_CHECK_S`: a log past
+`log_max_bytes` is copied to `.1` (older copies shift to `.2`..., at most
+`log_keep` of them) and truncated in place, as logrotate's copytruncate does.
+The log is opened with O_APPEND, so the engine's next write lands at the new
+end; lines written between the copy and the truncation are lost, and a log may
+overshoot the cap by what the engine writes in `LOG_CHECK_S`. An adopted engine
+whose log is not in append mode (started by an older agent) is left uncapped.
+
 The engine's key (`api_key`) is sent with the readiness probes and masked in
 every tail reported; the log and the files written for the engine (`files`)
 are readable by the agent's user only.
@@ -20,9 +30,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,6 +48,12 @@ log = logging.getLogger("llmgw.agent.supervisor")
 
 TAIL_LINES = 40
 _POLL_S = 0.5
+LOG_MAX_BYTES = 64 * 1024 * 1024  # one engine log's cap; the copies are as large at most
+LOG_KEEP = 2  # older logs kept per shard (.1, .2): previous starts and rotated copies
+LOG_CHECK_S = 10.0
+# Log files kept in the agent's logs directory besides those of the shards it knows (of
+# replicas gone): the oldest go first. With the size cap, about 2 GiB at most.
+LOG_FILES_KEPT = 30
 
 
 @attrs.frozen
@@ -69,15 +86,96 @@ def read_tail(path: Path, lines: int = TAIL_LINES, secret: str = "") -> tuple[st
     return tuple(line.rstrip()[:1000] for line in text.splitlines()[-lines:])
 
 
-def open_fresh_log(path: Path) -> BinaryIO:
+def _older(path: Path, n: int) -> Path:
+    return path.with_name(f"{path.name}.{n}")
+
+
+def _shift_older(path: Path, keep: int) -> None:
+    """Make room for a new `NAME.1`: `.1` becomes `.2` and so on; the oldest beyond
+    `keep` goes."""
+    for n in range(keep, 0, -1):
+        try:
+            if n == keep:
+                _older(path, n).unlink()
+            else:
+                os.replace(_older(path, n), _older(path, n + 1))
+        except FileNotFoundError:
+            pass
+
+
+def open_fresh_log(path: Path, keep: int = LOG_KEEP) -> BinaryIO:
     """A new, empty log for one start of an engine; the previous start's log becomes
-    `NAME.1`. Private to the agent's user: an engine may print its key."""
+    `NAME.1` (older ones shift, at most `keep` kept). In append mode, so that it can be
+    truncated under the engine; private to the agent's user: an engine may print its key."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if keep > 0:
+        _shift_older(path, keep)
+        try:
+            os.replace(path, _older(path, 1))
+        except FileNotFoundError:
+            pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    return os.fdopen(os.open(path, flags, 0o600), "wb")
+
+
+def rotate_if_large(path: Path, max_bytes: int, keep: int) -> bool:
+    """Copy a log past `max_bytes` to `NAME.1` (with `keep` 0, drop it) and truncate it in
+    place; True when it did. Blocking: run it in a thread."""
     try:
-        os.replace(path, path.with_name(path.name + ".1"))
-    except FileNotFoundError:
-        pass
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+        if path.stat().st_size <= max_bytes:
+            return False
+        if keep > 0:
+            _shift_older(path, keep)
+            copy = _older(path, 1)
+            with path.open("rb") as src:
+                fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1024 * 1024)
+        os.truncate(path, 0)
+    except OSError as exc:
+        log.warning("cannot rotate the engine log %s: %s", path, exc)
+        return False
+    return True
+
+
+def appends(pid: int, fd: int = 1) -> bool:
+    """Whether process `pid` writes its descriptor `fd` in append mode (from /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags:"):
+            return bool(int(line.split()[1], 8) & os.O_APPEND)
+    return False
+
+
+def prune_logs(directory: Path, keep_files: int, protect: Collection[str]) -> list[Path]:
+    """Remove the oldest engine logs in `directory` beyond `keep_files`, sparing those
+    whose name starts with one of `protect` (the logs of shards the agent knows)."""
+    try:
+        found = [p for p in directory.iterdir() if p.is_file() and ".log" in p.name]
+    except OSError:
+        return []
+    spared = [p for p in found if not any(p.name.startswith(name) for name in protect)]
+    if len(found) <= keep_files:
+        return []
+    spared.sort(key=_mtime)
+    removed = []
+    for path in spared[: len(found) - keep_files]:
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 class _Child:
@@ -126,6 +224,9 @@ class EngineProcess:
     start_timeout_s: float = 1800.0  # loading weights takes long, but not forever
     api_key: str = attrs.field(default="", repr=False)  # the key the engine requires
     files: Sequence[tuple[str, str]] = attrs.field(default=(), repr=False)  # path, text
+    log_max_bytes: int = LOG_MAX_BYTES  # 0: no size cap
+    log_keep: int = LOG_KEEP
+    log_check_s: float = LOG_CHECK_S
     _gave_up: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -133,7 +234,7 @@ class EngineProcess:
         try:
             for path, text in self.files:
                 write_private(Path(path), text)
-            with open_fresh_log(self.log_path) as out:
+            with open_fresh_log(self.log_path, self.log_keep) as out:
                 process = await trio.lowlevel.open_process(
                     list(self.argv),
                     env=dict(self.env),
@@ -162,6 +263,8 @@ class EngineProcess:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._wait_ready, handle.pid)
+                if self.log_max_bytes > 0 and (isinstance(handle, _Child) or appends(handle.pid)):
+                    nursery.start_soon(self._cap_log)
                 code = await handle.wait()
                 nursery.cancel_scope.cancel()
             _signal_group(handle.pid, signal.SIGKILL)  # whatever the engine left behind
@@ -190,6 +293,13 @@ class EngineProcess:
                     else:
                         _signal_group(handle.pid, signal.SIGKILL)
                     await self.report(Transition("stopped", "stopped on request", pid=handle.pid))
+
+    async def _cap_log(self) -> None:
+        while True:
+            await trio.sleep(self.log_check_s)
+            await trio.to_thread.run_sync(
+                rotate_if_large, self.log_path, self.log_max_bytes, self.log_keep
+            )
 
     async def _stop(self, handle: _Child | _Adopted) -> None:
         _signal_group(handle.pid, signal.SIGTERM)
