@@ -286,3 +286,23 @@ def test_a_real_control_plane_serves_its_metrics(fleet: Fleet) -> None:
 @pytest.mark.parametrize("reason", PLACEMENT_REASONS)
 def test_placement_reasons_are_label_safe(reason: str) -> None:
     assert reason.isidentifier() and reason.islower()
+
+
+def test_a_crashing_engine_counts_failures_and_restarts(fleet: Fleet) -> None:
+    fleet.server(
+        '\n[[models]]\nname = "flaky"\nreplicas = 1\n[models.profile]\nengine = "vllm"\n'
+        'model = "org/flaky"\ngpu_memory_gib = 20\n'
+    )
+    fleet.agent("gpu-1", "node-2xl4.toml", env='LLMGW_MOCK_EXIT_AFTER = "1.5"')
+
+    def scrape() -> str:
+        response = httpx.get(fleet.control + "/metrics", timeout=5, verify=fleet.tls)
+        response.raise_for_status()
+        return response.text
+
+    text = wait_until(
+        lambda: (t := scrape()) and metric(t, "llmgw_replica_restarts_total", model="flaky") >= 1 and t,
+        what="a restart counted",
+    )
+    assert metric(text, "llmgw_engine_failures_total", model="flaky") >= 1
+    assert metric(text, "llmgw_agent_frames_total", direction="out", type="start") >= 2
