@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,8 +59,24 @@ def test_session_affinity_holds_while_healthy_then_moves() -> None:
     first.healthy = False
     moved = balancer.pick(session="s")
     assert moved is not None and moved is not first
+    # Rendezvous hashing keeps no memory: back home once home is back, as every other
+    # router process (which never saw the move) would also send it.
     first.healthy = True
-    assert balancer.pick(session="s") is moved
+    assert balancer.pick(session="s") is first
+
+
+@pytest.mark.parametrize("balancing", ["least_outstanding", "round_robin", "cache_aware"])
+def test_sessions_agree_across_router_processes_in_every_mode(balancing: str) -> None:
+    """Two balancers that share nothing (two router processes) send a session to one replica."""
+    mine = Balancer(replicas(5), balancing=balancing)
+    theirs = Balancer(replicas(5), balancing=balancing)
+    homes = Counter()
+    for i in range(200):
+        a = mine.pick(session=f"user-{i}")
+        b = theirs.pick(session=f"user-{i}")
+        assert a is not None and b is not None and a.endpoint == b.endpoint
+        homes[a.endpoint.port] += 1
+    assert len(homes) == 5 and min(homes.values()) >= 20  # and they spread
 
 
 def test_ejection_after_consecutive_failures_and_probe_back() -> None:
@@ -89,16 +106,19 @@ def test_probes_mark_replicas_unhealthy_and_back() -> None:
     assert balancer.pick() is rs[0]
 
 
-def test_set_endpoints_keeps_known_replicas_and_drops_their_sessions() -> None:
-    rs = replicas(2)
+def test_set_endpoints_keeps_known_replicas_and_moves_their_sessions() -> None:
+    rs = replicas(3)
     balancer = Balancer(list(rs))
-    rs[0].outstanding = 3
-    assert balancer.pick(session="s") is rs[1]
+    home = balancer.pick(session="s")
+    assert home is not None
+    kept = [r for r in rs if r is not home]
+    kept[0].outstanding = 3
     new = Endpoint("127.0.0.1", 9100)
-    removed = balancer.set_endpoints([rs[0].endpoint, new])
-    assert removed == [rs[1]]
-    assert balancer.replicas[0] is rs[0] and balancer.replicas[0].outstanding == 3
-    assert balancer.pick(session="s") is balancer.replicas[1]  # the session moved
+    removed = balancer.set_endpoints([kept[0].endpoint, kept[1].endpoint, new])
+    assert removed == [home]
+    assert balancer.replicas[:2] == kept and balancer.replicas[0].outstanding == 3
+    moved = balancer.pick(session="s")
+    assert moved is not None and moved is not home  # its home is gone: the next in its ranking
 
 
 def test_a_draining_replica_takes_no_new_requests() -> None:

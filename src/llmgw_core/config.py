@@ -52,8 +52,31 @@ class ServerSection:
     metrics_token_digest: str | None = None
 
 
+BALANCING = ("cache_aware", "least_outstanding", "round_robin")
+
+
+@attrs.frozen
+class CacheAwareSection:
+    """`[router.cache_aware]`: engine load signals, the prefix index and the load bounds."""
+
+    metrics_interval_s: float = 1.0  # each engine's /metrics is read this often (0: never)
+    metrics_max_age_s: float = 3.0  # an older reading is not used: the router's own counts are
+    block_bytes: int = 256  # prompt text per hashed block (about 64 tokens of English)
+    index_blocks: int = 16384  # prefix entries remembered per replica (LRU)
+    index_ttl_s: float = 600.0  # an entry not sent again for this long is forgotten
+    max_load_ratio: float = 1.5  # a conversation stays on its replica while its load is
+    load_slack: float = 4.0  #   <= max(least * max_load_ratio, least + load_slack)
+    new_load_slack: float = 1.0  # a new conversation goes where load <= least + this
+    max_share: float = 1.4  # ... and conversations held < this x the mean (+ 1)
+    shared_prefix_ratio: float = 0.5  # a prefix held elsewhere this big is shared: by load
+    waiting_weight: float = 1.0  # a waiting request counts 1 + this
+    kv_usage_weight: float = 2.0  # a full KV cache counts as this many requests
+
+
 @attrs.frozen
 class RouterSection:
+    balancing: str = "cache_aware"  # one of BALANCING
+    cache_aware: CacheAwareSection = CacheAwareSection()
     retries: int = 2  # further attempts on other replicas before the first byte
     connect_timeout_s: float = 3.0
     first_byte_timeout_s: float = 600.0
@@ -204,7 +227,16 @@ def _optional_secret(t: Table, name: str, environ: Mapping[str, str]) -> str | N
 
 def _read_router(t: Table) -> RouterSection:
     d = RouterSection()
+    balancing = t.text("balancing", d.balancing)
+    if balancing not in BALANCING:
+        import difflib
+
+        close = difflib.get_close_matches(balancing, BALANCING, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        t.fail("balancing", f"must be one of {', '.join(BALANCING)}, not {balancing!r}{hint}")
     section = RouterSection(
+        balancing=balancing,
+        cache_aware=_read_cache_aware(t.table("cache_aware")),
         retries=t.integer("retries", d.retries, min=0),
         connect_timeout_s=t.number("connect_timeout_s", d.connect_timeout_s, min=0.01),
         first_byte_timeout_s=t.number("first_byte_timeout_s", d.first_byte_timeout_s, min=0.1),
@@ -216,6 +248,34 @@ def _read_router(t: Table) -> RouterSection:
         health_timeout_s=t.number("health_timeout_s", d.health_timeout_s, min=0.01),
         session_header=t.text("session_header", d.session_header).lower(),
     )
+    t.finish()
+    return section
+
+
+def _read_cache_aware(t: Table) -> CacheAwareSection:
+    d = CacheAwareSection()
+    section = CacheAwareSection(
+        metrics_interval_s=t.number("metrics_interval_s", d.metrics_interval_s, min=0),
+        metrics_max_age_s=t.number("metrics_max_age_s", d.metrics_max_age_s, min=0.01),
+        block_bytes=t.integer("block_bytes", d.block_bytes, min=16),
+        index_blocks=t.integer("index_blocks", d.index_blocks, min=1),
+        index_ttl_s=t.number("index_ttl_s", d.index_ttl_s, min=0.01),
+        max_load_ratio=t.number("max_load_ratio", d.max_load_ratio, min=1),
+        load_slack=t.number("load_slack", d.load_slack, min=0),
+        new_load_slack=t.number("new_load_slack", d.new_load_slack, min=0),
+        max_share=t.number("max_share", d.max_share, min=1),
+        shared_prefix_ratio=t.number("shared_prefix_ratio", d.shared_prefix_ratio, min=0),
+        waiting_weight=t.number("waiting_weight", d.waiting_weight, min=0),
+        kv_usage_weight=t.number("kv_usage_weight", d.kv_usage_weight, min=0),
+    )
+    if section.shared_prefix_ratio > 1:
+        t.fail("shared_prefix_ratio", f"must be at most 1, not {section.shared_prefix_ratio}")
+    if section.metrics_max_age_s < section.metrics_interval_s:
+        t.fail(
+            "metrics_max_age_s",
+            f"must be at least metrics_interval_s ({section.metrics_interval_s}): "
+            "every reading would be too old before the next one",
+        )
     t.finish()
     return section
 

@@ -1,23 +1,30 @@
 """Choosing a replica: pure decisions, time passed in.
 
-Least outstanding requests over available replicas (power of two choices once
-there are many), optional session affinity, and ejection after consecutive
-failures until a health probe brings the replica back.
+Three ways to balance (`[router] balancing`): cache_aware (see cache_aware), least
+outstanding requests over available replicas (power of two choices once there are
+many), or round robin. In every mode a request with a session header goes to the
+replica that ranks highest for its session by rendezvous hashing: every router process
+sends a session to the same replica, with no memory shared or kept, and when that
+replica goes it moves to the next in its ranking (and back when it returns). Replicas
+are ejected after consecutive failures until a health probe brings them back.
 """
 
 from __future__ import annotations
 
 import enum
 import random
-from collections import OrderedDict
 from collections.abc import Collection
 
 import attrs
 
 from llmgw_core.catalog import Endpoint
+from llmgw_core.config import CacheAwareSection
+from llmgw_server import cache_aware
+from llmgw_server.cache_aware import Decision
+from llmgw_server.load_signals import LoadSignal
+from llmgw_server.prefix import PrefixIndex, PromptKey, rendezvous, stable_hash
 
 _P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
-_AFFINITY_MAX = 100_000
 _BUSY_MIN_S = 1.0  # a 429/503 without Retry-After still sets the replica aside this long
 _BUSY_MAX_S = 60.0  # an engine cannot take itself out for longer with one header
 
@@ -60,10 +67,26 @@ class Replica:
     failures: int = 0  # consecutive
     draining: bool = False  # takes no new requests; those in flight finish
     busy_until: float = 0.0  # it answered 429/503 with Retry-After: others go first until then
+    engine_load: LoadSignal | None = None  # the engine's last reading of its own load
+    engine_load_at: float = 0.0  # when it was read
+    outstanding_at_load: int = 0  # this router's outstanding requests when it was read
+    prefixes: PrefixIndex | None = None  # what was sent here (cache_aware only)
+    share: float = 0.0  # the recent share of the model's requests sent here
+    rid: int = attrs.field(init=False)  # its name in rendezvous hashing, the same everywhere
+
+    def __attrs_post_init__(self) -> None:
+        self.rid = stable_hash(self.endpoint.url)
 
     @property
     def available(self) -> bool:
         return self.healthy and not self.ejected and not self.draining
+
+
+@attrs.frozen(slots=True)
+class Choice:
+    replica: Replica
+    decision: Decision
+    matched_bytes: int = 0  # how much of the prompt this router believes the replica holds
 
 
 @attrs.define(eq=False)
@@ -74,9 +97,24 @@ class Balancer:
     eject_after_failures: int = 3
     eject_cooldown_s: float = 10.0
     rng: random.Random = attrs.field(factory=random.Random)
-    _affinity: OrderedDict[str, Replica] = attrs.field(factory=OrderedDict)
+    # A bare Balancer balances by least outstanding; the config's default is cache_aware.
+    balancing: str = "least_outstanding"
+    tuning: CacheAwareSection = attrs.field(factory=CacheAwareSection)
     _turn: int = 0
     _busy_until: float = 0.0  # the latest busy_until of any replica: no filter after it
+
+    def __attrs_post_init__(self) -> None:
+        for replica in self.replicas:
+            self._adopt(replica, len(self.replicas))
+
+    @property
+    def cache_aware(self) -> bool:
+        return self.balancing == "cache_aware"
+
+    def _adopt(self, replica: Replica, count: int) -> None:
+        if self.cache_aware and replica.prefixes is None:
+            replica.prefixes = PrefixIndex(self.tuning.index_blocks, self.tuning.index_ttl_s)
+            replica.share = 1.0 / count
 
     def pick(
         self,
@@ -84,18 +122,21 @@ class Balancer:
         exclude: Collection[Replica] = (),
         session: str | None = None,
         now: float | None = None,
+        prompt: PromptKey | None = None,
     ) -> Replica | None:
         """A replica for one request; given `now`, busy ones only when no other is left."""
-        if session is not None:
-            pinned = self._affinity.get(session)
-            if (
-                pinned is not None
-                and pinned.available
-                and pinned not in exclude
-                and (now is None or pinned.busy_until <= now)
-            ):
-                self._affinity.move_to_end(session)
-                return pinned
+        choice = self.choose(exclude=exclude, session=session, now=now, prompt=prompt)
+        return None if choice is None else choice.replica
+
+    def choose(
+        self,
+        *,
+        exclude: Collection[Replica] = (),
+        session: str | None = None,
+        now: float | None = None,
+        prompt: PromptKey | None = None,
+    ) -> Choice | None:
+        """A replica for one request and why; `prompt` is used by cache_aware alone."""
         candidates = [r for r in self.replicas if r.available and r not in exclude]
         if not candidates:
             return None
@@ -103,30 +144,42 @@ class Balancer:
             # The engine asked for a pause; it still answers, so it is not ruled out.
             rested = [r for r in candidates if r.busy_until <= now]
             candidates = rested or candidates
+        matched = 0
+        if session is not None:
+            key = stable_hash(session)
+            chosen = max(candidates, key=lambda r: rendezvous(key, r.rid))
+            decision = Decision.SESSION
+        elif self.cache_aware:
+            chosen, decision, matched = cache_aware.choose(candidates, prompt, self.tuning, now)
+        elif self.balancing == "round_robin":
+            self._turn = (self._turn + 1) % len(candidates)
+            chosen = candidates[self._turn]
+            decision = Decision.ROUND_ROBIN
+        else:
+            chosen = self._least_outstanding(candidates)
+            decision = Decision.LEAST_OUTSTANDING
+        if self.cache_aware:
+            cache_aware.assigned(self.replicas, chosen)
+            if prompt is not None and chosen.prefixes is not None:
+                chosen.prefixes.record(prompt, 0.0 if now is None else now)
+        return Choice(chosen, decision, matched)
+
+    def _least_outstanding(self, candidates: list[Replica]) -> Replica:
         if len(candidates) > _P2C_ABOVE:
             a, b = self.rng.sample(candidates, 2)
-            chosen = a if a.outstanding <= b.outstanding else b
-        else:
-            # Rotate the starting point so ties do not always land on the first replica.
-            self._turn = (self._turn + 1) % len(candidates)
-            rotated = candidates[self._turn :] + candidates[: self._turn]
-            chosen = min(rotated, key=lambda r: r.outstanding)
-        if session is not None:
-            self._affinity[session] = chosen
-            self._affinity.move_to_end(session)
-            if len(self._affinity) > _AFFINITY_MAX:
-                self._affinity.popitem(last=False)
-        return chosen
+            return a if a.outstanding <= b.outstanding else b
+        # Rotate the starting point so ties do not always land on the first replica.
+        self._turn = (self._turn + 1) % len(candidates)
+        rotated = candidates[self._turn :] + candidates[: self._turn]
+        return min(rotated, key=lambda r: r.outstanding)
 
     def set_endpoints(self, endpoints: Collection[Endpoint]) -> list[Replica]:
         """Follow a new replica set; known endpoints keep their state. Returns the removed."""
         known: dict[Endpoint, Replica] = {r.endpoint: r for r in self.replicas}
         self.replicas = [known.pop(e) if e in known else Replica(e) for e in endpoints]
-        removed = list(known.values())
-        for session, replica in list(self._affinity.items()):
-            if replica in removed:
-                del self._affinity[session]
-        return removed
+        for replica in self.replicas:
+            self._adopt(replica, len(self.replicas))
+        return list(known.values())
 
     def succeeded(self, replica: Replica) -> None:
         replica.failures = 0

@@ -1,4 +1,11 @@
-"""Active health probes: GET /health on every replica, ejected ones after their cooldown."""
+"""The router's view of its replicas, off the request path.
+
+Health probes: GET /health on every replica each interval, ejected ones after their
+cooldown. Engine load: GET /metrics on every available engine each
+`[router.cache_aware] metrics_interval_s`, once per engine however many models it
+serves, with the engine key; a reading is used for `metrics_max_age_s`, after which
+(or when the engine cannot be read) the router balances on its own counts.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ import logging
 import httpx
 import trio
 
+from llmgw_core.catalog import Endpoint
 from llmgw_server.balancer import Balancer, Replica
+from llmgw_server.load_signals import parse_load
 from llmgw_server.router import Router
 
 log = logging.getLogger("llmgw.health")
@@ -19,7 +28,20 @@ async def probe_forever(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Probe every replica each interval; `started()` after the first full round."""
+    """Probe health and read engine load; `started()` after the first full health round."""
+    async with trio.open_nursery() as nursery:
+        if router.tuning.cache_aware.metrics_interval_s > 0:
+            nursery.start_soon(read_load_forever, router, client)
+        await nursery.start(_health_forever, router, client)
+        task_status.started()
+
+
+async def _health_forever(
+    router: Router,
+    client: httpx.AsyncClient,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
     interval = router.tuning.health_interval_s
     first = True
     while True:
@@ -36,13 +58,16 @@ async def probe_forever(
         await trio.sleep(interval)
 
 
+def _auth(endpoint: Endpoint) -> dict[str, str] | None:
+    return {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else None
+
+
 async def _probe(
     client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica
 ) -> None:
     endpoint = replica.endpoint
-    headers = {"authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else None
     try:
-        response = await client.get(endpoint.url + "/health", headers=headers)
+        response = await client.get(endpoint.url + "/health", headers=_auth(endpoint))
         ok = response.status_code == 200
         why = f"answered {response.status_code}"
     except httpx.HTTPError as exc:
@@ -55,3 +80,57 @@ async def _probe(
             log.info("%s for %s is healthy again", replica.endpoint, model)
         else:
             log.warning("%s for %s is unhealthy: %s", replica.endpoint, model, why)
+
+
+async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
+    """Read every available engine's /metrics each interval, all engines at once."""
+    interval = router.tuning.cache_aware.metrics_interval_s
+    unreadable: set[Endpoint] = set()  # said once when it starts and once when it ends
+    while True:
+        engines: dict[Endpoint, list[Replica]] = {}
+        for balancer in router.balancers.values():
+            for replica in balancer.replicas:
+                if replica.available:
+                    engines.setdefault(replica.endpoint, []).append(replica)
+        async with trio.open_nursery() as nursery:
+            for endpoint, replicas in engines.items():
+                nursery.start_soon(_read_load, router, client, endpoint, replicas, unreadable)
+        await trio.sleep(interval)
+
+
+async def _read_load(
+    router: Router,
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    replicas: list[Replica],
+    unreadable: set[Endpoint],
+) -> None:
+    try:
+        response = await client.get(endpoint.url + "/metrics", headers=_auth(endpoint))
+        if response.status_code != 200:
+            raise _Unreadable(f"it answered {response.status_code}")
+        signal = parse_load(response.text)
+        if signal is None:
+            raise _Unreadable("its /metrics has no running or waiting requests llmgw knows")
+    except (httpx.HTTPError, _Unreadable) as exc:
+        router.metrics.engine_errors[endpoint.url] += 1
+        if endpoint not in unreadable:
+            unreadable.add(endpoint)
+            log.warning(
+                "cannot read the load of %s (%s): balancing on the router's own counts",
+                endpoint,
+                exc,
+            )
+        return
+    if endpoint in unreadable:
+        unreadable.discard(endpoint)
+        log.info("reading the load of %s again", endpoint)
+    now = trio.current_time()
+    for replica in replicas:
+        replica.engine_load = signal
+        replica.engine_load_at = now
+        replica.outstanding_at_load = replica.outstanding
+
+
+class _Unreadable(Exception):
+    pass

@@ -7,10 +7,14 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.balancer import Balancer
+from llmgw_core.config import CacheAwareSection
+from llmgw_server.balancer import Balancer, Choice
+from llmgw_server.load_signals import LoadSignal
+from llmgw_server.prefix import PromptKey
 from llmgw_server.upstream import Pool
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BYTE_BUCKETS = (0.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 
 
 def _escape(value: str) -> str:
@@ -22,21 +26,22 @@ def _labels(**labels: str) -> str:
 
 
 class Histogram:
-    __slots__ = ("counts", "sum")
+    __slots__ = ("buckets", "counts", "sum")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(_BUCKETS) + 1)
+    def __init__(self, buckets: tuple[float, ...] = _BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(_BUCKETS, value)] += 1
+        self.counts[bisect_left(self.buckets, value)] += 1
         self.sum += value
 
     def render(self, name: str, labels: str) -> Iterable[str]:
         inner = labels[1:-1]
         sep = "," if inner else ""
         total = 0
-        for bound, count in zip(_BUCKETS, self.counts, strict=False):
+        for bound, count in zip(self.buckets, self.counts, strict=False):
             total += count
             yield f'{name}_bucket{{{inner}{sep}le="{bound}"}} {total}'
         total += self.counts[-1]
@@ -55,8 +60,26 @@ class RouterMetrics:
         self.ttfb: defaultdict[str, Histogram] = defaultdict(Histogram)
         self.tokens: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.auth_failures: defaultdict[str, int] = defaultdict(int)
+        self.decisions: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self.prompt_bytes: defaultdict[str, int] = defaultdict(int)
+        self.matched_bytes: defaultdict[str, int] = defaultdict(int)
+        self.match: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_BYTE_BUCKETS))
+        self.engine_errors: defaultdict[str, int] = defaultdict(int)
 
-    def render(self, balancers: dict[str, Balancer], pools: dict[Endpoint, Pool]) -> bytes:
+    def chose(self, model: str, choice: Choice, prompt: PromptKey | None, *, first: bool) -> None:
+        self.decisions[(model, choice.decision.value)] += 1
+        if prompt is not None and first:
+            self.prompt_bytes[model] += prompt.size
+            self.matched_bytes[model] += choice.matched_bytes
+            self.match[model].observe(choice.matched_bytes)
+
+    def render(
+        self,
+        balancers: dict[str, Balancer],
+        pools: dict[Endpoint, Pool],
+        now: float = 0.0,
+        tuning: CacheAwareSection | None = None,
+    ) -> bytes:
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
@@ -116,6 +139,7 @@ class RouterMetrics:
             for r in balancer.replicas:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_outstanding{labels} {r.outstanding}")
+        self._render_balancing(out, family, balancers, now, tuning or CacheAwareSection())
         return ("\n".join(out) + "\n").encode()
 
     def _render_access(self, out: list[str], family: Callable[[str, str, str], None]) -> None:
@@ -135,3 +159,99 @@ class RouterMetrics:
         )
         for reason, n in sorted(self.auth_failures.items()):
             out.append(f"llmgw_auth_failures_total{_labels(reason=reason)} {n}")
+
+    def _render_balancing(
+        self,
+        out: list[str],
+        family: Callable[[str, str, str], None],
+        balancers: dict[str, Balancer],
+        now: float,
+        tuning: CacheAwareSection,
+    ) -> None:
+        family(
+            "llmgw_balancing_decisions_total",
+            "counter",
+            "Replica choices by kind: cache_hit (it holds the conversation so far), "
+            "load_override (the holder was loaded beyond the bound), fallback (nobody held it), "
+            "session (the session header), least_outstanding, round_robin.",
+        )
+        for (model, kind), n in sorted(self.decisions.items()):
+            out.append(f"llmgw_balancing_decisions_total{_labels(model=model, kind=kind)} {n}")
+        family(
+            "llmgw_prefix_prompt_bytes_total",
+            "counter",
+            "Bytes of canonical prompt text hashed for cache-aware balancing.",
+        )
+        for model, n in sorted(self.prompt_bytes.items()):
+            out.append(f"llmgw_prefix_prompt_bytes_total{_labels(model=model)} {n}")
+        family(
+            "llmgw_prefix_matched_bytes_total",
+            "counter",
+            "Of those, the bytes the chosen replica held, as far as this router knows.",
+        )
+        for model, n in sorted(self.matched_bytes.items()):
+            out.append(f"llmgw_prefix_matched_bytes_total{_labels(model=model)} {n}")
+        family(
+            "llmgw_prefix_hit_ratio",
+            "gauge",
+            "Matched bytes over prompt bytes since the start.",
+        )
+        for model, n in sorted(self.prompt_bytes.items()):
+            ratio = self.matched_bytes[model] / n if n else 0.0
+            out.append(f"llmgw_prefix_hit_ratio{_labels(model=model)} {ratio:.6f}")
+        family(
+            "llmgw_prefix_match_bytes",
+            "histogram",
+            "Per request, the prompt bytes the chosen replica held.",
+        )
+        for model, hist in sorted(self.match.items()):
+            out.extend(hist.render("llmgw_prefix_match_bytes", _labels(model=model)))
+        family(
+            "llmgw_prefix_index_entries",
+            "gauge",
+            "Prefix entries remembered for a replica (bounded by index_blocks).",
+        )
+        for model, balancer in sorted(balancers.items()):
+            for r in balancer.replicas:
+                if r.prefixes is not None:
+                    labels = _labels(model=model, endpoint=r.endpoint.url)
+                    out.append(f"llmgw_prefix_index_entries{labels} {len(r.prefixes)}")
+        fresh = [
+            (model, r)
+            for model, balancer in sorted(balancers.items())
+            for r in balancer.replicas
+            if r.engine_load is not None and now - r.engine_load_at <= tuning.metrics_max_age_s
+        ]
+        family(
+            "llmgw_engine_load_fresh",
+            "gauge",
+            "1 when the engine's own load reading is recent enough to be used.",
+        )
+        fresh_ids = {id(r) for _, r in fresh}
+        for model, balancer in sorted(balancers.items()):
+            for r in balancer.replicas:
+                labels = _labels(model=model, endpoint=r.endpoint.url)
+                out.append(f"llmgw_engine_load_fresh{labels} {int(id(r) in fresh_ids)}")
+        gauges: tuple[tuple[str, str, Callable[[LoadSignal], float | None]], ...] = (
+            ("llmgw_engine_requests_running", "Running requests, as the engine reports.",
+             lambda s: s.running),
+            ("llmgw_engine_requests_waiting", "Waiting requests, as the engine reports.",
+             lambda s: s.waiting),
+            ("llmgw_engine_kv_cache_usage", "KV-cache use, 0 to 1, as the engine reports.",
+             lambda s: s.kv_usage),
+        )  # fmt: skip
+        for name, help_text, value in gauges:
+            family(name, "gauge", help_text)
+            for model, r in fresh:
+                assert r.engine_load is not None
+                v = value(r.engine_load)
+                if v is not None:
+                    labels = _labels(model=model, endpoint=r.endpoint.url)
+                    out.append(f"{name}{labels} {v:g}")
+        family(
+            "llmgw_engine_metrics_errors_total",
+            "counter",
+            "Engine /metrics reads that failed or held no load we know.",
+        )
+        for endpoint, n in sorted(self.engine_errors.items()):
+            out.append(f"llmgw_engine_metrics_errors_total{_labels(endpoint=endpoint)} {n}")

@@ -26,12 +26,15 @@ from llmgw_server.access_log import (
 )
 from llmgw_server.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
 from llmgw_server.metrics import RouterMetrics
+from llmgw_server.prefix import PromptKey, prompt_key
 from llmgw_server.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
 
 INFERENCE_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
+_CHAT = b"/v1/chat/completions"
+_COMPLETIONS = b"/v1/completions"
 _HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -83,6 +86,8 @@ class Router:
                 [],
                 eject_after_failures=self.tuning.eject_after_failures,
                 eject_cooldown_s=self.tuning.eject_cooldown_s,
+                balancing=self.tuning.balancing,
+                tuning=self.tuning.cache_aware,
             )
         for endpoint in endpoints:
             if endpoint not in self.pools:
@@ -212,7 +217,9 @@ class Router:
         elif path == b"/metrics":
             await responder.whole(
                 200,
-                self.metrics.render(self.balancers, self.pools),
+                self.metrics.render(
+                    self.balancers, self.pools, trio.current_time(), self.tuning.cache_aware
+                ),
                 [(b"content-type", b"text/plain; version=0.0.4")],
             )
         else:
@@ -244,6 +251,7 @@ class Router:
         }
 
     async def _proxy(self, request: Request, responder: RecordingResponder) -> None:
+        path = request.path
         allowed = self._authorized(request)
         if allowed is False:
             await responder.error(401, "a valid API key is required (Authorization: Bearer)")
@@ -272,28 +280,43 @@ class Router:
         if balancer is None:
             await responder.error(404, f"the model {model!r} does not exist")
             return
+        session_value = request.header(self.tuning.session_header.encode())
+        session = session_value.decode("latin-1") if session_value else None
+        prompt: PromptKey | None = None
+        if balancer.cache_aware and session is None and path in (_CHAT, _COMPLETIONS):
+            # Hashed once per request, and only where the policy reads it.
+            prompt = prompt_key(body, path == _CHAT, balancer.tuning.block_bytes)
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
             await self._forward(
-                model, balancer, request, responder, body.get("stream") is True
+                model, balancer, request, responder, body.get("stream") is True, session, prompt
             )
         finally:
             metrics.in_flight[model] -= 1
 
     async def _forward(
-        self, model: str, balancer: Balancer, request: Request, responder: Responder, stream: bool
+        self,
+        model: str,
+        balancer: Balancer,
+        request: Request,
+        responder: Responder,
+        stream: bool,
+        session: str | None,
+        prompt: PromptKey | None,
     ) -> int:
         tuning = self.tuning
-        session_value = request.header(tuning.session_header.encode())
-        session = session_value.decode("latin-1") if session_value else None
         headers = [(k, v) for k, v in request.headers if k not in _HOP_BY_HOP]
         tried: list[Replica] = []
         last: _Refusal | None = None
         for attempt in range(1 + tuning.retries):
-            replica = balancer.pick(exclude=tried, session=session, now=trio.current_time())
-            if replica is None:
+            choice = balancer.choose(
+                exclude=tried, session=session, now=trio.current_time(), prompt=prompt
+            )
+            if choice is None:
                 break
+            replica = choice.replica
+            self.metrics.chose(model, choice, prompt, first=not attempt)
             if attempt:
                 self.metrics.retries[model] += 1
             tried.append(replica)
@@ -428,6 +451,8 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/v1/models", b"/healthz", b"/readyz", b"/metrics"})
+
+
 @attrs.frozen
 class _Refusal:
     """The last answer that was not relayed, what the client gets if no replica does better."""
