@@ -24,7 +24,7 @@ def test_a_local_path_with_m_and_no_context_unasked() -> None:
     cmd = build_command(LLAMA, launch())
     assert cmd.argv == (
         "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
-        "--alias", "llama-8b", "-ngl", "999",
+        "--alias", "llama-8b", "-ngl", "999", "--metrics",
     )  # fmt: skip
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "0"}
 
@@ -33,7 +33,7 @@ def test_the_context_length_comes_from_the_profile() -> None:
     cmd = build_command(LLAMA, launch(args=("-c", "8192", "-t", "2")))
     assert cmd.argv == (
         "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
-        "--alias", "llama-8b", "-ngl", "999", "-c", "8192", "-t", "2",
+        "--alias", "llama-8b", "-ngl", "999", "--metrics", "-c", "8192", "-t", "2",
     )  # fmt: skip
     assert "0" not in cmd.argv
 
@@ -61,7 +61,7 @@ def test_the_profiles_alias_replaces_llmgws(alias: tuple[str, ...]) -> None:
     cmd = build_command(LLAMA, launch(args=alias))
     assert cmd.argv == (
         "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
-        "-ngl", "999", *alias,
+        "-ngl", "999", "--metrics", *alias,
     )  # fmt: skip
 
 
@@ -69,7 +69,7 @@ def test_the_profiles_gpu_layers_replace_llmgws() -> None:
     cmd = build_command(LLAMA, launch(args=("--n-gpu-layers", "20")))
     assert cmd.argv == (
         "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
-        "--alias", "llama-8b", "--n-gpu-layers", "20",
+        "--alias", "llama-8b", "--metrics", "--n-gpu-layers", "20",
     )  # fmt: skip
 
 

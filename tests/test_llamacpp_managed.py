@@ -127,7 +127,7 @@ def test_a_managed_llama_server(fleet: Fleet, real_engine: Any) -> None:
         assert cmdline(pid) == [
             str(real_engine.server), "-m", str(real_engine.model),
             "--host", "127.0.0.1", "--port", str(port),
-            "--alias", MODEL, "-ngl", "999", *PROFILE_ARGS,
+            "--alias", MODEL, "-ngl", "999", "--metrics", *PROFILE_ARGS,
         ]  # fmt: skip
         env = environ(pid)
         key = env["LLAMA_API_KEY"]  # the control plane gave the replica a key

@@ -188,6 +188,8 @@ def llamacpp(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         argv += ["--alias", launch.served_name]
     if not given(launch.args, _LLAMA_GPU_LAYERS):
         argv += ["-ngl", "999"]  # every layer on the GPUs it was given
+    if not given(launch.args, ("--metrics",)):
+        argv.append("--metrics")  # its load (requests processing, deferred) for the router
     argv += launch.args
     env = _gpu_env(launch)
     if launch.api_key:
