@@ -22,7 +22,10 @@ Three workloads:
    this machine: many sessions, each with a private context of thousands of tokens
    (all of them together several times one engine's cache), and follow-up turns
    that carry the whole conversation so far; Poisson arrivals at several rates, up
-   to beyond least_outstanding's saturation; each run of a fixed length;
+   to beyond least_outstanding's saturation, each stage of a fixed length. As in
+   llm-d's benchmark the stages run one after another, lowest rate first, on the same
+   engines and router, so the caches (and the conversations) carry over; each
+   stage's figures are its own requests';
 2. one hot prefix: every request starts with the same long system prompt, one
    request at a time and at Poisson rates; no engine may take more than 1.5x the
    even share;
@@ -306,24 +309,48 @@ def poisson_times(rate: float, duration_s: float, rng: random.Random) -> list[fl
     return times
 
 
-def multi_turn_schedule(w: MultiTurn, rate: float, seed: int) -> list[Arrival]:
-    """Poisson arrivals, each the next turn of a session drawn at random; a turn carries
-    the conversation so far, with the answers the engines give (they are deterministic),
-    so the schedule is the same whatever the routing."""
+@dataclass
+class Stage:
+    rate: float | None  # requests per second; None: one request at a time
+    arrivals: list[Arrival]
+
+    @property
+    def label(self) -> str:
+        return "serial" if self.rate is None else f"{self.rate:g}"
+
+
+@dataclass
+class Plan:
+    workload: str
+    stages: list[Stage]
+    # Warm: the stages run one after another on the same engines and router, whose caches
+    # carry over, as in llm-d's benchmark; cold: each stage starts from empty caches.
+    warm: bool
+
+
+def multi_turn_stages(w: MultiTurn, seed: int) -> list[Stage]:
+    """Poisson arrivals at each rate in turn, each the next turn of a session drawn at
+    random; a turn carries the conversation so far (across stages too), with the answers
+    the engines give (they are deterministic), so the schedule is the same whatever the
+    routing."""
     contexts = []
     for s in range(w.sessions):
         rng = random.Random(f"{seed}-context-{s}")
         contexts.append(f"Session {s} documents: " + _text(rng, rng.randint(*w.context_words)))
     history: list[list[dict[str, str]]] = [[{"role": "system", "content": c}] for c in contexts]
-    rng = random.Random(f"{seed}-multi-turn-{rate}")
-    arrivals = []
-    for at in poisson_times(rate, w.duration_s, rng):
-        s = rng.randrange(w.sessions)
-        messages = [*history[s], {"role": "user", "content": _text(rng, w.question_words)}]
-        body = {"model": MODEL, "messages": messages, "max_tokens": w.answer_tokens}
-        history[s] = [*messages, {"role": "assistant", "content": answer_text(body, w.answer_tokens)}]
-        arrivals.append(Arrival(at, body, f"session-{s}"))
-    return arrivals
+    stages = []
+    for rate in w.rates:
+        rng = random.Random(f"{seed}-multi-turn-{rate}")
+        arrivals = []
+        for at in poisson_times(rate, w.duration_s, rng):
+            s = rng.randrange(w.sessions)
+            messages = [*history[s], {"role": "user", "content": _text(rng, w.question_words)}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": w.answer_tokens}
+            answer = answer_text(body, w.answer_tokens)
+            history[s] = [*messages, {"role": "assistant", "content": answer}]
+            arrivals.append(Arrival(at, body, f"session-{s}"))
+        stages.append(Stage(rate, arrivals))
+    return stages
 
 
 def hot_prefix_schedule(w: HotPrefix, rate: float | None, seed: int) -> list[Arrival]:
@@ -414,10 +441,19 @@ async def send_all(
     return start_wall, outcomes
 
 
-def engine_figures(result: RunResult, engines: list[Proc], start_wall: float) -> None:
-    stats = [httpx.get(e.url + "/mock/stats", timeout=10).json() for e in engines]
-    records = [r for s in stats for r in s["requests"]]
-    counts = [len(s["requests"]) for s in stats]
+def engine_stats(engines: list[Proc]) -> list[dict[str, Any]]:
+    return [httpx.get(e.url + "/mock/stats", timeout=10).json() for e in engines]
+
+
+def engine_figures(
+    result: RunResult, engines: list[Proc], start_wall: float, before: list[dict[str, Any]]
+) -> None:
+    """The stage's figures from the engines' reports: the requests that arrived since
+    `start_wall`, and the counters' growth since `before`."""
+    stats = engine_stats(engines)
+    mine = [[r for r in s["requests"] if r["arrival"] >= start_wall] for s in stats]
+    records = [r for rs in mine for r in rs]
+    counts = [len(rs) for rs in mine]
     total = sum(counts)
     result.shares = [c / total for c in counts] if total else []
     ttfts = sorted(r["ttft_s"] for r in records if r["ttft_s"] is not None)
@@ -428,9 +464,12 @@ def engine_figures(result: RunResult, engines: list[Proc], start_wall: float) ->
     if done:
         span = max(r["end"] for r in done) - start_wall
         result.output_tps = sum(r["output_tokens"] for r in done) / span
-    queries = sum(s["prefix_cache_queries"] for s in stats)
+    queries = sum(s["prefix_cache_queries"] for s in stats) - sum(
+        s["prefix_cache_queries"] for s in before
+    )
+    hits = sum(s["prefix_cache_hits"] for s in stats) - sum(s["prefix_cache_hits"] for s in before)
     if queries:
-        result.hit_rate = sum(s["prefix_cache_hits"] for s in stats) / queries
+        result.hit_rate = hits / queries
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -438,35 +477,45 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def run_one(
-    workload: str,
-    rate: float | None,
-    policy: str,
-    setting: str | None,
-    arrivals: list[Arrival],
-    engines: list[Proc],
-    session_header: bool,
+def run_stage(
+    workload: str, policy: str, stage: Stage, router: Proc, engines: list[Proc], session_header: bool
 ) -> RunResult:
-    label = "serial" if rate is None else f"{rate:g}"
-    result = RunResult(workload, label, policy, requests=len(arrivals))
-    reset_engines(engines)
-    router = start_router(setting, engines, f"{workload}-{label}-{policy}")
-    try:
-        cpu_before = router.cpu_s() + sum(e.cpu_s() for e in engines)
-        client_before = time.process_time()
-        began = time.monotonic()
-        start_wall, outcomes = trio.run(
-            send_all, router.url, arrivals, rate is None, session_header
-        )
-        result.wall_s = time.monotonic() - began
-        result.cpu_s = router.cpu_s() + sum(e.cpu_s() for e in engines) - cpu_before
-        result.client_cpu_s = time.process_time() - client_before
-        result.statuses = dict(outcomes)
-        engine_figures(result, engines, start_wall)
-    finally:
-        router.stop()
+    result = RunResult(workload, stage.label, policy, requests=len(stage.arrivals))
+    before = engine_stats(engines)
+    cpu_before = router.cpu_s() + sum(e.cpu_s() for e in engines)
+    client_before = time.process_time()
+    began = time.monotonic()
+    start_wall, outcomes = trio.run(
+        send_all, router.url, stage.arrivals, stage.rate is None, session_header
+    )
+    result.wall_s = time.monotonic() - began
+    result.cpu_s = router.cpu_s() + sum(e.cpu_s() for e in engines) - cpu_before
+    result.client_cpu_s = time.process_time() - client_before
+    result.statuses = dict(outcomes)
+    engine_figures(result, engines, start_wall, before)
     print("  " + row_text(result), flush=True)
     return result
+
+
+def run_plan(
+    plan: Plan, policy: str, setting: str | None, engines: list[Proc], session_header: bool
+) -> list[RunResult]:
+    """Every stage of the plan under one policy: on one router and warm caches, or each
+    stage on empty caches and a fresh router."""
+    groups = [plan.stages] if plan.warm else [[stage] for stage in plan.stages]
+    results = []
+    for group in groups:
+        reset_engines(engines)
+        name = f"{plan.workload}-{'warm' if plan.warm else group[0].label}-{policy}"
+        router = start_router(setting, engines, name)
+        try:
+            for stage in group:
+                results.append(
+                    run_stage(plan.workload, policy, stage, router, engines, session_header)
+                )
+        finally:
+            router.stop()
+    return results
 
 
 # --------------------------------------------------------------------------- report
@@ -494,9 +543,9 @@ def table(results: list[RunResult], workload: str) -> list[str]:
         "| prefix hit rate | max share (even 12.5%) | shares per engine | 503s | other failures |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
-        if r.workload != workload:
-            continue
+    rows = [r for r in results if r.workload == workload]
+    rates = list(dict.fromkeys(r.rate for r in rows))
+    for r in sorted(rows, key=lambda r: (rates.index(r.rate), POLICIES.index(r.policy))):
         if r.unavailable:
             lines.append(f"| {r.rate} | {r.policy} | unavailable: {r.unavailable} |||||||||")
             continue
@@ -516,9 +565,11 @@ def find(results: list[RunResult], workload: str, rate: str, policy: str) -> Run
     return None
 
 
-def checks(results: list[RunResult], mt: MultiTurn, hp: HotPrefix, nr: NoReuse) -> list[str]:
-    """The issue's done-when checks, as PASS/FAIL lines."""
-    out: list[str] = []
+def checks(
+    results: list[RunResult], mt: MultiTurn, hp: HotPrefix, nr: NoReuse, workloads: list[str]
+) -> list[str]:
+    """The issue's done-when checks, as PASS/FAIL lines (SKIP: the workload did not run)."""
+    out = [f"SKIP  {w}: not run" for w in ("multi-turn", "hot-prefix", "no-reuse") if w not in workloads]
 
     def line(ok: bool, text: str) -> None:
         out.append(f"{'PASS' if ok else 'FAIL'}  {text}")
@@ -533,7 +584,9 @@ def checks(results: list[RunResult], mt: MultiTurn, hp: HotPrefix, nr: NoReuse) 
             if lo is not None and lo.ttft_p90_s > 5 * base.ttft_p90_s:
                 trigger = rate
                 break
-    if base is None:
+    if "multi-turn" not in workloads:
+        pass
+    elif base is None:
         line(False, "multi-turn: least_outstanding did not run")
     elif trigger is None:
         line(False, f"multi-turn: least_outstanding's TTFT p90 never exceeded 5x its p90 at "
@@ -561,7 +614,7 @@ def checks(results: list[RunResult], mt: MultiTurn, hp: HotPrefix, nr: NoReuse) 
              f"no 503s with cache_aware in any run ({sum(r.status_503 for r in ca_runs)}); "
              f"other failures {sum(r.failures - r.status_503 for r in ca_runs)}")  # fmt: skip
     even = 1 / REPLICAS
-    for rate in ["serial", *(f"{r:g}" for r in hp.rates)]:
+    for rate in ["serial", *(f"{r:g}" for r in hp.rates)] if "hot-prefix" in workloads else []:
         ca = find(results, "hot-prefix", rate, "cache_aware")
         if ca is None:
             line(False, f"hot prefix at {rate}: cache_aware unavailable")
@@ -570,7 +623,7 @@ def checks(results: list[RunResult], mt: MultiTurn, hp: HotPrefix, nr: NoReuse) 
              f"hot prefix at {rate}{'' if rate == 'serial' else ' req/s'}: cache_aware's busiest "
              f"engine took {ca.max_share:.1%} of the requests, within 1.5x the even share "
              f"({1.5 * even:.2%})")  # fmt: skip
-    for rate in (f"{r:g}" for r in nr.rates):
+    for rate in [f"{r:g}" for r in nr.rates] if "no-reuse" in workloads else []:
         ca = find(results, "no-reuse", rate, "cache_aware")
         lo = find(results, "no-reuse", rate, "least_outstanding")
         if ca is None or lo is None:
@@ -595,7 +648,9 @@ def parameters_text(params: EngineParams, mt: MultiTurn, hp: HotPrefix, nr: NoRe
         f"in all, {sessions_tokens / params.cache_tokens:.1f}x one engine's cache), turns of "
         f"{mt.question_words} words carrying the conversation so far, answers of "
         f"{mt.answer_tokens} tokens; Poisson arrivals at {', '.join(f'{r:g}' for r in mt.rates)} "
-        f"req/s, each turn from a session drawn at random; {mt.duration_s:g} s of arrivals per run",
+        f"req/s in turn, {mt.duration_s:g} s of arrivals each, on the same engines and router "
+        "(caches and conversations carry over from stage to stage); each turn from a session "
+        "drawn at random",
         f"- hot prefix: a {hp.system_words}-word system prompt in every request, then "
         f"{hp.question_words} random words; answers of {hp.answer_tokens} tokens; "
         f"{hp.serial_requests} requests one at a time, then Poisson at "
@@ -656,30 +711,32 @@ def main(argv: list[str] | None = None) -> int:
         for policy, (value, why) in settings.items():
             if value is None and not why:
                 print(f"  {policy}: the router's default (it has no `balancing` key yet)", flush=True)
-        plan: list[tuple[str, float | None, list[Arrival]]] = []
+        plans: list[Plan] = []
         if "multi-turn" in workloads:
-            plan += [("multi-turn", r, multi_turn_schedule(mt, r, args.seed)) for r in mt.rates]
+            plans.append(Plan("multi-turn", multi_turn_stages(mt, args.seed), warm=True))
         if "hot-prefix" in workloads:
-            plan += [("hot-prefix", r, hot_prefix_schedule(hp, r, args.seed)) for r in (None, *hp.rates)]
+            stages = [Stage(r, hot_prefix_schedule(hp, r, args.seed)) for r in (None, *hp.rates)]
+            plans.append(Plan("hot-prefix", stages, warm=False))
         if "no-reuse" in workloads:
-            plan += [("no-reuse", r, no_reuse_schedule(nr, r, args.seed)) for r in nr.rates]
-        for workload, rate, arrivals in plan:
+            stages = [Stage(r, no_reuse_schedule(nr, r, args.seed)) for r in nr.rates]
+            plans.append(Plan("no-reuse", stages, warm=False))
+        for plan in plans:
             for policy in policies:
                 if policy in missing:
-                    label = "serial" if rate is None else f"{rate:g}"
-                    results.append(RunResult(workload, label, policy, unavailable=missing[policy]))
+                    results += [
+                        RunResult(plan.workload, stage.label, policy, unavailable=missing[policy])
+                        for stage in plan.stages
+                    ]
                     continue
                 setting = settings[policy][0]
-                results.append(
-                    run_one(workload, rate, policy, setting, arrivals, engines, args.session_header)
-                )
+                results += run_plan(plan, policy, setting, engines, args.session_header)
     except BenchError as exc:
         print(f"the benchmark could not run: {exc}", file=sys.stderr)
         return 2
     finally:
         for proc in STARTED:
             proc.stop()
-    verdicts = checks(results, mt, hp, nr)
+    verdicts = checks(results, mt, hp, nr, workloads)
     report = [
         "# Routing benchmark",
         "",
