@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 AUDIT := .venv-audit
 AUDIT_STAMP := $(AUDIT)/.installed-stamp
 
-.PHONY: venv test lint demo bench vuln check clean real-engine wheel
+.PHONY: venv test lint demo bench vuln check clean real-engine wheel browser
 
 # One clear line, before anything is created, when the interpreter that would make (or
 # made) a virtualenv is older than 3.11: otherwise pip fails cryptically half-way.
@@ -34,7 +34,11 @@ venv: $(STAMP)
 real-engine: venv
 	$(BIN)/python tests/real_engine.py build
 
-test: venv real-engine
+# Debian's chromium and its driver, for the fleet page's test (tests/test_ui.py).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || (apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver))
+
+test: venv real-engine browser
 	$(BIN)/python -m pytest -q
 
 lint: venv

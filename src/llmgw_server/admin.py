@@ -24,6 +24,7 @@ import trio
 from llmgw_core.config import AdminSection, digest_of
 from llmgw_core.http_server import Request, Responder
 from llmgw_core.openai_errors import error_body
+from llmgw_server import ui_server
 from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 
@@ -100,6 +101,9 @@ class AdminAPI:
         if request.path == b"/metrics":
             await self._metrics(request, responder)
             return
+        if ui_server.is_page(request.path):
+            await ui_server.page(request, responder)
+            return
         parts = request.path.decode("utf-8", errors="replace").strip("/").split("/")
         if parts[:2] != ["v1", "admin"]:
             await responder.error(404, "the admin API is under /v1/admin")
@@ -115,6 +119,13 @@ class AdminAPI:
                 responder,
                 200,
                 status(self.plane.reconciler.view(), self.plane, trio.current_time()),
+            )
+        elif request.method == b"GET" and rest == ["stream"]:
+            plane = self.plane
+            await ui_server.stream(
+                plane.feed,
+                lambda: status(plane.reconciler.view(), plane, trio.current_time()),
+                responder,
             )
         elif request.method == b"GET" and len(rest) == 2 and rest[0] == "explain":
             explanation = self.plane.reconciler.explain(rest[1])

@@ -24,6 +24,7 @@ from llmgw_server.balancer import Replica
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.control_metrics import ControlMetrics
+from llmgw_server.fleet_feed import FleetFeed
 from llmgw_server.router import Router
 
 log = logging.getLogger("llmgw.control")
@@ -37,6 +38,7 @@ class ControlPlane:
         self.config = config
         self.router = router
         self.metrics = ControlMetrics()
+        self.feed = FleetFeed()  # what the fleet page follows
         self.reconciler = Reconciler(
             config.control,
             config.catalog,
@@ -97,6 +99,7 @@ class ControlPlane:
     def shard_update(self, node: str, message: ShardUpdate) -> None:
         report = message.report
         spec = report.spec
+        self.feed.shard(node, spec.replica_id, spec.rank, str(report.state), report.detail)
         if report.state is ShardState.FAILED:
             self.metrics.engine_failures[spec.model_name] += 1
             self.output_tails[(node, spec.replica_id, spec.rank)] = message.output_tail
@@ -140,6 +143,7 @@ class ControlPlane:
         self.apply(step)
 
     def apply(self, step: Step) -> None:
+        self.feed.stepped(step)
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
                 log.info("node %s joined (%s)", transition.node, transition.reason)

@@ -1,0 +1,308 @@
+// The fleet page: follows GET /v1/admin/stream (NDJSON) and renders each status.
+// Everything shown comes from the fleet (engine output included) and is untrusted:
+// the DOM is built with createElement and text nodes only, never from HTML strings.
+"use strict";
+
+const TOKEN_KEY = "llmgw-admin-token";
+const STREAM = "/v1/admin/stream";
+const SILENCE_MS = 45000; // the server sends a keep-alive every 15 s
+const GIB = 1024;
+
+const $ = (id) => document.getElementById(id);
+const openDetails = new Set(); // engine output panes the operator opened
+let ages = []; // [{node, base}] silent nodes, aged between updates
+let receivedAt = 0;
+
+// An element with properties (className, title, dataset) and children (text or nodes).
+function el(tag, props, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props || {})) {
+    if (key === "dataset") Object.assign(node.dataset, value);
+    else if (key === "className" || key === "title" || key === "hidden") node[key] = value;
+    else throw new Error("el: unsupported property " + key);
+  }
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(typeof child === "string" ? document.createTextNode(child) : child);
+  }
+  return node;
+}
+
+const text = (value) => (value === null || value === undefined ? "" : String(value));
+const gib = (mib) => (mib / GIB).toFixed(1) + " GiB";
+const pairs = (object) =>
+  Object.entries(object || {}).map(([k, v]) => k + "=" + text(v)).join(", ");
+
+function setConnection(state, message) {
+  const badge = $("connection");
+  badge.className = "connection " + state;
+  badge.textContent = message;
+}
+
+function showLogin(message) {
+  $("fleet").hidden = true;
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+  setConnection("down", "no token");
+  $("token").focus();
+}
+
+// -- rendering ---------------------------------------------------------------
+
+function usedBy(replicas) {
+  const users = new Map(); // "node/gpu" -> replica id
+  for (const r of replicas)
+    for (const s of r.shards)
+      for (const g of s.gpus) users.set(s.node + "/" + g, r.replica_id);
+  return users;
+}
+
+function nodeRow(n, users) {
+  const scheduling = [];
+  if (n.cordoned) scheduling.push("cordoned");
+  if (n.draining) scheduling.push(n.drain_forced ? "draining (forced)" : "draining");
+  const gpus = el("ul", { className: "plain" });
+  for (const g of n.gpus) {
+    const user = users.get(n.name + "/" + g.index);
+    gpus.append(
+      el(
+        "li",
+        { dataset: { gpu: String(g.index) } },
+        "#" + g.index + " " + text(g.name) + ": ",
+        gib(g.memory_total_mib - g.memory_free_mib) + " used, " + gib(g.memory_free_mib) + " free",
+        user ? el("span", { className: "muted" }, " · " + user) : null,
+      ),
+    );
+  }
+  const status = el("td", { className: "status status-" + n.status }, text(n.status));
+  if (n.status !== "reachable") {
+    const age = el("span", { className: "muted age" });
+    status.append(" ", age);
+    ages.push({ node: age, base: n.last_seen_s_ago });
+  }
+  return el(
+    "tr",
+    { dataset: { node: n.name } },
+    el("td", { className: "name" }, text(n.name)),
+    status,
+    el("td", { className: "scheduling" }, scheduling.join(", ") || "schedulable"),
+    el("td", {}, gpus),
+    el("td", {}, pairs(n.fabric)),
+    el("td", {}, pairs(n.labels)),
+    el("td", {}, text(n.address)),
+  );
+}
+
+function outputTail(replicaId, shard) {
+  if (!shard.output_tail || shard.output_tail.length === 0) return null;
+  const key = replicaId + "/" + shard.rank;
+  const pane = el(
+    "details",
+    { className: "output-tail", dataset: { shard: key } },
+    el("summary", {}, "engine output, rank " + shard.rank + " (" + shard.output_tail.length + " lines)"),
+    el("pre", {}, shard.output_tail.join("\n")),
+  );
+  pane.open = openDetails.has(key);
+  pane.addEventListener("toggle", () => {
+    if (pane.open) openDetails.add(key);
+    else openDetails.delete(key);
+  });
+  return pane;
+}
+
+function replicaRow(r) {
+  const shards = el("ul", { className: "plain" });
+  for (const s of r.shards) {
+    shards.append(
+      el(
+        "li",
+        { dataset: { node: s.node, rank: String(s.rank) } },
+        "rank " + s.rank + " on " + text(s.node) + " GPUs " + s.gpus.join(",") + ": " + text(s.state),
+        s.retiring ? " (retiring)" : null,
+        s.detail ? el("span", { className: "muted" }, " " + text(s.detail)) : null,
+      ),
+    );
+  }
+  const failures = el("td", { className: "failures" });
+  if (r.failures > 0) failures.append(r.failures + " in a row");
+  if (r.crash_loop) failures.append(el("div", { className: "crash-loop" }, "crash loop"));
+  if (r.reason) failures.append(el("div", { className: "reason" }, text(r.reason)));
+  if (r.restart_in_s !== null) failures.append(el("div", { className: "muted" }, "restart in " + r.restart_in_s + " s"));
+  for (const s of r.shards) {
+    const pane = outputTail(r.replica_id, s);
+    if (pane) failures.append(pane);
+  }
+  let phase = text(r.phase);
+  if (r.serving) phase += ", serving";
+  else if (r.moving) phase += ", moving";
+  return el(
+    "tr",
+    { dataset: { replica: r.replica_id, model: r.model } },
+    el("td", { className: "name" }, text(r.replica_id)),
+    el("td", {}, text(r.model)),
+    el("td", { className: "phase phase-" + r.phase }, phase),
+    el("td", { className: "shards" }, shards),
+    el("td", {}, text(r.url)),
+    failures,
+  );
+}
+
+function modelRow(m, replicas) {
+  const why = el("td", { className: "why-not" });
+  if (m.unplaced) {
+    why.append(
+      el("div", {}, m.unplaced.count + " not placed" + (m.unplaced.waiting ? ": " + m.unplaced.waiting : "")),
+      el("pre", { className: "explanation" }, text(m.unplaced.explanation)),
+    );
+  }
+  for (const r of replicas) {
+    if (r.model !== m.name || !(r.crash_loop || r.phase === "failed" || r.phase === "broken")) continue;
+    why.append(
+      el("div", { className: r.crash_loop ? "crash-loop" : "" },
+        r.replica_id + ": " + (r.crash_loop ? "crash loop" : r.phase) + (r.reason ? ": " + r.reason : "")),
+    );
+  }
+  const serving = replicas.filter((r) => r.model === m.name && r.serving).length;
+  return el(
+    "tr",
+    { dataset: { model: m.name } },
+    el("td", { className: "name" }, text(m.name)),
+    el("td", { className: "desired" }, String(m.desired)),
+    el("td", { className: "running" }, m.kept + " placed, " + serving + " serving"),
+    why,
+  );
+}
+
+function replaceRows(tableId, rows) {
+  const body = $(tableId).tBodies[0];
+  const fresh = document.createDocumentFragment();
+  for (const row of rows) fresh.append(row);
+  body.replaceChildren(fresh);
+}
+
+function render(line) {
+  const status = line.status;
+  ages = [];
+  receivedAt = performance.now();
+  const users = usedBy(status.replicas);
+  replaceRows("models", status.models.map((m) => modelRow(m, status.replicas)));
+  replaceRows("nodes", status.nodes.map((n) => nodeRow(n, users)));
+  replaceRows("replicas", status.replicas.map(replicaRow));
+  $("node-count").textContent = "(" + status.nodes.length + ")";
+  $("replica-count").textContent = "(" + status.replicas.length + ")";
+  const guard = $("guard");
+  guard.hidden = !status.guard;
+  guard.textContent = status.guard ? "Mass-loss guard holds: " + status.guard : "";
+  const recent = $("recent");
+  recent.replaceChildren(
+    ...line.recent
+      .slice()
+      .reverse()
+      .map((t) =>
+        el("li", {}, new Date(t.at * 1000).toLocaleTimeString() + "  " + text(t.subject) + ": " +
+          text(t.change) + (t.reason ? " (" + text(t.reason) + ")" : "")),
+      ),
+  );
+  $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  $("fleet").dataset.version = String(line.version);
+  tickAges();
+}
+
+function tickAges() {
+  const elapsed = (performance.now() - receivedAt) / 1000;
+  for (const a of ages) a.node.textContent = "silent " + Math.round(a.base + elapsed) + " s";
+}
+
+// -- the stream --------------------------------------------------------------
+
+let retryTimer = null;
+
+function retry(message, ms) {
+  setConnection("down", message);
+  clearTimeout(retryTimer);
+  retryTimer = setTimeout(follow, ms || 1000);
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return text(body.error && body.error.message) || response.statusText;
+  } catch (e) {
+    return response.status + " " + response.statusText;
+  }
+}
+
+async function follow() {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  const abort = new AbortController();
+  let response;
+  try {
+    response = await fetch(STREAM, { headers, cache: "no-store", signal: abort.signal });
+  } catch (e) {
+    retry("cannot reach the control plane; retrying");
+    return;
+  }
+  if (response.status === 401) {
+    sessionStorage.removeItem(TOKEN_KEY);
+    showLogin(token ? "That token was refused." : "");
+    return;
+  }
+  if (!response.ok) {
+    const problem = $("problem");
+    problem.hidden = false;
+    problem.textContent = await errorMessage(response);
+    retry("refused; retrying", 5000);
+    return;
+  }
+  $("problem").hidden = true;
+  $("login").hidden = true;
+  $("fleet").hidden = false;
+  setConnection("live", "live");
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let watchdog = setTimeout(() => abort.abort(), SILENCE_MS);
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      clearTimeout(watchdog);
+      watchdog = setTimeout(() => abort.abort(), SILENCE_MS);
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, end);
+        buffer = buffer.slice(end + 1);
+        if (!line.trim()) continue;
+        const message = JSON.parse(line);
+        if (message.status) render(message);
+      }
+    }
+  } catch (e) {
+    // a cut connection or the watchdog: follow again below
+  } finally {
+    clearTimeout(watchdog);
+  }
+  retry("disconnected; reconnecting");
+}
+
+function start() {
+  $("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const token = $("token").value.trim();
+    if (!token) {
+      $("login-error").textContent = "Enter the admin token.";
+      return;
+    }
+    sessionStorage.setItem(TOKEN_KEY, token);
+    $("token").value = "";
+    $("login-error").textContent = "";
+    setConnection("", "connecting");
+    follow();
+  });
+  setInterval(tickAges, 1000);
+  follow(); // with the stored token, or none: open_status needs none
+}
+
+document.addEventListener("DOMContentLoaded", start);

@@ -1,0 +1,318 @@
+"""The fleet page (GET /ui on the control port): its stream coalesced on a virtual clock,
+its files and token rules over real sockets, and the page itself in Debian's headless
+chromium against a real fleet over the control port's https."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from fleet import Fleet, wait_until
+from llmgw_server import ui_server
+from llmgw_server.control.reconciler import Step
+from llmgw_server.fleet_feed import FleetFeed
+
+TOKEN = "ui-admin-token"
+DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+# Engine output is untrusted: the failing engine's error message carries HTML.
+HOSTILE = "<script>window.pwned=1</script><img src=x onerror=window.pwned=1>"
+
+
+# -- the stream, on a virtual clock ---------------------------------------------
+
+
+class Lines:
+    """A Responder that keeps the NDJSON lines it is sent, with their (virtual) times."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, dict[str, Any]]] = []
+        self.status: int | None = None
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+
+    async def send(self, data: bytes) -> None:
+        assert data.endswith(b"\n") and data.count(b"\n") == 1
+        self.lines.append((trio.current_time(), json.loads(data)))
+
+    async def abort(self) -> None:
+        raise AssertionError("not expected")
+
+
+async def test_the_stream_sends_a_change_within_a_second_and_coalesces_a_storm(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    feed = FleetFeed(wall_clock=lambda: 0.0)
+    out = Lines()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ui_server.stream, feed, lambda: {"n": feed.version}, out)
+        await trio.sleep(10)  # quiet: one status, then nothing but keep-alives
+        assert [line for _, line in out.lines] == [{"status": {"n": 0}, "recent": [], "version": 0}]
+        feed.stepped(Step())  # an empty step (a heartbeat that changes nothing)
+        await trio.sleep(5.1)
+        assert len(out.lines) == 1
+        await trio.sleep(1)
+        assert out.lines[-1][1] == {"keepalive": True, "version": 0}
+
+        changed_at = trio.current_time()
+        feed.shard("gpu-1", "r1", 0, "failed", "exit 1")
+        await trio.sleep(1)
+        at, line = out.lines[-1]
+        assert line["status"] == {"n": 1} and at - changed_at <= 0.5
+        assert line["recent"][0]["subject"] == "replica r1 rank 0 on gpu-1"
+
+        # A storm of changes (10,000 nodes' worth over 5 s): at most one line a half-second.
+        before = len(out.lines)
+        for _ in range(10_000):
+            feed.stepped(Step(reconciled=True))
+            await trio.sleep(0.0005)
+        await trio.sleep(1)
+        sent = [at for at, line in out.lines[before:] if "status" in line]
+        assert 5 <= len(sent) <= 12
+        assert all(b - a >= ui_server.COALESCE_S for a, b in itertools.pairwise(sent))
+        assert out.lines[-1][1]["status"] == {"n": feed.version}  # the last change shown
+        nursery.cancel_scope.cancel()
+
+
+def test_recent_transitions_are_bounded() -> None:
+    feed = FleetFeed(keep=3, wall_clock=lambda: 7.0)
+    for rank in range(5):
+        feed.shard("gpu-1", "r1", rank, "ready", "")
+    assert [t["subject"] for t in feed.recent] == [
+        f"replica r1 rank {rank} on gpu-1" for rank in (2, 3, 4)
+    ]
+    assert feed.version == 5
+
+
+# -- the page in a real browser against a real fleet ----------------------------
+
+
+def model(name: str, *, gib: int = 20, extra: str = "") -> str:
+    return (
+        f'\n[[models]]\nname = "{name}"\nreplicas = 1\n[models.profile]\nengine = "vllm"\n'
+        f'model = "org/{name}"\ngpu_memory_gib = {gib}\n{extra}\n'
+    )
+
+
+def spki_hash(certificate: bytes) -> str:
+    """What chromium's --ignore-certificate-errors-spki-list takes: base64(sha256(SPKI))."""
+    spki = (
+        x509.load_pem_x509_certificate(certificate)
+        .public_key()
+        .public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode()
+
+
+@pytest.fixture
+def browser(fleet: Fleet) -> Iterator[webdriver.Chrome]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "Debian's chromium and chromium-driver: `make browser`"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    # Trust exactly the fleet's server certificate (issued by the fleet's CA), nothing else.
+    spki = spki_hash((fleet.certs / "server.crt").read_bytes())
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--ignore-certificate-errors-spki-list={spki}",
+    ):
+        options.add_argument(arg)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+# What the page shows, read in one go (no element goes stale between reads).
+READ_PAGE = """
+const rows = (id) => [...document.querySelectorAll('#' + id + ' tbody tr')];
+return {
+  shown: !document.getElementById('fleet').hidden,
+  login: !document.getElementById('login').hidden,
+  nodes: Object.fromEntries(rows('nodes').map((r) => [r.dataset.node, {
+    status: r.querySelector('.status').textContent,
+    scheduling: r.querySelector('.scheduling').textContent}])),
+  replicas: rows('replicas').map((r) => ({
+    id: r.dataset.replica, model: r.dataset.model,
+    phase: r.querySelector('.phase').textContent,
+    nodes: [...r.querySelectorAll('.shards li')].map((li) => li.dataset.node),
+    failures: r.querySelector('.failures').textContent,
+    tail: [...r.querySelectorAll('.output-tail pre')].map((p) => p.textContent).join('\\n')})),
+  models: Object.fromEntries(rows('models').map((r) => [r.dataset.model,
+    r.querySelector('.why-not').textContent])),
+  recent: document.getElementById('recent').textContent,
+  pwned: window.pwned === 1,
+  scripts: document.scripts.length,
+  images: document.images.length,
+};
+"""
+
+
+def api_status(fleet: Fleet) -> dict[str, Any]:
+    response = httpx.get(
+        fleet.control + "/v1/admin/status", headers=AUTH, timeout=5, verify=fleet.tls
+    )
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def test_the_page_follows_the_fleet_live_in_headless_chromium(
+    fleet: Fleet, browser: webdriver.Chrome
+) -> None:
+    fleet.server(
+        f'\n[admin]\ntoken_digest = "{DIGEST}"\n'
+        + model("chat", extra='gpu_model = "L4"')
+        + model("broken", extra='gpu_model = "H100"')
+        + model("huge", gib=500)
+    )
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml")
+    fleet.agent("gpu-3", "node-8xh100.toml", env=f'LLMGW_MOCK_TOKENS = "{HOSTILE}"')
+
+    def page() -> dict[str, Any]:
+        data: dict[str, Any] = browser.execute_script(READ_PAGE)
+        return data
+
+    browser.get(fleet.control + "/ui")
+    wait_until(lambda: page()["login"], what="the page to ask for the token")
+    assert browser.find_element(By.ID, "login").is_displayed()
+    assert not browser.find_element(By.ID, "fleet").is_displayed()
+    browser.find_element(By.ID, "token").send_keys("not-the-token")
+    browser.find_element(By.ID, "login-submit").click()
+    wait_until(
+        lambda: browser.find_element(By.ID, "login-error").text == "That token was refused.",
+        what="a wrong token refused",
+    )
+    assert browser.execute_script("return sessionStorage.length") == 0
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "login-submit").click()
+    wait_until(lambda: page()["shown"], what="the page to take the token")
+    assert not browser.find_element(By.ID, "login").is_displayed()
+    assert browser.find_element(By.ID, "fleet").is_displayed()
+    assert TOKEN not in browser.current_url
+    assert browser.execute_script("return sessionStorage.length") == 1
+
+    def chat_serving() -> list[dict[str, Any]]:
+        return [r for r in page()["replicas"] if r["model"] == "chat" and "serving" in r["phase"]]
+
+    serving = wait_until(chat_serving, 30, what="the page to show chat serving")
+    wait_until(lambda: "crash loop" in page()["models"]["broken"], 30, what="broken's crash loop")
+
+    # Every node, replica and model of the fleet, as the admin API has them.
+    def same_as_api() -> bool:
+        shown, api = page(), api_status(fleet)
+        return (
+            set(shown["nodes"]) == {n["name"] for n in api["nodes"]} == {"gpu-1", "gpu-2", "gpu-3"}
+            and {r["id"] for r in shown["replicas"]} == {r["replica_id"] for r in api["replicas"]}
+            and set(shown["models"]) == {m["name"] for m in api["models"]}
+            and all(n["status"] == "reachable" for n in shown["nodes"].values())
+        )
+
+    wait_until(same_as_api, what="the page to match the admin API")
+    shown, api = page(), api_status(fleet)
+    huge = next(m for m in api["models"] if m["name"] == "huge")
+    assert huge["unplaced"]["explanation"] in shown["models"]["huge"]
+
+    # The engine's output is shown as text, and none of it ran.
+    broken = next(r for r in shown["replicas"] if r["model"] == "broken")
+    assert HOSTILE in broken["tail"] and "crash loop" in broken["failures"]
+    assert not shown["pwned"] and shown["scripts"] == 1 and shown["images"] == 0
+
+    # A drain moves chat's replica to the other L4 node.
+    old_node = serving[0]["nodes"][0]
+    new_node = {"gpu-1": "gpu-2", "gpu-2": "gpu-1"}[old_node]
+    drained = httpx.post(
+        f"{fleet.control}/v1/admin/nodes/{old_node}/drain", headers=AUTH, verify=fleet.tls
+    )
+    assert drained.status_code == 200, drained.text
+    wait_until(
+        lambda: (
+            page()["nodes"][old_node]["scheduling"] == "draining"
+            and [r["nodes"] for r in page()["replicas"] if r["model"] == "chat"] == [[new_node]]
+            and chat_serving()
+        ),
+        40,
+        what="the page to show chat moved off the drained node",
+    )
+
+    # A killed agent: its node turns unreachable on the page.
+    fleet.agents[old_node].signal(signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(
+        lambda: page()["nodes"][old_node]["status"].startswith("unreachable"),
+        15,
+        what="the page to show the node unreachable",
+    )
+    latency = time.monotonic() - killed
+    print(f"kill to unreachable on the page: {latency:.2f} s")
+    assert f"node {old_node}: reachable -> unreachable" in page()["recent"]
+    assert latency < 5  # the stream pushes within a second of the control plane's change
+
+
+# -- the files and the token, over real sockets ---------------------------------
+
+
+def test_the_files_need_no_token_and_the_stream_does(fleet: Fleet) -> None:
+    fleet.server(f'\n[admin]\ntoken_digest = "{DIGEST}"\n' + model("chat"))
+    with httpx.Client(base_url=fleet.control, verify=fleet.tls, timeout=5) as client:
+        for path, kind in (
+            ("/ui", "text/html"),
+            ("/ui/app.js", "text/javascript"),
+            ("/ui/style.css", "text/css"),
+        ):
+            response = client.get(path)
+            assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+            assert "script-src 'self'" in response.headers["content-security-policy"]
+        page = client.get("/ui").text
+        # Every file is llmgw's own: no CDN (fleets are often offline).
+        assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["/ui/style.css", "/ui/app.js"]
+        assert client.get("/ui/nothing.js").status_code == 404
+        assert client.post("/ui").status_code == 405
+        refused = client.get("/v1/admin/stream")
+        assert refused.status_code == 401
+        with client.stream("GET", "/v1/admin/stream", headers=AUTH) as response:
+            assert response.headers["content-type"] == "application/x-ndjson"
+            first = json.loads(next(response.iter_lines()))
+        assert first["status"]["models"][0]["name"] == "chat" and first["recent"] == []
+
+
+def test_open_status_needs_no_token(fleet: Fleet, browser: webdriver.Chrome) -> None:
+    fleet.server(f'\n[admin]\ntoken_digest = "{DIGEST}"\nopen_status = true\n' + model("chat"))
+    browser.get(fleet.control + "/ui")
+    wait_until(
+        lambda: (
+            browser.find_element(By.ID, "fleet").is_displayed()
+            and browser.find_elements(By.CSS_SELECTOR, '#models tr[data-model="chat"]')
+        ),
+        what="the page to show the fleet without asking for a token",
+    )
+    assert not browser.find_element(By.ID, "login").is_displayed()
+    with (
+        httpx.Client(base_url=fleet.control, verify=fleet.tls, timeout=5) as client,
+        client.stream("GET", "/v1/admin/stream") as response,
+    ):
+        assert response.status_code == 200
+        assert "status" in json.loads(next(response.iter_lines()))
