@@ -602,7 +602,7 @@ def checks(
         else:
             line(ca.ttft_p90_s * 5 <= lo.ttft_p90_s,
                  f"{head} cache_aware TTFT p90 {ms(ca.ttft_p90_s)} ms, at least 5x lower "
-                 f"(ratio {lo.ttft_p90_s / ca.ttft_p90_s:.1f}x)")  # fmt: skip
+                 f"(ratio {lo.ttft_p90_s / ca.ttft_p90_s:.2f}x)")  # fmt: skip
             line(ca.output_tps >= 1.25 * lo.output_tps,
                  f"{head} cache_aware {ca.output_tps:,.0f} output tok/s, at least 1.25x "
                  f"least_outstanding's {lo.output_tps:,.0f} ({ca.output_tps / lo.output_tps:.2f}x)")  # fmt: skip
