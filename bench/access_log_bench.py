@@ -36,6 +36,7 @@ def export_source(rev: str, into: Path) -> Path:
     archive = subprocess.run(
         ["git", "-C", str(rb.ROOT), "archive", rev, "src"], capture_output=True, check=True
     )
+    into.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into / "src"
 
