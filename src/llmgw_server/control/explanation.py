@@ -7,7 +7,9 @@ memory), so that the counts add up to the fleet:
   0 of 5 nodes fit: 2 unreachable (gpu-3, gpu-4); 2 have too few free GPUs
   (gpu-1 has 2, gpu-2 has 1, need 4); 1 lacks 70 GiB free per GPU (gpu-5: 40 GiB)
 
-For a replica that may span nodes, the node checks are per shard and the nodes
+The checks are `fit.check`, the rule placement itself follows, so that a model
+explained as fitting is placed and one explained as not is not. For a replica
+that may span nodes, the node checks are per shard and the nodes
 that could hold a shard are counted by fabric domain:
 
   0 of 4 nodes fit 16 GPUs on one node or as 2 shards of 8 in one fabric domain:
@@ -23,8 +25,17 @@ from collections.abc import Sequence
 import attrs
 
 from llmgw_core.catalog import Profile
+from llmgw_core.inventory import Gpu
 from llmgw_server.control.capacity import NodeFree
-from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.fit import (
+    KINDS,
+    Misfit,
+    Need,
+    check,
+    fabric_domain,
+    group_fits,
+    shard_groups,
+)
 
 
 @attrs.frozen
@@ -41,97 +52,67 @@ class Explanation:
 
 
 # The order in which checks run and in which the text lists the groups.
-_KINDS = (
-    "lost",
-    "unreachable",
-    "cordoned",
-    "draining",
-    "engine",
-    "selector",
-    "gpu_model",
-    "few",
-    "memory",
-    "no_fabric",
-    "domain",
-)
+_KINDS = KINDS
 
 
 def explain_free(
     model: str, profile: Profile, states: Sequence[NodeFree], fabric_key: str
 ) -> Explanation:
-    tp, pp, total = profile.tensor_parallel, profile.pipeline_parallel, profile.gpus
-    need = tp if pp > 1 else total  # what one node must hold: a shard, or the whole replica
-    min_mib = math.ceil(profile.gpu_memory_gib * 1024)
-    wanted = (profile.gpu_model or "").lower()
+    need = Need.of(profile)
+    pp, total = profile.pipeline_parallel, profile.gpus
     found: dict[str, list[tuple[str, str]]] = {kind: [] for kind in _KINDS}
     fitting: list[str] = []
-    domain_nodes: dict[str, list[str]] = {}
-    domain_gpus: dict[str, dict[str, int]] = {}  # domain -> GPU name -> GPUs in whole shards
+    shard_holders: list[tuple[NodeFree, dict[str, list[Gpu]]]] = []  # fit one shard only
+    domain_nodes: dict[str, list[NodeFree]] = {}
     for state in states:
         name = state.capacity.name
-        kind, detail, usable = _check(state, profile, need, min_mib, wanted)
-        if kind is not None:
-            found[kind].append((name, detail))
-        elif pp == 1 or max(usable.values()) >= total:
+        fit = check(state, need)
+        if isinstance(fit, Misfit):
+            found[fit.kind].append((name, _detail(fit)))
+        elif pp == 1 or fit.most >= total:
             fitting.append(name)
-        elif (domain := state.capacity.inventory.fabric.get(fabric_key)) is None:
+        elif (domain := fabric_domain(state, fabric_key)) is None:
             found["no_fabric"].append((name, ""))
         else:
-            domain_nodes.setdefault(domain, []).append(name)
-            per_name = domain_gpus.setdefault(domain, {})
-            for gpu_name, count in usable.items():
-                if count >= tp:  # one shard per node: each node adds tp GPUs at most
-                    per_name[gpu_name] = per_name.get(gpu_name, 0) + tp
-    short: dict[str, int] = {}
+            shard_holders.append((state, fit.usable))
+            domain_nodes.setdefault(domain, []).append(state)
+    # A node fits across nodes when a group of its domain and GPU model fits (each node
+    # adds one shard of tensor_parallel GPUs); the others count under their domain, with
+    # the most GPUs of one model it offers them.
+    groups = shard_groups(shard_holders, need, fabric_key)
+    grouped = {s for members in groups.values() if group_fits(members, need) for s in members}
+    short_nodes: dict[str, list[str]] = {}
     for domain, nodes in domain_nodes.items():
-        have = max(domain_gpus[domain].values(), default=0)
-        if have >= total:
-            fitting += nodes
-        else:
-            short[domain] = have
-            found["domain"] += [(n, domain) for n in nodes]
+        for state in nodes:
+            if state in grouped:
+                fitting.append(state.capacity.name)
+            else:
+                short_nodes.setdefault(domain, []).append(state.capacity.name)
+                found["domain"].append((state.capacity.name, domain))
+    short: dict[str, int] = {}
+    for (domain, _), members in groups.items():
+        if domain in short_nodes and not group_fits(members, need):
+            short[domain] = max(short.get(domain, 0), len(members) * profile.tensor_parallel)
     passed_over = {
-        node: _node_reason(kind, detail, profile, need, total, fabric_key, short)
+        node: _node_reason(kind, detail, profile, need.per_node, total, fabric_key, short)
         for kind, items in found.items()
         for node, detail in items
     }
-    text = _text(profile, len(states), fitting, found, need, fabric_key, domain_nodes, short)
+    text = _text(
+        profile, len(states), fitting, found, need.per_node, fabric_key, short_nodes, short
+    )
     return Explanation(model, text, tuple(fitting), passed_over)
 
 
-def _check(
-    state: NodeFree, profile: Profile, need: int, min_mib: int, wanted: str
-) -> tuple[str | None, str, dict[str, int]]:
-    """The first reason a node cannot hold `need` GPUs, or the usable GPUs by name."""
-    cap = state.capacity
-    inventory = cap.inventory
-    if cap.status is NodeStatus.LOST:
-        return "lost", "", {}
-    if cap.status is NodeStatus.UNREACHABLE:
-        return "unreachable", "", {}
-    if cap.cordoned:
-        return "cordoned", "", {}
-    if cap.draining:
-        return "draining", "", {}
-    if not inventory.can_launch(profile.engine):
-        return "engine", "", {}
-    if any(inventory.labels.get(k) != v for k, v in profile.node_selector.items()):
-        return "selector", "", {}
-    if wanted and not any(wanted in g.name.lower() for g in inventory.gpus):
-        return "gpu_model", inventory.gpus[0].name if inventory.gpus else "no GPUs", {}
-    free = {n: g for n, g in state.free.items() if not wanted or wanted in n.lower()}
-    most = max((len(g) for g in free.values()), default=0)
-    if most < need:
-        return "few", str(most), {}
-    usable = {n: sum(1 for g in gpus if g.memory_free_mib >= min_mib) for n, gpus in free.items()}
-    if max(usable.values()) < need:
-        offered = max(
-            sorted((g.memory_free_mib for g in gpus), reverse=True)[need - 1]
-            for gpus in free.values()
-            if len(gpus) >= need
-        )
-        return "memory", _gib(offered), {}
-    return None, "", usable
+def _detail(misfit: Misfit) -> str:
+    """What the text says of one node passed over: its GPU name, free GPUs or memory."""
+    if misfit.kind == "gpu_model":
+        return misfit.gpu_name or "no GPUs"
+    if misfit.kind == "few":
+        return str(misfit.free)
+    if misfit.kind == "memory":
+        return _gib(misfit.offered_mib)
+    return ""
 
 
 def _node_reason(

@@ -9,6 +9,7 @@
 - A GPU is never shared: a node's used GPUs are handed in and grow as replicas
   are placed.
 - The GPUs of one shard are all of one GPU name, lowest indices first.
+- Whether a node fits is `fit.check`, the rule the explanation follows too.
 
 Nodes' free GPUs are indexed by how many a profile can use, in buckets, so a
 replica is placed in time independent of the fleet's size; the buckets are
@@ -17,7 +18,6 @@ rebuilt once per distinct profile.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -26,7 +26,7 @@ from llmgw_core.catalog import Profile
 from llmgw_core.inventory import Gpu
 from llmgw_server.control.capacity import NodeCapacity, NodeFree
 from llmgw_server.control.explanation import Explanation, explain_free
-from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.fit import Fits, Need, check, group_fits, shard_groups
 
 __all__ = [
     "Assignment",
@@ -111,37 +111,31 @@ def place(
 
 
 class _Candidates:
-    """The nodes a profile may use, bucketed by how many GPUs it could use on each."""
+    """The nodes that fit a profile (`fit.check`), bucketed by the most GPUs of one name
+    it could use on each; a node that stops fitting leaves the buckets."""
 
     def __init__(self, profile: Profile, states: Sequence[NodeFree]) -> None:
         self.profile = profile
-        self.min_mib = _min_mib(profile)
-        self.nodes = [s for s in states if _eligible(s, profile)]
-        self.buckets: list[dict[NodeFree, None]] = [{} for _ in range(_max_gpus(self.nodes) + 1)]
-        self.count: dict[NodeFree, int] = {}
-        for state in self.nodes:
-            self._file(state)
+        self.need = Need.of(profile)
+        fitting = [(s, f) for s in states if isinstance(f := check(s, self.need), Fits)]
+        size = max((f.most for _, f in fitting), default=0) + 1
+        self.buckets: list[dict[NodeFree, None]] = [{} for _ in range(size)]
+        self.usable: dict[NodeFree, dict[str, list[Gpu]]] = {}
+        self.most: dict[NodeFree, int] = {}  # the bucket each node is in
+        for state, fits in fitting:
+            self._file(state, fits)
 
-    def _file(self, state: NodeFree) -> None:
-        n = max((len(g) for g in self.usable(state).values()), default=0)
-        self.count[state] = n
-        self.buckets[n][state] = None
+    def _file(self, state: NodeFree, fits: Fits) -> None:
+        self.usable[state] = fits.usable
+        self.most[state] = fits.most
+        self.buckets[fits.most][state] = None
 
     def refile(self, state: NodeFree) -> None:
-        del self.buckets[self.count[state]][state]
-        self._file(state)
-
-    def usable(self, state: NodeFree) -> dict[str, list[Gpu]]:
-        """Free GPUs the profile may use on a node, by GPU name."""
-        wanted = (self.profile.gpu_model or "").lower()
-        out: dict[str, list[Gpu]] = {}
-        for name, gpus in state.free.items():
-            if wanted and wanted not in name.lower():
-                continue
-            ok = [g for g in gpus if g.memory_free_mib >= self.min_mib] if self.min_mib else gpus
-            if ok:
-                out[name] = ok
-        return out
+        del self.buckets[self.most.pop(state)][state]
+        del self.usable[state]
+        fits = check(state, self.need)
+        if isinstance(fits, Fits):
+            self._file(state, fits)
 
     def single(self, need: int, spread: bool) -> NodeFree | None:
         sizes = (
@@ -183,34 +177,36 @@ def _place_one(
 def _place_across(
     cands: _Candidates, fabric_key: str, spread: bool
 ) -> tuple[ShardAssignment, ...] | None:
-    tp, pp = cands.profile.tensor_parallel, cands.profile.pipeline_parallel
-    groups: dict[tuple[str, str], list[tuple[int, NodeFree]]] = {}
-    for n in range(tp, len(cands.buckets)):
-        for state in cands.buckets[n]:
-            domain = state.capacity.inventory.fabric.get(fabric_key)
-            if domain is None:
-                continue
-            for name, gpus in cands.usable(state).items():
-                if len(gpus) >= tp:
-                    groups.setdefault((domain, name), []).append((len(gpus), state))
-    fitting = [(key, members) for key, members in groups.items() if len(members) >= pp]
+    # Every filed node holds a shard's tensor_parallel GPUs of some name. Taken in
+    # bucket order (fewest usable GPUs first) so that ties fall the same way every time.
+    filed = ((s, cands.usable[s]) for bucket in cands.buckets for s in bucket)
+    fitting = [
+        (key, members)
+        for key, members in shard_groups(filed, cands.need, fabric_key).items()
+        if group_fits(members, cands.need)
+    ]
     if not fitting:
         return None
 
     # Best fit takes the smallest domain that fits and, inside it, the fullest
     # nodes; spread takes the largest domain and its emptiest nodes.
-    def domain_size(item: tuple[tuple[str, str], list[tuple[int, NodeFree]]]) -> tuple[int, int]:
-        return (len(item[1]), sum(n for n, _ in item[1]))
+    def free_in(key: tuple[str, str], state: NodeFree) -> int:
+        return len(cands.usable[state][key[1]])
 
-    (_, gpu_name), members = (max if spread else min)(fitting, key=domain_size)
-    members.sort(key=lambda m: -m[0] if spread else m[0])
-    return tuple(_take(cands, state, tp, gpu_name) for _, state in members[:pp])
+    def domain_size(item: tuple[tuple[str, str], list[NodeFree]]) -> tuple[int, int]:
+        key, members = item
+        return (len(members), sum(free_in(key, s) for s in members))
+
+    key, members = (max if spread else min)(fitting, key=domain_size)
+    ordered = sorted(members, key=lambda s: -free_in(key, s) if spread else free_in(key, s))
+    pp = cands.profile.pipeline_parallel
+    return tuple(_take(cands, s, cands.profile.tensor_parallel, key[1]) for s in ordered[:pp])
 
 
 def _take(
     cands: _Candidates, state: NodeFree, n: int, gpu_name: str | None = None
 ) -> ShardAssignment:
-    usable = cands.usable(state)
+    usable = cands.usable[state]
     if gpu_name is None:
         gpu_name = max(usable, key=lambda name: (len(usable[name]), name))
     chosen = usable[gpu_name][:n]
@@ -218,21 +214,3 @@ def _take(
     state.free[gpu_name] = [g for g in state.free[gpu_name] if g.index not in taken]
     cands.refile(state)
     return ShardAssignment(state.capacity.name, tuple(g.index for g in chosen))
-
-
-def _eligible(state: NodeFree, profile: Profile) -> bool:
-    cap = state.capacity
-    if cap.status is not NodeStatus.REACHABLE or cap.cordoned or cap.draining:
-        return False
-    inventory = cap.inventory
-    if not inventory.can_launch(profile.engine):
-        return False
-    return all(inventory.labels.get(k) == v for k, v in profile.node_selector.items())
-
-
-def _min_mib(profile: Profile) -> int:
-    return math.ceil(profile.gpu_memory_gib * 1024)
-
-
-def _max_gpus(states: Sequence[NodeFree]) -> int:
-    return max((sum(len(g) for g in s.free.values()) for s in states), default=0)

@@ -15,6 +15,7 @@ import attrs
 
 from llmgw_core.catalog import Profile
 from llmgw_core.inventory import LaunchSpec, ShardState
+from llmgw_server.control.fit import runs_within
 from llmgw_server.control.lifecycle import Node, NodeStatus
 
 ShardKey = tuple[str, str, int]  # node, replica id, rank
@@ -101,18 +102,11 @@ def matches(records: Sequence[ShardRecord], profile: Profile, nodes: Mapping[str
     per_shard = profile.gpus if spec.nnodes == 1 else profile.tensor_parallel
     if spec.nnodes not in (1, profile.pipeline_parallel):
         return False
-    wanted = (profile.gpu_model or "").lower()
-    for r in records:
-        if len(r.spec.gpu_indices) != per_shard:
-            return False
-        inventory = nodes[r.node].inventory
-        if any(inventory.labels.get(k) != v for k, v in profile.node_selector.items()):
-            return False
-        if wanted:
-            names = {g.index: g.name.lower() for g in inventory.gpus}
-            if any(wanted not in names.get(i, "") for i in r.spec.gpu_indices):
-                return False
-    return True
+    return all(
+        len(r.spec.gpu_indices) == per_shard
+        and runs_within(profile, nodes[r.node].inventory, r.spec.gpu_indices)
+        for r in records
+    )
 
 
 @attrs.frozen
