@@ -133,6 +133,25 @@ def test_a_hot_prefix_spreads_one_request_at_a_time() -> None:
         assert len(seen) == n and max(seen.values()) <= 1.5 * requests / n, (n, seen)
 
 
+def test_completion_prompts_stick_by_conversation_and_a_hot_header_spreads() -> None:
+    rng = random.Random(6)
+    b = balancer(4)
+    header = words(rng, 300)
+    prompts = [f"{header}\nQ: {words(rng, 8)}" for _ in range(4)]
+    homes = [b.pick(prompt=prompt_key({"prompt": p}, False, 256), now=0) for p in prompts]
+    for turn in range(1, 5):
+        for i, p in enumerate(prompts):
+            prompts[i] = p = f"{p}\nA: {words(rng, 5)}\nQ: {words(rng, 4)}"
+            choice = b.choose(prompt=prompt_key({"prompt": p}, False, 256), now=float(turn))
+            assert choice is not None and choice.replica is homes[i]
+            assert choice.decision is Decision.CACHE_HIT
+    seen = Counter(
+        id(b.pick(prompt=prompt_key({"prompt": f"{header}\nQ: {words(rng, 8)}"}, False, 256)))
+        for _ in range(40)
+    )
+    assert len(seen) == 4 and max(seen.values()) <= 15
+
+
 def test_the_same_prompt_over_and_over_spreads_too() -> None:
     b = balancer(2)
     same = key([{"role": "user", "content": "hello there"}])

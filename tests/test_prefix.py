@@ -153,6 +153,23 @@ def test_depth_continuation_and_repeats() -> None:
     assert index.conversations(now=1) == 1
 
 
+def test_a_completion_conversation_continues_where_a_shared_header_does_not() -> None:
+    index = PrefixIndex(capacity=1000, ttl_s=60)
+    header = "You are a helpful assistant. " * 20  # 580 bytes: ends inside the 10th block
+    first = key_of({"prompt": header + "Q: one?"}, chat_api=False)
+    index.record(first, now=0)
+    # The next turn carries the whole first prompt (ending mid-block) and more.
+    turn = key_of({"prompt": header + "Q: one?\nA: yes.\nQ: and two?"}, chat_api=False)
+    depth = index.depth(turn, now=1)
+    assert turn.ends[depth - 1] < first.size  # its end is not a cut of the longer prompt
+    assert index.continues(turn, depth, now=1)
+    # Another question after the same header shares all but its last bytes: not a turn.
+    other = key_of({"prompt": header + "Q: seven?"}, chat_api=False)
+    assert not index.continues(other, index.depth(other, now=1), now=1)
+    # Nor is the same prompt again.
+    assert not index.continues(first, index.depth(first, now=1), now=1)
+
+
 def test_entries_older_than_the_ttl_are_forgotten() -> None:
     index = PrefixIndex(capacity=1000, ttl_s=10)
     first, second = (key_of(body) for body in turns()[:2])
@@ -160,7 +177,7 @@ def test_entries_older_than_the_ttl_are_forgotten() -> None:
     assert index.depth(second, now=10) == len(first.chain)
     assert index.depth(second, now=10.5) == 0
     index.record(key_of(chat(("user", "else"))), now=11)  # recording sweeps the expired out
-    assert len(index) == 2 and index.conversations(now=11) == 1
+    assert len(index) == 1 and index.conversations(now=11) == 1
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -182,7 +199,7 @@ class IndexMachine(RuleBasedStateMachine):
         key = key_of(chat(*(("user", t) for t in texts)))
         self.index.record(key, self.now)
         self.recorded.append(key)
-        if len(key.chain) + 1 <= self.capacity:
+        if len(key.chain) <= self.capacity:
             assert self.index.depth(key, self.now) == len(key.chain)
 
     @rule(seconds=st.floats(0, 20))
@@ -201,6 +218,7 @@ class IndexMachine(RuleBasedStateMachine):
     def bounded(self) -> None:
         assert len(self.index) <= self.capacity
         assert len(self.index._anchors) <= self.capacity
+        assert len(self.index._ends) <= self.capacity
 
 
 TestIndexMachine = IndexMachine.TestCase

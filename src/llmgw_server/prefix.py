@@ -15,10 +15,13 @@ completions, the first `ANCHOR_BLOCKS` blocks (or the whole prompt when shorter)
 A `PrefixIndex` holds the cuts sent to one replica, newest last, as an LRU bounded in
 entries, and forgets any older than its TTL, as the engine's cache would evict them. A
 prompt's cuts are recorded deepest first, so a shorter prefix is never older than a longer
-one and "holds the first d cuts" is monotone in d (found by bisection). The end of each
-prompt sent is marked too: a request whose deepest cut held is such an end continues an
-earlier prompt (the next turn of a conversation). The index only answers `depth` and
-`record`, so an index fed by the engine's own KV-cache events could stand in for it.
+one and "holds the first d cuts" is monotone in d (found by bisection). Where each prompt
+ended is kept too, under the last block boundary before its end (offset and hash): a
+request that holds that boundary, is longer, and has the same hash at that offset
+continues the earlier prompt (the next turn of a conversation, chat or completion),
+where one that only shares a system prompt or header does not. The index answers
+`depth`, `continues` and `record`, so an index fed by the engine's own KV-cache events
+could stand in for it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import attrs
 
 MAX_BLOCKS = 512  # 128 KiB at the default block: enough to tell prompts apart, bounded cost
 ANCHOR_BLOCKS = 4  # a completion prompt's anchor: its first 4 blocks
-_END = 0x5A5A_A5A5_0F0F_F0F0  # the marker of a prompt's end, xor-ed with the cut's hash
+_EMPTY = 1  # the hash of no text: CRC-32 0, Adler-32 1
 _MASK64 = (1 << 64) - 1
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 
@@ -45,6 +48,22 @@ class PromptKey:
     chain: tuple[int, ...]  # cumulative hashes, shortest prefix first; never empty
     ends: tuple[int, ...]  # the byte offset of each cut, ascending
     anchor: int  # the index of the anchor's cut in `chain`
+    block: int  # the block size it was cut with
+    text: bytes = attrs.field(repr=False, eq=False)  # the canonical text, up to `size`
+
+    def base(self, depth: int) -> tuple[int, int]:
+        """The offset and hash of the last block boundary among the first `depth` cuts."""
+        ends, block = self.ends, self.block
+        for i in range(depth - 1, -1, -1):
+            if ends[i] % block == 0:
+                return ends[i], self.chain[i]
+        return 0, _EMPTY
+
+    def hash_at(self, offset: int, base: tuple[int, int]) -> int:
+        """The hash of the text before `offset`, carried on from a boundary before it."""
+        start, h = base
+        piece = memoryview(self.text)[start:offset]
+        return zlib.crc32(piece, h >> 32) << 32 | zlib.adler32(piece, h & 0xFFFFFFFF)
 
     @property
     def anchor_hash(self) -> int:
@@ -82,7 +101,9 @@ def prompt_key(body: dict[str, Any], chat: bool, block_bytes: int) -> PromptKey 
         start = end
     anchor_at = min(anchor_at, limit)
     anchor = next(i for i, end in enumerate(ends) if end >= anchor_at)
-    return PromptKey(chain=tuple(chain), ends=tuple(ends), anchor=anchor)
+    return PromptKey(
+        chain=tuple(chain), ends=tuple(ends), anchor=anchor, block=block_bytes, text=text
+    )
 
 
 def _render_chat(messages: object, tools: object) -> tuple[bytes, list[int], int]:
@@ -151,13 +172,15 @@ def _encode(text: str) -> bytes:
 class PrefixIndex:
     """The prompt prefixes recently sent to one replica: at most `capacity` entries."""
 
-    __slots__ = ("_anchors", "_seen", "capacity", "ttl_s")
+    __slots__ = ("_anchors", "_ends", "_seen", "capacity", "ttl_s")
 
     def __init__(self, capacity: int, ttl_s: float) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self._seen: OrderedDict[int, float] = OrderedDict()  # hash -> when last sent
         self._anchors: OrderedDict[int, float] = OrderedDict()  # the conversations sent here
+        # A block boundary's hash -> when, and where and with what hash a prompt ended after it.
+        self._ends: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -178,8 +201,17 @@ class PrefixIndex:
         return lo
 
     def continues(self, key: PromptKey, depth: int, now: float) -> bool:
-        """Whether the first `depth` cuts are a whole prompt sent before, and this one goes on."""
-        return 0 < depth < len(key.chain) and self._held(key.chain[depth - 1] ^ _END, now)
+        """Whether a whole prompt sent here before is a prefix of this longer one."""
+        base = key.base(depth)
+        marked = self._ends.get(base[1])
+        if marked is None:
+            return False
+        at, end, end_hash = marked
+        return (
+            now - at <= self.ttl_s
+            and base[0] <= end < key.size
+            and key.hash_at(end, base) == end_hash
+        )
 
     def conversations(self, now: float) -> int:
         """How many conversations (anchors) were sent here within the TTL."""
@@ -188,18 +220,22 @@ class PrefixIndex:
 
     def record(self, key: PromptKey, now: float) -> None:
         seen = self._seen
-        for h in (*reversed(key.chain), key.chain[-1] ^ _END):
+        for h in reversed(key.chain):
             if h in seen:
                 seen.move_to_end(h)
             seen[h] = now
-        anchors = self._anchors
-        if key.anchor_hash in anchors:
-            anchors.move_to_end(key.anchor_hash)
-        anchors[key.anchor_hash] = now
-        for entries in (seen, anchors):
+        _touch(self._anchors, key.anchor_hash, now)
+        # Under the last block boundary up to the end, which every longer prompt holds.
+        _touch(self._ends, key.base(len(key.chain))[1], (now, key.size, key.chain[-1]))
+        for entries in (seen, self._anchors):
             while len(entries) > self.capacity:
                 entries.popitem(last=False)
             self._expire(entries, now)
+        ends = self._ends
+        while len(ends) > self.capacity:
+            ends.popitem(last=False)
+        while ends and now - next(iter(ends.values()))[0] > self.ttl_s:
+            ends.popitem(last=False)
 
     def _expire(self, entries: OrderedDict[int, float], now: float) -> None:
         while entries:
@@ -211,6 +247,13 @@ class PrefixIndex:
     def clear(self) -> None:
         self._seen.clear()
         self._anchors.clear()
+        self._ends.clear()
+
+
+def _touch(entries: OrderedDict[int, Any], key: int, value: Any) -> None:
+    if key in entries:
+        entries.move_to_end(key)
+    entries[key] = value
 
 
 def stable_hash(text: str) -> int:
