@@ -65,12 +65,12 @@ class CacheAwareSection:
     index_blocks: int = 16384  # prefix entries remembered per replica (LRU)
     index_ttl_s: float = 600.0  # an entry not sent again for this long is forgotten
     max_load_ratio: float = 1.5  # a conversation stays on its replica while its load is
-    load_slack: float = 4.0  #   <= max(least * max_load_ratio, least + load_slack)
+    load_slack: float = 8.0  #   <= max(least * max_load_ratio, least + load_slack)
     new_load_slack: float = 1.0  # a new conversation goes where load <= least + this
     max_share: float = 1.4  # ... and conversations held < this x the mean (+ 1)
     shared_prefix_ratio: float = 0.5  # a prefix held elsewhere this big is shared: by load
-    waiting_weight: float = 1.0  # a waiting request counts 1 + this
-    kv_usage_weight: float = 2.0  # a full KV cache counts as this many requests
+    waiting_weight: float = 4.0  # a waiting request counts 1 + this (it waits behind all)
+    kv_usage_weight: float = 1.0  # a full KV cache counts as this many requests
 
 
 @attrs.frozen
