@@ -43,6 +43,7 @@ class Fleet:
         self.control = f"https://127.0.0.1:{self.control_port}"
         self.server_proc: Proc | None = None
         self.agents: dict[str, Proc] = {}
+        self.every_agent: list[Proc] = []  # restarted ones too: their engines live on
         base = random.randrange(30000, 60000, 100)
         self.ports = (base, base + 99)
         # mTLS as in production: a CA made on the fly, a certificate per node.
@@ -92,6 +93,7 @@ class Fleet:
         proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
         self.procs.all.append(proc)
         self.agents[name] = proc
+        self.every_agent.append(proc)
         return proc
 
     def status(self) -> dict[str, Any]:
@@ -121,6 +123,16 @@ class Fleet:
 
     def serving(self, model: str) -> list[dict[str, Any]]:
         return [r for r in self.status()["replicas"] if r["model"] == model and r["serving"]]
+
+    def every_engine_pid(self) -> set[int]:
+        """Every engine any agent of this fleet started, for the teardown: an agent
+        restarted under the same name replaced its entry in `agents`, not its engines."""
+        return {
+            int(line.rsplit(" ", 1)[1])
+            for proc in self.every_agent
+            for line in proc.output().splitlines()
+            if ": starting pid " in line
+        }
 
     def engine_pids(self) -> list[int]:
         """PIDs of the engines the agents started (from their logs)."""
