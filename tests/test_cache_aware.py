@@ -89,6 +89,22 @@ def test_a_loaded_holder_is_overridden_then_the_conversation_follows() -> None:
     assert after.decision is Decision.CACHE_HIT
 
 
+def test_a_replica_that_fails_is_not_counted_on_for_its_cache() -> None:
+    rng = random.Random(12)
+    b = balancer(2)
+    conversation = Conversation(rng)
+    home = b.pick(prompt=conversation.key(), now=0)
+    assert home is not None and home.prefixes is not None and len(home.prefixes)
+    b.probed(home, ok=False, now=1)  # it may come back as a fresh engine
+    assert len(home.prefixes) == 0
+    other = b.replicas[1] if home is b.replicas[0] else b.replicas[0]
+    b.pick(prompt=conversation.key(), now=2)
+    assert other.prefixes is not None and len(other.prefixes)
+    for now in (3, 4, 5):
+        b.failed(other, now=now)
+    assert other.ejected and len(other.prefixes) == 0
+
+
 def test_the_engines_reading_counts_with_what_was_sent_since() -> None:
     tuning = CacheAwareSection(waiting_weight=1.0, kv_usage_weight=2.0, metrics_max_age_s=3.0)
     r = Replica(Endpoint("10.0.0.1", 8000))

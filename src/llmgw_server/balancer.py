@@ -195,6 +195,7 @@ class Balancer:
         if not replica.ejected and replica.failures >= self.eject_after_failures:
             replica.ejected = True
             replica.probe_after = now + self.eject_cooldown_s
+            _forget(replica)
             return True
         return False
 
@@ -210,8 +211,16 @@ class Balancer:
             else:
                 replica.probe_after = now + self.eject_cooldown_s
             return
+        if replica.healthy and not ok:
+            _forget(replica)
         replica.healthy = ok
 
     @property
     def healthy_count(self) -> int:
         return sum(1 for r in self.replicas if r.available)
+
+
+def _forget(replica: Replica) -> None:
+    """A replica that failed may come back as a fresh engine: its cache is not counted on."""
+    if replica.prefixes is not None:
+        replica.prefixes.clear()
