@@ -44,7 +44,12 @@ class Fleet:
         self.server_proc: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.every_agent: list[Proc] = []  # restarted ones too: their engines live on
-        base = random.randrange(30000, 60000, 100)
+        # Not the global generator: hypothesis seeds it for its own tests, which would
+        # hand later fleets the same engine ports as an earlier one.
+        # Below the kernel's ephemeral range (32768 on), so no outgoing connection of
+        # another test holds an engine's port, and above the default 20000-20999 that
+        # tests with their own server config use.
+        base = random.SystemRandom().randrange(21000, 32700, 100)
         self.ports = (base, base + 99)
         # mTLS as in production: a CA made on the fly, a certificate per node.
         self.certs = procs.tmp / "certs"
