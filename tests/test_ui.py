@@ -1,18 +1,23 @@
 """The fleet page (GET /ui on the control port): its stream coalesced on a virtual clock,
 its files and token rules over real sockets, and the page itself in Debian's headless
-chromium against a real fleet over the control port's https."""
+chromium against a real fleet, and against `make demo`, over the control port's https."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import itertools
 import json
+import os
 import re
 import shutil
 import signal
+import ssl
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +33,8 @@ from fleet import Fleet, wait_until
 from llmgw_server import ui_server
 from llmgw_server.control.reconciler import Step
 from llmgw_server.fleet_feed import FleetFeed
+from test_demo import _alive as engine_alive
+from test_demo import free_pair, read_banner, start_demo
 
 TOKEN = "ui-admin-token"
 DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
@@ -124,12 +131,18 @@ def spki_hash(certificate: bytes) -> str:
 
 @pytest.fixture
 def browser(fleet: Fleet) -> Iterator[webdriver.Chrome]:
+    with headless_chromium(fleet.certs / "server.crt") as chrome:
+        yield chrome
+
+
+@contextlib.contextmanager
+def headless_chromium(server_certificate: Path) -> Iterator[webdriver.Chrome]:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     assert chromium and driver, "Debian's chromium and chromium-driver: `make browser`"
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    # Trust exactly the fleet's server certificate (issued by the fleet's CA), nothing else.
-    spki = spki_hash((fleet.certs / "server.crt").read_bytes())
+    # Trust exactly this server certificate (issued by the fleet's CA), nothing else.
+    spki = spki_hash(server_certificate.read_bytes())
     for arg in (
         "--headless=new",
         "--no-sandbox",
@@ -316,3 +329,127 @@ def test_open_status_needs_no_token(fleet: Fleet, browser: webdriver.Chrome) -> 
     ):
         assert response.status_code == 200
         assert "status" in json.loads(next(response.iter_lines()))
+
+
+# -- the demo, as `make demo` runs it -------------------------------------------
+
+
+def test_the_page_shows_every_node_replica_and_model_of_the_demo_live(tmp_path: Path) -> None:
+    port = free_pair()
+    demo = start_demo(port, tmp_path)
+    try:
+        banner = read_banner(demo)
+        # The demo keeps its certificates in the temporary directory the banner names.
+        work = Path(re.search(r"removes (\S+) \(certificates", banner)[1])  # type: ignore[index]
+        assert work.parent == tmp_path
+        control = f"https://127.0.0.1:{port + 1}"
+        trust = ssl.create_default_context(cafile=str(work / "certs" / "ca.crt"))
+
+        def demo_status() -> dict[str, Any]:
+            # The demo has no [admin] section: its admin API is open on loopback.
+            response = httpx.get(control + "/v1/admin/status", timeout=5, verify=trust)
+            assert response.status_code == 200, response.text
+            data: dict[str, Any] = response.json()
+            return data
+
+        def as_api(status: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "nodes": {n["name"]: n["status"] for n in status["nodes"]},
+                "replicas": {
+                    r["replica_id"]: (r["model"], sorted(s["node"] for s in r["shards"]))
+                    for r in status["replicas"]
+                },
+                "models": {m["name"] for m in status["models"]},
+            }
+
+        expected = as_api(demo_status())
+        assert expected["nodes"] == {"sim-node-1": "reachable", "sim-node-2": "reachable"}
+        assert expected["models"] == {"demo-model", "demo-big"}
+        assert len(expected["replicas"]) == 3
+
+        with headless_chromium(work / "certs" / "server.crt") as browser:
+
+            def page() -> dict[str, Any]:
+                data: dict[str, Any] = browser.execute_script(READ_PAGE)
+                return data
+
+            def as_shown(shown: dict[str, Any]) -> dict[str, Any]:
+                return {
+                    "nodes": {name: n["status"] for name, n in shown["nodes"].items()},
+                    "replicas": {
+                        r["id"]: (r["model"], sorted(r["nodes"])) for r in shown["replicas"]
+                    },
+                    "models": set(shown["models"]),
+                }
+
+            def same_as_api() -> dict[str, Any] | None:
+                shown = page()
+                if not shown["shown"] or as_shown(shown) != as_api(demo_status()):
+                    return None
+                if not all("serving" in r["phase"] for r in shown["replicas"]):
+                    return None
+                return shown
+
+            browser.get(control + "/ui")
+            shown = wait_until(
+                same_as_api, what="the page to show the demo as its admin API has it"
+            )
+            assert as_shown(shown) == expected  # nothing moved since the banner
+            assert not shown["login"] and not browser.find_element(By.ID, "login").is_displayed()
+            assert browser.execute_script("return sessionStorage.length") == 0  # no token asked
+            assert {n["scheduling"] for n in shown["nodes"].values()} == {"schedulable"}
+
+            # A drain (no token either): the page shows it, and the replicas on the L4 node
+            # (if the first placement put any there) move to the H100 node, serving.
+            drained = "sim-node-1"
+            moved = {rid for rid, (_, nodes) in expected["replicas"].items() if drained in nodes}
+            asked = time.monotonic()
+            response = httpx.post(
+                f"{control}/v1/admin/nodes/{drained}/drain", timeout=5, verify=trust
+            )
+            assert response.status_code == 200, response.text
+            wait_until(
+                lambda: page()["nodes"][drained]["scheduling"] == "draining",
+                10,
+                what="the page to show the node draining",
+            )
+            print(f"drain to 'draining' on the page: {time.monotonic() - asked:.2f} s")
+
+            def moved_off() -> dict[str, Any] | None:
+                shown = same_as_api()
+                if shown is None or len(shown["replicas"]) != 3:
+                    return None
+                if any(drained in r["nodes"] for r in shown["replicas"]):
+                    return None
+                return shown
+
+            shown = wait_until(moved_off, 30, what="the page to show the replicas moved off")
+            print(f"moved off {drained} on the page: {sorted(moved)}")
+            models = {r["model"] for r in shown["replicas"]}
+            assert (
+                models == {"demo-model", "demo-big"}
+                and shown["nodes"][drained]["status"] == "reachable"
+            )
+            if moved:
+                # New replicas took their place, and the recent transitions show them start.
+                new = {r["id"] for r in shown["replicas"]} - set(expected["replicas"])
+                assert len(new) == len(moved) and moved.isdisjoint(
+                    r["id"] for r in shown["replicas"]
+                )
+                assert all(f"replica {rid} rank 0 on" in shown["recent"] for rid in new)
+
+        engines = [json.loads(record.read_text())["pid"] for record in work.glob("*/shards/*.json")]
+        assert engines
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 0
+        assert not work.exists() and list(tmp_path.iterdir()) == []
+        for pid in engines:
+            assert not engine_alive(pid), pid
+    finally:
+        if demo.poll() is None:  # a failed check: the demo still stops what it started
+            demo.send_signal(signal.SIGTERM)
+            try:
+                demo.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(demo.pid, signal.SIGKILL)
+                demo.wait()
