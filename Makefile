@@ -54,6 +54,7 @@ bench: venv
 	$(BIN)/python bench/placement_bench.py
 	$(BIN)/python bench/fleet_bench.py
 	$(BIN)/python bench/routing_bench.py
+	$(BIN)/python tests/real_engine.py build && $(BIN)/python bench/real_routing_bench.py
 
 # pip-audit in its own virtualenv, so the audited set is exactly requirements.lock.
 $(AUDIT_STAMP): requirements-audit.lock
