@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 import attrs
 
@@ -39,19 +39,7 @@ MisfitKind = Literal[
 
 # The order in which checks run and in which an explanation lists the groups. The
 # last two are about spanning nodes, decided over a whole fleet, not by `check`.
-KINDS: Final[tuple[MisfitKind, ...]] = (
-    "lost",
-    "unreachable",
-    "cordoned",
-    "draining",
-    "engine",
-    "selector",
-    "gpu_model",
-    "few",
-    "memory",
-    "no_fabric",
-    "domain",
-)
+KINDS: Final[tuple[MisfitKind, ...]] = get_args(MisfitKind)
 
 
 @attrs.frozen
