@@ -19,7 +19,7 @@ import pytest
 
 from llmgw_core.config import parse_config
 from llmgw_core.tomlshape import ConfigError
-from llmgw_server.access_log import (
+from llmgw_server.router.access_log import (
     AccessRecord,
     format_json,
     format_logfmt,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.balancer import Balancer, Replica
+from llmgw_server.router.balancer import Balancer, Replica
 
 
 def replicas(n: int) -> list[Replica]:
@@ -129,7 +129,7 @@ def test_a_draining_replica_takes_no_new_requests() -> None:
 
 
 def test_what_each_status_says_about_the_replica() -> None:
-    from llmgw_server.balancer import Verdict, judge
+    from llmgw_server.router.balancer import Verdict, judge
 
     assert {s: judge(s) for s in (200, 400, 401, 404, 422, 501, 505)} == dict.fromkeys(
         (200, 400, 401, 404, 422, 501, 505), Verdict.RELAY
@@ -139,7 +139,7 @@ def test_what_each_status_says_about_the_replica() -> None:
 
 
 def test_retry_after_within_bounds() -> None:
-    from llmgw_server.balancer import busy_pause_s
+    from llmgw_server.router.balancer import busy_pause_s
 
     assert busy_pause_s(b"7") == 7.0
     assert busy_pause_s(b"") == 1.0  # none given: still set aside for a moment

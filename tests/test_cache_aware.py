@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
-from llmgw_server.balancer import Balancer, Replica
-from llmgw_server.cache_aware import Decision, choose, load_of
-from llmgw_server.load_signals import LoadSignal
-from llmgw_server.prefix import PromptKey, prompt_key
+from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.cache_aware import Decision, choose, load_of
+from llmgw_server.router.load_signals import LoadSignal
+from llmgw_server.router.prefix import PromptKey, prompt_key
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
 

@@ -27,10 +27,10 @@ from llmgw_core.control_config import ControlSection
 from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Ack, Heartbeat, Welcome
-from llmgw_server.admin import AdminAPI
 from llmgw_server.control import explanation
 from llmgw_server.control.reconciler import Reconciler
-from llmgw_server.control_metrics import (
+from llmgw_server.plane.admin import AdminAPI
+from llmgw_server.plane.metrics import (
     PLACEMENT_REASONS,
     ControlMetrics,
     message_type,

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import parse_config
-from llmgw_server.health import read_load_forever
-from llmgw_server.load_signals import LoadSignal, parse_load
-from llmgw_server.router import Router
+from llmgw_server.router.front import Router
+from llmgw_server.router.health import read_load_forever
+from llmgw_server.router.load_signals import LoadSignal, parse_load
 from procs import Procs, free_port
 
 SAMPLES = Path(__file__).parent / "engine_metrics"

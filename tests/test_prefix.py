@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmgw_server.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key, stable_hash
+from llmgw_server.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key, stable_hash
 
 BLOCK = 64
 
@@ -91,7 +91,7 @@ def test_only_the_first_max_blocks_are_hashed() -> None:
 def test_hashes_are_the_same_in_every_process() -> None:
     """Rendezvous needs the anchor's hash to agree across router processes (no PYTHONHASHSEED)."""
     code = (
-        "from llmgw_server.prefix import prompt_key, stable_hash;"
+        "from llmgw_server.router.prefix import prompt_key, stable_hash;"
         "k = prompt_key({'messages': [{'role': 'user', 'content': 'héllo wörld ' * 40}]}, True, 64);"
         "print(k.anchor_hash, k.chain[-1], stable_hash('http://10.0.0.1:8000'))"
     )

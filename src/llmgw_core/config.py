@@ -50,6 +50,9 @@ class ServerSection:
     access_log_file: Path | None = None  # None: stderr, with the other log lines
     # Hex SHA-256 digest of the token that GET /metrics asks for; None: /metrics is open.
     metrics_token_digest: str | None = None
+    # Router processes serving `listen` (one socket, shared): 1 is this process alone.
+    # The file's "auto" is resolved when read: the cores this process may run on.
+    workers: int = 1
 
 
 BALANCING = ("cache_aware", "least_outstanding", "round_robin")
@@ -118,6 +121,9 @@ class AdminSection:
     # False when the file has no [admin] section: then the admin API is open (status and
     # actions) when control_listen is a loopback address, and refuses everything otherwise.
     declared: bool = True
+    # Hex SHA-256 digest of the router token: it may only follow the replica sets
+    # (`llmgw-server router --control URL`), never read status or act. None: no router may.
+    router_token_digest: str | None = None
 
 
 @attrs.frozen
@@ -195,9 +201,19 @@ def _read_server(t: Table, environ: Mapping[str, str]) -> ServerSection:
         access_log_format=_access_log_format(t),
         access_log_file=_access_log_file(t),
         metrics_token_digest=_optional_secret(t, "metrics_token", environ),
+        workers=_workers(t),
     )
     t.finish()
     return section
+
+
+def _workers(t: Table) -> int:
+    if t.has("workers") and isinstance(t.raw("workers"), str):
+        if t.text("workers") != "auto":
+            t.fail("workers", "must be a number of processes (1 or more) or \"auto\"")
+        return len(os.sched_getaffinity(0))
+    workers: int = t.integer("workers", 1, min=1)
+    return workers
 
 
 def _access_log_format(t: Table) -> str:
@@ -364,6 +380,10 @@ def _read_admin(
         token = _digest(t, "token_digest")
     elif t.has("token_env"):
         token = _secret_from_env(t, "token_env", environ)
-    section = AdminSection(token_digest=token, open_status=t.boolean("open_status", False))
+    section = AdminSection(
+        token_digest=token,
+        open_status=t.boolean("open_status", False),
+        router_token_digest=_optional_secret(t, "router_token", environ),
+    )
     t.finish()
     return section

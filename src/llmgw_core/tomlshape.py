@@ -91,6 +91,10 @@ class Table:
     def has(self, key: str) -> bool:
         return key in self._data
 
+    def raw(self, key: str) -> Any:
+        """The value at `key` as the file has it, for a key that takes more than one type."""
+        return self._data[key]
+
     def _get(self, key: str, default: Any) -> Any:
         self._read.add(key)
         if key in self._data:

@@ -14,10 +14,10 @@ import trio
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tls_config import server_context
-from llmgw_server.admin import AdminAPI
-from llmgw_server.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
-from llmgw_server.health import probe_forever
-from llmgw_server.router import Router
+from llmgw_server.plane.admin import AdminAPI
+from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.router.front import Router
+from llmgw_server.router.health import probe_forever
 
 log = logging.getLogger("llmgw.server")
 

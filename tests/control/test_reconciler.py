@@ -12,11 +12,11 @@ from fleetsim import FAST, Fleet, catalog, gpu_node, model
 from llmgw_core.catalog import Endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import LaunchSpec, ShardState
-from llmgw_server.admin import status
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 from llmgw_server.control.shards import Phase
+from llmgw_server.plane.admin import status
 
 READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
 POD_A = {"ib_domain": "pod-a"}

@@ -37,10 +37,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmgw_core.config import CacheAwareSection
-from llmgw_server.prefix import PromptKey, rendezvous
+from llmgw_server.router.prefix import PromptKey, rendezvous
 
 if TYPE_CHECKING:
-    from llmgw_server.balancer import Replica
+    from llmgw_server.router.balancer import Replica
 
 
 class Decision(enum.Enum):

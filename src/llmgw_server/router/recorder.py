@@ -14,7 +14,7 @@ import trio
 
 from llmgw_core.http_server import JSON, Responder
 from llmgw_core.openai_errors import error_body
-from llmgw_server.access_log import AccessRecord, usage_in
+from llmgw_server.router.access_log import AccessRecord, usage_in
 
 log = logging.getLogger("llmgw.router")
 

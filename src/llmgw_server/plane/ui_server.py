@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from llmgw_core.http_server import Request, Responder
-from llmgw_server.fleet_feed import FleetFeed
+from llmgw_server.plane.fleet_feed import FleetFeed
 
 COALESCE_S = 0.5
 KEEPALIVE_S = 15.0

@@ -19,10 +19,10 @@ import attrs
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
-from llmgw_server import cache_aware
-from llmgw_server.cache_aware import Decision
-from llmgw_server.load_signals import LoadSignal
-from llmgw_server.prefix import PrefixIndex, PromptKey, rendezvous, stable_hash
+from llmgw_server.router import cache_aware
+from llmgw_server.router.cache_aware import Decision
+from llmgw_server.router.load_signals import LoadSignal
+from llmgw_server.router.prefix import PrefixIndex, PromptKey, rendezvous, stable_hash
 
 _P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
 _BUSY_MIN_S = 1.0  # a 429/503 without Retry-After still sets the replica aside this long

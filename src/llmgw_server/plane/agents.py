@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 import trio_websocket
@@ -42,9 +42,7 @@ from llmgw_core.wire import (
 )
 from llmgw_core.ws_frames import read_frames, write_frames
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
-
-if TYPE_CHECKING:
-    from llmgw_server.controlplane import ControlPlane
+from llmgw_server.plane.metrics import ControlMetrics
 
 log = logging.getLogger("llmgw.agentsvc")
 
@@ -77,10 +75,22 @@ class _Stream:
         self.cancel_scope.cancel()
 
 
+class AgentEvents(Protocol):
+    """What the streams report to: the control plane (which imports this module, never
+    the other way round)."""
+
+    metrics: ControlMetrics
+
+    def registered(self, message: Register) -> None: ...
+    def heartbeat(self, node: str) -> None: ...
+    def disconnected(self, node: str) -> None: ...
+    def shard_update(self, node: str, message: ShardUpdate) -> None: ...
+
+
 class AgentService:
     def __init__(
         self,
-        plane: ControlPlane,
+        plane: AgentEvents,
         heartbeat_interval_s: float,
         *,
         require_certificates: bool = False,
@@ -107,10 +117,9 @@ class AgentService:
         self.metrics.frame_out(message)
         return True
 
-    def close_silent(self, transitions: Iterable[NodeTransition]) -> None:
+    def close_silent(self, transitions: Iterable[NodeTransition], guard: str | None) -> None:
         """Close the streams of nodes that `transitions` declare no longer reachable, unless
-        the mass-loss guard holds (as `silent_streams` decides)."""
-        guard = self.plane.reconciler.lifecycle.guard
+        the mass-loss `guard` holds (as `silent_streams` decides)."""
         for node, reason in silent_streams(transitions, self.streams, guard):
             self.streams[node].close(reason, "silent")
 

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
-from llmgw_server.balancer import Balancer, Choice
-from llmgw_server.load_signals import LoadSignal
-from llmgw_server.prefix import PromptKey
-from llmgw_server.upstream import Pool
+from llmgw_server.router.balancer import Balancer, Choice
+from llmgw_server.router.load_signals import LoadSignal
+from llmgw_server.router.prefix import PromptKey
+from llmgw_server.router.upstream import Pool
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _BYTE_BUCKETS = (0.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)

@@ -1,7 +1,7 @@
 """The access log's content: one record per request, written as one logfmt or JSON line.
 
 Pure: records in, text out. The router fills a record while it answers
-(llmgw_server.recorder) and a writer puts the lines out.
+(llmgw_server.router.recorder) and a writer puts the lines out.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import httpx
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.balancer import Balancer, Replica
-from llmgw_server.load_signals import parse_load
-from llmgw_server.router import Router
+from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.front import Router
+from llmgw_server.router.load_signals import parse_load
 
 log = logging.getLogger("llmgw.health")
 

@@ -17,18 +17,18 @@ from llmgw_core.config import Config, digest_of
 from llmgw_core.http_server import JSON, Request, Responder
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
-from llmgw_server.access_log import (
+from llmgw_server.router.access_log import (
     FORMATTERS,
     AccessRecord,
     key_id_of,
     logfmt_value,
     valid_request_id,
 )
-from llmgw_server.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
-from llmgw_server.metrics import RouterMetrics
-from llmgw_server.prefix import PromptKey, prompt_key
-from llmgw_server.recorder import LineWriter, RecordingResponder, new_request_id
-from llmgw_server.upstream import Exchange, Pool, UpstreamError
+from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
+from llmgw_server.router.metrics import RouterMetrics
+from llmgw_server.router.prefix import PromptKey, prompt_key
+from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
+from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.shards import Phase
 from llmgw_server.control.views import ControlView, Unplaced
-from llmgw_server.metrics import Histogram, _labels
+from llmgw_server.router.metrics import Histogram, _labels
 
 # Why a node could not take a replica: the explanation's reasons, as a bounded label set.
 PLACEMENT_REASONS = (

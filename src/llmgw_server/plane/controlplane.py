@@ -19,13 +19,13 @@ from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
-from llmgw_server.agentsvc import AgentService
-from llmgw_server.balancer import Replica
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
-from llmgw_server.control_metrics import ControlMetrics
-from llmgw_server.fleet_feed import FleetFeed
-from llmgw_server.router import Router
+from llmgw_server.plane.agents import AgentService
+from llmgw_server.plane.fleet_feed import FleetFeed
+from llmgw_server.plane.metrics import ControlMetrics
+from llmgw_server.router.balancer import Replica
+from llmgw_server.router.front import Router
 
 log = logging.getLogger("llmgw.control")
 
@@ -149,7 +149,8 @@ class ControlPlane:
                 log.info("node %s joined (%s)", transition.node, transition.reason)
         for note in step.notes:
             log.info("%s", note)
-        self.agents.close_silent(step.transitions)  # a node declared unreachable: dead stream
+        # A node declared unreachable has a dead stream (unless the mass-loss guard holds).
+        self.agents.close_silent(step.transitions, self.reconciler.lifecycle.guard)
         for command in step.commands:
             self._deliver(command)
         if step.reconciled:  # which replicas serve may have changed

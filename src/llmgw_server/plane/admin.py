@@ -24,12 +24,12 @@ import trio
 from llmgw_core.config import AdminSection, digest_of
 from llmgw_core.http_server import Request, Responder
 from llmgw_core.openai_errors import error_body
-from llmgw_server import ui_server
 from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
+from llmgw_server.plane import ui_server
 
 if TYPE_CHECKING:
-    from llmgw_server.controlplane import ControlPlane
+    from llmgw_server.plane.controlplane import ControlPlane
 
 _ACTIONS = {
     "cordon": (True, True),
