@@ -1,0 +1,191 @@
+"""The route feed's messages and their one converter: how routers follow a control plane.
+
+A router (a separate `llmgw-server router` process, a worker of a server, or the
+server's own router) follows the control plane's route table: every model the
+control plane places, with the endpoints that serve it, and the endpoints being
+drained (drain intents: they take no new requests, those in flight finish).
+
+Down (control plane -> router): `Routes`, the whole table, each time it changes.
+Up (router -> control plane): `Hello` first, then `InFlight`: the requests the
+router has in flight on each draining endpoint, for the table version it has
+applied, so the control plane stops a drained replica only once no router is
+still using it.
+
+A frame is one JSON text with a "type" tag. Decoding never raises anything but
+`FeedError`, whose text says what was wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.preconf.json import make_converter
+from cattrs.strategies import configure_tagged_union
+
+from llmgw_core.catalog import Endpoint
+
+PROTOCOL = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # a table of thousands of replicas still fits
+
+
+class FeedError(Exception):
+    """A frame that cannot be used: not JSON, unknown type, wrong fields, wrong protocol."""
+
+
+@attrs.frozen
+class RouteTable:
+    """What routers serve, as the control plane sees it at `version`.
+
+    `models`: every model the control plane places -> its endpoints (empty: none serve
+    now), the draining ones included so that routers keep counting what they have in
+    flight there. `draining`: endpoints that take no new requests.
+    `complete`: False while a control plane that just started may not yet have heard
+    from every agent; a router that serves a complete table keeps its endpoints until
+    a complete one comes (it still applies the drain intents).
+    """
+
+    version: int
+    models: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict, hash=False)
+    draining: frozenset[Endpoint] = frozenset()
+    complete: bool = True
+
+
+EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
+
+
+# Down: control plane -> router
+
+
+@attrs.frozen
+class Routes:
+    table: RouteTable
+
+
+# Up: router -> control plane
+
+
+@attrs.frozen
+class Hello:
+    """The first frame of every feed: the protocol and a name for the router (logs only)."""
+
+    protocol: int
+    router: str
+
+
+@attrs.frozen
+class InFlight:
+    """Requests in flight per draining endpoint (keyed by its URL) once the router has
+    applied table `version`; an endpoint left out has none."""
+
+    version: int
+    counts: Mapping[str, int] = attrs.field(factory=dict, hash=False)
+
+
+UpMessage = Hello | InFlight
+DownMessage = Routes
+
+_TAGS: dict[type, str] = {Hello: "hello", InFlight: "in_flight", Routes: "routes"}
+_UP_TAGS = frozenset({"hello", "in_flight"})
+_DOWN_TAGS = frozenset({"routes"})
+
+
+converter = make_converter(forbid_extra_keys=False)
+
+
+def _strict(kind: type) -> Any:
+    # cattrs would call int("7") or bool("no"): a frame says what it means or is refused.
+    def structure(value: object, _: type) -> object:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return structure
+
+
+for _kind in (int, bool, str):
+    converter.register_structure_hook(_kind, _strict(_kind))
+configure_tagged_union(UpMessage, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
+
+
+def encode(message: UpMessage | DownMessage) -> str:
+    if isinstance(message, Routes):
+        data = converter.unstructure(message)
+        data["type"] = "routes"
+    else:
+        data = converter.unstructure(message, UpMessage)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def decode_down(frame: str | bytes) -> DownMessage:
+    message = _decode(frame, DownMessage, _DOWN_TAGS)
+    assert isinstance(message, Routes)
+    _check_table(message.table)
+    return message
+
+
+def decode_up(frame: str | bytes) -> UpMessage:
+    message = _decode(frame, UpMessage, _UP_TAGS)
+    assert isinstance(message, Hello | InFlight)
+    if isinstance(message, Hello) and message.protocol != PROTOCOL:
+        raise FeedError(
+            f"route feed protocol {message.protocol} is not supported (this control plane "
+            f"speaks {PROTOCOL})"
+        )
+    if isinstance(message, InFlight):
+        if message.version < 0:
+            raise FeedError(f"an in_flight frame's version must not be negative: {message.version}")
+        for url, count in message.counts.items():
+            if count < 0:
+                raise FeedError(f"an in_flight count must not be negative: {url!r} has {count}")
+    return message
+
+
+def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> object:
+    if isinstance(frame, bytes):
+        raise FeedError("binary frames are not part of the route feed; send JSON text")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FeedError(f"a frame of {len(frame)} characters exceeds {MAX_FRAME_BYTES}")
+    try:
+        data = json.loads(frame)
+    except (ValueError, RecursionError) as exc:
+        raise FeedError(f"the frame is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FeedError("a frame must be a JSON object")
+    tag = data.get("type")
+    if not isinstance(tag, str) or tag not in known:
+        raise FeedError(
+            f"unknown message type {tag!r} (expected one of {', '.join(sorted(known))})"
+        )
+    try:
+        return converter.structure(data, union)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise FeedError(f"a {tag!r} frame is malformed: {_describe(exc)}") from None
+
+
+def _check_table(table: RouteTable) -> None:
+    if table.version < 0:
+        raise FeedError(f"a table's version must not be negative: {table.version}")
+    for model, endpoints in table.models.items():
+        if not model:
+            raise FeedError("a table names a model with an empty name")
+        for endpoint in endpoints:
+            _check_endpoint(endpoint, f"model {model!r}")
+    for endpoint in table.draining:
+        _check_endpoint(endpoint, "draining")
+
+
+def _check_endpoint(endpoint: Endpoint, where: str) -> None:
+    if not endpoint.host:
+        raise FeedError(f"an endpoint of {where} has no host")
+    if not 0 < endpoint.port < 65536:
+        raise FeedError(f"an endpoint of {where} has port {endpoint.port}, not 1-65535")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc, path="frame"))
+    return f"{type(exc).__name__}: {exc}"

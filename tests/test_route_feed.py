@@ -1,0 +1,171 @@
+"""The route feed's codec: round trips, and bad frames that only ever raise FeedError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw_core.catalog import Endpoint
+from llmgw_core.route_feed import (
+    PROTOCOL,
+    FeedError,
+    Hello,
+    InFlight,
+    Routes,
+    RouteTable,
+    decode_down,
+    decode_up,
+    encode,
+)
+
+endpoints = st.builds(
+    Endpoint,
+    host=st.text(min_size=1, max_size=20),
+    port=st.integers(1, 65535),
+    prefix=st.text(max_size=10),
+    api_key=st.text(max_size=20),
+)
+tables = st.builds(
+    RouteTable,
+    version=st.integers(0, 2**53),
+    models=st.dictionaries(
+        st.text(min_size=1, max_size=20), st.lists(endpoints, max_size=4).map(tuple), max_size=5
+    ),
+    draining=st.frozensets(endpoints, max_size=4),
+    complete=st.booleans(),
+)
+ups = st.one_of(
+    st.builds(Hello, protocol=st.just(PROTOCOL), router=st.text(max_size=30)),
+    st.builds(
+        InFlight,
+        version=st.integers(0, 2**53),
+        counts=st.dictionaries(st.text(max_size=30), st.integers(0, 10**6), max_size=5),
+    ),
+)
+
+
+@settings(max_examples=200)
+@given(tables)
+def test_routes_round_trip(table: RouteTable) -> None:
+    assert decode_down(encode(Routes(table))) == Routes(table)
+
+
+@settings(max_examples=200)
+@given(ups)
+def test_up_messages_round_trip(message: Hello | InFlight) -> None:
+    assert decode_up(encode(message)) == message
+
+
+def test_the_engine_key_travels_with_its_endpoint() -> None:
+    endpoint = Endpoint("10.0.0.5", 8000, api_key="engine-secret")
+    table = RouteTable(7, {"qwen": (endpoint,)}, frozenset({endpoint}))
+    decoded = decode_down(encode(Routes(table))).table
+    assert decoded.models["qwen"][0].api_key == "engine-secret"
+    assert decoded.draining == {endpoint}
+
+
+def test_up_and_down_do_not_mix() -> None:
+    with pytest.raises(FeedError, match="unknown message type 'routes'"):
+        decode_up(encode(Routes(RouteTable(1))))
+    with pytest.raises(FeedError, match="unknown message type 'hello'"):
+        decode_down(encode(Hello(PROTOCOL, "r1")))
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        ("not json", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"router": "r"}', "unknown message type None"),
+        ('{"type": "hello", "protocol": 2, "router": "r"}', "protocol 2 is not supported"),
+        ('{"type": "hello", "router": "r"}', "required field missing @ frame.protocol"),
+        ('{"type": "hello", "protocol": "1", "router": "r"}', "expected int @ frame.protocol"),
+        ('{"type": "hello", "protocol": true, "router": "r"}', "expected int @ frame.protocol"),
+        ('{"type": "in_flight", "version": 1, "counts": {"u": -1}}', "must not be negative"),
+        ('{"type": "in_flight", "version": 1, "counts": {"u": 1.5}}', "expected int"),
+        ('{"type": "in_flight", "version": 1, "counts": [1]}', "malformed"),
+        (b"\x00\x01", "binary frames"),
+        ('"' + "x" * (17 * 1024 * 1024) + '"', "exceeds"),
+        ("[" * 100000 + "]" * 100000, "not JSON"),
+    ],
+)
+def test_bad_up_frames_say_why(frame: str | bytes, reason: str) -> None:
+    with pytest.raises(FeedError, match=reason):
+        decode_up(frame)
+
+
+def _routes(table: object) -> str:
+    return json.dumps({"type": "routes", "table": table})
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (_routes({"models": {}}), "required field missing @ frame.table.version"),
+        (_routes({"version": -1}), "must not be negative"),
+        (_routes({"version": 1, "models": {"m": [{"host": "h", "port": 0}]}}), "port 0"),
+        (_routes({"version": 1, "models": {"m": [{"host": "", "port": 80}]}}), "no host"),
+        (_routes({"version": 1, "models": {"": []}}), "empty name"),
+        (_routes({"version": 1, "models": {"m": [{"port": 80}]}}), "required field missing"),
+        (_routes({"version": 1, "draining": [{"host": "h", "port": 70000}]}), "port 70000"),
+        (_routes({"version": 1, "complete": "yes"}), "expected bool"),
+        (_routes({"version": 1, "models": {"m": "http://h:1"}}), "malformed"),
+        (_routes([]), "malformed"),
+    ],
+)
+def test_bad_tables_say_why(frame: str, reason: str) -> None:
+    with pytest.raises(FeedError, match=reason):
+        decode_down(frame)
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.text(max_size=300), st.binary(max_size=300)))
+def test_arbitrary_frames_decode_or_raise_feed_error(frame: str | bytes) -> None:
+    for decode in (decode_up, decode_down):
+        try:
+            decode(frame)
+        except FeedError:
+            pass
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+endpoint_like = st.fixed_dictionaries(
+    {}, optional={"host": json_values, "port": json_values, "prefix": json_values}
+)
+
+
+@settings(max_examples=500)
+@given(
+    st.sampled_from(["hello", "in_flight", "routes", "nope"]),
+    st.dictionaries(
+        st.sampled_from(["protocol", "router", "version", "counts", "table"]),
+        json_values
+        | st.fixed_dictionaries(
+            {},
+            optional={
+                "version": json_values,
+                "models": st.dictionaries(
+                    st.text(max_size=5), st.lists(endpoint_like) | json_values
+                ),
+                "draining": st.lists(endpoint_like) | json_values,
+                "complete": json_values,
+            },
+        ),
+    ),
+)
+def test_typed_garbage_decodes_or_raises_feed_error(tag: str, fields: dict[str, object]) -> None:
+    frame = json.dumps({"type": tag, **fields})
+    for decode in (decode_up, decode_down):
+        try:
+            decode(frame)
+        except FeedError:
+            pass
