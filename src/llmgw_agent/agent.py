@@ -25,6 +25,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import assert_never
 
 import attrs
 import httpx
@@ -45,6 +46,7 @@ from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
     Ack,
+    DownMessage,
     Drain,
     Heartbeat,
     Mark,
@@ -283,7 +285,7 @@ class Agent:
 
     # -- commands ------------------------------------------------------------
 
-    def _command(self, message: object) -> None:
+    def _command(self, message: DownMessage) -> None:
         if isinstance(message, Start):
             error = self._start(message.spec)
             self._send(Ack(message.command_id, ok=not error, error=error))
@@ -305,8 +307,10 @@ class Agent:
             self.cordoned, self.draining = message.cordoned, message.draining
             self._save_flags()
             self._send(Ack(message.command_id))
-        else:
+        elif isinstance(message, Welcome):
             self._send(Ack(0, ok=False, error=f"unexpected {type(message).__name__}"))
+        else:
+            assert_never(message)
 
     def _start(self, spec: LaunchSpec) -> str:
         key = (spec.replica_id, spec.rank)

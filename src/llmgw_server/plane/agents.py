@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import trio
 import trio_websocket
@@ -35,6 +35,7 @@ from llmgw_core.wire import (
     Heartbeat,
     Register,
     ShardUpdate,
+    UpMessage,
     Welcome,
     WireError,
     decode_up,
@@ -244,7 +245,7 @@ class AgentService:
                 log.info("node %s disconnected", stream.node)
                 self.plane.disconnected(stream.node)
 
-    def _decode(self, frame: str | bytes) -> object:
+    def _decode(self, frame: str | bytes) -> UpMessage:
         try:
             message = decode_up(frame)
         except WireError as exc:
@@ -253,7 +254,7 @@ class AgentService:
         self.metrics.frame_in(message)
         return message
 
-    def _dispatch(self, node: str, message: object) -> None:
+    def _dispatch(self, node: str, message: UpMessage) -> None:
         if isinstance(message, Heartbeat):
             self.plane.heartbeat(node)
         elif isinstance(message, ShardUpdate):
@@ -264,8 +265,10 @@ class AgentService:
                 log.warning(
                     "node %s refused command %d: %s", node, message.command_id, message.error
                 )
-        else:
+        elif isinstance(message, Register):
             raise StreamClosed(f"{type(message).__name__} is out of order after registration")
+        else:
+            assert_never(message)
 
 
 def silent_streams(

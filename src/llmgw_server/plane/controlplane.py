@@ -12,6 +12,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import assert_never
 
 import trio
 
@@ -19,7 +20,7 @@ from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
-from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.plane.agents import AgentService
 from llmgw_server.plane.fleet_feed import FleetFeed
@@ -159,7 +160,7 @@ class ControlPlane:
         if step.wake_at is not None and step.wake_at < self._sleep_until:
             self._wake.set()
 
-    def _deliver(self, command: object) -> None:
+    def _deliver(self, command: Command) -> None:
         agents = self.agents
         if isinstance(command, StartShard):
             spec = command.spec
@@ -195,6 +196,8 @@ class ControlPlane:
             agents.send(
                 command.node, Mark(agents.next_command_id(), command.cordoned, command.draining)
             )
+        else:
+            assert_never(command)
 
     def _watch_drain(self, replica_id: str) -> None:
         """Stop sending the replica requests; tell the reconciler once none is in flight."""
