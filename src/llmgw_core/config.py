@@ -1,22 +1,37 @@
-"""The server's config file: `[server]`, `[router]`, `[auth]`, `[admin]` and the catalog."""
+"""The server's config file: `[server]`, `[router]`, `[auth]`, `[admin]` and the catalog.
+
+Each section is declared once, as the attrs class below: its fields' metadata (`rules`)
+say what the file may hold, and `tomlshape.structure` reads the file into it.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import difflib
 import ipaddress
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
 
 from llmgw_core.catalog import Catalog, read_catalog
-from llmgw_core.control_config import ControlSection, read_control
+from llmgw_core.control_config import ControlSection
 from llmgw_core.tls_config import AgentsTLS, read_agents_tls
-from llmgw_core.tomlshape import Table, load_toml
-
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+from llmgw_core.tomlshape import (
+    CONVERTER,
+    Problem,
+    Table,
+    digest_hook,
+    load_toml,
+    read_digest,
+    read_integer,
+    read_text,
+    read_texts,
+    rule_after,
+    rule_before,
+    rules,
+)
+from llmgw_core.tomlshape import digest_of as digest_of  # imported from here by others
 
 
 @attrs.frozen
@@ -35,71 +50,195 @@ def parse_listen(text: str) -> ListenAddress:
     return ListenAddress(host=host.strip("[]"), port=int(port))
 
 
+def _read_listen(value: object, _: object) -> ListenAddress:
+    try:
+        return parse_listen(read_text(value))
+    except ValueError as exc:
+        raise Problem(str(exc)) from None
+
+
+CONVERTER.register_structure_hook(ListenAddress, _read_listen)
+
+
+def _access_log_format(text: str) -> str:
+    if text not in ("logfmt", "json"):
+        raise Problem("must be 'logfmt' or 'json'")
+    return text
+
+
+def _access_log_file(path: Path) -> Path:
+    if not path.parent.is_dir():
+        raise Problem(f"{str(path)!r}: no directory {str(path.parent)!r}")
+    return path
+
+
+def _workers(value: object) -> int:
+    """A number of processes, or "auto": the cores this process may run on."""
+    if isinstance(value, str):
+        if read_text(value) != "auto":
+            raise Problem('must be a number of processes (1 or more) or "auto"')
+        return len(os.sched_getaffinity(0))
+    return read_integer(value)
+
+
 @attrs.frozen
 class ServerSection:
     listen: ListenAddress = ListenAddress("127.0.0.1", 8080)
     # The agents' stream and the admin API, apart from the inference API.
     control_listen: ListenAddress = ListenAddress("127.0.0.1", 8081)
-    max_body_bytes: int = 16 * 1024 * 1024
-    header_timeout_s: float = 10.0  # from the first byte of a request to the end of its head
-    body_timeout_s: float = 60.0  # for the whole request body
-    keepalive_timeout_s: float = 75.0  # an idle connection between requests
-    shutdown_grace_s: float = 30.0
+    max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, metadata=rules(min=1024))
+    # From the first byte of a request to the end of its head.
+    header_timeout_s: float = attrs.field(default=10.0, metadata=rules(min=0.1))
+    body_timeout_s: float = attrs.field(default=60.0, metadata=rules(min=0.1))  # whole body
+    # An idle connection between requests.
+    keepalive_timeout_s: float = attrs.field(default=75.0, metadata=rules(min=0.1))
+    shutdown_grace_s: float = attrs.field(default=30.0, metadata=rules(min=0))
     access_log: bool = True  # one line per request
-    access_log_format: str = "logfmt"  # or "json"
-    access_log_file: Path | None = None  # None: stderr, with the other log lines
+    access_log_format: str = attrs.field(  # or "json"
+        default="logfmt", metadata=rules(check=_access_log_format)
+    )
+    # None: stderr, with the other log lines.
+    access_log_file: Path | None = attrs.field(
+        default=None, metadata=rules(check=_access_log_file)
+    )
     # Hex SHA-256 digest of the token that GET /metrics asks for; None: /metrics is open.
-    metrics_token_digest: str | None = None
+    metrics_token_digest: str | None = attrs.field(
+        default=None, metadata=rules(parse=digest_hook, secret_env="metrics_token_env")
+    )
     # Router processes serving `listen` (one socket, shared): 1 is this process alone.
     # The file's "auto" is resolved when read: the cores this process may run on.
-    workers: int = 1
+    workers: int = attrs.field(default=1, metadata=rules(parse=_workers, min=1))
 
 
 BALANCING = ("cache_aware", "least_outstanding", "round_robin")
+
+
+def _balancing(text: str) -> str:
+    if text not in BALANCING:
+        close = difflib.get_close_matches(text, BALANCING, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise Problem(f"must be one of {', '.join(BALANCING)}, not {text!r}{hint}")
+    return text
 
 
 @attrs.frozen
 class CacheAwareSection:
     """`[router.cache_aware]`: engine load signals, the prefix index and the load bounds."""
 
-    metrics_interval_s: float = 1.0  # each engine's /metrics is read this often (0: never)
-    metrics_max_age_s: float = 3.0  # an older reading is not used: the router's own counts are
-    block_bytes: int = 256  # prompt text per hashed block (about 64 tokens of English)
-    index_blocks: int = 16384  # prefix entries remembered per replica (LRU)
-    index_ttl_s: float = 600.0  # an entry not sent again for this long is forgotten
-    max_load_ratio: float = 1.5  # a conversation stays on its replica while its load is
-    load_slack: float = 8.0  #   <= max(least * max_load_ratio, least + load_slack)
-    new_load_slack: float = 1.0  # a new conversation goes where load <= least + this
-    max_share: float = 1.4  # ... and conversations held < this x the mean (+ 1)
-    shared_prefix_ratio: float = 0.5  # a prefix held elsewhere this big is shared: by load
-    waiting_weight: float = 4.0  # a waiting request counts 1 + this (it waits behind all)
-    kv_usage_weight: float = 1.0  # a full KV cache counts as this many requests
+    # Each engine's /metrics is read this often (0: never).
+    metrics_interval_s: float = attrs.field(default=1.0, metadata=rules(min=0))
+    # An older reading is not used: the router's own counts are.
+    metrics_max_age_s: float = attrs.field(default=3.0, metadata=rules(min=0.01))
+    # Prompt text per hashed block (about 64 tokens of English).
+    block_bytes: int = attrs.field(default=256, metadata=rules(min=16))
+    # Prefix entries remembered per replica (LRU).
+    index_blocks: int = attrs.field(default=16384, metadata=rules(min=1))
+    # An entry not sent again for this long is forgotten.
+    index_ttl_s: float = attrs.field(default=600.0, metadata=rules(min=0.01))
+    # A conversation stays on its replica while its load is
+    #   <= max(least * max_load_ratio, least + load_slack).
+    max_load_ratio: float = attrs.field(default=1.5, metadata=rules(min=1))
+    load_slack: float = attrs.field(default=8.0, metadata=rules(min=0))
+    # A new conversation goes where load <= least + this...
+    new_load_slack: float = attrs.field(default=1.0, metadata=rules(min=0))
+    # ... and conversations held < this x the mean (+ 1).
+    max_share: float = attrs.field(default=1.4, metadata=rules(min=1))
+    # A prefix held elsewhere this big is shared: by load.
+    shared_prefix_ratio: float = attrs.field(default=0.5, metadata=rules(min=0, max=1))
+    # A waiting request counts 1 + this (it waits behind all).
+    waiting_weight: float = attrs.field(default=4.0, metadata=rules(min=0))
+    # A full KV cache counts as this many requests.
+    kv_usage_weight: float = attrs.field(default=1.0, metadata=rules(min=0))
+
+
+@rule_after(CacheAwareSection)
+def _cache_aware_rules(section: CacheAwareSection) -> None:
+    if section.metrics_max_age_s < section.metrics_interval_s:
+        raise Problem(
+            f"must be at least metrics_interval_s ({section.metrics_interval_s}): "
+            "every reading would be too old before the next one",
+            "metrics_max_age_s",
+        )
 
 
 @attrs.frozen
 class RouterSection:
-    balancing: str = "cache_aware"  # one of BALANCING
+    balancing: str = attrs.field(default="cache_aware", metadata=rules(check=_balancing))
     cache_aware: CacheAwareSection = CacheAwareSection()
-    retries: int = 2  # further attempts on other replicas before the first byte
-    connect_timeout_s: float = 3.0
-    first_byte_timeout_s: float = 600.0
-    read_idle_timeout_s: float = 300.0  # after the head: an engine silent this long has stalled
+    # Further attempts on other replicas before the first byte.
+    retries: int = attrs.field(default=2, metadata=rules(min=0))
+    connect_timeout_s: float = attrs.field(default=3.0, metadata=rules(min=0.01))
+    first_byte_timeout_s: float = attrs.field(default=600.0, metadata=rules(min=0.1))
+    # After the head: an engine silent this long has stalled.
+    read_idle_timeout_s: float = attrs.field(default=300.0, metadata=rules(min=0.1))
     # A pooled connection idle longer than this is never reused: engines close idle
     # keep-alives without saying so (uvicorn after 5 s, llama-server after 5 s).
-    upstream_idle_s: float = 4.0
-    eject_after_failures: int = 3  # consecutive failures that eject a replica
-    eject_cooldown_s: float = 10.0
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0
-    session_header: str = "x-session-id"
+    upstream_idle_s: float = attrs.field(default=4.0, metadata=rules(min=0))
+    # Consecutive failures that eject a replica.
+    eject_after_failures: int = attrs.field(default=3, metadata=rules(min=1))
+    eject_cooldown_s: float = attrs.field(default=10.0, metadata=rules(min=0.01))
+    health_interval_s: float = attrs.field(default=5.0, metadata=rules(min=0.01))
+    health_timeout_s: float = attrs.field(default=2.0, metadata=rules(min=0.01))
+    session_header: str = attrs.field(default="x-session-id", metadata=rules(check=str.lower))
+
+
+def _digests(value: object) -> tuple[str, ...]:
+    digests = []
+    for i, text in enumerate(read_texts(value)):
+        try:
+            digests.append(read_digest(text))
+        except Problem as problem:
+            raise Problem(problem.message, f"[{i}]") from None
+    return tuple(digests)
+
+
+def _some_models(names: tuple[str, ...]) -> tuple[str, ...]:
+    if not names:
+        raise Problem("must name at least one model (leave it out for every model)")
+    return names
+
+
+@attrs.frozen
+class KeyEntry:
+    """`[[auth.keys]]`: one API key, by its digest, and the models it may use."""
+
+    # Hex SHA-256 digest of the key: given as `digest`, or made from the variable `env` names.
+    digest: str = attrs.field(metadata=rules(parse=digest_hook, secret_env="env"))
+    # None: every model. The names as the file lists them, for the key paths of errors.
+    model_names: tuple[str, ...] | None = attrs.field(
+        default=None, metadata=rules(key="models", check=_some_models)
+    )
+
+    @property
+    def models(self) -> frozenset[str] | None:
+        return None if self.model_names is None else frozenset(self.model_names)
+
+
+@rule_before(KeyEntry)
+def _digest_or_env(data: Mapping[str, object]) -> None:
+    if ("digest" in data) == ("env" in data):
+        raise Problem("give either digest (a stored digest) or env (a variable holding the key)")
+
+
+def _keys_by_digest(section: AuthSection) -> dict[str, frozenset[str] | None]:
+    keys: dict[str, frozenset[str] | None] = {}
+    for digest in section.api_keys:
+        keys[digest] = None
+    for entry in section.entries:
+        keys[entry.digest] = entry.models
+    return keys
 
 
 @attrs.frozen
 class AuthSection:
-    # Hex SHA-256 digest of each API key (without the prefix) -> the models it may use,
-    # None for every model. Raw keys are never kept: a key from an environment variable
-    # is hashed when the config is read.
-    keys: Mapping[str, frozenset[str] | None] = attrs.field(factory=dict)
+    # Hex SHA-256 digests of API keys (without the prefix) that may use every model.
+    api_keys: tuple[str, ...] = attrs.field(default=(), metadata=rules(parse=_digests))
+    entries: tuple[KeyEntry, ...] = attrs.field(default=(), metadata=rules(key="keys"))
+    # Digest -> the models it may use, None for every model. Raw keys are never kept: a
+    # key from an environment variable is hashed when the config is read.
+    keys: Mapping[str, frozenset[str] | None] = attrs.field(
+        init=False, default=attrs.Factory(_keys_by_digest, takes_self=True)
+    )
 
     @property
     def required(self) -> bool:
@@ -111,19 +250,44 @@ class AuthSection:
         return frozenset(self.keys)
 
 
+@rule_after(AuthSection)
+def _each_key_once(section: AuthSection) -> None:
+    where: dict[str, str] = {}
+    paths = [(d, f"api_keys[{i}]") for i, d in enumerate(section.api_keys)]
+    paths += [(e.digest, f"keys[{i}]") for i, e in enumerate(section.entries)]
+    for digest, path in paths:
+        if digest in where:
+            raise Problem(f"is the same key as {where[digest]}: give each key once", path)
+        where[digest] = f"auth.{path}"
+
+
+def _check_auth_models(auth: AuthSection, catalog: Catalog, t: Table) -> None:
+    known = {m.name for m in catalog.models}
+    for i, entry in enumerate(auth.entries):
+        for j, name in enumerate(entry.model_names or ()):
+            if name not in known:
+                t.fail(f"keys[{i}].models[{j}]", f"{name!r} is not a model of this config")
+
+
 @attrs.frozen
 class AdminSection:
     """Who may use the admin API on the control port."""
 
-    token_digest: str | None = None  # hex SHA-256 digest of the admin token, None: no token
+    # Hex SHA-256 digest of the admin token, None: no token.
+    token_digest: str | None = attrs.field(
+        default=None, metadata=rules(parse=digest_hook, secret_env="token_env")
+    )
     open_status: bool = False  # GET status and explain without a token
-    open_writes: bool = False  # cordon/drain without a token (only the no-[admin] default)
+    # Cordon/drain without a token (only the no-[admin] default).
+    open_writes: bool = attrs.field(default=False, metadata=rules(in_file=False))
     # False when the file has no [admin] section: then the admin API is open (status and
     # actions) when control_listen is a loopback address, and refuses everything otherwise.
-    declared: bool = True
+    declared: bool = attrs.field(default=True, metadata=rules(in_file=False))
     # Hex SHA-256 digest of the router token: it may only follow the replica sets
     # (`llmgw-server router --control URL`), never read status or act. None: no router may.
-    router_token_digest: str | None = None
+    router_token_digest: str | None = attrs.field(
+        default=None, metadata=rules(parse=digest_hook, secret_env="router_token_env")
+    )
 
 
 @attrs.frozen
@@ -156,16 +320,26 @@ def parse_config(
     """Validate config data; keys named by `env` are read from `environ` (os.environ)."""
     root = Table(data, file)
     environ = os.environ if environ is None else environ
-    server = _read_server(root.table("server"), environ)
+    server = root.table("server").structure(ServerSection, environ=environ)
     catalog = read_catalog(root)
+    router = root.table("router").structure(RouterSection)
+    auth_table = root.table("auth")
+    auth = auth_table.structure(AuthSection, environ=environ)
+    _check_auth_models(auth, catalog, auth_table)
+    control = root.table("control").structure(ControlSection)
+    if root.has("admin"):
+        admin = root.table("admin").structure(AdminSection, environ=environ)
+    else:
+        local = is_loopback(server.control_listen.host)
+        admin = AdminSection(open_status=local, open_writes=local, declared=False)
     config = Config(
         file=file,
         server=server,
-        router=_read_router(root.table("router")),
-        auth=_read_auth(root.table("auth"), catalog, environ),
+        router=router,
+        auth=auth,
         catalog=catalog,
-        control=read_control(root.table("control")),
-        admin=_read_admin(root.table("admin"), root.has("admin"), server, environ),
+        control=control,
+        admin=admin,
         # Read whenever a control plane runs (it then must say how agents connect),
         # and whenever present, so that a typo never waits for that day.
         agents=read_agents_tls(root.table("agents"))
@@ -178,186 +352,6 @@ def parse_config(
     return config
 
 
-def _read_server(t: Table, environ: Mapping[str, str]) -> ServerSection:
-    d = ServerSection()
-
-    def address(key: str, default: ListenAddress) -> ListenAddress:
-        if not t.has(key):
-            return default
-        try:
-            return parse_listen(t.text(key))
-        except ValueError as exc:
-            t.fail(key, str(exc))
-
-    section = ServerSection(
-        listen=address("listen", d.listen),
-        control_listen=address("control_listen", d.control_listen),
-        max_body_bytes=t.integer("max_body_bytes", d.max_body_bytes, min=1024),
-        header_timeout_s=t.number("header_timeout_s", d.header_timeout_s, min=0.1),
-        body_timeout_s=t.number("body_timeout_s", d.body_timeout_s, min=0.1),
-        keepalive_timeout_s=t.number("keepalive_timeout_s", d.keepalive_timeout_s, min=0.1),
-        shutdown_grace_s=t.number("shutdown_grace_s", d.shutdown_grace_s, min=0),
-        access_log=t.boolean("access_log", d.access_log),
-        access_log_format=_access_log_format(t),
-        access_log_file=_access_log_file(t),
-        metrics_token_digest=_optional_secret(t, "metrics_token", environ),
-        workers=_workers(t),
-    )
-    t.finish()
-    return section
-
-
-def _workers(t: Table) -> int:
-    if t.has("workers") and isinstance(t.raw("workers"), str):
-        if t.text("workers") != "auto":
-            t.fail("workers", "must be a number of processes (1 or more) or \"auto\"")
-        return len(os.sched_getaffinity(0))
-    workers: int = t.integer("workers", 1, min=1)
-    return workers
-
-
-def _access_log_format(t: Table) -> str:
-    text: str = t.text("access_log_format", "logfmt")
-    if text not in ("logfmt", "json"):
-        t.fail("access_log_format", "must be 'logfmt' or 'json'")
-    return text
-
-
-def _access_log_file(t: Table) -> Path | None:
-    path: Path | None = t.file_path("access_log_file", None)
-    if path is not None and not path.parent.is_dir():
-        t.fail("access_log_file", f"{str(path)!r}: no directory {str(path.parent)!r}")
-    return path
-
-
-def _optional_secret(t: Table, name: str, environ: Mapping[str, str]) -> str | None:
-    """The digest at `name`_digest or of the variable named at `name`_env; None if neither."""
-    if t.has(f"{name}_digest") and t.has(f"{name}_env"):
-        t.fail(f"{name}_env", f"give {name}_digest or {name}_env, not both")
-    if t.has(f"{name}_digest"):
-        return _digest(t, f"{name}_digest")
-    if t.has(f"{name}_env"):
-        return _secret_from_env(t, f"{name}_env", environ)
-    return None
-
-
-def _read_router(t: Table) -> RouterSection:
-    d = RouterSection()
-    balancing = t.text("balancing", d.balancing)
-    if balancing not in BALANCING:
-        import difflib
-
-        close = difflib.get_close_matches(balancing, BALANCING, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        t.fail("balancing", f"must be one of {', '.join(BALANCING)}, not {balancing!r}{hint}")
-    section = RouterSection(
-        balancing=balancing,
-        cache_aware=_read_cache_aware(t.table("cache_aware")),
-        retries=t.integer("retries", d.retries, min=0),
-        connect_timeout_s=t.number("connect_timeout_s", d.connect_timeout_s, min=0.01),
-        first_byte_timeout_s=t.number("first_byte_timeout_s", d.first_byte_timeout_s, min=0.1),
-        read_idle_timeout_s=t.number("read_idle_timeout_s", d.read_idle_timeout_s, min=0.1),
-        upstream_idle_s=t.number("upstream_idle_s", d.upstream_idle_s, min=0),
-        eject_after_failures=t.integer("eject_after_failures", d.eject_after_failures, min=1),
-        eject_cooldown_s=t.number("eject_cooldown_s", d.eject_cooldown_s, min=0.01),
-        health_interval_s=t.number("health_interval_s", d.health_interval_s, min=0.01),
-        health_timeout_s=t.number("health_timeout_s", d.health_timeout_s, min=0.01),
-        session_header=t.text("session_header", d.session_header).lower(),
-    )
-    t.finish()
-    return section
-
-
-def _read_cache_aware(t: Table) -> CacheAwareSection:
-    d = CacheAwareSection()
-    section = CacheAwareSection(
-        metrics_interval_s=t.number("metrics_interval_s", d.metrics_interval_s, min=0),
-        metrics_max_age_s=t.number("metrics_max_age_s", d.metrics_max_age_s, min=0.01),
-        block_bytes=t.integer("block_bytes", d.block_bytes, min=16),
-        index_blocks=t.integer("index_blocks", d.index_blocks, min=1),
-        index_ttl_s=t.number("index_ttl_s", d.index_ttl_s, min=0.01),
-        max_load_ratio=t.number("max_load_ratio", d.max_load_ratio, min=1),
-        load_slack=t.number("load_slack", d.load_slack, min=0),
-        new_load_slack=t.number("new_load_slack", d.new_load_slack, min=0),
-        max_share=t.number("max_share", d.max_share, min=1),
-        shared_prefix_ratio=t.number("shared_prefix_ratio", d.shared_prefix_ratio, min=0),
-        waiting_weight=t.number("waiting_weight", d.waiting_weight, min=0),
-        kv_usage_weight=t.number("kv_usage_weight", d.kv_usage_weight, min=0),
-    )
-    if section.shared_prefix_ratio > 1:
-        t.fail("shared_prefix_ratio", f"must be at most 1, not {section.shared_prefix_ratio}")
-    if section.metrics_max_age_s < section.metrics_interval_s:
-        t.fail(
-            "metrics_max_age_s",
-            f"must be at least metrics_interval_s ({section.metrics_interval_s}): "
-            "every reading would be too old before the next one",
-        )
-    t.finish()
-    return section
-
-
-_HASH_HINT = "make one with: python -m llmgw_server hash-key"
-
-
-def digest_of(secret: str | bytes) -> str:
-    """The hex SHA-256 digest under which a key or token is kept."""
-    data = secret.encode() if isinstance(secret, str) else secret
-    return hashlib.sha256(data).hexdigest()
-
-
-def _checked_digest(t: Table, key: str, text: str) -> str:
-    if not _DIGEST.match(text):
-        t.fail(key, f"must be 'sha256:' and 64 lowercase hex digits ({_HASH_HINT})")
-    return text.removeprefix("sha256:")
-
-
-def _digest(t: Table, key: str) -> str:
-    return _checked_digest(t, key, t.text(key))
-
-
-def _secret_from_env(t: Table, key: str, environ: Mapping[str, str]) -> str:
-    """The digest of the secret held by the environment variable named at `key`."""
-    name: str = t.text(key)
-    value = environ.get(name)
-    if value is None:
-        t.fail(key, f"the environment variable {name} is not set")
-    if not value.strip():
-        t.fail(key, f"the environment variable {name} is empty")
-    return digest_of(value.strip())
-
-
-def _read_auth(t: Table, catalog: Catalog, environ: Mapping[str, str]) -> AuthSection:
-    keys: dict[str, frozenset[str] | None] = {}
-    where: dict[str, str] = {}
-
-    def add(digest: str, models: frozenset[str] | None, path: str) -> None:
-        if digest in where:
-            t.fail(path, f"is the same key as {where[digest]}: give each key once")
-        where[digest] = f"{t.path}.{path}"
-        keys[digest] = models
-
-    for i, text in enumerate(t.texts("api_keys", ())):
-        add(_checked_digest(t, f"api_keys[{i}]", text), None, f"api_keys[{i}]")
-    known = {m.name for m in catalog.models}
-    for i, k in enumerate(t.tables("keys")):
-        if k.has("digest") == k.has("env"):
-            k.fail(None, "give either digest (a stored digest) or env (a variable holding the key)")
-        digest = _digest(k, "digest") if k.has("digest") else _secret_from_env(k, "env", environ)
-        models: frozenset[str] | None = None
-        names: tuple[str, ...] | None = k.texts("models", None)  # None: every model
-        if names is not None:
-            if not names:
-                k.fail("models", "must name at least one model (leave it out for every model)")
-            for j, name in enumerate(names):
-                if name not in known:
-                    k.fail(f"models[{j}]", f"{name!r} is not a model of this config")
-            models = frozenset(names)
-        k.finish()
-        add(digest, models, f"keys[{i}]")
-    t.finish()
-    return AuthSection(keys=keys)
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -365,25 +359,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _read_admin(
-    t: Table, declared: bool, server: ServerSection, environ: Mapping[str, str]
-) -> AdminSection:
-    if not declared:
-        local = is_loopback(server.control_listen.host)
-        return AdminSection(open_status=local, open_writes=local, declared=False)
-    if t.has("token_digest") and t.has("token_env"):
-        t.fail("token_env", "give token_digest or token_env, not both")
-    token: str | None = None
-    if t.has("token_digest"):
-        token = _digest(t, "token_digest")
-    elif t.has("token_env"):
-        token = _secret_from_env(t, "token_env", environ)
-    section = AdminSection(
-        token_digest=token,
-        open_status=t.boolean("open_status", False),
-        router_token_digest=_optional_secret(t, "router_token", environ),
-    )
-    t.finish()
-    return section

@@ -212,10 +212,13 @@ class Table:
                 self.fail(f"{key}[{i}]", f"must be a table, not {_type_name(item)}")
             yield Table(item, self._file, f"{self._key_path(key)}[{i}]", base_dir=self._base_dir)
 
-    def structure(self, cls: type[T]) -> T:
+    def structure(self, cls: type[T], *, environ: Mapping[str, str] | None = None) -> T:
         """Read this whole table into the section `cls` (see `structure`)."""
         self._read.update(self._data)
-        return structure(self._data, cls, file=self._file, path=self.path, base_dir=self._base_dir)
+        return structure(
+            self._data, cls, file=self._file, path=self.path, base_dir=self._base_dir,
+            environ=environ,
+        )
 
     def finish(self) -> None:
         """Reject keys nobody read: a typo must not pass silently."""
@@ -259,10 +262,11 @@ class Rules:
     parse: Callable[[object], object] | None = None
     # Checks or adjusts the value after it was read; returns the value, raises Problem.
     check: Callable[[Any], object] | None = None
-    # The field holds a secret's digest: the file gives it as `<base>_digest`, or names
-    # an environment variable at `<base>_env` whose value is hashed when read.
-    secret: bool = False
+    # The field holds a secret's digest: the file gives it at the field's key, or names
+    # an environment variable at this key instead, whose value is hashed when read.
+    secret_env: str | None = None
     in_file: bool = True  # False: set by the program, never by the file
+    key: str | None = None  # the file's key, when it is not the field's name
 
 
 def rules(
@@ -271,11 +275,12 @@ def rules(
     max: float | None = None,
     parse: Callable[[object], object] | None = None,
     check: Callable[[Any], object] | None = None,
-    secret: bool = False,
+    secret_env: str | None = None,
     in_file: bool = True,
+    key: str | None = None,
 ) -> dict[str, Rules]:
     """Field metadata: `attrs.field(default=1.0, metadata=rules(min=0.1))`."""
-    return {_RULES: Rules(min, max, parse, check, secret, in_file)}
+    return {_RULES: Rules(min, max, parse, check, secret_env, in_file, key)}
 
 
 class _Before(Protocol):
@@ -326,7 +331,7 @@ def reading_base_dir() -> Path:
     return _READING.get().base_dir
 
 
-def _text(value: object, _: object = None) -> str:
+def read_text(value: object, _: object = None) -> str:
     if not isinstance(value, str):
         raise Problem(f"must be a string, not {_type_name(value)}")
     if not value.strip():
@@ -334,19 +339,19 @@ def _text(value: object, _: object = None) -> str:
     return value
 
 
-def _boolean(value: object, _: object = None) -> bool:
+def read_boolean(value: object, _: object = None) -> bool:
     if not isinstance(value, bool):
         raise Problem(f"must be true or false, not {_type_name(value)}")
     return value
 
 
-def _integer(value: object, _: object = None) -> int:
+def read_integer(value: object, _: object = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise Problem(f"must be an integer, not {_type_name(value)}")
     return value
 
 
-def _number(value: object, _: object = None) -> float:
+def read_number(value: object, _: object = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise Problem(f"must be a number, not {_type_name(value)}")
     if not math.isfinite(value):
@@ -354,10 +359,10 @@ def _number(value: object, _: object = None) -> float:
     return float(value)
 
 
-def _path(value: object, _: object = None) -> Path:
+def read_path(value: object, _: object = None) -> Path:
     """A relative path is taken from the config file's directory; `~` is the home
     directory. Whether it exists is for the section's rules."""
-    text = _text(value)
+    text = read_text(value)
     try:
         path = Path(text).expanduser()
     except RuntimeError as exc:  # ~user of no such user, or no home directory
@@ -365,7 +370,7 @@ def _path(value: object, _: object = None) -> Path:
     return path if path.is_absolute() else reading_base_dir() / path
 
 
-def _texts(value: object, _: object = None) -> tuple[str, ...]:
+def read_texts(value: object, _: object = None) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise Problem(f"must be an array of strings, not {_type_name(value)}")
     for i, item in enumerate(value):
@@ -374,7 +379,7 @@ def _texts(value: object, _: object = None) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _labels(value: object, _: object = None) -> dict[str, str]:
+def read_labels(value: object, _: object = None) -> dict[str, str]:
     if not isinstance(value, dict):
         raise Problem(f"must be a table of strings, not {_type_name(value)}")
     for k, v in value.items():
@@ -385,7 +390,7 @@ def _labels(value: object, _: object = None) -> dict[str, str]:
 
 def read_digest(value: object) -> str:
     """A `sha256:<64 hex>` digest as the file gives it, kept as the bare hex digits."""
-    text = _text(value)
+    text = read_text(value)
     if not _DIGEST.match(text):
         raise Problem(f"must be 'sha256:' and 64 lowercase hex digits ({_HASH_HINT})")
     return text.removeprefix("sha256:")
@@ -399,7 +404,7 @@ def digest_of(secret: str | bytes) -> str:
 
 def secret_from_env(value: object) -> str:
     """The digest of the secret held by the environment variable named by `value`."""
-    name = _text(value)
+    name = read_text(value)
     secret = reading_environ().get(name)
     if secret is None:
         raise Problem(f"the environment variable {name} is not set")
@@ -461,7 +466,7 @@ def _field_hook(
         parse = spec.parse
         read = lambda value, _: parse(value)  # noqa: E731
     elif typing.get_origin(tp) is tuple and attrs.has(typing.get_args(tp)[0]):
-        read = _table_list_hook(converter, field.name, typing.get_args(tp)[0])
+        read = _table_list_hook(converter, spec.key or field.name, typing.get_args(tp)[0])
     else:
         read = converter.get_structure_hook(tp)
     if spec.min is None and spec.max is None and spec.check is None:
@@ -495,11 +500,14 @@ def _misspelling(key: str, unknown: list[str]) -> str:
 
 def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, object], Any]:
     attrs.resolve_types(cls)
-    fields = attrs.fields(cls)
+    fields = [f for f in attrs.fields(cls) if f.init]
+    specs = {f.name: f.metadata.get(_RULES, Rules()) for f in fields}
     overrides = {
-        f.name: cattrs.gen.override(omit=True)
-        if not f.metadata.get(_RULES, Rules()).in_file
-        else cattrs.gen.override(struct_hook=_field_hook(converter, f))
+        f.name: cattrs.gen.override(
+            struct_hook=_field_hook(converter, f), rename=specs[f.name].key
+        )
+        if specs[f.name].in_file
+        else cattrs.gen.override(omit=True)
         for f in fields
     }
     read_fields: Callable[[Mapping[str, Any], Any], Any] = cattrs.gen.make_dict_structure_fn(
@@ -509,11 +517,12 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
         _cattrs_detailed_validation=True,
         **overrides,  # type: ignore[arg-type]
     )
-    in_file = [f for f in fields if f.metadata.get(_RULES, Rules()).in_file]
+    in_file = [spec.key or name for name, spec in specs.items() if spec.in_file]
     secrets = [
-        f.name.removesuffix("_digest") for f in in_file if f.metadata.get(_RULES, Rules()).secret
+        (spec.key or name, spec.secret_env) for name, spec in specs.items() if spec.secret_env
     ]
-    known = {f.name for f in in_file} | {f"{s}_env" for s in secrets}
+    known = set(in_file) | {env_key for _, env_key in secrets}
+    renamed = {name: spec.key for name, spec in specs.items() if spec.key}
     before, after = _BEFORE.get(cls), _AFTER.get(cls)
 
     def read(value: object, _: object) -> Any:
@@ -523,13 +532,13 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
         if before is not None:
             before(value)
         data, errors = dict(value), list[Exception]()
-        for base in secrets:
-            _read_secret(data, base, errors)
+        for digest_key, env_key in secrets:
+            _read_secret(data, digest_key, env_key, errors)
         result = None
         try:
             result = read_fields(data, cls)
         except cattrs.ClassValidationError as group:
-            errors += [_required_hint(e, unknown) for e in group.exceptions]
+            errors += [_required_hint(_file_keys(e, renamed), unknown) for e in group.exceptions]
         if unknown:
             hint = _did_you_mean(unknown[0], known)
             errors.append(Problem("is not a known key" + hint, unknown[0]))
@@ -542,9 +551,11 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
     return read
 
 
-def _read_secret(data: dict[str, object], base: str, errors: list[Exception]) -> None:
-    """`<base>_env` becomes `<base>_digest`, the digest of the variable it names."""
-    digest_key, env_key = f"{base}_digest", f"{base}_env"
+def _read_secret(
+    data: dict[str, object], digest_key: str, env_key: str, errors: list[Exception]
+) -> None:
+    """The key naming an environment variable is replaced by the digest key, holding the
+    digest of the variable's value."""
     if env_key not in data:
         return
     if digest_key in data:
@@ -555,6 +566,19 @@ def _read_secret(data: dict[str, object], base: str, errors: list[Exception]) ->
         data[digest_key] = _FromEnv(secret_from_env(data.pop(env_key)))
     except Problem as problem:
         errors.append(Problem(problem.message, env_key))
+
+
+def _file_keys(error: Exception, renamed: Mapping[str, str]) -> Exception:
+    """cattrs' notes name the attribute; the file's key is what the user wrote."""
+    notes = getattr(error, "__notes__", None)
+    if notes and renamed:
+        error.__notes__ = [
+            cattrs.errors.AttributeValidationNote(str(n), renamed[n.name], n.type)
+            if isinstance(n, cattrs.errors.AttributeValidationNote) and n.name in renamed
+            else n
+            for n in notes
+        ]
+    return error
 
 
 def _required_hint(error: Exception, unknown: list[str]) -> Exception:
@@ -576,14 +600,14 @@ def digest_hook(value: object) -> str:
 
 def _make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(detailed_validation=True)
-    converter.register_structure_hook(str, _text)
-    converter.register_structure_hook(bool, _boolean)
-    converter.register_structure_hook(int, _integer)
-    converter.register_structure_hook(float, _number)
-    converter.register_structure_hook(Path, _path)
+    converter.register_structure_hook(str, read_text)
+    converter.register_structure_hook(bool, read_boolean)
+    converter.register_structure_hook(int, read_integer)
+    converter.register_structure_hook(float, read_number)
+    converter.register_structure_hook(Path, read_path)
     # Generic aliases are matched by equality: functools' dispatch takes classes only.
-    converter.register_structure_hook_func(lambda tp: tp == tuple[str, ...], _texts)
-    converter.register_structure_hook_func(lambda tp: tp == dict[str, str], _labels)
+    converter.register_structure_hook_func(lambda tp: tp == tuple[str, ...], read_texts)
+    converter.register_structure_hook_func(lambda tp: tp == dict[str, str], read_labels)
     converter.register_structure_hook_factory(
         attrs.has, lambda cls: _section_hook(converter, cls)
     )
