@@ -17,16 +17,24 @@ when the guard releases is declared lost no earlier than `lost_after` after the
 release. Nodes cut off together come back one by one, over their reconnection
 backoff; the first ones back release the guard, and the last must not be
 declared lost in that instant for having been silent while the guard held.
+
+Cost: a heartbeat is O(1) (it only moves `last_seen` on); `advance` visits only
+the nodes whose deadline has come, through a heap of deadlines that are never
+later than the node's real one (a heartbeat makes the real one later, and the
+entry is moved on when it comes up), and the guard's counts are kept as nodes
+change status, so that time passing costs nothing per node that stays quiet.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 
 import attrs
 
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory
+from llmgw_server.control.work import Work
 
 
 class NodeStatus(enum.StrEnum):
@@ -66,22 +74,52 @@ class NodeTransition:
 
 
 class Lifecycle:
-    def __init__(self, settings: ControlSection, started_at: float) -> None:
+    def __init__(
+        self, settings: ControlSection, started_at: float, work: Work | None = None
+    ) -> None:
         self.settings = settings
         self.started_at = started_at
+        self.work = work if work is not None else Work()
+        # Read freely; statuses change only here. Flags (cordoned, draining) are the
+        # reconciler's to set.
         self.nodes: dict[str, Node] = {}
         # Why the mass-loss guard holds, or None while it does not.
         self.guard: str | None = None
+        self._hosts: dict[str, set[str]] = {}  # address -> the nodes on it
+        self._lost = 0
+        self._unreachable: dict[str, None] = {}  # in the order they turned unreachable
+        # Unreachable nodes that turned so within the guard's window: name -> since,
+        # with a heap to let them age out.
+        self._recent: dict[str, float] = {}
+        self._recent_heap: list[tuple[float, str]] = []
+        # Deadlines: (when, seq, name); the entry whose seq is `_entry[name]` counts and
+        # is never later than the node's real deadline.
+        self._heap: list[tuple[float, int, str]] = []
+        self._entry: dict[str, int] = {}
+        self._seq = 0
+        self._order: dict[str, int] = {}  # the order nodes registered in (as `nodes` has it)
+
+    # -- events ------------------------------------------------------------------
 
     def register(self, inventory: Inventory, now: float) -> list[NodeTransition]:
-        node = self.nodes.get(inventory.name)
+        """O(1)."""
+        name = inventory.name
+        node = self.nodes.get(name)
         if node is None:
-            self.nodes[inventory.name] = Node(inventory, NodeStatus.REACHABLE, now)
-            return [NodeTransition(inventory.name, None, NodeStatus.REACHABLE, now, "registered")]
+            node = self.nodes[name] = Node(inventory, NodeStatus.REACHABLE, now)
+            self._seq += 1
+            self._order[name] = self._seq
+            self._hosts.setdefault(inventory.host, set()).add(name)
+            self._schedule(node)
+            return [NodeTransition(name, None, NodeStatus.REACHABLE, now, "registered")]
+        if node.inventory.host != inventory.host:
+            self._off_host(node)
+            self._hosts.setdefault(inventory.host, set()).add(name)
         node.inventory = inventory
         return self._revive(node, now, "registered again")
 
     def heartbeat(self, name: str, now: float) -> list[NodeTransition]:
+        """O(1): a node that stays reachable only has its `last_seen` moved on."""
         node = self.nodes.get(name)
         return self._revive(node, now, "heartbeat") if node is not None else []
 
@@ -90,21 +128,40 @@ class Lifecycle:
         node = self.nodes.get(name)
         if node is None or node.status is not NodeStatus.REACHABLE:
             return []
-        node.status = NodeStatus.UNREACHABLE
-        node.unreachable_since = now
+        self._turn_unreachable(node, now)
+        self._schedule(node)
         return [NodeTransition(name, NodeStatus.REACHABLE, node.status, now, "stream closed")]
 
+    def forget(self, name: str) -> None:
+        """Drop a node, lost or not (the caller checks)."""
+        node = self.nodes.pop(name)
+        self._off_host(node)
+        self._lost -= node.status is NodeStatus.LOST
+        self._unreachable.pop(name, None)
+        self._recent.pop(name, None)
+        self._entry.pop(name, None)
+        del self._order[name]
+
+    def on_hosts(self, hosts: set[str]) -> set[str]:
+        """The nodes at these addresses (several simulated nodes may share one)."""
+        return set().union(*(self._hosts.get(h, ()) for h in hosts))
+
+    # -- time --------------------------------------------------------------------
+
     def advance(self, now: float) -> list[NodeTransition]:
-        """Apply the passage of time: silent nodes turn unreachable, then lost."""
+        """Apply the passage of time: silent nodes turn unreachable, then lost.
+
+        O(nodes whose deadline came, log nodes); a guard's release visits the nodes
+        unreachable then."""
         s = self.settings
         out: list[NodeTransition] = []
-        for node in self.nodes.values():
+        due = self._pop_due(now)
+        for node in due:
             if (
                 node.status is NodeStatus.REACHABLE
                 and now - node.last_seen >= s.unreachable_after_s
             ):
-                node.status = NodeStatus.UNREACHABLE
-                node.unreachable_since = node.last_seen + s.unreachable_after_s
+                self._turn_unreachable(node, node.last_seen + s.unreachable_after_s)
                 reason = f"no heartbeat for {s.unreachable_after_s:g} s"
                 out.append(
                     NodeTransition(node.name, NodeStatus.REACHABLE, node.status, now, reason)
@@ -113,13 +170,18 @@ class Lifecycle:
         self._update_guard(now)
         if self.guard is None:
             if held:
-                for node in self.nodes.values():
-                    if node.status is NodeStatus.UNREACHABLE:
-                        node.guard_released_at = now
+                for name in self._unreachable:
+                    self.work.nodes += 1
+                    node = self.nodes[name]
+                    node.guard_released_at = now
+                    self._schedule(node)
             lost = 0
-            for node in self.nodes.values():
+            for node in due:
                 if node.status is NodeStatus.UNREACHABLE and now >= self._lost_at(node):
+                    del self._unreachable[node.name]
+                    self._recent.pop(node.name, None)
                     node.status = NodeStatus.LOST
+                    self._lost += 1
                     lost += 1
                     out.append(
                         NodeTransition(
@@ -129,18 +191,77 @@ class Lifecycle:
             if lost:
                 # Fewer live nodes raise the unreachable share: judge it again now, not a tick late.
                 self._update_guard(now)
+        for node in due:
+            self._schedule(node)
         return out
 
     def next_deadline(self) -> float | None:
-        """When `advance` would next change something, if no event comes first."""
-        s = self.settings
-        times: list[float] = []
-        for node in self.nodes.values():
-            if node.status is NodeStatus.REACHABLE:
-                times.append(node.last_seen + s.unreachable_after_s)
-            elif node.status is NodeStatus.UNREACHABLE and self.guard is None:
-                times.append(self._lost_at(node))
-        return min(times, default=None)
+        """When `advance` would next change something, if no event comes first.
+
+        O(1) amortized: entries a heartbeat made early are moved on here."""
+        heap = self._heap
+        while heap:
+            when, seq, name = heap[0]
+            if self._entry.get(name) != seq:
+                heapq.heappop(heap)
+                continue
+            real = self._deadline(self.nodes[name])
+            if real == when:
+                return when
+            self.work.nodes += 1
+            heapq.heappop(heap)
+            del self._entry[name]
+            if real is not None:
+                self._push(name, real)
+        return None
+
+    # -- inside ------------------------------------------------------------------
+
+    def _deadline(self, node: Node) -> float | None:
+        if node.status is NodeStatus.REACHABLE:
+            return node.last_seen + self.settings.unreachable_after_s
+        if node.status is NodeStatus.UNREACHABLE and self.guard is None:
+            return self._lost_at(node)
+        return None  # lost, or held by the guard (its release schedules it again)
+
+    def _schedule(self, node: Node) -> None:
+        when = self._deadline(node)
+        if when is None:
+            self._entry.pop(node.name, None)
+        else:
+            self._push(node.name, when)
+
+    def _push(self, name: str, when: float) -> None:
+        self._seq += 1
+        self._entry[name] = self._seq
+        heapq.heappush(self._heap, (when, self._seq, name))
+
+    def _pop_due(self, now: float) -> list[Node]:
+        """The nodes whose entry has come, in the order they registered (as a pass over
+        every node would take them); their entries are gone until `_schedule`."""
+        heap, due = self._heap, []
+        while heap and heap[0][0] <= now:
+            _, seq, name = heapq.heappop(heap)
+            if self._entry.get(name) == seq:
+                del self._entry[name]
+                self.work.nodes += 1
+                due.append(name)
+        due.sort(key=self._order.__getitem__)
+        return [self.nodes[name] for name in due]
+
+    def _turn_unreachable(self, node: Node, since: float) -> None:
+        node.status = NodeStatus.UNREACHABLE
+        node.unreachable_since = since
+        self._unreachable[node.name] = None
+        self._recent[node.name] = since
+        heapq.heappush(self._recent_heap, (since, node.name))
+
+    def _off_host(self, node: Node) -> None:
+        names = self._hosts.get(node.inventory.host)
+        if names is not None:
+            names.discard(node.name)
+            if not names:
+                del self._hosts[node.inventory.host]
 
     def _lost_at(self, node: Node) -> float:
         """When an unreachable node is declared lost, if the guard does not hold then:
@@ -163,23 +284,34 @@ class Lifecycle:
         if node.status is NodeStatus.REACHABLE:
             return []
         old, node.status, node.unreachable_since = node.status, NodeStatus.REACHABLE, None
+        if old is NodeStatus.LOST:
+            self._lost -= 1
+        else:
+            del self._unreachable[node.name]
+            self._recent.pop(node.name, None)
         node.guard_released_at = None
+        self._schedule(node)
         return [NodeTransition(node.name, old, node.status, now, reason)]
 
     def _update_guard(self, now: float) -> None:
+        """O(1) amortized: the counts are kept as nodes change status."""
         s = self.settings
-        live = [n for n in self.nodes.values() if n.status is not NodeStatus.LOST]
-        unreachable = [n for n in live if n.status is NodeStatus.UNREACHABLE]
-        limit = s.mass_loss_share * len(live)
+        since = now - s.mass_loss_window_s
+        while self._recent_heap and self._recent_heap[0][0] < since:
+            at, name = heapq.heappop(self._recent_heap)
+            if self._recent.get(name) == at:
+                del self._recent[name]
+        live = len(self.nodes) - self._lost
+        unreachable = len(self._unreachable)
+        limit = s.mass_loss_share * live
         if self.guard is None:
-            since = now - s.mass_loss_window_s
-            recent = sum(1 for n in unreachable if (n.unreachable_since or now) >= since)
+            recent = len(self._recent)
             if recent > limit:
                 self.guard = (
-                    f"{recent} of {len(live)} nodes turned unreachable within "
+                    f"{recent} of {live} nodes turned unreachable within "
                     f"{s.mass_loss_window_s:g} s (more than {s.mass_loss_share:.0%}): "
                     "the control plane may be the one cut off, so no node is declared "
                     "lost until fewer are unreachable"
                 )
-        elif len(unreachable) <= limit:
+        elif unreachable <= limit:
             self.guard = None
