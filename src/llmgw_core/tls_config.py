@@ -14,82 +14,92 @@ from pathlib import Path
 
 import attrs
 
-from llmgw_core.tomlshape import Table
+from llmgw_core.tomlshape import Problem, Table, read_texts, rule_after, rules
+
+
+def _readable_file(path: Path) -> Path:
+    """Relative paths are taken from the config file's directory (see `read_path`)."""
+    try:
+        if not path.is_file():
+            raise Problem(f"{path} is not a file")
+        # Read now, as the daemon's user: a key left owned by whoever made it is
+        # one clear line (exit 2) here, not a traceback when TLS starts.
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise Problem(f"{path} cannot be read: {exc.strerror}") from None
+    return path
+
+
+def _serials(value: object) -> frozenset[int]:
+    serials: set[int] = set()
+    for i, text in enumerate(read_texts(value)):
+        try:
+            serials.add(int(text.removeprefix("0x").replace(":", ""), 16))
+        except ValueError:
+            raise Problem(f"{text!r} is not a hex certificate serial", f"[{i}]") from None
+    return frozenset(serials)
+
+
+_FILE = rules(check=_readable_file)
 
 
 @attrs.frozen
 class AgentsTLS:
     """The server side: `[agents]`."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    deny_serials: frozenset[int] = frozenset()
+    ca: Path | None = attrs.field(default=None, metadata=_FILE)
+    cert: Path | None = attrs.field(default=None, metadata=_FILE)
+    key: Path | None = attrs.field(default=None, metadata=_FILE)
+    deny_serials: frozenset[int] = attrs.field(
+        default=frozenset(), metadata=rules(parse=_serials)
+    )
     insecure: bool = False
+
+
+@rule_after(AgentsTLS)
+def _mutual_tls_or_insecure(tls: AgentsTLS) -> None:
+    files = {"ca": tls.ca, "cert": tls.cert, "key": tls.key}
+    given = [k for k, v in files.items() if v is not None]
+    if tls.insecure and given:
+        raise Problem("cannot be true beside ca, cert and key: choose one", "insecure")
+    if not tls.insecure and len(given) != 3:
+        missing = sorted(set(files) - set(given))
+        raise Problem(
+            "is required: the agent stream runs over mutual TLS (make the files with "
+            "`python -m llmgw_server certs init DIR`), or set insecure = true for plaintext",
+            missing[0],
+        )
 
 
 @attrs.frozen
 class AgentTLS:
     """The agent side: `[tls]`."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-
-
-def _files(t: Table, keys: tuple[str, ...]) -> dict[str, Path | None]:
-    """Relative paths are taken from the config file's directory (see `Table.file_path`)."""
-    found: dict[str, Path | None] = {}
-    for key in keys:
-        path: Path | None = t.file_path(key, None)
-        if path is not None:
-            try:
-                if not path.is_file():
-                    t.fail(key, f"{path} is not a file")
-                # Read now, as the daemon's user: a key left owned by whoever made it is
-                # one clear line (exit 2) here, not a traceback when TLS starts.
-                with path.open("rb"):
-                    pass
-            except OSError as exc:
-                t.fail(key, f"{path} cannot be read: {exc.strerror}")
-        found[key] = path
-    return found
+    ca: Path | None = attrs.field(default=None, metadata=_FILE)
+    cert: Path | None = attrs.field(default=None, metadata=_FILE)
+    key: Path | None = attrs.field(default=None, metadata=_FILE)
 
 
 def read_agents_tls(t: Table) -> AgentsTLS:
-    files = _files(t, ("ca", "cert", "key"))
-    insecure = t.boolean("insecure", False)
-    serials: set[int] = set()
-    for i, text in enumerate(t.texts("deny_serials", ())):
-        try:
-            serials.add(int(text.removeprefix("0x").replace(":", ""), 16))
-        except ValueError:
-            t.fail(f"deny_serials[{i}]", f"{text!r} is not a hex certificate serial")
-    t.finish()
-    given = [k for k, v in files.items() if v is not None]
-    if insecure and given:
-        t.fail("insecure", "cannot be true beside ca, cert and key: choose one")
-    if not insecure and len(given) != 3:
-        missing = sorted({"ca", "cert", "key"} - set(given))
-        t.fail(
-            missing[0],
-            "is required: the agent stream runs over mutual TLS (make the files with "
-            "`python -m llmgw_server certs init DIR`), or set insecure = true for plaintext",
-        )
-    return AgentsTLS(
-        ca=files["ca"], cert=files["cert"], key=files["key"],
-        deny_serials=frozenset(serials), insecure=insecure,
-    )
+    return t.structure(AgentsTLS)
+
+
+def require_agent_tls(tls: AgentTLS) -> None:
+    """A wss:// server needs all three files; raises Problem naming the first missing."""
+    for key in ("ca", "cert", "key"):
+        if getattr(tls, key) is None:
+            raise Problem("is required for a wss:// server (from `llmgw_server certs issue`)", key)
 
 
 def read_agent_tls(t: Table, *, secure: bool) -> AgentTLS:
-    files = _files(t, ("ca", "cert", "key"))
-    t.finish()
+    tls = t.structure(AgentTLS)
     if secure:
-        for key in ("ca", "cert", "key"):
-            if files[key] is None:
-                t.fail(key, "is required for a wss:// server (from `llmgw_server certs issue`)")
-    return AgentTLS(ca=files["ca"], cert=files["cert"], key=files["key"])
+        try:
+            require_agent_tls(tls)
+        except Problem as problem:
+            t.fail(problem.key, problem.message)
+    return tls
 
 
 def server_context(tls: AgentsTLS) -> ssl.SSLContext:
