@@ -1,4 +1,4 @@
-"""HTTP/1.1 to the engines: h11 on trio streams, with keep-alive pools.
+"""HTTP/1.1 to the engines on trio sockets, with keep-alive pools.
 
 An `Exchange` is one request to one engine. The caller reads the response
 head, then the body piece by piece as the engine writes it, and releases the
@@ -11,23 +11,36 @@ reused only while younger than the engine's idle limit and not already closed,
 and a request that fails on a reused connection before a single byte of the
 answer is sent again on a fresh one: that is the pool's race, not a failure of
 the engine. Only what fails on a fresh connection reaches the caller.
+
+The requests are written and the answers parsed here, not by h11: the router sends
+only requests it built itself, and reads only what it relays (status, headers,
+framing), so a small parser of its own in front of the engines costs a fraction of
+h11's per-event validation on every request and every chunk.
 """
 
 from __future__ import annotations
 
+import re
 import select
+import socket
 from collections.abc import AsyncIterator
 
-import h11
 import trio
 
+from llmgw_core import sockio
 from llmgw_core.catalog import Endpoint
-from llmgw_core.chunked import ChunkedError, ChunkScanner
+from llmgw_core.chunked import ChunkDecoder, ChunkedError, ChunkScanner
 
 _RECV = 65536
 _MAX_IDLE = 256
+_MAX_HEAD = 16 * 1024  # a response head longer than this is garbage (h11's limit too)
 # How soon after the request a silent close must come to be taken for a stale connection.
 _STALE_WITHIN_S = 1.0
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_DIGITS = re.compile(rb"[0-9]+")
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class UpstreamError(Exception):
@@ -39,19 +52,29 @@ class UpstreamError(Exception):
         self.silent = silent  # the connection closed before the engine sent a byte
 
 
+class _Garbage(Exception):
+    """What makes a response head unreadable, in words."""
+
+
 class _Conn:
-    __slots__ = ("h11", "idle_since", "stream")
+    __slots__ = ("buf", "idle_since", "sock", "stream")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
+        sock = sockio.raw_socket(stream)
+        assert sock is not None
+        self.sock: socket.socket = sock
+        self.buf = b""  # received and not yet parsed
         self.idle_since = 0.0
 
     def closed_by_peer(self) -> bool:
         """An idle connection has nothing to read unless the engine closed it (or broke)."""
         poller = select.poll()
-        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        poller.register(self.sock.fileno(), select.POLLIN)
         return bool(poller.poll(0))
+
+    def close(self) -> None:
+        self.stream.socket.close()
 
 
 def keep_alive_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
@@ -86,6 +109,7 @@ class Pool:
         # header lowers it (never raises it).
         self.reuse_idle_s = reuse_idle_s
         self._host = f"{endpoint.host}:{endpoint.port}".encode()
+        self._prefix = endpoint.prefix.encode()
         self._auth = [(b"authorization", b"Bearer " + endpoint.api_key.encode())]
         if not endpoint.api_key:
             self._auth = []
@@ -114,7 +138,7 @@ class Pool:
             conn.idle_since = trio.current_time()
             self._idle.append(conn)
         else:
-            conn.stream.socket.close()
+            conn.close()
 
     def _reusable(self) -> _Conn | None:
         """The most recently used idle connection the engine has not closed, if any."""
@@ -123,14 +147,14 @@ class Pool:
             conn = self._idle.pop()
             if now - conn.idle_since < self.reuse_idle_s and not conn.closed_by_peer():
                 return conn
-            conn.stream.socket.close()
+            conn.close()
         return None
 
     def _stale(self) -> None:
         """A pooled connection was closed under a request: the older ones were too."""
         self.stale_retries += 1
         for conn in self._idle:
-            conn.stream.socket.close()
+            conn.close()
         self._idle.clear()
 
     async def open(
@@ -143,16 +167,16 @@ class Pool:
             *self._auth,
             (b"content-length", str(len(body)).encode()),
         ]
-        target = self.endpoint.prefix.encode() + target
+        target = self._prefix + target
         conn = self._reusable()
         if conn is not None:
-            exchange = Exchange(self, conn)
+            exchange = Exchange(self, conn, method)
             sent_at: float | None = None
             try:
                 await self._send(exchange._conn, method, target, head, body)
                 sent_at = trio.current_time()
                 await exchange.read_head()
-            except (trio.BrokenResourceError, OSError, h11.LocalProtocolError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 exchange.release()  # the engine had closed this idle connection
                 self._stale()
             except UpstreamError as exc:
@@ -168,10 +192,10 @@ class Pool:
                 raise
             else:
                 return exchange
-        exchange = Exchange(self, await self._connect())
+        exchange = Exchange(self, await self._connect(), method)
         try:
             await self._send(exchange._conn, method, target, head, body)
-        except (trio.BrokenResourceError, OSError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             exchange.release()
             raise UpstreamError(f"sending to {self.endpoint} failed: {exc}", connect=True) from None
         except BaseException:
@@ -188,125 +212,177 @@ class Pool:
     async def _send(
         conn: _Conn, method: bytes, target: bytes, head: list[tuple[bytes, bytes]], body: bytes
     ) -> None:
-        c = conn.h11
-        data = c.send(h11.Request(method=method, target=target, headers=head))
-        assert data is not None
-        if body:
-            data += c.send(h11.Data(data=body))
-        data += c.send(h11.EndOfMessage())
-        await conn.stream.send_all(data)
+        lines = [method, b" ", target, b" HTTP/1.1\r\n"]
+        for name, value in head:
+            lines += (name, b": ", value, b"\r\n")
+        lines += (b"\r\n", body)
+        await sockio.send_all(conn.sock, b"".join(lines))
 
     def close(self) -> None:
         self.closed = True
         for conn in self._idle:
-            conn.stream.socket.close()
+            conn.close()
         self._idle.clear()
 
 
+
+
 class Exchange:
+    """One request's answer, read from its connection as the caller asks for it."""
+
     __slots__ = (
         "_conn",
         "_done",
+        "_framing",
+        "_head_only",
+        "_length",
         "_pool",
-        "_raw_done",
         "_received",
         "headers",
         "keep_alive",
         "status",
     )
 
-    def __init__(self, pool: Pool, conn: _Conn) -> None:
+    def __init__(self, pool: Pool, conn: _Conn, method: bytes = b"POST") -> None:
         self._pool = pool
         self._conn = conn
-        self._done = False
-        self._raw_done = False
+        self._head_only = method == b"HEAD"
+        self._done = False  # the whole answer was read, and nothing after it
+        self._framing = ""  # "length", "chunked" or "close" (until the engine closes)
+        self._length = 0
         self.keep_alive = False
         self._received = 0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
 
-    async def _next_event(self) -> object:
-        c = self._conn.h11
-        while True:
-            try:
-                event = c.next_event()
-            except h11.RemoteProtocolError as exc:
-                # Before a single byte this is an end of file where an answer was due
-                # (h11 reports a close in SEND_RESPONSE as a protocol error).
-                raise UpstreamError(
-                    f"{self._pool.endpoint} answered garbage: {exc}", silent=not self._received
-                ) from None
-            if event is h11.NEED_DATA:
-                try:
-                    data = await self._receive()
-                except (trio.BrokenResourceError, OSError) as exc:
-                    raise UpstreamError(
-                        f"{self._pool.endpoint} broke the connection: {exc}",
-                        silent=not self._received,
-                    ) from None
-                self._received += len(data)
-                c.receive_data(data)
-                continue
-            return event
-
     async def _receive(self) -> bytes:
         """One read; after the head, an engine that stays silent too long has stalled."""
-        if not self.status:  # the head: the router's first-byte timeout applies
-            return bytes(await self._conn.stream.receive_some(_RECV))
-        idle = self._pool.idle_timeout_s
-        with trio.move_on_after(idle):
-            return bytes(await self._conn.stream.receive_some(_RECV))
-        raise UpstreamError(f"{self._pool.endpoint} sent nothing for {idle:g} s")
+        sock = self._conn.sock
+        try:
+            if not self.status:  # the head: the router's first-byte timeout applies
+                data = await sockio.receive_some(sock, _RECV)
+            else:
+                try:  # a cancel scope only where a wait is due
+                    data = sock.recv(_RECV)
+                except BlockingIOError:
+                    idle = self._pool.idle_timeout_s
+                    with trio.move_on_after(idle):
+                        data = await sockio.receive_some(sock, _RECV, wait_first=True)
+                        self._received += len(data)
+                        return data
+                    raise UpstreamError(
+                        f"{self._pool.endpoint} sent nothing for {idle:g} s"
+                    ) from None
+                else:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise UpstreamError(
+                f"{self._pool.endpoint} broke the connection: {exc}", silent=not self._received
+            ) from None
+        self._received += len(data)
+        return data
 
     async def read_head(self) -> None:
+        conn = self._conn
+        endpoint = self._pool.endpoint
         while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Response):
-                self.status = event.status_code
-                self.headers = list(event.headers)
-                self.keep_alive = event.http_version == b"1.1" and not any(
-                    k == b"connection" and b"close" in v.lower() for k, v in self.headers
-                )
-                timeout = keep_alive_timeout(self.headers)
-                if timeout is not None:
-                    self._pool.engine_keep_alive(timeout)
-                return
-            if isinstance(event, h11.ConnectionClosed):
-                raise UpstreamError(
-                    f"{self._pool.endpoint} closed the connection without answering",
-                    silent=not self._received,
-                )
-            # InformationalResponse (1xx): keep reading.
+            end = _HEAD_END.search(conn.buf)
+            if end is None:
+                if len(conn.buf) > _MAX_HEAD:
+                    raise UpstreamError(f"{endpoint} answered garbage: the head is too long")
+                data = await self._receive()
+                if not data:
+                    if not conn.buf:
+                        raise UpstreamError(
+                            f"{endpoint} closed the connection without answering",
+                            silent=not self._received,
+                        )
+                    raise UpstreamError(f"{endpoint} answered garbage: it closed within the head")
+                conn.buf += data
+                continue
+            head, conn.buf = conn.buf[: end.start()], conn.buf[end.end() :]
+            try:
+                status, http11, headers = _parse_head(head)
+            except _Garbage as exc:
+                raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+            if 100 <= status < 200:  # informational (100 Continue): the answer follows
+                if status == 101:
+                    raise UpstreamError(f"{endpoint} answered garbage: an unasked protocol switch")
+                continue
+            break
+        self.status = status
+        self.headers = headers
+        self.keep_alive = http11 and not any(
+            k == b"connection" and b"close" in v.lower() for k, v in headers
+        )
+        timeout = keep_alive_timeout(headers)
+        if timeout is not None:
+            self._pool.engine_keep_alive(timeout)
+        try:
+            self._framing, self._length = _framing(status, headers, self._head_only)
+        except _Garbage as exc:
+            raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+        if self._framing == "close":
+            self.keep_alive = False
+        elif self._framing == "length" and not self._length:
+            self._finish(conn.buf)
+
+    def _finish(self, extra: bytes) -> None:
+        self._done = not extra  # bytes after the answer: the connection is not reused
+        self._conn.buf = b""
 
     @property
     def chunked(self) -> bool:
-        return any(k == b"transfer-encoding" and v.lower() == b"chunked" for k, v in self.headers)
+        return self._framing == "chunked"
 
     async def body(self) -> AsyncIterator[bytes]:
         """The decoded body, as the engine sends it; pieces already received come out joined."""
-        c = self._conn.h11
-        while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Data):
-                parts = [bytes(event.data)]
-                while True:  # one write downstream for everything already here
-                    try:
-                        event = c.next_event()
-                    except h11.RemoteProtocolError as exc:
-                        raise UpstreamError(
-                            f"{self._pool.endpoint} answered garbage: {exc}"
-                        ) from None
-                    if not isinstance(event, h11.Data):
-                        break
-                    parts.append(bytes(event.data))
-                yield b"".join(parts)
-                if event is h11.NEED_DATA:
-                    continue
-            if isinstance(event, h11.EndOfMessage):
-                self._done = True
+        conn = self._conn
+        endpoint = self._pool.endpoint
+        if self._framing == "length":
+            left = self._length
+            if not left:  # finished with the head
                 return
-            if event is not h11.NEED_DATA and not isinstance(event, h11.Data):
-                raise UpstreamError(f"{self._pool.endpoint} closed the connection mid-answer")
+            data, conn.buf = conn.buf, b""
+            while left:
+                if data:
+                    piece, extra = data[:left], data[left:]
+                    left -= len(piece)
+                    if not left:
+                        self._finish(extra)
+                    yield piece
+                    if not left:
+                        return
+                data = await self._receive()
+                if not data:
+                    raise UpstreamError(f"{endpoint} closed the connection mid-answer")
+            return
+        if self._framing == "close":
+            data, conn.buf = conn.buf, b""
+            while True:
+                if data:
+                    yield data
+                data = await self._receive()
+                if not data:
+                    self._done = True
+                    return
+        decoder = ChunkDecoder()
+        data, conn.buf = conn.buf, b""
+        while True:
+            if data:
+                try:
+                    piece = decoder.feed(data)
+                except ChunkedError as exc:
+                    raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+                if decoder.done:
+                    self._finish(decoder.extra)
+                if piece:
+                    yield piece
+                if decoder.done:
+                    return
+            data = await self._receive()
+            if not data:
+                raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
     async def raw_chunks(self) -> AsyncIterator[bytes]:
         """A chunked body's whole chunks with their framing, undecoded, the last chunk left out.
@@ -315,24 +391,21 @@ class Exchange:
         and re-encoding per chunk, and one write per read from the engine.
         """
         scanner = ChunkScanner()
-        data, _ = self._conn.h11.trailing_data
+        conn = self._conn
+        data, conn.buf = conn.buf, b""
         endpoint = self._pool.endpoint
         while True:
             if data:
                 try:
-                    ready = scanner.feed(bytes(data))
+                    ready = scanner.feed(data)
                 except ChunkedError as exc:
                     raise UpstreamError(f"{endpoint} broke the chunked framing: {exc}") from None
                 if ready:
                     yield ready
                 if scanner.done:
-                    # The h11 state is past; a fresh one serves the next request.
-                    self._raw_done = not scanner.extra
+                    self._finish(scanner.extra)
                     return
-            try:
-                data = await self._receive()
-            except (trio.BrokenResourceError, OSError) as exc:
-                raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
+            data = await self._receive()
             if not data:
                 raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
@@ -344,16 +417,66 @@ class Exchange:
             if size > limit:
                 raise UpstreamError(f"{self._pool.endpoint} answered more than {limit} bytes")
             parts.append(data)
-        return b"".join(parts)
+        return b"".join(parts) if len(parts) != 1 else parts[0]
 
     def release(self) -> None:
         """Back to the pool if the exchange finished cleanly, otherwise closed."""
-        conn = self._conn
-        if self._done and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
-            self._pool._give_back(conn)
-        elif self._raw_done and self.keep_alive and conn.h11.our_state is h11.DONE:
-            conn.h11 = h11.Connection(h11.CLIENT)
-            self._pool._give_back(conn)
+        if self._done and self.keep_alive:
+            self._pool._give_back(self._conn)
         else:
-            conn.stream.socket.close()
+            self._conn.close()
+
+
+def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
+    """(status, whether HTTP/1.1, headers with lower-case names) of a response head."""
+    lines = head.split(b"\n")
+    status_line = lines[0].rstrip(b"\r")
+    match = _STATUS_LINE.fullmatch(status_line)
+    if match is None:
+        raise _Garbage(f"bad status line {status_line[:40]!r}")
+    headers: list[tuple[bytes, bytes]] = []
+    for raw in lines[1:]:
+        line = raw.rstrip(b"\r")
+        if line[:1] in (b" ", b"\t"):  # an obsolete folded line continues the last header
+            if not headers:
+                raise _Garbage("a continuation line with no header before it")
+            name, value = headers[-1]
+            headers[-1] = (name, value + b" " + line.strip(b" \t"))
+            continue
+        name, colon, value = line.partition(b":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise _Garbage(f"bad header line {line[:40]!r}")
+        value = value.strip(b" \t")
+        if _BAD_VALUE.search(value):
+            raise _Garbage(f"bad value of the header {name[:40]!r}")
+        headers.append((name.lower(), value))
+    return int(match.group(2)), match.group(1) == b"1", headers
+
+
+def _framing(
+    status: int, headers: list[tuple[bytes, bytes]], head_only: bool
+) -> tuple[str, int]:
+    """How the body is delimited (RFC 9112 section 6.3): ("length", n), ("chunked", 0)
+    or ("close", 0)."""
+    if head_only or status in (204, 304):
+        return "length", 0
+    lengths = set()
+    chunked = False
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            if value.lower() != b"chunked" or chunked:
+                raise _Garbage(f"unsupported transfer-encoding {value[:40]!r}")
+            chunked = True
+        elif name == b"content-length":
+            for part in value.split(b","):
+                part = part.strip()
+                if not _DIGITS.fullmatch(part):
+                    raise _Garbage(f"bad content-length {value[:40]!r}")
+                lengths.add(int(part))
+    if chunked:
+        return "chunked", 0
+    if len(lengths) > 1:
+        raise _Garbage("conflicting content-lengths")
+    if lengths:
+        return "length", lengths.pop()
+    return "close", 0
