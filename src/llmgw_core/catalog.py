@@ -8,11 +8,19 @@ both. The router reads the endpoints; the control plane reads the profiles.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 import attrs
 
-from llmgw_core.tomlshape import Table
+from llmgw_core.tomlshape import (
+    Problem,
+    Table,
+    read_texts,
+    rule_after,
+    rule_before,
+    rules,
+)
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -62,20 +70,38 @@ def parse_endpoint(text: str) -> Endpoint:
     return Endpoint(host=parts.hostname, port=port or 80, prefix=prefix)
 
 
+def _engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise Problem(f"must be one of {', '.join(ENGINES)}, not {engine!r}")
+    return engine
+
+
+def _engine_env(env: dict[str, str]) -> dict[str, str]:
+    for key in env:
+        if not _ENV_NAME.match(key):
+            raise Problem("is not a valid environment variable name", key)
+        if key in _AGENT_ENV:
+            raise Problem("is set by the agent from the GPUs it assigns to the replica", key)
+    return env
+
+
 @attrs.frozen
 class Profile:
     """How the control plane runs a model: engine, weights, parallelism, where it may go."""
 
-    engine: str  # one of ENGINES
+    engine: str = attrs.field(metadata=rules(check=_engine))  # one of ENGINES
     model: str  # the weights: a Hugging Face id or a local path on the nodes
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    gpu_memory_gib: float = 0.0  # free memory each GPU must have; 0 asks for none
-    gpu_model: str | None = None  # a case-insensitive substring of the GPU name
+    tensor_parallel: int = attrs.field(default=1, metadata=rules(min=1))
+    pipeline_parallel: int = attrs.field(default=1, metadata=rules(min=1))
+    # Free memory each GPU must have; 0 asks for none.
+    gpu_memory_gib: float = attrs.field(default=0.0, metadata=rules(min=0))
+    # A case-insensitive substring of the GPU name.
+    gpu_model: str | None = attrs.field(default=None, metadata=rules(check=str.strip))
     # Dicts are excluded from the hash so that a frozen Profile stays hashable.
     node_selector: dict[str, str] = attrs.field(factory=dict, hash=False)
     args: tuple[str, ...] = ()  # passed to the engine after the arguments llmgw builds
-    env: dict[str, str] = attrs.field(factory=dict, hash=False)  # the engine's environment
+    # The engine's environment.
+    env: dict[str, str] = attrs.field(factory=dict, hash=False, metadata=rules(check=_engine_env))
 
     @property
     def gpus(self) -> int:
@@ -86,14 +112,64 @@ def _default_replicas(entry: ModelEntry) -> int:
     return 1 if entry.profile is not None else 0
 
 
+def _model_name(name: str) -> str:
+    if not _MODEL_NAME.match(name):
+        raise Problem(f"{name!r} is not a valid model name (letters, digits, ._:/@+-)")
+    return name
+
+
+def _endpoints(value: object) -> tuple[Endpoint, ...]:
+    texts = read_texts(value)
+    if not texts:
+        raise Problem("must list at least one engine URL")
+    endpoints: list[Endpoint] = []
+    for i, text in enumerate(texts):
+        try:
+            endpoint = parse_endpoint(text)
+        except ValueError as exc:
+            raise Problem(str(exc), f"[{i}]") from None
+        if endpoint in endpoints:
+            raise Problem(f"{text!r} is listed twice", f"[{i}]")
+        endpoints.append(endpoint)
+    return tuple(endpoints)
+
+
 @attrs.frozen
 class ModelEntry:
-    name: str
-    endpoints: tuple[Endpoint, ...] = ()  # empty for a model with a profile
+    name: str = attrs.field(metadata=rules(check=_model_name))
+    # Empty for a model with a profile.
+    endpoints: tuple[Endpoint, ...] = attrs.field(default=(), metadata=rules(parse=_endpoints))
     profile: Profile | None = None
     # Replicas the control plane keeps running: 1 by default with a profile,
     # 0 for a router-only model.
-    replicas: int = attrs.field(default=attrs.Factory(_default_replicas, takes_self=True))
+    replicas: int = attrs.field(
+        default=attrs.Factory(_default_replicas, takes_self=True), metadata=rules(min=0)
+    )
+
+
+@rule_before(ModelEntry)
+def _endpoints_or_profile(data: Mapping[str, object]) -> None:
+    if "endpoints" in data and "profile" in data:
+        raise Problem(
+            "cannot be combined with endpoints: a model is served either by engines "
+            "you run (endpoints) or by replicas the control plane places (profile)",
+            "profile",
+        )
+    if "endpoints" in data and "replicas" in data:
+        raise Problem(
+            "only applies to a model with a profile; endpoints list every engine", "replicas"
+        )
+
+
+@rule_after(ModelEntry)
+def _served_somehow(entry: ModelEntry) -> None:
+    # Checked once every key was read: a misspelt key ('endpionts') is the likely
+    # cause, and is reported as such first.
+    if not entry.endpoints and entry.profile is None:
+        raise Problem(
+            f"model {entry.name!r} needs either endpoints (the URLs of engines you run) "
+            "or a [models.profile] (engines the control plane places on GPU nodes)"
+        )
 
 
 @attrs.frozen
@@ -112,92 +188,21 @@ class Catalog:
         return None
 
 
+@rule_after(Catalog)
+def _names_once(catalog: Catalog) -> None:
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(catalog.models):
+        if entry.name in seen:
+            raise Problem(
+                f"duplicates the model name {entry.name!r} of models[{seen[entry.name]}]",
+                f"models[{i}].name",
+            )
+        seen[entry.name] = i
+
+
 def read_catalog(root: Table) -> Catalog:
     """Read and validate every `[[models]]` entry of a config file."""
-    models: list[ModelEntry] = []
-    seen: dict[str, str] = {}
-    for table in root.tables("models"):
-        entry = _read_model(table)
-        if entry.name in seen:
-            table.fail("name", f"duplicates the model name {entry.name!r} of {seen[entry.name]}")
-        seen[entry.name] = table.path
-        models.append(entry)
-    return Catalog(models=tuple(models))
-
-
-def _read_model(table: Table) -> ModelEntry:
-    name = table.text("name")
-    if not _MODEL_NAME.match(name):
-        table.fail("name", f"{name!r} is not a valid model name (letters, digits, ._:/@+-)")
-    has_endpoints, has_profile = table.has("endpoints"), table.has("profile")
-    if has_endpoints and has_profile:
-        table.fail(
-            "profile",
-            "cannot be combined with endpoints: a model is served either by engines "
-            "you run (endpoints) or by replicas the control plane places (profile)",
-        )
-    if not has_endpoints and not has_profile:
-        # A misspelt key ('endpionts') is the likely cause: report it as such.
-        table.texts("endpoints", ())
-        table.table("profile")
-        table.integer("replicas", 1)
-        table.finish()
-        table.fail(
-            None,
-            f"model {name!r} needs either endpoints (the URLs of engines you run) "
-            "or a [models.profile] (engines the control plane places on GPU nodes)",
-        )
-    if has_endpoints:
-        if table.has("replicas"):
-            table.fail(
-                "replicas", "only applies to a model with a profile; endpoints list every engine"
-            )
-        entry = ModelEntry(name=name, endpoints=_read_endpoints(table))
-    else:
-        replicas = table.integer("replicas", 1, min=0)
-        profile = _read_profile(table.table("profile"))
-        entry = ModelEntry(name=name, profile=profile, replicas=replicas)
-    table.finish()
-    return entry
-
-
-def _read_endpoints(table: Table) -> tuple[Endpoint, ...]:
-    raw = table.texts("endpoints")
-    if not raw:
-        table.fail("endpoints", "must list at least one engine URL")
-    endpoints: list[Endpoint] = []
-    for i, text in enumerate(raw):
-        try:
-            endpoint = parse_endpoint(text)
-        except ValueError as exc:
-            table.fail(f"endpoints[{i}]", str(exc))
-        if endpoint in endpoints:
-            table.fail(f"endpoints[{i}]", f"{text!r} is listed twice")
-        endpoints.append(endpoint)
-    return tuple(endpoints)
-
-
-def _read_profile(t: Table) -> Profile:
-    engine = t.text("engine")
-    if engine not in ENGINES:
-        t.fail("engine", f"must be one of {', '.join(ENGINES)}, not {engine!r}")
-    gpu_model = t.text("gpu_model", None)
-    env = t.labels("env", {})
-    for key in env:
-        if not _ENV_NAME.match(key):
-            t.fail(f"env.{key}", "is not a valid environment variable name")
-        if key in _AGENT_ENV:
-            t.fail(f"env.{key}", "is set by the agent from the GPUs it assigns to the replica")
-    profile = Profile(
-        engine=engine,
-        model=t.text("model"),
-        tensor_parallel=t.integer("tensor_parallel", 1, min=1),
-        pipeline_parallel=t.integer("pipeline_parallel", 1, min=1),
-        gpu_memory_gib=t.number("gpu_memory_gib", 0.0, min=0),
-        gpu_model=gpu_model.strip() if gpu_model is not None else None,
-        node_selector=t.labels("node_selector", {}),
-        args=t.texts("args", ()),
-        env=env,
-    )
-    t.finish()
-    return profile
+    if not root.has("models"):
+        root.known("models")
+        return Catalog(models=())  # the config says what it needs (at least one model)
+    return root.structure(Catalog, keys=("models",))

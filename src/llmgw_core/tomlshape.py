@@ -212,13 +212,25 @@ class Table:
                 self.fail(f"{key}[{i}]", f"must be a table, not {_type_name(item)}")
             yield Table(item, self._file, f"{self._key_path(key)}[{i}]", base_dir=self._base_dir)
 
-    def structure(self, cls: type[T], *, environ: Mapping[str, str] | None = None) -> T:
-        """Read this whole table into the section `cls` (see `structure`)."""
-        self._read.update(self._data)
+    def structure(
+        self,
+        cls: type[T],
+        *,
+        environ: Mapping[str, str] | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> T:
+        """Read this table into the section `cls` (see `structure`): all of it, or only
+        `keys` (absent ones are left out), the others being for other sections."""
+        wanted = list(self._data if keys is None else keys)
+        data = {k: self._data[k] for k in wanted if k in self._data}
+        self._read.update(wanted)
         return structure(
-            self._data, cls, file=self._file, path=self.path, base_dir=self._base_dir,
-            environ=environ,
+            data, cls, file=self._file, path=self.path, base_dir=self._base_dir, environ=environ
         )
+
+    def known(self, *keys: str) -> None:
+        """Count `keys` as read though absent: a misspelling of one gets its "did you mean"."""
+        self._read.update(keys)
 
     def finish(self) -> None:
         """Reject keys nobody read: a typo must not pass silently."""
