@@ -8,8 +8,9 @@ import hashlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from llmgw_core.config import ListenAddress, load_config
+from llmgw_core.config import Config, ListenAddress, load_config
 from llmgw_core.tomlshape import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, parents=[common])
 
     command("serve", "run the server (the default)")
+    command(
+        "router",
+        "run a router apart that follows the control plane at --control (its https:// URL), "
+        "with the router token from --token-file or LLMGW_ROUTER_TOKEN, trusting --ca",
+    )
     check = command("check-config", "validate a config file and exit")
     check.add_argument("file")
     status = command("status", "nodes, replicas and what cannot run, as tables")
@@ -165,9 +171,28 @@ def run_cli(argv: list[str]) -> int:
     if args.command == "check-config":
         print(f"{file}: ok, {len(config.catalog.models)} models")
         return 0
+    if args.command == "router":
+        return _router(args, config)
     from llmgw_server.app import run
 
     return run(config)
+
+
+def _router(args: argparse.Namespace, config: Config) -> int:
+    from llmgw_server.router.standalone import feed_target, read_router_token
+    from llmgw_server.router.standalone import run as run_router
+
+    if not args.control:
+        print("llmgw-server router: --control URL is required", file=sys.stderr)
+        return 2
+    try:
+        feed_target(args.control)
+        token = read_router_token(args.token_file)
+    except ValueError as exc:
+        print(f"llmgw-server router: {exc}", file=sys.stderr)
+        return 2
+    ca = Path(args.ca) if args.ca else config.agents.ca
+    return run_router(config, args.control, token, ca)
 
 
 def _hash_key(given: str | None) -> int:

@@ -16,6 +16,8 @@ from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tls_config import server_context
 from llmgw_server.plane.admin import AdminAPI
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.plane.routes import RouteHub
+from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
 from llmgw_server.router.health import probe_forever
 
@@ -62,7 +64,7 @@ async def main(
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             if config.runs_control_plane:
                 interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
-                plane = ControlPlane(config, router, heartbeat_interval_s=interval)
+                plane = ControlPlane(config, heartbeat_interval_s=interval)
                 tls = config.agents
                 if tls.insecure:
                     log.warning(
@@ -73,7 +75,7 @@ async def main(
                 control = HTTPServer(
                     AdminAPI(plane).handle,
                     ServerLimits(),
-                    upgrade=plane.agents.serve_upgrade,
+                    upgrade=plane.serve_upgrade,
                     ssl_context=None if tls.insecure else server_context(tls),
                 )
                 control_listeners = await trio.open_tcp_listeners(
@@ -81,6 +83,7 @@ async def main(
                 )
                 control_port = control_listeners[0].socket.getsockname()[1]
                 await nursery.start(plane.run)
+                nursery.start_soon(_follow_in_process, plane.routes, router)
                 await nursery.start(control.serve, control_listeners)
                 where = f"{_url_host(s.control_listen.host)}:{control_port}"
                 log.info(
@@ -114,6 +117,14 @@ async def main(
     for pool in router.pools.values():
         pool.close()
     log.info("stopped")
+
+
+async def _follow_in_process(routes: RouteHub, router: Router) -> None:
+    """This process's router follows the route table like any other, over memory channels."""
+    hub_end, router_end = local_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(routes.serve, hub_end, "this process")
+        await Follower(router, "in-process").follow(router_end)
 
 
 def _url_host(host: str) -> str:

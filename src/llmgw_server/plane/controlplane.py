@@ -2,8 +2,10 @@
 and carries out the commands each step returns.
 
 Decisions stay in `control.reconciler`; this module only delivers them: start,
-drain and stop to agents over their streams, the replica set to the router,
-and the log lines.
+drain and stop to agents over their streams, the route table to the routers that
+follow it (`plane.routes`: this process's own router among them), and the log lines.
+It never touches a router's objects: a drain is an intent in the table, and it
+ends when every follower reports nothing in flight there (or `drain_timeout_s`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import trio
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config
+from llmgw_core.http_server import Request
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
@@ -25,8 +28,7 @@ from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.plane.agents import AgentService
 from llmgw_server.plane.fleet_feed import FleetFeed
 from llmgw_server.plane.metrics import ControlMetrics
-from llmgw_server.router.balancer import Replica
-from llmgw_server.router.front import Router
+from llmgw_server.plane.routes import ROUTES_PATH, RouteHub, serve_websocket
 
 log = logging.getLogger("llmgw.control")
 
@@ -35,9 +37,9 @@ HEARTBEAT_INTERVAL_S = 5.0
 
 
 class ControlPlane:
-    def __init__(self, config: Config, router: Router, *, heartbeat_interval_s: float) -> None:
+    def __init__(self, config: Config, *, heartbeat_interval_s: float) -> None:
         self.config = config
-        self.router = router
+        self.routes = RouteHub()  # what routers follow
         self.metrics = ControlMetrics()
         self.feed = FleetFeed()  # what the fleet page follows
         self.reconciler = Reconciler(
@@ -57,6 +59,10 @@ class ControlPlane:
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
         self._sleep_until = 0.0
         self._serving: dict[str, tuple[Endpoint, ...]] = {}
+        self._draining: dict[str, tuple[str, Endpoint]] = {}  # replica id -> model, endpoint
+        # Until then agents of a restarted control plane may still be registering: the
+        # table says it is incomplete, and routers that serve a complete one keep it.
+        self._settled_at = trio.current_time() + config.control.settle_after_start_s
         self._nursery: trio.Nursery | None = None
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
         self.closing = False
@@ -66,6 +72,7 @@ class ControlPlane:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._run(lambda: self.reconciler.tick(trio.current_time()))
+            nursery.start_soon(self._publish_when_settled)
             task_status.started()
             while True:
                 self._sleep_until = trio.current_time() + _MAX_SLEEP_S
@@ -75,6 +82,25 @@ class ControlPlane:
                     await self._wake.wait()
                 self._wake = trio.Event()
                 self._run(lambda: self.reconciler.tick(trio.current_time()))
+
+    async def serve_upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
+        """The control port's websockets: routers at /v1/routes, agents everywhere else."""
+        if request.path != ROUTES_PATH:
+            await self.agents.serve_upgrade(request, raw)
+            return
+        admin = self.config.admin
+        await serve_websocket(
+            self.routes,
+            request,
+            raw,
+            router_digest=admin.router_token_digest,
+            admin_digest=admin.token_digest,
+            peer=_peer(raw),
+        )
+
+    async def _publish_when_settled(self) -> None:
+        await trio.sleep_until(self._settled_at)
+        self._publish()
 
     # -- events from agent streams ------------------------------------------
 
@@ -155,7 +181,7 @@ class ControlPlane:
         for command in step.commands:
             self._deliver(command)
         if step.reconciled:  # which replicas serve may have changed
-            self._sync_router()
+            self._publish()
         self._wake_at = step.wake_at
         if step.wake_at is not None and step.wake_at < self._sleep_until:
             self._wake.set()
@@ -200,31 +226,59 @@ class ControlPlane:
             assert_never(command)
 
     def _watch_drain(self, replica_id: str) -> None:
-        """Stop sending the replica requests; tell the reconciler once none is in flight."""
-        replica = None
+        """Publish the drain intent; tell the reconciler once no follower has a request
+        in flight there."""
         found = self.reconciler.endpoint(replica_id)
         if found is not None:
-            replica = self.router.replica(*found)
-        if replica is not None:
-            replica.draining = True
+            self._draining[replica_id] = found
+        version = self._publish()
         assert self._nursery is not None
-        self._nursery.start_soon(self._wait_drained, replica_id, replica)
+        endpoint = None if found is None else found[1]
+        self._nursery.start_soon(self._wait_drained, replica_id, endpoint, version)
 
-    async def _wait_drained(self, replica_id: str, replica: Replica | None) -> None:
+    async def _wait_drained(self, replica_id: str, endpoint: Endpoint | None, version: int) -> None:
         # Reported from its own task, never from inside the step that sent the drain.
         await trio.lowlevel.checkpoint()
-        with trio.move_on_after(self.config.control.drain_timeout_s):
-            while replica is not None and replica.outstanding:
-                await trio.sleep(0.1)
+        routes = self.routes
+        with trio.move_on_after(self.config.control.drain_timeout_s) as waiting:
+            while endpoint is not None:
+                if routes.caught_up(version) and not routes.in_flight(endpoint):
+                    break
+                await routes.wait_reported()
+        if waiting.cancelled_caught:
+            log.info(
+                "replica %s: drain_timeout_s (%g s) passed with requests still in flight",
+                replica_id,
+                self.config.control.drain_timeout_s,
+            )
+        self._draining.pop(replica_id, None)
         self._run(lambda: self.reconciler.replica_drained(replica_id, trio.current_time()))
+        self._publish()  # the drained endpoint leaves the table
 
-    def _sync_router(self) -> None:
+    def _publish(self) -> int:
+        """Publish what serves, with the replicas being drained (kept so that followers
+        count what they still have in flight there); returns the table's version."""
         serving = self.reconciler.serving()
-        if serving == self._serving:
-            return
-        for model, endpoints in serving.items():
-            if self._serving.get(model) != endpoints:
-                # An endpoint prints as its URL: the engine key stays out of the log.
-                log.info("%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing")
-                self.router.set_endpoints(model, endpoints)
-        self._serving = serving
+        if serving != self._serving:
+            for model, endpoints in serving.items():
+                if self._serving.get(model) != endpoints:
+                    # An endpoint prints as its URL: the engine key stays out of the log.
+                    log.info(
+                        "%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing"
+                    )
+            self._serving = serving
+        models = dict(serving)
+        for model, endpoint in self._draining.values():
+            if endpoint not in models.get(model, ()):
+                models[model] = (*models.get(model, ()), endpoint)
+        draining = frozenset(endpoint for _, endpoint in self._draining.values())
+        complete = trio.current_time() >= self._settled_at
+        return self.routes.publish(models, draining, complete=complete)
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    try:
+        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return "an unknown peer"
+    return f"{host}:{port}"

@@ -1,0 +1,280 @@
+"""The route feed's hub: the control plane publishes its route table here, and every
+router that follows it (its own process's router, workers, routers apart) gets each
+new table and reports what it has in flight on draining endpoints.
+
+`RouteHub.serve(connection)` runs one follower over any connection with
+`send(text)` / `receive() -> text` (see `router.follower`); `serve_websocket` is
+the control port's `GET /v1/routes`, for routers apart, authenticated with the
+router token (`[admin] router_token_digest`): a credential that can only follow,
+never the admin token.
+
+A follower sends every table it applies back as the version of its reports, so a
+drain waits until every follower has seen the drain intent (`caught_up`) and none
+has a request in flight there (`in_flight`). A follower that goes away drops out
+of both.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+import trio
+import trio_websocket
+
+from llmgw_core.catalog import Endpoint
+from llmgw_core.config import digest_of
+from llmgw_core.http_server import Request
+from llmgw_core.route_feed import (
+    MAX_FRAME_BYTES,
+    FeedError,
+    Hello,
+    InFlight,
+    Routes,
+    RouteTable,
+    decode_up,
+    encode,
+)
+from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
+
+log = logging.getLogger("llmgw.routes")
+
+ROUTES_PATH = b"/v1/routes"
+HELLO_TIMEOUT_S = 10.0
+KEEPALIVE_INTERVAL_S = 5.0  # a silent follower is pinged after 10 s and cut after 20 s
+_RATE = 100.0  # reports a second, sustained: a follower sends one per table and change
+_BURST = 1000
+
+
+class Connection(Protocol):
+    """What `serve` needs of a connection (as `router.follower.Connection`)."""
+
+    async def send(self, text: str) -> None: ...
+    async def receive(self) -> str: ...
+
+
+@attrs.define
+class _Follower:
+    name: str
+    peer: str
+    version: int = -1  # of the table its last report answers; -1: none yet
+    counts: Mapping[str, int] = attrs.field(factory=dict)
+
+
+class RouteHub:
+    def __init__(self) -> None:
+        self.table = RouteTable(0, {}, frozenset(), complete=False)
+        self._followers: dict[int, _Follower] = {}
+        self._ids = itertools.count()
+        self._published = trio.Event()
+        self._reported = trio.Event()
+
+    @property
+    def followers(self) -> int:
+        return len(self._followers)
+
+    def publish(
+        self,
+        models: Mapping[str, tuple[Endpoint, ...]],
+        draining: frozenset[Endpoint],
+        *,
+        complete: bool,
+    ) -> int:
+        """Make this the table every follower gets; returns its version (unchanged when
+        the table is)."""
+        old = self.table
+        if (dict(old.models), old.draining, old.complete) == (dict(models), draining, complete):
+            return old.version
+        self.table = RouteTable(old.version + 1, dict(models), draining, complete)
+        self._published.set()
+        self._published = trio.Event()
+        return self.table.version
+
+    def in_flight(self, endpoint: Endpoint) -> int:
+        """Requests in flight on `endpoint`, as the followers last reported them."""
+        url = endpoint.url
+        return sum(f.counts.get(url, 0) for f in self._followers.values())
+
+    def caught_up(self, version: int) -> bool:
+        """Whether every follower has reported on table `version` or a later one."""
+        return all(f.version >= version for f in self._followers.values())
+
+    async def wait_reported(self) -> None:
+        """Until a follower reports, joins or leaves."""
+        await self._reported.wait()
+
+    def _notify(self) -> None:
+        self._reported.set()
+        self._reported = trio.Event()
+
+    async def serve(self, connection: Connection, peer: str) -> None:
+        """Serve one follower until it closes the connection; raises FeedError for a
+        frame that cannot be used. The connection's owner closes it."""
+        hello: object = None
+        with trio.move_on_after(HELLO_TIMEOUT_S):
+            try:
+                hello = decode_up(await connection.receive())
+            except trio.EndOfChannel:
+                return  # gone before saying hello
+        if hello is None:
+            raise FeedError(f"no hello within {HELLO_TIMEOUT_S:g} s")
+        if not isinstance(hello, Hello):
+            raise FeedError(f"the first message must be hello, not {type(hello).__name__}")
+        follower = _Follower(hello.router[:100], peer)
+        key = next(self._ids)
+        self._followers[key] = follower
+        self._notify()
+        log.info("router %s (%s) follows the route table", follower.name, peer)
+        failure: Exception | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_tables, connection, nursery.cancel_scope)
+                try:
+                    await self._receive_reports(connection, follower)
+                except trio.EndOfChannel:
+                    pass
+                except Exception as exc:
+                    failure = exc
+                nursery.cancel_scope.cancel()
+        finally:
+            del self._followers[key]
+            self._notify()
+            log.info("router %s (%s) no longer follows", follower.name, peer)
+        if failure is not None:
+            raise failure
+
+    async def _send_tables(self, connection: Connection, scope: trio.CancelScope) -> None:
+        sent = -1
+        try:
+            while True:
+                table = self.table
+                if table.version == sent:
+                    await self._published.wait()
+                    continue
+                await connection.send(encode(Routes(table)))
+                sent = table.version
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            scope.cancel()  # gone: the receiving side ends the feed
+
+    async def _receive_reports(self, connection: Connection, follower: _Follower) -> None:
+        tokens, at = float(_BURST), trio.current_time()
+        while True:
+            message = decode_up(await connection.receive())
+            now = trio.current_time()
+            tokens, at = min(_BURST, tokens + (now - at) * _RATE), now
+            if tokens < 1:
+                raise FeedError(
+                    f"more than {_BURST} reports in a burst (at most {_RATE:g} a second)"
+                )
+            tokens -= 1
+            if not isinstance(message, InFlight):
+                raise FeedError("hello is sent once, first")
+            if message.version > self.table.version:
+                raise FeedError(
+                    f"a report on table {message.version}, which was never sent "
+                    f"(the latest is {self.table.version})"
+                )
+            follower.version, follower.counts = message.version, dict(message.counts)
+            self._notify()
+
+
+def refusal(
+    authorization: bytes | None, router_digest: str | None, admin_digest: str | None
+) -> tuple[int, str] | None:
+    """Why a follower with this Authorization header may not follow: (status, reason),
+    or None when it may. Digests are compared in constant time."""
+    if router_digest is None:
+        return 403, (
+            "this control plane takes no routers: set [admin] router_token_digest "
+            "(or router_token_env) in its config"
+        )
+    if admin_digest is not None and hmac.compare_digest(router_digest, admin_digest):
+        return 403, (
+            "the control plane's router token is its admin token, which may not follow: "
+            "give routers a token of their own ([admin] router_token_digest)"
+        )
+    if authorization is None or authorization[:7].lower() != b"bearer ":
+        return 401, "a router token is required (Authorization: Bearer <router token>)"
+    digest = digest_of(authorization[7:].strip())
+    if hmac.compare_digest(digest, router_digest):
+        return None
+    if admin_digest is not None and hmac.compare_digest(digest, admin_digest):
+        return 403, "the admin token may not follow routes: give the router token"
+    return 401, "the router token is not valid"
+
+
+class _WebSocketConnection:
+    def __init__(
+        self, ws: trio_websocket.WebSocketConnection, inbox: trio.MemoryReceiveChannel[str | bytes]
+    ) -> None:
+        self.ws = ws
+        self.inbox = inbox
+
+    async def send(self, text: str) -> None:
+        try:
+            await self.ws.send_message(text)
+        except trio_websocket.ConnectionClosed:
+            raise trio.BrokenResourceError("the follower went away") from None
+
+    async def receive(self) -> str:
+        frame = await self.inbox.receive()
+        if isinstance(frame, bytes):
+            raise FeedError("binary frames are not part of the route feed; send JSON text")
+        return frame
+
+
+async def serve_websocket(
+    hub: RouteHub,
+    request: Request,
+    raw: trio.abc.Stream,
+    *,
+    router_digest: str | None,
+    admin_digest: str | None,
+    peer: str,
+) -> None:
+    """`GET /v1/routes` on the control port: one follower per connection."""
+    async with trio.open_nursery() as nursery:
+        ws_request = await trio_websocket.wrap_server_stream(
+            nursery, raw, max_message_size=MAX_FRAME_BYTES
+        )
+        refused = refusal(request.header(b"authorization"), router_digest, admin_digest)
+        if refused is not None:
+            status, reason = refused
+            log.warning("refused a router from %s: %s", peer, reason)
+            await ws_request.reject(status, body=reason.encode())
+            return
+        ws = await ws_request.accept()
+        try:
+            await _serve_ws(hub, ws, peer)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def _serve_ws(hub: RouteHub, ws: trio_websocket.WebSocketConnection, peer: str) -> None:
+    inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
+    heard = Heard(trio.current_time())
+    code, reason = 1000, ""
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_frames, ws, inbox_send, None, heard)
+            nursery.start_soon(
+                cut_when_silent,
+                ws,
+                heard,
+                silence_bound(KEEPALIVE_INTERVAL_S),
+                nursery.cancel_scope,
+            )
+            try:
+                await hub.serve(_WebSocketConnection(ws, inbox_receive), peer)
+            except FeedError as exc:
+                code, reason = 1008, str(exc)
+                log.warning("closing the route feed of %s: %s", peer, reason)
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.move_on_after(1) as cleanup:
+            cleanup.shield = True
+            await ws.aclose(code=code, reason=reason[:120])

@@ -1,0 +1,196 @@
+"""Following a control plane's route table, over any connection.
+
+`Follower.follow(connection)` runs one feed: it sends `Hello`, applies every
+`Routes` table it receives to the router, and reports back (`InFlight`) the
+requests in flight on each draining endpoint: after every table, and whenever
+those counts change, so the control plane stops a drained replica as soon as
+no router still uses it. The same loop serves every transport:
+
+- a websocket to the control port (`router.standalone`, a router apart),
+- a pair of memory channels in the server's own process (`local_pair`),
+- a Unix socket between a supervising parent and its workers.
+
+The connection is anything with two methods (the `Connection` protocol):
+
+    async def send(self, text: str) -> None     # one frame, in order
+    async def receive(self) -> str              # the next frame
+
+`receive` raises `trio.EndOfChannel` when the peer closed the connection in the
+ordinary way; anything else it or `send` raises is an error, and ends `follow`
+with that exception (trio.BrokenResourceError from `send` once the peer is gone
+is fine). `follow` returns when the peer closed, raises `FeedError` for a frame
+that cannot be used, and never closes the connection itself: its owner does.
+
+One `Follower` lives as long as its router, across connections: a router
+keeps serving the last table it applied while no control plane is reachable,
+and a table marked incomplete (a control plane that just started and has not
+heard from every agent yet) does not replace a complete one; only its drain
+intents are applied.
+
+Models named in the router's own config with static endpoints are the config's:
+the feed never changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Protocol
+
+import attrs
+import trio
+
+from llmgw_core.catalog import Endpoint
+from llmgw_core.route_feed import PROTOCOL, Hello, InFlight, RouteTable, decode_down, encode
+from llmgw_server.router.front import Router
+
+log = logging.getLogger("llmgw.follower")
+
+# While an endpoint drains, how often its in-flight count is looked at. The count is a
+# plain integer the request path updates; reading it here keeps that path untouched.
+COUNT_INTERVAL_S = 0.05
+
+
+class Connection(Protocol):
+    async def send(self, text: str) -> None: ...
+    async def receive(self) -> str: ...
+
+
+class Follower:
+    def __init__(self, router: Router, name: str) -> None:
+        self.router = router
+        self.name = name  # how the control plane's log calls this router
+        self.table: RouteTable | None = None  # the last table applied, from any control plane
+        self._static = frozenset(m.name for m in router.config.catalog.models if m.profile is None)
+        self._ignored: set[str] = set()  # feed models shadowed by static ones, logged once
+        self._version = -1  # of the last table received on the current connection
+        self._received = trio.Event()
+        self._report_failure: BaseException | None = None
+
+    async def follow(self, connection: Connection) -> None:
+        """Follow one connection until the peer closes it (see the module's docstring)."""
+        self._version = -1
+        await connection.send(encode(Hello(PROTOCOL, self.name)))
+        failure: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
+            try:
+                while True:
+                    table = decode_down(await connection.receive()).table
+                    self.apply(table)
+                    self._version = table.version
+                    self._received.set()
+            except trio.EndOfChannel:
+                pass
+            except Exception as exc:  # handed to the caller whole, not in a group
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if self._report_failure is not None:
+            raise self._report_failure
+
+    def apply(self, table: RouteTable) -> None:
+        """Serve `table`, or only its drain intents when it is incomplete and the router
+        already serves a complete one."""
+        held = self.table
+        if not table.complete and held is not None and held.complete:
+            table = attrs.evolve(held, version=table.version, draining=table.draining)
+        apply_table(self.router, table, held, self._static, self._ignored)
+        self.table = table
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight on each draining endpoint this router holds, by URL."""
+        return in_flight_counts(self.router, self.table.draining if self.table else frozenset())
+
+    async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
+        self._report_failure = None
+        sent: InFlight | None = None
+        try:
+            while True:
+                draining = self.table is not None and bool(self.table.draining)
+                with trio.move_on_after(COUNT_INTERVAL_S if draining else math.inf):
+                    await self._received.wait()
+                self._received = trio.Event()
+                if self._version < 0:
+                    continue  # nothing received yet on this connection
+                report = InFlight(self._version, self.in_flight())
+                if report != sent:
+                    await connection.send(encode(report))
+                    sent = report
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            scope.cancel()  # the peer went: the receiving side says how
+        except Exception as exc:
+            self._report_failure = exc
+            scope.cancel()
+
+
+def apply_table(
+    router: Router,
+    table: RouteTable,
+    previous: RouteTable | None,
+    static: frozenset[str] = frozenset(),
+    ignored: set[str] | None = None,
+) -> None:
+    """Give the router the table's endpoints (a model gone from it gets none) and mark the
+    replicas that drain. `static` models are left alone (named in `ignored` once)."""
+    ignored = set() if ignored is None else ignored
+    for model, endpoints in table.models.items():
+        if model in static:
+            if model not in ignored:
+                ignored.add(model)
+                log.warning(
+                    "the control plane places %s, which this router's config serves from "
+                    "static endpoints: the config's endpoints are kept",
+                    model,
+                )
+            continue
+        if previous is None or previous.models.get(model) != endpoints:
+            log.info("%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing")
+        router.set_endpoints(model, endpoints)
+    for model in previous.models if previous is not None else ():
+        if model not in table.models and model not in static:
+            log.info("%s is no longer placed by the control plane", model)
+            router.set_endpoints(model, ())
+    for model, balancer in router.balancers.items():
+        if model in static:
+            continue
+        for replica in balancer.replicas:
+            replica.draining = replica.endpoint in table.draining
+
+
+def in_flight_counts(router: Router, draining: frozenset[Endpoint]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    if not draining:
+        return counts
+    for balancer in router.balancers.values():
+        for replica in balancer.replicas:
+            if replica.endpoint in draining:
+                url = replica.endpoint.url
+                counts[url] = counts.get(url, 0) + replica.outstanding
+    return counts
+
+
+@attrs.define
+class LocalConnection:
+    """One end of a connection in one process: memory channels, no socket."""
+
+    outbox: trio.MemorySendChannel[str]
+    inbox: trio.MemoryReceiveChannel[str]
+
+    async def send(self, text: str) -> None:
+        await self.outbox.send(text)
+
+    async def receive(self) -> str:
+        return await self.inbox.receive()
+
+    def close(self) -> None:
+        self.outbox.close()
+        self.inbox.close()
+
+
+def local_pair(buffer: int = 16) -> tuple[LocalConnection, LocalConnection]:
+    """Two connected ends; closing one makes the other's `receive` raise EndOfChannel."""
+    a_send, b_receive = trio.open_memory_channel[str](buffer)
+    b_send, a_receive = trio.open_memory_channel[str](buffer)
+    return LocalConnection(a_send, a_receive), LocalConnection(b_send, b_receive)

@@ -1,0 +1,328 @@
+"""A router apart from the control plane: `llmgw-server router --control URL`.
+
+It serves `[server] listen` of its own config (keys, static models, router
+tuning), with no control plane even where the config declares profiles, and
+follows the control plane's route table over the control port (`/v1/routes`,
+a websocket, TLS unless the URL says http://), authenticated with the router
+token. It dials again forever, with jittered backoff and a log line saying why
+each attempt failed; while no control plane answers it serves the last table
+it had, and it catches up on the current one when it connects again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import socket
+import ssl
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import trio
+import trio_websocket
+
+from llmgw_agent.dial import ConnectFailed, Target, describe_os_error, describe_rejection
+from llmgw_core.config import Config
+from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_core.route_feed import MAX_FRAME_BYTES, FeedError
+from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
+from llmgw_server.router.follower import Follower
+from llmgw_server.router.front import Router
+from llmgw_server.router.health import probe_forever
+
+log = logging.getLogger("llmgw.router")
+
+ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
+ROUTES_RESOURCE = "/v1/routes"
+CONNECT_TIMEOUT_S = 10.0
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 10.0
+KEEPALIVE_INTERVAL_S = 5.0  # the control plane is pinged after 10 s of quiet, cut after 20 s
+
+
+def feed_target(control: str) -> Target:
+    """Where the route feed of the control plane at `control` is: its admin URL
+    (https://host:port) or the feed's own (wss://host:port/v1/routes). Raises ValueError."""
+    try:
+        parts = urlsplit(control)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"--control {control!r} is not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https", "ws", "wss"):
+        raise ValueError(
+            f"--control {control!r} must be the control plane's https:// URL "
+            "(http:// when it runs with [agents] insecure = true)"
+        )
+    if not parts.hostname:
+        raise ValueError(f"--control {control!r} has no host")
+    secure = parts.scheme in ("https", "wss")
+    return Target(parts.hostname, port or (443 if secure else 80), ROUTES_RESOURCE, secure)
+
+
+def read_router_token(token_file: str | None) -> str:
+    """The raw router token: the first line of `token_file`, else $LLMGW_ROUTER_TOKEN.
+    Raises ValueError saying what is missing."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the router token from {token_file}: {exc}") from None
+        if not token:
+            raise ValueError(f"the router token file {token_file} is empty")
+        return token
+    token = os.environ.get(ROUTER_TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(
+            f"a router token is required: --token-file PATH or ${ROUTER_TOKEN_ENV} (its digest "
+            "is the control plane's [admin] router_token_digest)"
+        )
+    return token
+
+
+def client_context(ca: Path | None) -> ssl.SSLContext:
+    """Trust the fleet CA (`--ca`), else the system's trust store."""
+    context = ssl.create_default_context(cafile=str(ca) if ca else None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+async def main(
+    config: Config,
+    control: str,
+    token: str,
+    ca: Path | None,
+    *,
+    stop: trio.Event | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve and follow until SIGINT/SIGTERM (or `stop`), then shut down gracefully;
+    `started()` with the port it serves."""
+    where = feed_target(control)
+    ssl_context = client_context(ca) if where.secure else None
+    s = config.server
+    router = Router(config)
+    http = HTTPServer(
+        router.handle,
+        ServerLimits(
+            max_body_bytes=s.max_body_bytes,
+            header_timeout_s=s.header_timeout_s,
+            body_timeout_s=s.body_timeout_s,
+            keepalive_timeout_s=s.keepalive_timeout_s,
+        ),
+        on_reject=router.rejected,
+    )
+    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
+    port = listeners[0].socket.getsockname()[1]
+    follower = Follower(router, f"{socket.gethostname()}:{port}")
+    timeout = httpx.Timeout(config.router.health_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            nursery.start_soon(follow_forever, follower, where, token, ssl_context, ca)
+            if router.access_log is not None:
+                await nursery.start(router.access_log.run)
+            await nursery.start(http.serve, listeners)
+            await nursery.start(probe_forever, router, client)
+            log.info(
+                "llmgw router listening on http://%s:%d, following %s://%s%s",
+                s.listen.host,
+                port,
+                "wss" if where.secure else "ws",
+                where.where,
+                where.resource,
+            )
+            task_status.started(port)
+            stop = trio.Event() if stop is None else stop
+            async with trio.open_nursery() as waiters:
+                waiters.start_soon(_first_signal, signals, stop)
+                await stop.wait()
+                waiters.cancel_scope.cancel()
+        log.info("shutting down: no new connections; waiting up to %s s", s.shutdown_grace_s)
+        router.draining = True
+        if not await http.shutdown(s.shutdown_grace_s):
+            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
+        nursery.cancel_scope.cancel()
+    for pool in router.pools.values():
+        pool.close()
+    log.info("stopped")
+
+
+async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
+    async for signum in signals:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+        return
+
+
+async def follow_forever(
+    follower: Follower,
+    where: Target,
+    token: str,
+    ssl_context: ssl.SSLContext | None,
+    ca: Path | None,
+) -> None:
+    """Follow the control plane, dialing again after every failure, forever."""
+    failures = 0
+    while True:
+        followed, why = await follow_once(follower, where, token, ssl_context, ca)
+        failures = 0 if followed else failures + 1
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(failures, 10))
+        delay *= random.uniform(0.5, 1.0)  # routers that lost the same control plane spread
+        table = follower.table
+        held = (
+            f"serving the last route table ({len(table.models)} models)"
+            if table is not None
+            else "no route table yet"
+        )
+        log.warning(
+            "route feed from %s: %s; %s; dialing again in %.1f s", where.where, why, held, delay
+        )
+        await trio.sleep(delay)
+
+
+async def follow_once(
+    follower: Follower,
+    where: Target,
+    token: str,
+    ssl_context: ssl.SSLContext | None,
+    ca: Path | None,
+) -> tuple[bool, str]:
+    """Dial and follow until the feed ends: (whether it was followed, why it ended)."""
+    try:
+        stream = await _dial(where, ssl_context, ca)
+    except ConnectFailed as exc:
+        return False, str(exc)
+    host = where.host if where.port == (443 if where.secure else 80) else where.where
+    async with trio.open_nursery() as nursery:
+        ws = None
+        why = (
+            f"no answer to the websocket handshake from {where.where} within "
+            f"{CONNECT_TIMEOUT_S:g} s"
+            + ("" if where.secure else " (if the control port runs TLS, dial https://)")
+        )
+        with trio.move_on_after(CONNECT_TIMEOUT_S):
+            try:
+                ws = await trio_websocket.wrap_client_stream(
+                    nursery,
+                    stream,
+                    host,
+                    where.resource,
+                    extra_headers=[(b"authorization", f"Bearer {token}".encode())],
+                    max_message_size=MAX_FRAME_BYTES,
+                )
+            except trio_websocket.ConnectionRejected as exc:
+                why = describe_rejection(exc)
+            except (trio_websocket.HandshakeError, OSError, trio.BrokenResourceError) as exc:
+                why = f"the websocket handshake with {where.where} failed: {exc or type(exc)}"
+        if ws is None:
+            await trio.aclose_forcefully(stream)
+            nursery.cancel_scope.cancel()
+            return False, why
+        log.info("following the route table of %s", where.where)
+        inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
+        heard = Heard(trio.current_time())
+        silent = trio.CancelScope()
+        nursery.start_soon(read_frames, ws, inbox_send, None, heard)
+        nursery.start_soon(cut_when_silent, ws, heard, silence_bound(KEEPALIVE_INTERVAL_S), silent)
+        why = "the control plane closed the route feed"
+        with silent:
+            try:
+                await follower.follow(_FeedConnection(ws, inbox_receive))
+            except FeedError as exc:
+                why = f"a frame from the control plane cannot be used: {exc}"
+                with trio.move_on_after(1):
+                    await ws.aclose(code=1008, reason=str(exc)[:120])
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # it went away while this router spoke: the close says why
+            except Exception as exc:  # a bug here must not stop the router serving
+                log.exception("following the route table failed")
+                why = f"following failed: {type(exc).__name__}: {exc}"
+        if silent.cancelled_caught:
+            cut = silence_bound(KEEPALIVE_INTERVAL_S).cut_after_s
+            why = f"nothing heard from the control plane for {cut:g} s"
+        elif ws.closed is not None and ws.closed.reason:
+            why += f" ({ws.closed.reason})"
+        with trio.move_on_after(1):
+            await ws.aclose()
+        nursery.cancel_scope.cancel()
+    return True, why
+
+
+class _FeedConnection:
+    def __init__(
+        self, ws: trio_websocket.WebSocketConnection, inbox: trio.MemoryReceiveChannel[str | bytes]
+    ) -> None:
+        self.ws = ws
+        self.inbox = inbox
+
+    async def send(self, text: str) -> None:
+        try:
+            await self.ws.send_message(text)
+        except trio_websocket.ConnectionClosed:
+            raise trio.BrokenResourceError("the control plane went away") from None
+
+    async def receive(self) -> str:
+        frame = await self.inbox.receive()
+        if isinstance(frame, bytes):
+            raise FeedError("binary frames are not part of the route feed")
+        return frame
+
+
+async def _dial(
+    where: Target, ssl_context: ssl.SSLContext | None, ca: Path | None
+) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+    """TCP, then TLS where the URL asks for it; raises ConnectFailed saying why."""
+    with trio.move_on_after(CONNECT_TIMEOUT_S):
+        try:
+            tcp = await trio.open_tcp_stream(where.host, where.port)
+        except OSError as exc:
+            raise ConnectFailed(describe_os_error(exc, where.where)) from None
+        if ssl_context is None:
+            return tcp
+        tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
+        try:
+            await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await trio.aclose_forcefully(tcp)
+            raise ConnectFailed(_tls_failure(exc.__cause__ or exc, where, ca)) from None
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        return tls
+    raise ConnectFailed(f"no answer from {where.where} within {CONNECT_TIMEOUT_S:g} s")
+
+
+def _tls_failure(exc: BaseException, where: Target, ca: Path | None) -> str:
+    trust = f"--ca {ca}" if ca else "the system's trust store (no --ca given)"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason or str(exc)
+        return (
+            f"TLS error: the control plane's certificate at {where.where} is not trusted by "
+            f"{trust} ({why}): give the fleet CA that signed it, and dial a name it holds"
+        )
+    if isinstance(exc, ssl.SSLError) and exc.reason in (
+        "WRONG_VERSION_NUMBER",
+        "RECORD_LAYER_FAILURE",
+        "PACKET_LENGTH_TOO_LONG",
+    ):
+        return (
+            f"TLS error: {where.where} does not speak TLS: the control plane may run with "
+            "[agents] insecure = true (then use an http:// URL)"
+        )
+    return f"TLS error: the handshake with {where.where} failed: {exc}"
+
+
+def run(config: Config, control: str, token: str, ca: Path | None) -> int:
+    """The `router` command: serve until a signal; 1 when the port cannot be had."""
+    try:
+        trio.run(main, config, control, token, ca)
+    except OSError as exc:
+        print(
+            f"llmgw-server router: cannot listen on {config.server.listen}: {exc}", file=sys.stderr
+        )
+        return 1
+    return 0
