@@ -50,7 +50,9 @@ demo: venv
 
 bench: venv
 	@command -v wrk >/dev/null || (apt-get install -y -q wrk || (apt-get update -q && apt-get install -y -q wrk))
+	@command -v go >/dev/null || (apt-get install -y -q golang-go || (apt-get update -q && apt-get install -y -q golang-go))
 	$(BIN)/python bench/router_bench.py
+	$(BIN)/python bench/dataplane_bench.py
 	$(BIN)/python bench/placement_bench.py
 	$(BIN)/python bench/fleet_bench.py
 	$(BIN)/python bench/routing_bench.py

@@ -1,0 +1,3 @@
+module llmgw.bench/fast_engine
+
+go 1.19
