@@ -333,16 +333,26 @@ def start_llmgw(
 def start_vllm_router(
     name: str, exe: Path, policy: str, upstreams: list[str]
 ) -> Gateway:
-    port, metrics_port = free_port(), free_port()
-    argv = [
-        str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams,
-        "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
-        str(metrics_port),
-    ]
-    proc = Proc(name, argv)
-    gw = Gateway(name, "vllm-router", policy, 1, upstreams, proc, url=f"http://127.0.0.1:{port}")
-    wait_for("/health 200", proc, lambda: http_request("GET", gw.url + "/health")[0] == 200)
-    return gw
+    for attempt in range(3):  # a free port found here may be taken before the router binds it
+        port, metrics_port = free_port(), free_port()
+        argv = [
+            str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams,
+            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port",
+            str(metrics_port),
+        ]
+        proc = Proc(name, argv)
+        gw = Gateway(name, "vllm-router", policy, 1, upstreams, proc,
+                     url=f"http://127.0.0.1:{port}")
+        try:
+            health = gw.url + "/health"
+            wait_for("/health 200", proc, lambda u=health: http_request("GET", u)[0] == 200)
+            return gw
+        except BenchError:
+            if proc.alive() or attempt == 2:
+                raise
+            STARTED.remove(proc)
+            proc.stop()
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- correctness
@@ -389,9 +399,9 @@ class WrkResult:
         return sum(self.errors.values())
 
 
-def wrk_argv(url: str, conns: int, duration_s: float, threads: int) -> list[str]:
+def wrk_argv(url: str, conns: int, duration_s: int, threads: int) -> list[str]:
     return [
-        "wrk", f"-t{min(threads, conns)}", f"-c{conns}", f"-d{duration_s:g}s", "--latency",
+        "wrk", f"-t{min(threads, conns)}", f"-c{conns}", f"-d{duration_s}s", "--latency",
         "--timeout", "10s", "-s", str(WRK_SCRIPT), url + "/v1/chat/completions",
     ]
 
@@ -419,7 +429,7 @@ def parse_wrk(returncode: int, stdout: str, stderr: str, argv: list[str]) -> Wrk
     )
 
 
-def run_wrk(url: str, kind: str, duration_s: float, args: argparse.Namespace) -> WrkResult:
+def run_wrk(url: str, kind: str, duration_s: int, args: argparse.Namespace) -> WrkResult:
     conns = args.plain_conns if kind == "plain" else args.paced_conns
     argv = wrk_argv(url, conns, duration_s, args.wrk_threads)
     done = subprocess.run(argv, capture_output=True, text=True, env=wrk_env(kind, args),
@@ -501,7 +511,7 @@ def survival_check(upstreams: list[str], args: argparse.Namespace) -> Survival:
                 processes_before=1 + len(children),
             )
         result = Survival(True, processes_before=1 + len(children))
-        load_s = max(6.0, args.duration * 2)
+        load_s = max(6, args.duration * 2)
         argv = wrk_argv(gw.url, args.plain_conns, load_s, args.wrk_threads)
         wrk = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=wrk_env("plain", args))
@@ -742,8 +752,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--duration", type=float, default=3, help="seconds per wrk run (default 3)")
-    p.add_argument("--warmup", type=float, default=1, help="warm-up seconds before each (0: none)")
+    # wrk takes whole seconds only.
+    p.add_argument("--duration", type=int, default=3, help="seconds per wrk run (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up seconds before each (0: none)")
     p.add_argument("--plain-conns", type=int, default=16, help="wrk connections, plain (16)")
     p.add_argument("--paced-conns", type=int, default=16, help="wrk connections, paced (16)")
     p.add_argument("--wrk-threads", type=int, default=1, help="wrk -t (default 1)")
@@ -784,8 +795,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             cores if w == "auto" else int(w) for w in args.workers.split(",") if w))
     except ValueError:
         p.error("--workers takes numbers or auto, comma separated")
-    if args.runs < 1 or args.chunks < 2 or any(w < 1 for w in args.workers):
-        p.error("--runs >= 1, --chunks >= 2 and workers >= 1")
+    if args.runs < 1 or args.duration < 1 or args.chunks < 2 or any(w < 1 for w in args.workers):
+        p.error("--runs >= 1, --duration >= 1, --chunks >= 2 and workers >= 1")
     return args
 
 
