@@ -1,4 +1,5 @@
-"""The agent's config file, read through the same `Table` as the server's."""
+"""The agent's config file, declared once as `AgentConfig` and read by the same
+`tomlshape.structure` as the server's."""
 
 from __future__ import annotations
 
@@ -7,13 +8,25 @@ import os
 import re
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import attrs
+import cattrs.errors
 
 from llmgw_core.config import is_loopback
-from llmgw_core.tls_config import AgentTLS, read_agent_tls
-from llmgw_core.tomlshape import Table, load_toml
+from llmgw_core.tls_config import AgentTLS, require_agent_tls
+from llmgw_core.tomlshape import (
+    CONVERTER,
+    Problem,
+    load_toml,
+    read_text,
+    reading_base_dir,
+    rule_after,
+    rule_before,
+    rules,
+    structure,
+    type_name,
+)
 
 ENGINE_KINDS = ("vllm", "sglang", "llamacpp", "mock")
 
@@ -25,32 +38,171 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _command(command: tuple[str, ...]) -> tuple[str, ...]:
+    if not command:
+        raise Problem("must name the program to run")
+    return command
+
+
 @attrs.frozen
 class EngineCommand:
-    command: tuple[str, ...]
+    """`[engines.<kind>]`: how this node runs an engine; () is the kind's default command."""
+
+    command: tuple[str, ...] = attrs.field(default=(), metadata=rules(check=_command))
     env: dict[str, str] = attrs.field(factory=dict)
+
+
+def _engines(value: object) -> dict[str, EngineCommand]:
+    """Every kind, with its default command where the file gives none. A program given
+    as a relative path (`bin/llama-server`) is taken from the config file's directory; a
+    bare name (`vllm`) is looked up on PATH when the engine starts."""
+    if not isinstance(value, dict):
+        raise Problem(f"must be a table, not {type_name(value)}")
+    engines = {kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()}
+    for kind, table in value.items():
+        if kind not in ENGINE_KINDS:
+            raise Problem(f"is not an engine llmgw knows (one of {', '.join(ENGINE_KINDS)})", kind)
+        try:
+            given = CONVERTER.structure(table, EngineCommand)
+        except Exception as exc:
+            note = cattrs.errors.AttributeValidationNote(f"engine {kind}", kind, EngineCommand)
+            exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+            raise
+        command = given.command or DEFAULT_COMMANDS[kind]
+        engines[kind] = EngineCommand(_program(reading_base_dir(), command), given.env)
+    return engines
+
+
+def _server_url(server: str) -> str:
+    try:
+        parts = urlsplit(server)
+        hostname = parts.hostname
+        parts.port  # noqa: B018  (raises on a bad port)
+    except ValueError as exc:
+        raise Problem(f"{server!r} is not a valid URL: {exc}") from None
+    if parts.scheme not in ("ws", "wss") or not hostname:
+        raise Problem(
+            f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent"
+        )
+    if not is_host(hostname):
+        raise Problem(f"{server!r}: {hostname!r} is not a host name or IP address")
+    return server
+
+
+def _server_parts(server: object) -> SplitResult | None:
+    """The server URL's parts, None for one that is not a valid URL (its field says why)."""
+    try:
+        return urlsplit(_server_url(read_text(server)))
+    except Problem:
+        return None
+
+
+def _local_advertise_host(config: AgentConfig) -> str:
+    """127.0.0.1 only goes without saying when the control plane (and its router) is on
+    this machine too: on a real node a loopback address would send every request to the
+    router's own machine. Empty: the file must say (see `_agent_rules`)."""
+    return "127.0.0.1" if is_loopback(urlsplit(config.server).hostname or "") else ""
+
+
+def _a_host(host: str) -> str:
+    if not is_host(host):
+        raise Problem(
+            f"{host!r} is not a host name or IP address: give this node's address "
+            "that the router reaches its engines at"
+        )
+    return host
 
 
 @attrs.frozen
 class AgentConfig:
-    file: str
+    """Relative paths (state_dir, inventory_file, [tls] files, an engine program given as
+    a path) are taken from the config file's directory, not the working directory."""
+
     name: str
-    server: str  # ws:// or wss:// URL of the control plane's agent stream
-    state_dir: Path
-    advertise_host: str  # how the router and other nodes reach engines on this node
-    bind_host: str  # the address engines listen on
-    labels: dict[str, str]
-    fabric: dict[str, str]
-    inventory_file: Path | None
-    engines: dict[str, EngineCommand]
-    port_min: int = 20000
-    port_max: int = 20999
-    tls: AgentTLS = attrs.field(factory=AgentTLS)
+    # ws:// or wss:// URL of the control plane's agent stream.
+    server: str = attrs.field(metadata=rules(check=_server_url))
     insecure: bool = False  # a plaintext ws:// server, said explicitly
-    reconnect_base_s: float = 0.5
-    reconnect_cap_s: float = 30.0
-    stop_grace_s: float = 30.0
-    start_timeout_s: float = 1800.0
+    tls: AgentTLS = attrs.field(factory=AgentTLS)
+    inventory_file: Path | None = None
+    engines: dict[str, EngineCommand] = attrs.field(
+        factory=lambda: {kind: EngineCommand(c) for kind, c in DEFAULT_COMMANDS.items()},
+        metadata=rules(parse=_engines),
+    )
+    port_min: int = attrs.field(default=20000, metadata=rules(key="ports.min", min=1024))
+    port_max: int = attrs.field(default=20999, metadata=rules(key="ports.max", min=1024))
+    reconnect_base_s: float = attrs.field(
+        default=0.5, metadata=rules(key="reconnect.base_s", min=0.01)
+    )
+    reconnect_cap_s: float = attrs.field(
+        default=30.0, metadata=rules(key="reconnect.cap_s", min=0.01)
+    )
+    state_dir: Path = Path("/var/lib/llmgw-agent")
+    # How the router and other nodes reach engines on this node.
+    advertise_host: str = attrs.field(
+        default=attrs.Factory(_local_advertise_host, takes_self=True),
+        metadata=rules(check=_a_host),
+    )
+    bind_host: str = "0.0.0.0"  # the address engines listen on
+    labels: dict[str, str] = attrs.field(factory=dict)
+    fabric: dict[str, str] = attrs.field(factory=dict)
+    stop_grace_s: float = attrs.field(default=30.0, metadata=rules(min=0))
+    start_timeout_s: float = attrs.field(default=1800.0, metadata=rules(min=0.1))
+    # The config file, for messages; set by the reader, never by the file.
+    file: str = attrs.field(default="", kw_only=True, metadata=rules(in_file=False))
+
+
+@rule_before(AgentConfig)
+def _plaintext_said(data: dict[str, object]) -> None:
+    """Checked first, as the server URL is what the rest is read against."""
+    parts = _server_parts(data.get("server"))
+    insecure = data.get("insecure", False)
+    if parts is None or parts.scheme != "ws" or not isinstance(insecure, bool):
+        return  # a bad server URL or insecure value is reported by its field
+    server = str(data["server"])
+    if not insecure:
+        raise Problem(
+            f"{server!r} is plaintext: use wss:// with [tls], or set insecure = true "
+            "where the network is trusted",
+            "server",
+        )
+    if "tls" in data:
+        # Refused rather than ignored: a [tls] left in says the operator meant TLS.
+        raise Problem(
+            f"is for a wss:// server, but {server!r} is plaintext (insecure = true): "
+            "remove [tls], or use wss:// and drop insecure",
+            "tls",
+        )
+
+
+@rule_after(AgentConfig)
+def _agent_rules(config: AgentConfig) -> None:
+    parts = urlsplit(config.server)
+    if parts.scheme == "wss":
+        try:
+            require_agent_tls(config.tls)
+        except Problem as problem:
+            raise Problem(problem.message, f"tls.{problem.key}") from None
+    if config.port_max < config.port_min:
+        raise Problem(f"must be at least {config.port_min}, not {config.port_max}", "ports.max")
+    if config.reconnect_cap_s < config.reconnect_base_s:
+        raise Problem(
+            f"must be at least {config.reconnect_base_s}, not {config.reconnect_cap_s}",
+            "reconnect.cap_s",
+        )
+    server_host = parts.hostname or ""
+    if not config.advertise_host:
+        raise Problem(
+            "is required: the address or DNS name of this node that the router and this "
+            "agent reach its engines at (the control plane is on another machine)",
+            "advertise_host",
+        )
+    if is_loopback(config.advertise_host) and not is_loopback(server_host):
+        raise Problem(
+            f"{config.advertise_host!r} is a loopback address, but the control plane is at "
+            f"{server_host}: its router could not reach this node's engines there; "
+            "give this node's address",
+            "advertise_host",
+        )
 
 
 def load_agent_config(path: str | Path) -> AgentConfig:
@@ -75,38 +227,7 @@ def is_host(text: str) -> bool:
     return True
 
 
-def _advertise_host(t: Table, server_host: str) -> str:
-    """Where the router reaches this node's engines. 127.0.0.1 only goes without saying
-    when the control plane (and its router) is on this machine too: on a real node a
-    loopback address would send every request to the router's own machine."""
-    server_is_local = is_loopback(server_host)
-    if not t.has("advertise_host"):
-        if server_is_local:
-            return "127.0.0.1"
-        t.fail(
-            "advertise_host",
-            "is required: the address or DNS name of this node that the router and this "
-            "agent reach its engines at (the control plane is on another machine)",
-        )
-    host: str = t.text("advertise_host")
-    if not is_host(host):
-        t.fail(
-            "advertise_host",
-            f"{host!r} is not a host name or IP address: give this node's address "
-            "that the router reaches its engines at",
-        )
-    if is_loopback(host) and not server_is_local:
-        t.fail(
-            "advertise_host",
-            f"{host!r} is a loopback address, but the control plane is at {server_host}: "
-            "its router could not reach this node's engines there; give this node's address",
-        )
-    return host
-
-
 def _program(base_dir: Path, command: tuple[str, ...]) -> tuple[str, ...]:
-    """A program given as a relative path (`bin/llama-server`) is taken from the config
-    file's directory; a bare name (`vllm`) is looked up on PATH when the engine starts."""
     program = os.path.expanduser(command[0])
     if "/" in program and not program.startswith("/"):
         program = str(base_dir / program)
@@ -114,81 +235,5 @@ def _program(base_dir: Path, command: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def parse_agent_config(data: dict[str, object], file: str) -> AgentConfig:
-    """Relative paths (state_dir, inventory_file, [tls] files, an engine program given as
-    a path) are taken from the config file's directory, not the working directory."""
-    t = Table(data, file)
-    name = t.text("name")
-    server = t.text("server")
-    try:
-        parts = urlsplit(server)
-        hostname = parts.hostname
-        parts.port  # noqa: B018  (raises on a bad port)
-    except ValueError as exc:
-        t.fail("server", f"{server!r} is not a valid URL: {exc}")
-    if parts.scheme not in ("ws", "wss") or not hostname:
-        t.fail(
-            "server",
-            f"{server!r} must be a ws:// or wss:// URL, such as ws://10.0.0.1:8081/v1/agent",
-        )
-    if not is_host(hostname):
-        t.fail("server", f"{server!r}: {hostname!r} is not a host name or IP address")
-    insecure = t.boolean("insecure", False)
-    if parts.scheme == "ws" and not insecure:
-        t.fail(
-            "server",
-            f"{server!r} is plaintext: use wss:// with [tls], or set insecure = true "
-            "where the network is trusted",
-        )
-    if parts.scheme == "ws" and t.has("tls"):
-        # Refused rather than ignored: a [tls] left in says the operator meant TLS.
-        t.fail(
-            "tls",
-            f"is for a wss:// server, but {server!r} is plaintext (insecure = true): "
-            "remove [tls], or use wss:// and drop insecure",
-        )
-    tls = read_agent_tls(t.table("tls"), secure=parts.scheme == "wss")
-    inventory: Path | None = t.file_path("inventory_file", None)
-    engines: dict[str, EngineCommand] = {
-        kind: EngineCommand(command) for kind, command in DEFAULT_COMMANDS.items()
-    }
-    section = t.table("engines")
-    for kind in section.key_names():
-        if kind not in ENGINE_KINDS:
-            section.fail(kind, f"is not an engine llmgw knows (one of {', '.join(ENGINE_KINDS)})")
-        table = section.table(kind)
-        command = table.texts("command", DEFAULT_COMMANDS[kind])
-        if not command:
-            table.fail("command", "must name the program to run")
-        engines[kind] = EngineCommand(_program(t.base_dir, command), table.labels("env", {}))
-        table.finish()
-    section.finish()
-    ports = t.table("ports")
-    port_min = ports.integer("min", 20000, min=1024)
-    port_max = ports.integer("max", 20999, min=port_min)
-    ports.finish()
-    reconnect = t.table("reconnect")
-    base_s = reconnect.number("base_s", 0.5, min=0.01)
-    cap_s = reconnect.number("cap_s", 30.0, min=base_s)
-    reconnect.finish()
-    config = AgentConfig(
-        file=file,
-        name=name,
-        server=server,
-        state_dir=t.file_path("state_dir", Path("/var/lib/llmgw-agent")),
-        advertise_host=_advertise_host(t, hostname),
-        bind_host=t.text("bind_host", "0.0.0.0"),
-        labels=t.labels("labels", {}),
-        fabric=t.labels("fabric", {}),
-        inventory_file=inventory,
-        engines=engines,
-        port_min=port_min,
-        port_max=port_max,
-        tls=tls,
-        insecure=insecure,
-        reconnect_base_s=base_s,
-        reconnect_cap_s=cap_s,
-        stop_grace_s=t.number("stop_grace_s", 30.0, min=0),
-        start_timeout_s=t.number("start_timeout_s", 1800.0, min=0.1),
-    )
-    t.finish()
-    return config
+    """Read an agent's config data; raises ConfigError naming file, key path and problem."""
+    return attrs.evolve(structure(data, AgentConfig, file=file), file=file)

@@ -21,9 +21,9 @@ from llmgw_core.tomlshape import (
     CONVERTER,
     Problem,
     Table,
+    checked_digest,
     digest_hook,
     load_toml,
-    read_digest,
     read_integer,
     read_text,
     read_texts,
@@ -186,7 +186,7 @@ def _digests(value: object) -> tuple[str, ...]:
     digests = []
     for i, text in enumerate(read_texts(value)):
         try:
-            digests.append(read_digest(text))
+            digests.append(checked_digest(text))
         except Problem as problem:
             raise Problem(problem.message, f"[{i}]") from None
     return tuple(digests)
@@ -346,6 +346,7 @@ def parse_config(
         if catalog.profiled or root.has("agents")
         else AgentsTLS(),
     )
+    root.known("admin", "agents")  # absent or not, for the "did you mean" of a typo
     root.finish()
     if not config.catalog.models:
         root.fail("models", "no model is declared: add at least one [[models]] table")

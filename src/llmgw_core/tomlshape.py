@@ -51,7 +51,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(file, "", f"is not valid TOML: {exc}") from None
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object) -> str:
+    """How a message names the TOML type of `value`: "an integer", "a table"."""
     return {
         bool: "a boolean",
         int: "an integer",
@@ -126,7 +127,7 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, str):
-            self.fail(key, f"must be a string, not {_type_name(value)}")
+            self.fail(key, f"must be a string, not {type_name(value)}")
         if not value.strip():
             self.fail(key, "must not be empty")
         return value
@@ -148,7 +149,7 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, bool):
-            self.fail(key, f"must be true or false, not {_type_name(value)}")
+            self.fail(key, f"must be true or false, not {type_name(value)}")
         return value
 
     def integer(self, key: str, default: Any = _MISSING, *, min: int | None = None) -> Any:
@@ -156,7 +157,7 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(key, f"must be an integer, not {_type_name(value)}")
+            self.fail(key, f"must be an integer, not {type_name(value)}")
         if min is not None and value < min:
             self.fail(key, f"must be at least {min}, not {value}")
         return value
@@ -166,7 +167,7 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
-            self.fail(key, f"must be a number, not {_type_name(value)}")
+            self.fail(key, f"must be a number, not {type_name(value)}")
         if not math.isfinite(value):
             self.fail(key, f"must be a finite number, not {value}")
         if min is not None and value < min:
@@ -178,10 +179,10 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, list):
-            self.fail(key, f"must be an array of strings, not {_type_name(value)}")
+            self.fail(key, f"must be an array of strings, not {type_name(value)}")
         for i, item in enumerate(value):
             if not isinstance(item, str):
-                self.fail(f"{key}[{i}]", f"must be a string, not {_type_name(item)}")
+                self.fail(f"{key}[{i}]", f"must be a string, not {type_name(item)}")
         return tuple(value)
 
     def labels(self, key: str, default: Any = _MISSING) -> Any:
@@ -190,26 +191,26 @@ class Table:
         if value is default and default is not _MISSING:
             return value
         if not isinstance(value, dict):
-            self.fail(key, f"must be a table of strings, not {_type_name(value)}")
+            self.fail(key, f"must be a table of strings, not {type_name(value)}")
         for k, v in value.items():
             if not isinstance(v, str):
-                self.fail(f"{key}.{k}", f"must be a string, not {_type_name(v)}")
+                self.fail(f"{key}.{k}", f"must be a string, not {type_name(v)}")
         return dict(value)
 
     def table(self, key: str, *, required: bool = False) -> Table:
         value = self._get(key, _MISSING if required else {})
         if not isinstance(value, dict):
-            self.fail(key, f"must be a table, not {_type_name(value)}")
+            self.fail(key, f"must be a table, not {type_name(value)}")
         return Table(value, self._file, self._key_path(key), base_dir=self._base_dir)
 
     def tables(self, key: str) -> Iterator[Table]:
         """An array of tables (`[[key]]`); each is yielded with its index in the path."""
         value = self._get(key, [])
         if not isinstance(value, list):
-            self.fail(key, f"must be an array of tables ([[{key}]]), not {_type_name(value)}")
+            self.fail(key, f"must be an array of tables ([[{key}]]), not {type_name(value)}")
         for i, item in enumerate(value):
             if not isinstance(item, dict):
-                self.fail(f"{key}[{i}]", f"must be a table, not {_type_name(item)}")
+                self.fail(f"{key}[{i}]", f"must be a table, not {type_name(item)}")
             yield Table(item, self._file, f"{self._key_path(key)}[{i}]", base_dir=self._base_dir)
 
     def structure(
@@ -255,9 +256,9 @@ _RULES = "llmgw_config"
 
 class Problem(ValueError):
     """What is wrong with a value; `key` names the part of it at fault (`"env.X"`,
-    `"[2]"`), empty for the value itself."""
+    `"[2]"`), None for the value itself."""
 
-    def __init__(self, message: str, key: str = "") -> None:
+    def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.key = key
@@ -296,16 +297,16 @@ def rules(
 
 
 class _Before(Protocol):
-    def __call__(self, data: Mapping[str, object], /) -> None: ...
+    def __call__(self, data: dict[str, object], /) -> None: ...
 
 
-_BEFORE: dict[type, Callable[[Mapping[str, object]], None]] = {}
+_BEFORE: dict[type, _Before] = {}
 _AFTER: dict[type, Callable[[Any], None]] = {}
 
 
 def rule_before(cls: type) -> Callable[[_Before], _Before]:
-    """Register a check of a table's raw data, run before its fields are read (a rule on
-    which keys go together). It raises Problem with the key at fault."""
+    """Register a check of a table's raw data (a copy), run before its fields are read (a
+    rule on which keys go together). It raises Problem with the key at fault."""
 
     def register(fn: _Before) -> _Before:
         _BEFORE[cls] = fn
@@ -345,7 +346,7 @@ def reading_base_dir() -> Path:
 
 def read_text(value: object, _: object = None) -> str:
     if not isinstance(value, str):
-        raise Problem(f"must be a string, not {_type_name(value)}")
+        raise Problem(f"must be a string, not {type_name(value)}")
     if not value.strip():
         raise Problem("must not be empty")
     return value
@@ -353,19 +354,19 @@ def read_text(value: object, _: object = None) -> str:
 
 def read_boolean(value: object, _: object = None) -> bool:
     if not isinstance(value, bool):
-        raise Problem(f"must be true or false, not {_type_name(value)}")
+        raise Problem(f"must be true or false, not {type_name(value)}")
     return value
 
 
 def read_integer(value: object, _: object = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Problem(f"must be an integer, not {_type_name(value)}")
+        raise Problem(f"must be an integer, not {type_name(value)}")
     return value
 
 
 def read_number(value: object, _: object = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise Problem(f"must be a number, not {_type_name(value)}")
+        raise Problem(f"must be a number, not {type_name(value)}")
     if not math.isfinite(value):
         raise Problem(f"must be a finite number, not {value}")
     return float(value)
@@ -384,25 +385,28 @@ def read_path(value: object, _: object = None) -> Path:
 
 def read_texts(value: object, _: object = None) -> tuple[str, ...]:
     if not isinstance(value, list):
-        raise Problem(f"must be an array of strings, not {_type_name(value)}")
+        raise Problem(f"must be an array of strings, not {type_name(value)}")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise Problem(f"must be a string, not {_type_name(item)}", f"[{i}]")
+            raise Problem(f"must be a string, not {type_name(item)}", f"[{i}]")
     return tuple(value)
 
 
 def read_labels(value: object, _: object = None) -> dict[str, str]:
     if not isinstance(value, dict):
-        raise Problem(f"must be a table of strings, not {_type_name(value)}")
+        raise Problem(f"must be a table of strings, not {type_name(value)}")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise Problem(f"must be a string, not {_type_name(v)}", k)
+            raise Problem(f"must be a string, not {type_name(v)}", k)
     return dict(value)
 
 
 def read_digest(value: object) -> str:
     """A `sha256:<64 hex>` digest as the file gives it, kept as the bare hex digits."""
-    text = read_text(value)
+    return checked_digest(read_text(value))
+
+
+def checked_digest(text: str) -> str:
     if not _DIGEST.match(text):
         raise Problem(f"must be 'sha256:' and 64 lowercase hex digits ({_HASH_HINT})")
     return text.removeprefix("sha256:")
@@ -448,7 +452,7 @@ def _table_list_hook(
 ) -> Callable[[object, object], tuple[Any, ...]]:
     def read(value: object, _: object) -> tuple[Any, ...]:
         if not isinstance(value, list):
-            raise Problem(f"must be an array of tables ([[{name}]]), not {_type_name(value)}")
+            raise Problem(f"must be an array of tables ([[{name}]]), not {type_name(value)}")
         items: list[Any] = []
         errors: list[Exception] = []
         for i, entry in enumerate(value):
@@ -533,27 +537,36 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
     secrets = [
         (spec.key or name, spec.secret_env) for name, spec in specs.items() if spec.secret_env
     ]
-    known = set(in_file) | {env_key for _, env_key in secrets}
+    # A key "ports.min" is the key min of the table [ports], which holds only such keys.
+    nested: dict[str, set[str]] = {}
+    for key in in_file:
+        head, dot, tail = key.partition(".")
+        if dot:
+            nested.setdefault(head, set()).add(tail)
+    known = {k for k in in_file if "." not in k} | set(nested)
+    known |= {env_key for _, env_key in secrets}
     renamed = {name: spec.key for name, spec in specs.items() if spec.key}
     before, after = _BEFORE.get(cls), _AFTER.get(cls)
 
     def read(value: object, _: object) -> Any:
         if not isinstance(value, dict):
-            raise Problem(f"must be a table, not {_type_name(value)}")
+            raise Problem(f"must be a table, not {type_name(value)}")
         unknown = sorted(k for k in value if k not in known)
-        if before is not None:
-            before(value)
         data, errors = dict(value), list[Exception]()
+        if before is not None:
+            before(data)
         for digest_key, env_key in secrets:
             _read_secret(data, digest_key, env_key, errors)
+        table_errors = [e for head, keys in nested.items() for e in _flatten(data, head, keys)]
         result = None
         try:
             result = read_fields(data, cls)
         except cattrs.ClassValidationError as group:
             errors += [_required_hint(_file_keys(e, renamed), unknown) for e in group.exceptions]
+        errors += table_errors
         if unknown:
             hint = _did_you_mean(unknown[0], known)
-            errors.append(Problem("is not a known key" + hint, unknown[0]))
+            errors.append(Problem("is not a known key" + hint, unknown[0] or None))
         if errors:
             raise cattrs.ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
         if after is not None:
@@ -561,6 +574,22 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
         return result
 
     return read
+
+
+def _flatten(data: dict[str, object], head: str, keys: set[str]) -> Iterator[Problem]:
+    """Lift the keys of the table `head` into `data` as "head.key"."""
+    if head not in data:
+        return
+    table = data.pop(head)
+    if not isinstance(table, dict):
+        yield Problem(f"must be a table, not {type_name(table)}", head)
+        return
+    extra = sorted(k for k in table if k not in keys)
+    if extra:
+        hint = _did_you_mean(extra[0], keys)
+        yield Problem("is not a known key" + hint, f"{head}.{extra[0]}")
+    for key in keys & table.keys():
+        data[f"{head}.{key}"] = table[key]
 
 
 def _read_secret(
@@ -641,16 +670,20 @@ def _paths(exc: BaseException, path: str) -> Iterator[tuple[str, str]]:
         yield path, f"is not valid: {exc}"
 
 
-def _join(path: str, key: str) -> str:
-    if not key:
+_INDEX = re.compile(r"\[[0-9]+\]")
+
+
+def _join(path: str, key: str | None) -> str:
+    if key is None:
         return path
-    if key.startswith("[") or not path:
+    if _INDEX.fullmatch(key) or not path:
         return path + key
     return f"{path}.{key}"
 
 
 def _join_notes(path: str, exc: BaseException) -> str:
-    for note in getattr(exc, "__notes__", []):
+    # Each level of structuring appends its note: the outermost comes last.
+    for note in reversed(getattr(exc, "__notes__", [])):
         if isinstance(note, cattrs.errors.AttributeValidationNote):
             path = _join(path, note.name)
         elif isinstance(note, cattrs.errors.IterableValidationNote):
