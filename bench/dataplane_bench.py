@@ -176,6 +176,12 @@ def tree_cpu_s(root: int) -> float:
     return ticks / CLK_TCK
 
 
+def own_cpu_s(pid: int) -> float:
+    """CPU seconds (user + sys) of one process, its children left out."""
+    f = _proc_stat(pid)
+    return (int(f[11]) + int(f[12])) / CLK_TCK
+
+
 def threads_of(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Threads:"):
@@ -443,6 +449,7 @@ class Sample:
     gateway: str
     kind: str
     cpu_ms: float  # the gateway's CPU per request
+    parent_cpu_ms: float  # of which its first process's own (with workers: the supervisor's)
     engine_cpu_ms: float
     requests: int
     rps: float
@@ -458,12 +465,14 @@ def measure(
         run_wrk(gw.url, kind, args.warmup, args)
         time.sleep(0.2)
     gw_before, engine_before = gw.proc.cpu_s(), engine.cpu_s()
+    parent_before = own_cpu_s(gw.proc.pid)
     result = run_wrk(gw.url, kind, args.duration, args)
     time.sleep(0.3)  # let the gateway finish with the connections wrk closed
     requests = max(result.requests, 1)
     sample = Sample(
         round_no, gw.name, kind,
         cpu_ms=(gw.proc.cpu_s() - gw_before) * 1000 / requests,
+        parent_cpu_ms=(own_cpu_s(gw.proc.pid) - parent_before) * 1000 / requests,
         engine_cpu_ms=(engine.cpu_s() - engine_before) * 1000 / requests,
         requests=result.requests, rps=result.rps, p50_ms=result.p50_ms, p99_ms=result.p99_ms,
         errors=result.errors,
@@ -472,6 +481,8 @@ def measure(
     if not gw.proc.alive():
         raise BenchError(f"{gw.name} died:\n{gw.proc.log_tail()}")
     per_chunk = f" ({sample.cpu_ms * 1000 / args.chunks:5.1f} us/chunk)" if kind == "paced" else ""
+    if gw.processes > 1:
+        per_chunk += f" (supervisor {sample.parent_cpu_ms:.3f})"
     print(
         f"  round {round_no} {gw.name:30} {kind:5} {sample.rps:7.0f} req/s  "
         f"p50 {sample.p50_ms:6.2f}  p99 {sample.p99_ms:7.2f} ms  "
@@ -615,6 +626,7 @@ def summarize(
                 "p99_ms_median": statistics.median(s.p99_ms for s in mine),
                 "errors": sum(sum(s.errors.values()) for s in mine),
                 "engine_cpu_ms_median": statistics.median(s.engine_cpu_ms for s in mine),
+                "parent_cpu_ms_median": statistics.median(s.parent_cpu_ms for s in mine),
             })
     return rows
 
