@@ -55,11 +55,12 @@ class Fleet:
         self.certs = procs.tmp / "certs"
         init_ca(self.certs)
 
-    def server(self, models: str, control: str = "", agents: str = "") -> Proc:
+    def server(self, models: str, control: str = "", agents: str = "", workers: int = 1) -> Proc:
+        """`workers`: router processes under the server's parent ([server] workers)."""
         path = self.procs.tmp / "server.toml"
         path.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.port}"\ncontrol_listen = "127.0.0.1:{self.control_port}"\n'
-            "shutdown_grace_s = 2\n"
+            f"shutdown_grace_s = 2\nworkers = {workers}\n"
             f'[agents]\nca = "{self.certs}/ca.crt"\ncert = "{self.certs}/server.crt"\n'
             f'key = "{self.certs}/server.key"\n{agents}\n'
 

@@ -20,6 +20,7 @@ from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
 from llmgw_server.router.health import probe_forever
+from llmgw_server.router.reload import reload_on_sighup, router_reloader
 
 log = logging.getLogger("llmgw.server")
 
@@ -44,6 +45,7 @@ async def main(
     """Serve until SIGINT/SIGTERM (or `stop`), then shut down gracefully."""
     s = config.server
     router = Router(config)
+    reloader = router_reloader(router)  # SIGHUP and POST /v1/admin/reload
     http = HTTPServer(
         router.handle,
         ServerLimits(
@@ -73,7 +75,7 @@ async def main(
                         s.control_listen,
                     )
                 control = HTTPServer(
-                    AdminAPI(plane).handle,
+                    AdminAPI(plane, reload=reloader.reload).handle,
                     ServerLimits(),
                     upgrade=plane.serve_upgrade,
                     ssl_context=None if tls.insecure else server_context(tls),
@@ -96,6 +98,7 @@ async def main(
                 )
             if router.access_log is not None:
                 await nursery.start(router.access_log.run)
+            await nursery.start(reload_on_sighup, reloader)
             await nursery.start(http.serve, listeners)
             await nursery.start(probe_forever, router, client)
             log.info("llmgw router listening on http://%s:%d", s.listen.host, port)
@@ -152,7 +155,12 @@ def _raise_open_file_limit() -> None:
 def run(config: Config) -> int:
     _raise_open_file_limit()
     try:
-        trio.run(main, config)
+        if config.server.workers > 1:
+            from llmgw_server.router import workers
+
+            trio.run(workers.main, config)
+        else:
+            trio.run(main, config)
     except OSError as exc:
         print(f"llmgw-server: cannot listen on {config.server.listen}: {exc}", file=sys.stderr)
         return 1

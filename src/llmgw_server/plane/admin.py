@@ -8,6 +8,9 @@ unless the config opens them.
 it needs the admin token unless `open_status`, and also takes `[server] metrics_token`
 where one is set, so that a scraper needs no token that may act on the fleet.
 
+`POST /v1/admin/reload` reads the config file again (its API keys and static models;
+400 with the error when it does not validate, and the running config stays).
+
 `POST /v1/admin/nodes/NODE/drain` takes an optional JSON body `{"force": true}`: without
 it, a drain that would leave a replica nowhere to go is refused with 409 and why.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -24,12 +28,14 @@ import trio
 from llmgw_core.config import AdminSection, digest_of
 from llmgw_core.http_server import Request, Responder
 from llmgw_core.openai_errors import error_body
+from llmgw_core.tomlshape import ConfigError
 from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 from llmgw_server.plane import ui_server
 
 if TYPE_CHECKING:
     from llmgw_server.plane.controlplane import ControlPlane
+    from llmgw_server.router.reload import ReloadPlan
 
 _ACTIONS = {
     "cordon": (True, True),
@@ -45,9 +51,15 @@ _SET_TOKEN = "set [admin] token_digest or token_env"
 
 
 class AdminAPI:
-    def __init__(self, plane: ControlPlane, access: AdminSection | None = None) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        access: AdminSection | None = None,
+        reload: Callable[[], Awaitable[ReloadPlan]] | None = None,
+    ) -> None:
         self.plane = plane
         self.access = plane.config.admin if access is None else access
+        self.reload = reload  # POST /v1/admin/reload: the config file again (router.reload)
         self._warn_at_start()
 
     def _warn_at_start(self) -> None:
@@ -114,7 +126,14 @@ class AdminAPI:
             await responder.whole(status_code, error_body(status_code, message, code))
             return
         rest = parts[2:]
-        if request.method == b"GET" and rest == ["status"]:
+        if request.method == b"POST" and rest == ["reload"] and self.reload is not None:
+            try:
+                plan = await self.reload()
+            except ConfigError as exc:
+                await responder.error(400, f"reload refused, the running config stays: {exc}")
+                return
+            await self._json(responder, 200, {"reloaded": True, **plan.as_json()})
+        elif request.method == b"GET" and rest == ["status"]:
             await self._json(
                 responder,
                 200,

@@ -6,7 +6,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -28,6 +28,7 @@ from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.prefix import PromptKey, prompt_key
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
+from llmgw_server.router.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -77,6 +78,27 @@ class Router:
         )
         for model in config.catalog.models:
             self.set_endpoints(model.name, model.endpoints)
+        # Set by a worker: the page of every worker (router.workers), instead of this one's.
+        self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
+
+    def reload(self, config: Config) -> ReloadPlan:
+        """Take the API keys, metrics token and static models of `config` (router.reload);
+        requests in flight finish where they are."""
+        plan = plan_reload(self.config, config)
+        self.config = reloaded_config(self.config, config)
+        self.keys = self.config.auth.keys
+        self.metrics_token = self.config.server.metrics_token_digest
+        for name, endpoints in {**plan.models_added, **plan.models_changed}.items():
+            self.set_endpoints(name, endpoints)
+        for name in plan.models_removed:
+            self.set_endpoints(name, ())
+            del self.balancers[name]
+        return plan
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render(
+            self.balancers, self.pools, trio.current_time(), self.tuning.cache_aware
+        )
 
     def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
         """The replicas of a model: static from the catalog, or the control plane's ready shards."""
@@ -215,13 +237,8 @@ class Router:
         elif path == b"/metrics" and not self._metrics_allowed(request):
             await responder.error(401, "a valid metrics token is required (Authorization: Bearer)")
         elif path == b"/metrics":
-            await responder.whole(
-                200,
-                self.metrics.render(
-                    self.balancers, self.pools, trio.current_time(), self.tuning.cache_aware
-                ),
-                [(b"content-type", b"text/plain; version=0.0.4")],
-            )
+            page = self.render_metrics() if self.metrics_page is None else await self.metrics_page()
+            await responder.whole(200, page, [(b"content-type", b"text/plain; version=0.0.4")])
         else:
             await responder.error(404, f"no route {path.decode(errors='replace')}")
 

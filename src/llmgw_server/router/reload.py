@@ -1,0 +1,227 @@
+"""Reloading the config file without a restart (SIGHUP, `POST /v1/admin/reload`).
+
+What a reload applies: the API keys (`[auth]`), the metrics token and the static models
+(`[[models]]` with `endpoints`: added, removed, their endpoints changed). Everything
+else (listen addresses, workers, `[router]` tuning, the control plane, profiled models)
+is read from the new file only at the next start: `plan_reload` names it, the log says
+it, the rest is applied. A file that does not validate changes nothing.
+
+`plan_reload` and `reloaded_config` are pure; `Reloader` reads the file and hands what
+to apply to its owner (a Router, or the workers' parent); `reload_on_sighup` is the
+signal loop any process that serves can run.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from llmgw_core.catalog import Catalog, Endpoint, ModelEntry
+from llmgw_core.config import Config, load_config
+from llmgw_core.tomlshape import ConfigError
+
+if TYPE_CHECKING:
+    from llmgw_server.router.front import Router
+
+log = logging.getLogger("llmgw.reload")
+
+# Fields of [server] a reload applies; any other change there waits for a restart.
+_SERVER_RELOADED = frozenset({"metrics_token_digest"})
+_SECTIONS = ("server", "router", "control", "admin", "agents")
+
+
+@attrs.frozen
+class ReloadPlan:
+    """What a reload changes, and what it leaves for a restart."""
+
+    keys_added: int = 0
+    keys_removed: int = 0
+    keys_changed: int = 0  # the same key, other models allowed
+    metrics_token_changed: bool = False
+    # Static models: name -> endpoints, for the added and the changed ones.
+    models_added: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
+    models_changed: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
+    models_removed: tuple[str, ...] = ()
+    needs_restart: tuple[str, ...] = ()  # such as "server.listen", "models.chat (profile)"
+
+    @property
+    def changes(self) -> bool:
+        return bool(
+            self.keys_added
+            or self.keys_removed
+            or self.keys_changed
+            or self.metrics_token_changed
+            or self.models_added
+            or self.models_changed
+            or self.models_removed
+        )
+
+    def summary(self) -> str:
+        parts = []
+        if self.keys_added or self.keys_removed or self.keys_changed:
+            parts.append(
+                f"API keys: {self.keys_added} added, {self.keys_removed} removed, "
+                f"{self.keys_changed} changed"
+            )
+        if self.metrics_token_changed:
+            parts.append("the metrics token changed")
+        for what, names in (
+            ("added", self.models_added),
+            ("changed", self.models_changed),
+            ("removed", self.models_removed),
+        ):
+            if names:
+                parts.append(f"models {what}: {', '.join(names)}")
+        return "; ".join(parts) or "nothing to apply"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "keys": {
+                "added": self.keys_added,
+                "removed": self.keys_removed,
+                "changed": self.keys_changed,
+            },
+            "metrics_token_changed": self.metrics_token_changed,
+            "models": {
+                "added": sorted(self.models_added),
+                "changed": sorted(self.models_changed),
+                "removed": list(self.models_removed),
+            },
+            "needs_restart": list(self.needs_restart),
+        }
+
+
+def plan_reload(old: Config, new: Config) -> ReloadPlan:
+    """What reloading `new` over `old` applies, and what only a restart would."""
+    old_keys, new_keys = old.auth.keys, new.auth.keys
+    old_static, new_static = _static(old.catalog), _static(new.catalog)
+    old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
+    restart = [*_differing_fields(old, new)]
+    for name in sorted(set(old_profiled) | set(new_profiled)):
+        if old_profiled.get(name) != new_profiled.get(name):
+            restart.append(f"models.{name} (profile)")
+    return ReloadPlan(
+        keys_added=len(new_keys.keys() - old_keys.keys()),
+        keys_removed=len(old_keys.keys() - new_keys.keys()),
+        keys_changed=sum(
+            1 for k in old_keys.keys() & new_keys.keys() if old_keys[k] != new_keys[k]
+        ),
+        metrics_token_changed=old.server.metrics_token_digest != new.server.metrics_token_digest,
+        models_added={
+            name: entry.endpoints
+            for name, entry in new_static.items()
+            if name not in old_static and name not in old_profiled
+        },
+        models_changed={
+            name: entry.endpoints
+            for name, entry in new_static.items()
+            if name in old_static and old_static[name].endpoints != entry.endpoints
+        },
+        # A static model that turns into a profiled one is a restart's business.
+        models_removed=tuple(
+            name for name in old_static if name not in new_static and name not in new_profiled
+        ),
+        needs_restart=tuple(restart),
+    )
+
+
+def reloaded_config(old: Config, new: Config) -> Config:
+    """`old` with what a reload applies taken from `new`: the config that serves after it.
+
+    Static models come in the new file's order; a profiled model stays as it was (as does
+    a name that changed between static and profiled, until a restart).
+    """
+    old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
+    models = [e for e in new.catalog.models if e.profile is None and e.name not in old_profiled]
+    models += [e for e in old.catalog.models if e.profile is not None or e.name in new_profiled]
+    server = attrs.evolve(old.server, metrics_token_digest=new.server.metrics_token_digest)
+    return attrs.evolve(old, server=server, auth=new.auth, catalog=Catalog(models=tuple(models)))
+
+
+def _static(catalog: Catalog) -> dict[str, ModelEntry]:
+    return {m.name: m for m in catalog.models if m.profile is None}
+
+
+def _profiled(catalog: Catalog) -> dict[str, ModelEntry]:
+    return {m.name: m for m in catalog.models if m.profile is not None}
+
+
+def _differing_fields(old: Config, new: Config) -> list[str]:
+    """`section.field` for every field a reload does not apply that differs."""
+    found = []
+    for section in _SECTIONS:
+        a, b = getattr(old, section), getattr(new, section)
+        if a == b:
+            continue
+        if not attrs.has(type(a)) or type(a) is not type(b):
+            found.append(section)
+            continue
+        for field in attrs.fields(type(a)):
+            if section == "server" and field.name in _SERVER_RELOADED:
+                continue
+            if getattr(a, field.name) != getattr(b, field.name):
+                found.append(f"{section}.{field.name}")
+    return found
+
+
+Apply = Callable[[Config, ReloadPlan], Awaitable[None]]
+
+
+class Reloader:
+    """Reads the config file again and hands the result to `apply`; one reload at a time.
+
+    `config` is what serves now; after a reload, the config `reloaded_config` made.
+    """
+
+    def __init__(self, config: Config, apply: Apply) -> None:
+        self.config = config
+        self.apply = apply
+        self._lock = trio.Lock()
+
+    async def reload(self) -> ReloadPlan:
+        """Raises ConfigError (and changes nothing) when the file does not validate."""
+        async with self._lock:
+            try:
+                new = load_config(self.config.file)
+            except ConfigError as exc:
+                log.error("reload refused, the running config stays: %s", exc)
+                raise
+            plan = plan_reload(self.config, new)
+            effective = reloaded_config(self.config, new)
+            await self.apply(effective, plan)
+            self.config = effective
+            log.info("reloaded %s: %s", self.config.file, plan.summary())
+            if plan.needs_restart:
+                log.warning(
+                    "reload: these changes take effect only after a restart: %s",
+                    ", ".join(plan.needs_restart),
+                )
+            return plan
+
+
+def router_reloader(router: Router) -> Reloader:
+    """A Reloader for one Router in this process (`Router.reload`)."""
+
+    async def apply(config: Config, plan: ReloadPlan) -> None:
+        router.reload(config)
+
+    return Reloader(router.config, apply)
+
+
+async def reload_on_sighup(
+    reloader: Reloader, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Reload on every SIGHUP until cancelled; a refused file is logged by `reload`."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
+        async for _ in signals:
+            log.info("received SIGHUP: reloading %s", reloader.config.file)
+            try:
+                await reloader.reload()
+            except ConfigError:
+                pass

@@ -1,0 +1,362 @@
+"""One worker process of `[server] workers = N`: a whole router on the inherited port.
+
+The supervising parent (router.workers) binds the listening socket once and starts each
+worker with it (`--listen-fd`) and with one end of a Unix socketpair (`--channel-fd`),
+the worker's only line to the parent. Over it, in frames (`frame`, `FrameReader`):
+
+down (parent -> worker)                    up (worker -> parent)
+  CONFIG  the config to serve (pickled):     READY    serving
+          first, and again on each reload    APPLIED  a reload applied (its generation)
+  FEED    a route feed frame (route_feed)    FEED     a route feed frame (Hello, InFlight)
+  RENDER  send your /metrics page (id)       PAGE     this worker's page (id, page)
+  MERGED  the merged page you asked for      SCRAPE   a scrape came: merge every worker's
+
+The worker owns its Router: health probes, ejection, outstanding counts and prefix
+indexes are its own. It follows the control plane's replica set through the parent
+(router.follower over FEED frames). It stops on SIGTERM/SIGINT, or when the parent is
+gone (the socketpair closes): it stops accepting and lets requests in flight finish
+within `shutdown_grace_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import httpx
+import trio
+
+from llmgw_core.config import Config
+from llmgw_core.http_server import JSON, HTTPServer, Request, Responder, ServerLimits
+from llmgw_server.router.follower import Follower
+from llmgw_server.router.front import Router
+from llmgw_server.router.health import probe_forever
+from llmgw_server.router.metrics_merge import merge_pages
+
+log = logging.getLogger("llmgw.worker")
+
+# Frame kinds, one byte each.
+CONFIG, FEED, RENDER, MERGED = b"c", b"f", b"r", b"m"  # down
+READY, APPLIED, PAGE, SCRAPE = b"y", b"a", b"p", b"s"  # up (and FEED)
+KINDS = frozenset({CONFIG, FEED, RENDER, MERGED, READY, APPLIED, PAGE, SCRAPE})
+_HEADER = struct.Struct(">IB")  # payload length, kind
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+SCRAPE_TIMEOUT_S = 5.0  # then the worker answers with its own page alone
+WORKER_HEADER = b"x-llmgw-worker"
+
+
+class ChannelError(Exception):
+    """A frame that breaks the channel's framing: the peer is not who it should be."""
+
+
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return _HEADER.pack(len(payload), kind[0]) + payload
+
+
+class FrameReader:
+    """Bytes in, whole frames out: (kind, payload)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        self._buffer += data
+        frames = []
+        while len(self._buffer) >= _HEADER.size:
+            length, kind = _HEADER.unpack_from(self._buffer)
+            if length > MAX_FRAME_BYTES:
+                raise ChannelError(f"a frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+            if bytes([kind]) not in KINDS:
+                raise ChannelError(f"unknown frame kind {bytes([kind])!r}")
+            end = _HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            frames.append((bytes([kind]), bytes(self._buffer[_HEADER.size : end])))
+            del self._buffer[:end]
+        return frames
+
+
+def tagged(tag: int, body: bytes = b"") -> bytes:
+    """A payload that starts with a number (a request id, a generation)."""
+    return str(tag).encode() + b"\n" + body
+
+
+def untagged(payload: bytes) -> tuple[int, bytes]:
+    tag, _, body = payload.partition(b"\n")
+    try:
+        return int(tag), body
+    except ValueError:
+        raise ChannelError(f"a frame without its number: {payload[:40]!r}") from None
+
+
+class Channel:
+    """One end of the parent-worker socketpair: framed sends (one at a time), framed reads."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._send_lock = trio.Lock()
+        self._reader = FrameReader()
+
+    async def send(self, kind: bytes, payload: bytes = b"") -> None:
+        async with self._send_lock:
+            await self.stream.send_all(frame(kind, payload))
+
+    async def receive(self) -> list[tuple[bytes, bytes]]:
+        """The next frames (at least one); [] when the peer closed."""
+        while True:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return []
+            frames = self._reader.feed(bytes(data))
+            if frames:
+                return frames
+
+
+def channel_from_fd(fd: int) -> Channel:
+    sock = socket.socket(fileno=fd)
+    return Channel(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+
+
+class FeedConnection:
+    """The route feed over the channel, as router.follower's `Connection`."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.inbox_send, self.inbox = trio.open_memory_channel[str](64)
+
+    async def send(self, text: str) -> None:
+        await self.channel.send(FEED, text.encode())
+
+    async def receive(self) -> str:
+        return await self.inbox.receive()
+
+    def deliver(self, payload: bytes) -> None:
+        """A FEED frame came: queued for `receive` (the feed sends whole tables, a few a
+        second at most; a follower that falls 64 behind has stopped)."""
+        try:
+            self.inbox_send.send_nowait(payload.decode())
+        except trio.WouldBlock:
+            raise ChannelError("the route feed is not being read") from None
+
+    def close(self) -> None:
+        self.inbox_send.close()
+
+
+def decode_config(payload: bytes) -> tuple[int, Config]:
+    generation, body = untagged(payload)
+    # The parent pickled it: the channel is a socketpair only this process tree holds.
+    config = pickle.loads(body)
+    if not isinstance(config, Config):
+        raise ChannelError(f"a CONFIG frame holds a {type(config).__name__}")
+    return generation, config
+
+
+def encode_config(generation: int, config: Config) -> bytes:
+    return tagged(generation, pickle.dumps(config))
+
+
+class WorkerResponder(Responder):
+    """The server's responder with the worker's name added to every answer's head."""
+
+    __slots__ = ("_name", "inner")
+
+    def __init__(self, inner: Responder, name: bytes) -> None:
+        # No Responder.__init__: everything is written through `inner`.
+        self.inner = inner
+        self._name = (WORKER_HEADER, name)
+        self.chunked = inner.chunked
+        self.head = inner.head
+        self.closing = inner.closing
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.inner.start(status, [*headers, self._name])
+
+    async def send(self, data: bytes) -> None:
+        await self.inner.send(data)
+
+    async def send_chunks(self, framed: bytes) -> None:
+        await self.inner.send_chunks(framed)
+
+    async def end(self) -> None:
+        await self.inner.end()
+
+    async def whole(
+        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
+    ) -> None:
+        self.started = True
+        await self.inner.whole(status, body, [*headers, self._name])
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+
+    async def send_raw(self, data: bytes) -> None:
+        self.started = True
+        await self.inner.send_raw(data)
+
+
+class Worker:
+    def __init__(self, index: int, channel: Channel, config: Config, generation: int) -> None:
+        self.index = index
+        self.channel = channel
+        self.router = Router(config)
+        self.router.metrics_page = self.scrape
+        self.generation = generation
+        self.feed = FeedConnection(channel)
+        self.name = f"{index}; pid={os.getpid()}".encode()
+        self.stop = trio.Event()
+        self._ids = itertools.count(1)
+        self._scrapes: dict[int, trio.MemorySendChannel[bytes]] = {}
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        await self.router.handle(request, WorkerResponder(responder, self.name))
+
+    async def scrape(self) -> bytes:
+        """Every live worker's page, merged by the parent; this one's alone if it cannot."""
+        scrape_id = next(self._ids)
+        send, receive = trio.open_memory_channel[bytes](1)
+        self._scrapes[scrape_id] = send
+        try:
+            with trio.move_on_after(SCRAPE_TIMEOUT_S):
+                await self.channel.send(SCRAPE, tagged(scrape_id))
+                return await receive.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            del self._scrapes[scrape_id]
+        log.warning("the parent sent no merged /metrics page: answering with this worker's")
+        return merge_pages({str(self.index): self.router.render_metrics().decode()})
+
+    async def read_channel(self) -> None:
+        """Every frame from the parent, until it closes the channel (then: stop)."""
+        try:
+            while True:
+                frames = await self.channel.receive()
+                if not frames:
+                    log.info("the parent is gone: stopping")
+                    return
+                for kind, payload in frames:
+                    await self._frame(kind, payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            log.info("the channel to the parent broke: stopping")
+        except ChannelError as exc:
+            log.error("a bad frame from the parent (%s): stopping", exc)
+        finally:
+            self.feed.close()
+            self.stop.set()
+
+    async def _frame(self, kind: bytes, payload: bytes) -> None:
+        if kind == FEED:
+            self.feed.deliver(payload)
+        elif kind == RENDER:
+            request_id, _ = untagged(payload)
+            await self.channel.send(PAGE, tagged(request_id, self.router.render_metrics()))
+        elif kind == MERGED:
+            scrape_id, page = untagged(payload)
+            waiting = self._scrapes.get(scrape_id)
+            if waiting is not None:
+                waiting.send_nowait(page)
+        elif kind == CONFIG:
+            generation, config = decode_config(payload)
+            self.router.reload(config)
+            self.generation = generation
+            await self.channel.send(APPLIED, tagged(generation))
+        else:
+            raise ChannelError(f"a {kind!r} frame is not sent to workers")
+
+
+async def serve(index: int, channel_fd: int, listen_fds: Sequence[int]) -> int:
+    channel = channel_from_fd(channel_fd)
+    frames = await channel.receive()
+    if not frames or frames[0][0] != CONFIG:
+        log.error("the parent sent no config first: stopping")
+        return 1
+    generation, config = decode_config(frames[0][1])
+    worker = Worker(index, channel, config, generation)
+    for kind, payload in frames[1:]:
+        await worker._frame(kind, payload)
+    router = worker.router
+    s = config.server
+    http = HTTPServer(
+        worker.handle,
+        ServerLimits(
+            max_body_bytes=s.max_body_bytes,
+            header_timeout_s=s.header_timeout_s,
+            body_timeout_s=s.body_timeout_s,
+            keepalive_timeout_s=s.keepalive_timeout_s,
+        ),
+        on_reject=router.rejected,
+    )
+    listeners = [
+        trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+        for fd in listen_fds
+    ]
+    timeout = httpx.Timeout(config.router.health_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+            nursery.start_soon(worker.read_channel)
+            if router.access_log is not None:
+                await nursery.start(router.access_log.run)
+            await nursery.start(http.serve, listeners)
+            if config.runs_control_plane:
+                nursery.start_soon(_follow, worker)
+            await nursery.start(probe_forever, router, client)
+            await channel.send(READY)
+            async with trio.open_nursery() as waiters:
+                waiters.start_soon(_signals, signals, worker.stop)
+                await worker.stop.wait()
+                waiters.cancel_scope.cancel()
+        log.info("stopping: no new connections; waiting up to %s s", s.shutdown_grace_s)
+        router.draining = True
+        if not await http.shutdown(s.shutdown_grace_s):
+            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
+        nursery.cancel_scope.cancel()
+    for pool in router.pools.values():
+        pool.close()
+    return 0
+
+
+async def _follow(worker: Worker) -> None:
+    follower = Follower(worker.router, f"worker {worker.index} (pid {os.getpid()})")
+    try:
+        await follower.follow(worker.feed)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the parent is gone: read_channel stops the worker
+
+
+async def _signals(signals: AsyncIterator[int], stop: trio.Event) -> None:
+    async for signum in signals:
+        if signum == signal.SIGHUP:
+            log.warning("SIGHUP reloads through the parent (pid %d): ignored here", os.getppid())
+            continue
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+        return
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="llmgw-server worker")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, action="append", required=True)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}] %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    sys.exit(trio.run(serve, args.index, args.channel_fd, args.listen_fd))
+
+
+if __name__ == "__main__":
+    cli()

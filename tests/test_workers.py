@@ -1,0 +1,350 @@
+"""`[server] workers = N`: the parent's pure decisions, then real processes on one port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from fleet import wait_until
+from llmgw_server.router.metrics_merge import merge_pages, with_label
+from llmgw_server.router.worker import (
+    CONFIG,
+    FEED,
+    ChannelError,
+    FrameReader,
+    frame,
+    tagged,
+    untagged,
+)
+from llmgw_server.router.workers import (
+    RestartPolicy,
+    own_page,
+    quick_exits_after,
+    restart_delay_s,
+)
+from procs import Proc, Procs, metric, models_toml
+
+CHAT = [{"role": "user", "content": "hello workers"}]
+
+# -- pure ------------------------------------------------------------------------------
+
+
+def test_a_worker_that_ran_a_while_is_replaced_at_once_one_that_keeps_dying_backs_off() -> None:
+    policy = RestartPolicy(stable_after_s=10, base_s=0.5, cap_s=4)
+    quick = 0
+    delays = []
+    for _ in range(7):  # exits right after each start
+        quick = quick_exits_after(quick, 0.2, policy)
+        delays.append(restart_delay_s(quick, policy))
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    quick = quick_exits_after(quick, 11.0, policy)  # then it ran long enough: a fresh count
+    assert (quick, restart_delay_s(quick, policy)) == (1, 0.0)
+
+
+def test_labels_go_first_into_every_form_of_sample() -> None:
+    assert with_label('a_total{model="m"} 3', "worker", "0") == 'a_total{worker="0",model="m"} 3'
+    assert with_label("a_total 3", "worker", "1") == 'a_total{worker="1"} 3'
+    assert with_label("a_total{} 3", "worker", "1") == 'a_total{worker="1"} 3'
+    # A label value holding braces and spaces is left as it was.
+    assert with_label('a{path="/x {y} z"} 1', "worker", "0") == 'a{worker="0",path="/x {y} z"} 1'
+
+
+def test_merged_pages_hold_each_family_once_with_every_workers_samples_together() -> None:
+    def page(n: int) -> str:
+        return (
+            "# HELP r_total Requests.\n# TYPE r_total counter\n"
+            f'r_total{{status="200"}} {n}\n'
+            "# HELP h_seconds Latency.\n# TYPE h_seconds histogram\n"
+            f'h_seconds_bucket{{le="+Inf"}} {n}\nh_seconds_sum 0.5\nh_seconds_count {n}\n'
+            "# HELP empty_total Nothing yet.\n# TYPE empty_total counter\n"
+        )
+
+    text = merge_pages({"0": page(3), "1": page(4)}, own=own_page(2, Counter({1: 2}), 2)).decode()
+    lines = text.splitlines()
+    assert [line for line in lines if line.startswith("# TYPE")] == [
+        "# TYPE r_total counter",
+        "# TYPE h_seconds histogram",
+        "# TYPE empty_total counter",
+        "# TYPE llmgw_workers gauge",
+        "# TYPE llmgw_worker_restarts_total counter",
+    ]
+    at = lines.index("# TYPE h_seconds histogram")
+    assert lines[at + 1 : at + 7] == [
+        'h_seconds_bucket{worker="0",le="+Inf"} 3',
+        'h_seconds_sum{worker="0"} 0.5',
+        'h_seconds_count{worker="0"} 3',
+        'h_seconds_bucket{worker="1",le="+Inf"} 4',
+        'h_seconds_sum{worker="1"} 0.5',
+        'h_seconds_count{worker="1"} 4',
+    ]
+    assert 'r_total{worker="0",status="200"} 3' in lines
+    assert "llmgw_workers 2" in lines and 'llmgw_worker_restarts_total{worker="1"} 2' in lines
+    assert len(lines) == len(set(lines))
+
+
+def test_frames_come_out_whole_however_the_bytes_are_cut() -> None:
+    data = frame(CONFIG, tagged(7, b"x" * 1000)) + frame(FEED, b'{"type":"routes"}') + frame(FEED)
+    for cut in (1, 3, 5, 700, len(data)):
+        reader = FrameReader()
+        got = []
+        for at in range(0, len(data), cut):
+            got += reader.feed(data[at : at + cut])
+        assert got == [(CONFIG, tagged(7, b"x" * 1000)), (FEED, b'{"type":"routes"}'), (FEED, b"")]
+    assert untagged(tagged(12, b"page\nmore")) == (12, b"page\nmore")
+    with pytest.raises(ChannelError, match="unknown frame kind"):
+        FrameReader().feed(struct.pack(">IB", 0, ord("z")))
+    with pytest.raises(ChannelError, match="exceeds"):
+        FrameReader().feed(struct.pack(">IB", 1 << 30, ord("f")))
+    with pytest.raises(ChannelError, match="without its number"):
+        untagged(b"nope\n")
+
+
+# -- real processes ----------------------------------------------------------------------
+
+
+def served_by(headers: Any) -> tuple[int, int]:
+    """(worker index, pid) from the x-llmgw-worker header: "0; pid=1234"."""
+    index, _, pid = headers["x-llmgw-worker"].partition("; pid=")
+    return int(index), int(pid)
+
+
+def client(url: str, *, keep_alive: bool = True) -> openai.OpenAI:
+    limits = httpx.Limits(max_keepalive_connections=None if keep_alive else 0)
+    return openai.OpenAI(
+        base_url=url + "/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=20,
+        http_client=httpx.Client(limits=limits, timeout=20),
+    )
+
+
+def ask(c: openai.OpenAI, model: str = "m") -> tuple[int, int]:
+    raw = c.chat.completions.with_raw_response.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+    assert raw.parse().choices[0].message.content
+    return served_by(raw.headers)
+
+
+def totals(text: str, name: str) -> Counter[str]:
+    """The sum of a family's samples per worker label."""
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line.rpartition(" ")
+            worker = labels.split('worker="', 1)[1].split('"', 1)[0]
+            out[worker] += int(float(value))
+    return out
+
+
+def two_workers(procs: Procs, engine: Proc, more: str = "") -> Proc:
+    return procs.router(
+        "[router]\nhealth_interval_s = 0.5\n" + models_toml({"m": [engine.url]}),
+        server=f"workers = 2\nshutdown_grace_s = 5\n{more}",
+    )
+
+
+def test_two_workers_serve_one_port_and_metrics_count_every_request_once(procs: Procs) -> None:
+    engine = procs.mock("m")
+    router = two_workers(procs, engine)
+    seen: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def loop(n: int) -> None:
+        c = client(router.url, keep_alive=False)  # a connection per request: any worker
+        for _ in range(n):
+            index, _ = ask(c)
+            with lock:
+                seen[index] += 1
+
+    threads = [threading.Thread(target=loop, args=(15,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(seen.values()) == 60
+    assert set(seen) == {0, 1}, seen  # both workers answered on the one port
+    page = httpx.get(router.url + "/metrics", timeout=10).text
+    # Scraped from either worker, the page holds both, and counts each request once.
+    assert totals(page, "llmgw_requests_total") == Counter({"0": seen[0], "1": seen[1]})
+    assert metric(page, "llmgw_workers") == 2
+    assert page.count("# TYPE llmgw_requests_total counter") == 1
+    assert metric(page, "llmgw_replica_available", worker="1", model="m") == 1
+    for _ in range(4):  # every scrape, wherever it lands, says the same
+        again = httpx.get(router.url + "/metrics", timeout=10).text
+        assert totals(again, "llmgw_requests_total") == totals(page, "llmgw_requests_total")
+
+
+class Loop(threading.Thread):
+    """Requests one after another, never retried; each outcome kept with its time."""
+
+    def __init__(self, url: str, *, keep_alive: bool) -> None:
+        super().__init__(daemon=True)
+        self.client = client(url, keep_alive=keep_alive)
+        self.outcomes: list[tuple[float, tuple[int, int] | str]] = []
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            try:
+                outcome: tuple[int, int] | str = ask(self.client)
+            except (openai.APIError, AssertionError) as exc:
+                outcome = repr(exc)
+            self.outcomes.append((time.monotonic(), outcome))
+
+    def answers(self) -> list[tuple[int, int]]:
+        return [o for _, o in self.outcomes if isinstance(o, tuple)]
+
+    def errors(self) -> list[str]:
+        return [o for _, o in self.outcomes if isinstance(o, str)]
+
+
+def test_a_worker_killed_under_load_is_replaced_and_the_port_never_stops_answering(
+    procs: Procs,
+) -> None:
+    engine = procs.mock("m", "--mock-tokens", "4", "--mock-tokens-per-second", "200")
+    router = two_workers(procs, engine)
+    # Kept-alive connections stay with the worker that accepted them; a loop that opens
+    # a connection per request reaches whichever worker accepts it.
+    pinned = [Loop(router.url, keep_alive=True) for _ in range(8)]
+    fresh = Loop(router.url, keep_alive=False)
+    loops = [*pinned, fresh]
+    for loop in loops:
+        loop.start()
+    try:
+        wait_until(lambda: all(len(loop.answers()) >= 3 for loop in loops), what="answers")
+        first = {loop: loop.answers()[0] for loop in pinned}
+        assert {index for index, _ in first.values()} == {0, 1}, first
+        victim = next(pid for index, pid in first.values() if index == 0)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        # The replacement serves under the same index, as a new process.
+        wait_until(
+            lambda: any(
+                index == 0 and pid != victim for loop in loops for index, pid in loop.answers()
+            ),
+            what="the replacement worker",
+        )
+        counts = {loop: len(loop.outcomes) for loop in loops}
+        wait_until(lambda: all(len(loop.outcomes) >= counts[loop] + 3 for loop in loops))
+    finally:
+        for loop in loops:
+            loop.stopping = True
+        for loop in loops:
+            loop.join(30)
+    for loop, (index, pid) in first.items():
+        if index == 1:
+            # On the other worker's connections the port answered throughout.
+            assert loop.errors() == [] and {p for _, p in loop.answers()} == {pid}
+        else:
+            # At most the request the killed worker had in flight, then a new connection.
+            assert len(loop.errors()) <= 1, loop.errors()
+            assert isinstance(loop.outcomes[-1][1], tuple)
+    assert len(fresh.errors()) <= 1, fresh.errors()
+    # Requests went on being answered while the killed worker was being replaced.
+    assert any(at > killed_at for loop in pinned for at, o in loop.outcomes if isinstance(o, tuple))
+    page = httpx.get(router.url + "/metrics", timeout=10).text
+    assert metric(page, "llmgw_worker_restarts_total", worker="0") == 1
+    assert metric(page, "llmgw_worker_restarts_total", worker="1") == 0
+    assert metric(page, "llmgw_workers") == 2
+    assert "worker 0 exited (killed by SIGKILL)" in router.output()
+
+
+def worker_pids(router: Proc) -> set[int]:
+    return {
+        int(line.rsplit("(pid ", 1)[1].rstrip(")"))
+        for line in router.output().splitlines()
+        if "llmgw.workers worker " in line and " started (pid " in line
+    }
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+class Stream(threading.Thread):
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.client = client(url, keep_alive=False)
+        self.worker: int | None = None
+        self.chunks = 0
+        self.first = threading.Event()
+        self.error: str | None = None
+        self.finished = False
+
+    def run(self) -> None:
+        try:
+            raw = self.client.chat.completions.with_raw_response.create(
+                model="m",
+                messages=CHAT,  # type: ignore[arg-type]
+                stream=True,
+            )
+            self.worker = served_by(raw.headers)[0]
+            for chunk in raw.parse():
+                self.chunks += 1
+                self.first.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.finished = True
+        except openai.APIError as exc:
+            self.error = repr(exc)
+        finally:
+            self.first.set()
+
+
+def test_sigterm_drains_every_worker_then_leaves_no_process(procs: Procs) -> None:
+    engine = procs.mock("m", "--mock-tokens", "20", "--mock-tokens-per-second", "10")
+    router = two_workers(procs, engine)
+    pids = worker_pids(router)
+    assert len(pids) == 2
+    # Connections arriving together may all go to the worker that wakes first: streams
+    # are started one by one until both workers have some in flight.
+    streams: list[Stream] = []
+    while {s.worker for s in streams} != {0, 1}:
+        assert len(streams) < 12, [s.worker for s in streams]
+        streams.append(Stream(router.url))
+        streams[-1].start()
+        assert streams[-1].first.wait(20)
+    router.signal(signal.SIGTERM)
+    for s in streams:
+        s.join(30)
+    assert [(s.error, s.finished) for s in streams] == [(None, True)] * len(streams)
+    assert router.popen.wait(15) == 0
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=10, what="workers to exit")
+    out = router.output()
+    assert out.count("stopping: no new connections") == 2 and "requests still in" not in out
+
+
+def test_workers_whose_parent_is_killed_drain_and_exit(procs: Procs) -> None:
+    engine = procs.mock("m", "--mock-tokens", "10", "--mock-tokens-per-second", "10")
+    router = two_workers(procs, engine)
+    pids = worker_pids(router)
+    stream = Stream(router.url)
+    stream.start()
+    assert stream.first.wait(20)
+    router.signal(signal.SIGKILL)
+    stream.join(30)
+    assert (stream.error, stream.finished) == (None, True)  # its worker finished it first
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=15, what="workers to exit")
+    assert router.output().count("the parent is gone: stopping") == 2
+
+
+def test_one_worker_is_the_single_process_as_before(procs: Procs) -> None:
+    engine = procs.mock("m")
+    router = procs.router(models_toml({"m": [engine.url]}), server="workers = 1")
+    raw = client(router.url).chat.completions.with_raw_response.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    assert "x-llmgw-worker" not in raw.headers
+    assert worker_pids(router) == set()
+    page = httpx.get(router.url + "/metrics").text
+    assert 'llmgw_requests_total{model="m",status="200"} 1' in page and "worker=" not in page
