@@ -1,5 +1,5 @@
 """The agent's config file, declared once as `AgentConfig` and read by the same
-`tomlshape.structure` as the server's."""
+`config_schema.structure` as the server's."""
 
 from __future__ import annotations
 
@@ -14,19 +14,18 @@ import attrs
 import cattrs.errors
 
 from llmgw_core.config import is_loopback
-from llmgw_core.tls_config import AgentTLS, require_agent_tls
-from llmgw_core.tomlshape import (
+from llmgw_core.config_schema import (
     CONVERTER,
     Problem,
-    load_toml,
     read_text,
     reading_base_dir,
     rule_after,
     rule_before,
     rules,
     structure,
-    type_name,
 )
+from llmgw_core.tls_config import AgentTLS, require_agent_tls
+from llmgw_core.tomlshape import load_toml, type_name
 
 ENGINE_KINDS = ("vllm", "sglang", "llamacpp", "mock")
 

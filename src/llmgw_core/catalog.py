@@ -13,14 +13,15 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from llmgw_core.tomlshape import (
+from llmgw_core.config_schema import (
     Problem,
-    Table,
+    read_table,
     read_texts,
     rule_after,
     rule_before,
     rules,
 )
+from llmgw_core.tomlshape import Table
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -205,4 +206,4 @@ def read_catalog(root: Table) -> Catalog:
     if not root.has("models"):
         root.known("models")
         return Catalog(models=())  # the config says what it needs (at least one model)
-    return root.structure(Catalog, keys=("models",))
+    return read_table(root, Catalog, keys=("models",))

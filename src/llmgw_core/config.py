@@ -1,7 +1,7 @@
 """The server's config file: `[server]`, `[router]`, `[auth]`, `[admin]` and the catalog.
 
 Each section is declared once, as the attrs class below: its fields' metadata (`rules`)
-say what the file may hold, and `tomlshape.structure` reads the file into it.
+say what the file may hold, and `config_schema.structure` reads the file into it.
 """
 
 from __future__ import annotations
@@ -15,23 +15,23 @@ from pathlib import Path
 import attrs
 
 from llmgw_core.catalog import Catalog, read_catalog
-from llmgw_core.control_config import ControlSection
-from llmgw_core.tls_config import AgentsTLS, read_agents_tls
-from llmgw_core.tomlshape import (
+from llmgw_core.config_schema import (
     CONVERTER,
     Problem,
-    Table,
     checked_digest,
     digest_hook,
-    load_toml,
     read_integer,
+    read_table,
     read_text,
     read_texts,
     rule_after,
     rule_before,
     rules,
 )
-from llmgw_core.tomlshape import digest_of as digest_of  # imported from here by others
+from llmgw_core.config_schema import digest_of as digest_of  # imported from here by others
+from llmgw_core.control_config import ControlSection
+from llmgw_core.tls_config import AgentsTLS, read_agents_tls
+from llmgw_core.tomlshape import Table, load_toml
 
 
 @attrs.frozen
@@ -320,15 +320,15 @@ def parse_config(
     """Validate config data; keys named by `env` are read from `environ` (os.environ)."""
     root = Table(data, file)
     environ = os.environ if environ is None else environ
-    server = root.table("server").structure(ServerSection, environ=environ)
+    server = read_table(root.table("server"), ServerSection, environ=environ)
     catalog = read_catalog(root)
-    router = root.table("router").structure(RouterSection)
+    router = read_table(root.table("router"), RouterSection)
     auth_table = root.table("auth")
-    auth = auth_table.structure(AuthSection, environ=environ)
+    auth = read_table(auth_table, AuthSection, environ=environ)
     _check_auth_models(auth, catalog, auth_table)
-    control = root.table("control").structure(ControlSection)
+    control = read_table(root.table("control"), ControlSection)
     if root.has("admin"):
-        admin = root.table("admin").structure(AdminSection, environ=environ)
+        admin = read_table(root.table("admin"), AdminSection, environ=environ)
     else:
         local = is_loopback(server.control_listen.host)
         admin = AdminSection(open_status=local, open_writes=local, declared=False)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw_core.tomlshape import Problem, Table, rule_after, rules
+from llmgw_core.config_schema import Problem, read_table, rule_after, rules
+from llmgw_core.tomlshape import Table
 
 
 def _share(share: float) -> float:
@@ -75,4 +76,4 @@ def _control_rules(c: ControlSection) -> None:
 
 def read_control(t: Table) -> ControlSection:
     """Read the `[control]` table (pass `root.table("control")`); every key is read."""
-    return t.structure(ControlSection)
+    return read_table(t, ControlSection)

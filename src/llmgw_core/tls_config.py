@@ -14,11 +14,12 @@ from pathlib import Path
 
 import attrs
 
-from llmgw_core.tomlshape import Problem, Table, read_texts, rule_after, rules
+from llmgw_core.config_schema import Problem, read_table, read_texts, rule_after, rules
+from llmgw_core.tomlshape import Table
 
 
 def _readable_file(path: Path) -> Path:
-    """Relative paths are taken from the config file's directory (see `read_path`)."""
+    """Relative paths are taken from the config file's directory (see `config_schema.read_path`)."""
     try:
         if not path.is_file():
             raise Problem(f"{path} is not a file")
@@ -82,7 +83,7 @@ class AgentTLS:
 
 
 def read_agents_tls(t: Table) -> AgentsTLS:
-    return t.structure(AgentsTLS)
+    return read_table(t, AgentsTLS)
 
 
 def require_agent_tls(tls: AgentTLS) -> None:
@@ -90,16 +91,6 @@ def require_agent_tls(tls: AgentTLS) -> None:
     for key in ("ca", "cert", "key"):
         if getattr(tls, key) is None:
             raise Problem("is required for a wss:// server (from `llmgw_server certs issue`)", key)
-
-
-def read_agent_tls(t: Table, *, secure: bool) -> AgentTLS:
-    tls = t.structure(AgentTLS)
-    if secure:
-        try:
-            require_agent_tls(tls)
-        except Problem as problem:
-            t.fail(problem.key, problem.message)
-    return tls
 
 
 def server_context(tls: AgentsTLS) -> ssl.SSLContext:
