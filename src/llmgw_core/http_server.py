@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
+import re
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,6 +21,7 @@ import attrs
 import h11
 import trio
 
+from llmgw_core import sockio
 from llmgw_core.openai_errors import error_body
 from llmgw_core.ratelog import RateLimit
 
@@ -71,41 +75,85 @@ class _Upgrade(Exception):
 
 
 class Responder:
-    """What a handler writes its answer through."""
+    """What a handler writes its answer through.
 
-    __slots__ = ("_conn", "_stream", "chunked", "closing", "head", "started")
+    On a connection served by h11 (`conn`), h11 frames the answer; on one served by
+    the plain parser (`conn` None, a plain TCP socket), the answer is framed here as
+    h11 would frame it and written straight to the socket.
+    """
+
+    __slots__ = (
+        "_chunking",
+        "_conn",
+        "_sock",
+        "_stream",
+        "chunked",
+        "closing",
+        "done",
+        "head",
+        "started",
+    )
 
     def __init__(
         self,
-        conn: h11.Connection,
+        conn: h11.Connection | None,
         stream: trio.abc.Stream,
         closing: bool,
         chunked: bool = False,
         head: bool = False,
+        sock: socket.socket | None = None,
     ) -> None:
         self._conn = conn
         self._stream = stream
+        self._sock = sock  # with conn None: the socket written to
         self.head = head  # a HEAD request: the head is sent, never a body
         self.closing = closing  # ask the client to close after this response
         self.started = False
+        self.done = False  # the whole answer was written (the plain parser's keep-alive)
+        self._chunking = False  # the plain parser's answer is in chunked framing
         # A response started without a content-length goes to this client in
         # chunked framing (an HTTP/1.1 request that is not HEAD), as h11 would write it.
         self.chunked = chunked
+
+    async def _write(self, data: bytes) -> None:
+        if self._sock is not None:
+            await sockio.send_all(self._sock, data)
+        else:
+            await self._stream.send_all(data)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self.closing:
             headers = [*headers, (b"connection", b"close")]
         self.started = True
-        await self._stream.send_all(
-            self._conn.send(h11.Response(status_code=status, headers=headers))
-        )
+        if self._conn is not None:
+            await self._stream.send_all(
+                self._conn.send(h11.Response(status_code=status, headers=headers))
+            )
+            return
+        # As h11 frames it: a body of unknown length goes chunked (a HEAD answer's
+        # headers are those of a GET), one with a content-length as it is.
+        if not _has_body_length(status, headers):
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+            self._chunking = True
+        await self._write(_response_head(status, headers))
 
     async def send(self, data: bytes) -> None:
-        if data and not self.head:
+        if not data or self.head:
+            return
+        if self._conn is not None:
             await self._stream.send_all(self._conn.send(h11.Data(data=data)))
+        elif self._chunking:
+            await self._write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            await self._write(data)
 
     async def end(self) -> None:
-        await self._stream.send_all(self._conn.send(h11.EndOfMessage()))
+        if self._conn is not None:
+            await self._stream.send_all(self._conn.send(h11.EndOfMessage()))
+            return
+        if self._chunking and not self.head:
+            await self._write(b"0\r\n\r\n")
+        self.done = True
 
     async def whole(
         self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
@@ -113,13 +161,14 @@ class Responder:
         if self.closing:
             headers = [*headers, (b"connection", b"close")]
         self.started = True
+        headers = [*headers, (b"content-length", str(len(body)).encode())]
         conn = self._conn
-        out = conn.send(
-            h11.Response(
-                status_code=status,
-                headers=[*headers, (b"content-length", str(len(body)).encode())],
-            )
-        )
+        if conn is None:
+            head = _response_head(status, headers)
+            self.done = True
+            await self._write(head if self.head else head + body)
+            return
+        out = conn.send(h11.Response(status_code=status, headers=headers))
         if not self.head:
             out += conn.send(h11.Data(data=body))
         out += conn.send(h11.EndOfMessage())
@@ -136,16 +185,33 @@ class Responder:
         writes the last chunk.
         """
         if not self.head:
-            await self._stream.send_all(framed)
+            await self._write(framed)
 
     async def abort(self) -> None:
         """Close the connection mid-answer: the client sees a truncated response."""
+        self.done = False
         await self._stream.aclose()
 
     async def send_raw(self, data: bytes) -> None:
         """Bytes outside HTTP framing (the mock engine's garbage mode); then close."""
         self.started = True
         await self._stream.send_all(data)
+
+
+def _has_body_length(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether an answer's end is known without chunked framing (h11's _body_framing)."""
+    if status < 200 or status in (204, 304):
+        return True
+    return any(name == b"content-length" for name, _ in headers)
+
+
+def _response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The status line and headers, written as h11 writes them (no reason phrase)."""
+    lines = [b"HTTP/1.1 %d \r\n" % status]
+    for name, value in headers:
+        lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
@@ -298,7 +364,11 @@ class HTTPServer:
 
     async def serve_connection(self, stream: trio.abc.Stream) -> None:
         try:
-            await _Connection(self, stream).run()
+            sock = sockio.raw_socket(stream)
+            if sock is None:  # TLS: h11 on the decrypted stream
+                await _Connection(self, stream).run()
+            else:
+                await _PlainConnection(self, stream, sock).run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
         except Exception:
@@ -328,14 +398,26 @@ class _Connection:
     the handler at once; no task is started per request.
     """
 
-    def __init__(self, server: HTTPServer, stream: trio.abc.Stream) -> None:
+    def __init__(
+        self,
+        server: HTTPServer,
+        stream: trio.abc.Stream,
+        received: bytes = b"",
+        first: bool = True,
+    ) -> None:
         self.server = server
         self.stream = stream
+        self.first = first  # no request was answered on this connection yet
         self.conn = h11.Connection(
             h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
         )
+        # Bytes read already by the plain parser, which handed the connection over.
+        if received:
+            self.conn.receive_data(received)
         # Bytes of the first request head, kept only where an upgrade may need them.
-        self.raw: bytearray | None = bytearray() if server.upgrade else None
+        self.raw: bytearray | None = (
+            bytearray(received) if server.upgrade and first else None
+        )
         self._may_read = trio.Event()
         self._arrived = trio.Event()
         self._eof = False
@@ -384,7 +466,7 @@ class _Connection:
 
     async def _serve(self, reader: trio.CancelScope) -> None:
         server = self.server
-        first = True
+        first = self.first
         while not server.draining:
             try:
                 request = await self._read_request(first)
@@ -537,3 +619,239 @@ class _Connection:
             return
         with trio.move_on_after(2):
             await self.stream.send_all(out)
+
+
+_REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/1\.1")
+_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_ODD_VALUE = re.compile(rb"[\x00\r\n\x0b\x0c]")  # what h11 refuses in a field value
+_DIGITS = re.compile(rb"[0-9]{1,18}")
+# Requests the plain parser leaves to h11: their framing or semantics need its state machine.
+_TO_H11 = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+
+
+def _plain_request(head: bytes) -> tuple[Request, int, bool] | None:
+    """(request, content length, whether the client asked to close) of a request head
+    that the plain parser serves: HTTP/1.1, one Host, at most one Content-Length, no
+    Transfer-Encoding, Expect or Upgrade, nothing h11 would refuse or read otherwise.
+    None: h11 reads it (and refuses it with its own words where it is malformed)."""
+    lines = head.split(b"\r\n")
+    match = _REQUEST_LINE.fullmatch(lines[0])
+    if match is None:
+        return None
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    hosts = 0
+    close = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not _FIELD_NAME.fullmatch(name):
+            return None  # also an obsolete folded line (it starts with a space)
+        value = value.strip(b" \t")
+        if _ODD_VALUE.search(value):
+            return None
+        name = name.lower()
+        if name in _TO_H11:
+            return None
+        if name == b"content-length":
+            if length >= 0 or not _DIGITS.fullmatch(value):
+                return None
+            length = int(value)
+        elif name == b"host":
+            hosts += 1
+        elif name == b"connection":
+            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+        headers.append((name, value))
+    if hosts != 1:
+        return None
+    request = Request(method=match.group(1), target=match.group(2), headers=headers)
+    return request, max(length, 0), close
+
+
+class _PlainConnection:
+    """One client connection on a plain TCP socket, read without h11 while it can be.
+
+    Requests as clients send them (a whole HTTP/1.1 head in one read, a Content-Length
+    body) are parsed here and answered straight onto the socket; the first request that
+    is anything else (a head in pieces, chunked, HTTP/1.0, Expect, an upgrade, anything
+    malformed) hands the connection with every byte read to `_Connection`, which serves
+    it with h11 from then on, as before.
+
+    A reader task owns the socket's receiving side, as in `_Connection`; it reads
+    while the server waits for bytes, and while a handler runs it watches for the
+    client going away (then the connection's scope is cancelled, the handler with
+    it). Bytes that come during a handler are kept and no more are read until it
+    ends, so a client that pipelines without reading cannot make the server buffer
+    without bound. The connection's one cancel scope is also its timer: the keep-alive
+    idle limit, then the head's or body's.
+    """
+
+    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, sock: socket.socket) -> None:
+        self.server = server
+        self.stream = stream
+        self.sock = sock
+        self.buf = b""  # read and not yet parsed
+        self.eof = False
+        self.in_handler = False
+        self._wanted = False  # the server waits for more bytes
+        self._arrived = trio.Event()  # set by the reader after each read
+        self._wake = trio.Event()  # set by the server when the reader may read again
+        self._scope = trio.CancelScope()
+        self._waiting_for = ""  # what the timer would cut: "idle", "head" or "body"
+        self._served = 0
+
+    async def run(self) -> None:
+        handover: bytes | None = None
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._reader)
+                try:
+                    handover = await self._serve()
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                    pass  # the client went away: nothing to log
+                finally:
+                    nursery.cancel_scope.cancel()
+        self.server._idle_scopes.discard(self._scope)
+        if self._scope.cancelled_caught:
+            if self._waiting_for == "head":
+                await self._reject(408, "request headers did not arrive in time")
+            elif self._waiting_for == "body":
+                await self._reject(408, "request body did not arrive in time")
+            return
+        if handover is not None:
+            await _Connection(self.server, self.stream, handover, first=not self._served).run()
+
+    def _may_read(self) -> bool:
+        if self.in_handler:  # watch for the client going away; pipelined bytes wait
+            return not self.buf
+        return self._wanted or len(self.buf) < self.server.limits.max_header_bytes
+
+    async def _reader(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                if not self._may_read():
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                await trio.lowlevel.wait_readable(sock)
+                if not self._may_read():
+                    continue
+                try:
+                    data = sock.recv(_RECV)
+                except BlockingIOError:
+                    continue
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            self._wanted = False
+            if not data:
+                self.eof = True
+                if self.in_handler:  # the client went away: the handler stops at once
+                    self._scope.cancel()
+                self._arrived.set()
+                return
+            self.buf += data
+            self._arrived.set()
+
+    async def _more(self) -> None:
+        """Wait until the reader has read more (or the client has closed)."""
+        self._wanted = True
+        self._wake.set()
+        self._arrived = trio.Event()
+        await self._arrived.wait()
+
+    async def _serve(self) -> bytes | None:
+        """Answer requests until the connection ends; the bytes to hand to h11, if it must."""
+        server = self.server
+        limits = server.limits
+        scope = self._scope
+        while not server.draining:
+            if not self.buf:
+                if self.eof:
+                    return None
+                # An idle keep-alive connection may be closed by drain() or time out;
+                # the first request's head has the head's time limit from the start.
+                if self._served:
+                    self._waiting_for = "idle"
+                    scope.deadline = trio.current_time() + limits.keepalive_timeout_s
+                    server._idle_scopes.add(scope)
+                else:
+                    self._waiting_for = "head"
+                    scope.deadline = trio.current_time() + limits.header_timeout_s
+                await self._more()
+                server._idle_scopes.discard(scope)
+                if not self.buf:
+                    return None
+            end = self.buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
+            parsed = _plain_request(self.buf[:end]) if end >= 0 else None
+            if parsed is None:
+                return self.buf
+            request, length, close = parsed
+            if length > limits.max_body_bytes:
+                message = (
+                    f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}"
+                )
+                scope.deadline = math.inf
+                await self._reject(413, message)
+                return None
+            start = end + 4
+            if len(self.buf) - start < length:
+                self._waiting_for = "body"
+                scope.deadline = trio.current_time() + limits.body_timeout_s
+                while len(self.buf) - start < length:
+                    if self.eof:
+                        return None  # the client closed during the body
+                    await self._more()
+            request.body = self.buf[start : start + length]
+            self.buf = self.buf[start + length :]
+            self._waiting_for = ""
+            scope.deadline = math.inf
+            responder = Responder(
+                None,
+                self.stream,
+                closing=server.draining or close,
+                chunked=request.method != b"HEAD",
+                head=request.method == b"HEAD",
+                sock=self.sock,
+            )
+            self._served += 1
+            server.busy += 1
+            try:
+                await self._respond(request, responder)
+            finally:
+                server.busy -= 1
+                if server.draining and server.busy == 0:
+                    server.idle_done.set()
+            if not responder.done or responder.closing:
+                return None
+        return None
+
+    async def _respond(self, request: Request, responder: Responder) -> None:
+        if self.eof:
+            # The client closed (or half-closed) after its request: as with h11, the
+            # handler starts and is cancelled at its first wait, so that only an answer
+            # ready at once still goes out.
+            self._scope.cancel()
+        self.in_handler = True
+        self._wake.set()
+        try:
+            await self.server.handler(request, responder)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+            raise trio.BrokenResourceError("the client went away") from None
+        except Exception:
+            log.exception("handler failed on %s %s", request.method, request.target)
+        finally:
+            self.in_handler = False
+            self._wake.set()
+        if not responder.started:
+            await responder.error(500, "internal error: the handler sent no response")
+
+    async def _reject(self, status: int, message: str) -> None:
+        if self.server.on_reject is not None:
+            self.server.on_reject(status, message)
+        body = error_body(status, message)
+        headers = [*JSON, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+        with trio.move_on_after(2):
+            try:
+                await sockio.send_all(self.sock, _response_head(status, headers) + body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
