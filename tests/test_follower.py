@@ -7,18 +7,27 @@ engines, and a separate `router` process following it over TLS with a router tok
 
 from __future__ import annotations
 
+import secrets
+import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import trio
 
+from fleet import Fleet, wait_until
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.route_feed import PROTOCOL, FeedError, Hello, InFlight, encode
 from llmgw_server.plane.routes import RouteHub, refusal
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
+from procs import Proc, free_port
+from test_fleet_e2e import CHAT, model
 
 A = Endpoint("127.0.0.1", 9001, api_key="key-a")
 B = Endpoint("127.0.0.1", 9002, api_key="key-b")
@@ -181,3 +190,190 @@ def test_only_the_router_token_may_follow() -> None:
     # One token for both would let a router act: refused whatever it sends.
     status, reason = refusal(b"Bearer admin-secret", admin, admin)  # type: ignore[misc]
     assert status == 403 and "is its admin token" in reason
+
+
+# -- a router apart, as real processes -------------------------------------------------
+
+ROUTER_TOKEN = "router-" + secrets.token_hex(8)
+ADMIN_TOKEN = "admin-" + secrets.token_hex(8)
+# The [admin] table rides in after [control]: status open, actions and routes by token.
+ADMIN = (
+    f'\n[admin]\ntoken_digest = "sha256:{digest_of(ADMIN_TOKEN)}"\n'
+    f'router_token_digest = "sha256:{digest_of(ROUTER_TOKEN)}"\nopen_status = true\n'
+)
+# Engines that take a while to load, and streams of 16 words that last 0.8 s: a replica
+# stopped before the routers' streams on it end cuts them.
+SLOW = 'LLMGW_MOCK_STARTUP_DELAY = "1.5", LLMGW_MOCK_TPS = "20"'
+
+
+class StreamLoop:
+    """Streams through a router from two threads, so that one is nearly always in flight,
+    until the block ends; what failed goes to `errors`."""
+
+    def __init__(self, client: openai.OpenAI) -> None:
+        self.client = client
+        self.done = 0
+        self.errors: list[str] = []
+        self.served_by: set[str] = set()  # the engines' fingerprints, "mock:PORT"
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+
+    def __enter__(self) -> StreamLoop:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+            assert not thread.is_alive(), "the stream loop hangs"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stream = self.client.chat.completions.create(
+                    model="chat",
+                    messages=CHAT,  # type: ignore[arg-type]
+                    stream=True,
+                )
+                words = []
+                for chunk in stream:
+                    self.served_by.add(chunk.system_fingerprint or "")
+                    words += [c.delta.content or "" for c in chunk.choices]
+                assert len("".join(words).split()) == 16, words
+            except (openai.APIError, AssertionError) as exc:
+                self.errors.append(f"stream {self.done}: {exc!r}")
+            self.done += 1
+
+
+def secret_file(fleet: Fleet, name: str, token: str) -> Path:
+    path = fleet.procs.tmp / name
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def separate_router(fleet: Fleet, token: str, *, wait: bool = True) -> Proc:
+    """`llmgw-server router` with the control plane's own config, on a port of its own."""
+    port = free_port()
+    text = (fleet.procs.tmp / "server.toml").read_text()
+    path = fleet.procs.tmp / f"router-{port}.toml"
+    path.write_text(
+        text.replace(f'listen = "127.0.0.1:{fleet.port}"', f'listen = "127.0.0.1:{port}"')
+    )
+    argv = [
+        sys.executable, "-m", "llmgw_server", "router", "--config", str(path),
+        "--control", fleet.control, "--ca", str(fleet.certs / "ca.crt"),
+        "--token-file", str(secret_file(fleet, f"token-{port}", token)),
+    ]  # fmt: skip
+    proc = Proc(argv, port)
+    fleet.procs.all.append(proc)
+    if wait:
+        proc.wait_http("/healthz")
+    return proc
+
+
+def fingerprint(client: openai.OpenAI, session: str | None = None) -> str:
+    answer = client.chat.completions.create(
+        model="chat",
+        messages=CHAT,  # type: ignore[arg-type]
+        extra_headers={"x-session-id": session} if session else None,
+    )
+    return answer.system_fingerprint or ""
+
+
+def upgrade(fleet: Fleet, token: str | None) -> httpx.Response:
+    """The websocket handshake on /v1/routes, as far as its answer."""
+    headers = {
+        "connection": "Upgrade",
+        "upgrade": "websocket",
+        "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+        "sec-websocket-version": "13",
+    }
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
+    return httpx.get(fleet.control + "/v1/routes", headers=headers, verify=fleet.tls, timeout=5)
+
+
+def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_catches_up(
+    fleet: Fleet,
+) -> None:
+    fleet.server(model("chat", replicas=2), control=ADMIN)
+    fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW)
+    old = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="both replicas on gpu-1",
+    )
+    router = separate_router(fleet, ROUTER_TOKEN)
+    apart = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    inside = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: [m.id for m in apart.models.list()] == ["chat"], what="the router to follow")
+    old_ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old}
+    assert fingerprint(apart) in old_ports
+    # Rendezvous hashing: both routers send a session to the same replica.
+    picks = {s: fingerprint(apart, s) for s in (f"session-{i}" for i in range(16))}
+    assert picks == {s: fingerprint(inside, s) for s in picks}
+    assert set(picks.values()) == old_ports  # 16 sessions reach both replicas
+
+    # Only the router token follows; it acts on nothing.
+    refused = upgrade(fleet, None)
+    assert refused.status_code == 401 and "a router token is required" in refused.text
+    refused = upgrade(fleet, ADMIN_TOKEN)
+    assert refused.status_code == 403 and "the admin token may not follow" in refused.text
+    assert upgrade(fleet, "guess").status_code == 401
+    assert upgrade(fleet, ROUTER_TOKEN).status_code == 101
+    cordon = httpx.post(
+        fleet.control + "/v1/admin/nodes/gpu-1/cordon",
+        headers={"authorization": f"Bearer {ROUTER_TOKEN}"},
+        verify=fleet.tls,
+    )
+    assert cordon.status_code == 401 and not fleet.node("gpu-1")["cordoned"]
+    admin_router = separate_router(fleet, ADMIN_TOKEN)
+    wait_until(
+        lambda: (
+            "refused by the control plane: HTTP 403: the admin token may not follow"
+            in admin_router.output()
+        ),
+        what="the router with the admin token to be refused",
+    )
+    admin_router.stop()
+
+    # The control plane goes away: the engines stay (their agents keep them), and so does
+    # the separate router's table.
+    assert fleet.server_proc is not None
+    fleet.server_proc.stop()
+    wait_until(
+        lambda: "serving the last route table (1 models)" in router.output(),
+        what="the router to notice",
+    )
+    assert {fingerprint(apart) for _ in range(6)} == old_ports
+    assert fingerprint(apart, "session-0") == picks["session-0"]
+
+    # It comes back; a second node joins and the first is drained, under load through
+    # the separate router: the replicas move and no request fails.
+    fleet.server(model("chat", replicas=2), control=ADMIN)
+    fleet.agent("gpu-2", "node-2xl4.toml", env=SLOW)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    wait_until(lambda: len(fleet.serving("chat")) == 2, what="the replicas to be adopted")
+    wait_until(
+        lambda: router.output().count("following the route table of") == 2,
+        what="the router to follow again",
+    )
+    admin_token = secret_file(fleet, "admin-token", ADMIN_TOKEN)
+    with StreamLoop(apart) as loop:
+        wait_until(lambda: loop.done >= 4, what="requests before the drain")
+        drain = fleet.cli("drain", "gpu-1", "--token-file", str(admin_token), timeout=60)
+        after = loop.done
+        wait_until(lambda: loop.done >= after + 4, what="requests after the drain")
+    assert drain.returncode == 0, drain.stderr
+    assert loop.errors == []
+    new = fleet.serving("chat")
+    assert [r["shards"][0]["node"] for r in new] == ["gpu-2", "gpu-2"]
+    new_ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in new}
+    assert loop.served_by == old_ports | new_ports  # old ones, then new ones
+    assert {fingerprint(apart) for _ in range(6)} == new_ports  # caught up
+    assert router.popen.poll() is None
+    lines = router.output()
+    assert "following the route table of 127.0.0.1" in lines
+    assert ROUTER_TOKEN not in lines

@@ -241,6 +241,10 @@ class ControlPlane:
         await trio.lowlevel.checkpoint()
         routes = self.routes
         with trio.move_on_after(self.config.control.drain_timeout_s) as waiting:
+            if endpoint is not None:
+                # Routers that followed the control plane before it started may still be
+                # dialing it again: they count once they do.
+                await trio.sleep_until(self._settled_at)
             while endpoint is not None:
                 if routes.caught_up(version) and not routes.in_flight(endpoint):
                     break

@@ -40,8 +40,10 @@ log = logging.getLogger("llmgw.router")
 ROUTER_TOKEN_ENV = "LLMGW_ROUTER_TOKEN"
 ROUTES_RESOURCE = "/v1/routes"
 CONNECT_TIMEOUT_S = 10.0
-BACKOFF_BASE_S = 0.5
-BACKOFF_CAP_S = 10.0
+# A dial costs the control plane little, and a router away from it during a drain is not
+# waited for: it comes back within a couple of seconds of the control plane's return.
+BACKOFF_BASE_S = 0.25
+BACKOFF_CAP_S = 2.0
 KEEPALIVE_INTERVAL_S = 5.0  # the control plane is pinged after 10 s of quiet, cut after 20 s
 
 
@@ -196,59 +198,76 @@ async def follow_once(
         stream = await _dial(where, ssl_context, ca)
     except ConnectFailed as exc:
         return False, str(exc)
-    host = where.host if where.port == (443 if where.secure else 80) else where.where
-    async with trio.open_nursery() as nursery:
-        ws = None
-        why = (
-            f"no answer to the websocket handshake from {where.where} within "
-            f"{CONNECT_TIMEOUT_S:g} s"
-            + ("" if where.secure else " (if the control port runs TLS, dial https://)")
-        )
-        with trio.move_on_after(CONNECT_TIMEOUT_S):
-            try:
-                ws = await trio_websocket.wrap_client_stream(
-                    nursery,
-                    stream,
-                    host,
-                    where.resource,
-                    extra_headers=[(b"authorization", f"Bearer {token}".encode())],
-                    max_message_size=MAX_FRAME_BYTES,
-                )
-            except trio_websocket.ConnectionRejected as exc:
-                why = describe_rejection(exc)
-            except (trio_websocket.HandshakeError, OSError, trio.BrokenResourceError) as exc:
-                why = f"the websocket handshake with {where.where} failed: {exc or type(exc)}"
-        if ws is None:
-            await trio.aclose_forcefully(stream)
+    outcome = (False, "")
+    try:
+        async with trio.open_nursery() as nursery:
+            outcome = await _follow_stream(nursery, follower, stream, where, token)
             nursery.cancel_scope.cancel()
-            return False, why
-        log.info("following the route table of %s", where.where)
-        inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
-        heard = Heard(trio.current_time())
-        silent = trio.CancelScope()
-        nursery.start_soon(read_frames, ws, inbox_send, None, heard)
-        nursery.start_soon(cut_when_silent, ws, heard, silence_bound(KEEPALIVE_INTERVAL_S), silent)
-        why = "the control plane closed the route feed"
-        with silent:
-            try:
-                await follower.follow(_FeedConnection(ws, inbox_receive))
-            except FeedError as exc:
-                why = f"a frame from the control plane cannot be used: {exc}"
-                with trio.move_on_after(1):
-                    await ws.aclose(code=1008, reason=str(exc)[:120])
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # it went away while this router spoke: the close says why
-            except Exception as exc:  # a bug here must not stop the router serving
-                log.exception("following the route table failed")
-                why = f"following failed: {type(exc).__name__}: {exc}"
-        if silent.cancelled_caught:
-            cut = silence_bound(KEEPALIVE_INTERVAL_S).cut_after_s
-            why = f"nothing heard from the control plane for {cut:g} s"
-        elif ws.closed is not None and ws.closed.reason:
-            why += f" ({ws.closed.reason})"
-        with trio.move_on_after(1):
-            await ws.aclose()
-        nursery.cancel_scope.cancel()
+    # trio-websocket raises a refusal from its reader task: it comes out of the nursery.
+    except* trio_websocket.ConnectionRejected as group:
+        first = group.exceptions[0]
+        assert isinstance(first, trio_websocket.ConnectionRejected)
+        outcome = (False, describe_rejection(first))
+    except* (trio_websocket.HandshakeError, OSError, trio.BrokenResourceError) as group:
+        outcome = (
+            False,
+            f"the websocket handshake with {where.where} failed: {group.exceptions[0]!r}",
+        )
+    finally:
+        await trio.aclose_forcefully(stream)
+    return outcome
+
+
+async def _follow_stream(
+    nursery: trio.Nursery,
+    follower: Follower,
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+    where: Target,
+    token: str,
+) -> tuple[bool, str]:
+    host = where.host if where.port == (443 if where.secure else 80) else where.where
+    ws = None
+    with trio.move_on_after(CONNECT_TIMEOUT_S):
+        ws = await trio_websocket.wrap_client_stream(
+            nursery,
+            stream,
+            host,
+            where.resource,
+            extra_headers=[(b"authorization", f"Bearer {token}".encode())],
+            max_message_size=MAX_FRAME_BYTES,
+        )
+    if ws is None:
+        hint = "" if where.secure else " (if the control port runs TLS, dial https://)"
+        return False, (
+            f"no answer to the websocket handshake from {where.where} within "
+            f"{CONNECT_TIMEOUT_S:g} s{hint}"
+        )
+    log.info("following the route table of %s", where.where)
+    inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
+    heard = Heard(trio.current_time())
+    silent = trio.CancelScope()
+    nursery.start_soon(read_frames, ws, inbox_send, None, heard)
+    nursery.start_soon(cut_when_silent, ws, heard, silence_bound(KEEPALIVE_INTERVAL_S), silent)
+    why = "the control plane closed the route feed"
+    with silent:
+        try:
+            await follower.follow(_FeedConnection(ws, inbox_receive))
+        except FeedError as exc:
+            why = f"a frame from the control plane cannot be used: {exc}"
+            with trio.move_on_after(1):
+                await ws.aclose(code=1008, reason=str(exc)[:120])
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # it went away while this router spoke: the close says why
+        except Exception as exc:  # a bug here must not stop the router serving
+            log.exception("following the route table failed")
+            why = f"following failed: {type(exc).__name__}: {exc}"
+    if silent.cancelled_caught:
+        cut = silence_bound(KEEPALIVE_INTERVAL_S).cut_after_s
+        why = f"nothing heard from the control plane for {cut:g} s"
+    elif ws.closed is not None and ws.closed.reason:
+        why += f" ({ws.closed.reason})"
+    with trio.move_on_after(1):
+        await ws.aclose()
     return True, why
 
 
