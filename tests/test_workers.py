@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from fleet import wait_until
+from fleet import Fleet, wait_until
 from llmgw_server.router.metrics_merge import merge_pages, with_label
 from llmgw_server.router.worker import (
     CONFIG,
@@ -348,3 +348,99 @@ def test_one_worker_is_the_single_process_as_before(procs: Procs) -> None:
     assert worker_pids(router) == set()
     page = httpx.get(router.url + "/metrics").text
     assert 'llmgw_requests_total{model="m",status="200"} 1' in page and "worker=" not in page
+
+
+# -- with a control plane ----------------------------------------------------------------
+
+
+def fresh_client(url: str) -> openai.OpenAI:
+    return client(url, keep_alive=False)
+
+
+def test_with_a_control_plane_both_workers_follow_the_replicas_and_sessions_keep_theirs(
+    fleet: Fleet,
+) -> None:
+    from test_fleet_e2e import model
+
+    fleet.server(model("chat", replicas=2), workers=2)
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    serving = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="two replicas",
+    )
+    urls = {r["url"] for r in serving}
+
+    def followed() -> bool:
+        page = httpx.get(fleet.url + "/metrics", timeout=10).text
+        return all(
+            metric(page, "llmgw_replica_available", worker=w, model="chat", endpoint=url) == 1
+            for w in ("0", "1")
+            for url in urls
+        )
+
+    wait_until(followed, what="both workers to follow both replicas")
+    c = fresh_client(fleet.url)
+
+    def ask_session(session: str) -> tuple[int, str]:
+        raw = c.chat.completions.with_raw_response.create(
+            model="chat",
+            messages=CHAT,  # type: ignore[arg-type]
+            extra_headers={"x-session-id": session},
+        )
+        return served_by(raw.headers)[0], raw.parse().system_fingerprint or ""
+
+    replicas: dict[str, set[str]] = {}
+    workers: dict[str, set[int]] = {}
+    for round_ in range(6):
+        for n in range(8):
+            worker, replica = ask_session(f"session-{n}")
+            replicas.setdefault(f"session-{n}", set()).add(replica)
+            workers.setdefault(f"session-{n}", set()).add(worker)
+    # Whichever worker a request lands on, a session stays with its replica.
+    assert all(len(r) == 1 for r in replicas.values()), replicas
+    assert set().union(*workers.values()) == {0, 1}
+    assert any(w == {0, 1} for w in workers.values()), workers  # one session, two workers
+    assert len(set().union(*replicas.values())) == 2  # sessions spread over both replicas
+
+
+def test_with_workers_a_drain_moves_replicas_and_a_request_loop_sees_no_error(
+    fleet: Fleet,
+) -> None:
+    from test_fleet_e2e import RequestLoop, model
+
+    fleet.server(model("chat", replicas=2), workers=2)
+    slow = 'LLMGW_MOCK_STARTUP_DELAY = "1.5", LLMGW_MOCK_TPS = "40"'
+    fleet.agent("gpu-1", "node-2xl4.toml", env=slow)
+    old = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="both replicas on gpu-1",
+    )
+    fleet.agent("gpu-2", "node-2xl4.toml", env=slow)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    wait_until(
+        lambda: [m.id for m in fresh_client(fleet.url).models.list()] == ["chat"],
+        what="the workers to follow",
+    )
+    loops = [RequestLoop(fresh_client(fleet.url)) for _ in range(3)]  # on either worker
+    for loop in loops:
+        loop.__enter__()
+    try:
+        wait_until(lambda: all(loop.done >= 4 for loop in loops), what="requests before")
+        drain = fleet.cli("drain", "gpu-1", timeout=60)
+        after = [loop.done for loop in loops]
+        wait_until(
+            lambda: all(loop.done >= n + 4 for loop, n in zip(loops, after, strict=True)),
+            what="requests after the drain",
+        )
+    finally:
+        for loop in loops:
+            loop.__exit__()
+    assert drain.returncode == 0, drain.stderr
+    assert [loop.errors for loop in loops] == [[], [], []]
+    assert drain.stdout.splitlines()[-1] == "gpu-1: drained, no replica left on it"
+    new = fleet.serving("chat")
+    assert [r["shards"][0]["node"] for r in new] == ["gpu-2", "gpu-2"]
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old + new}
+    assert set().union(*(loop.served_by for loop in loops)) == ports
+    page = httpx.get(fleet.url + "/metrics", timeout=10).text
+    assert set(totals(page, "llmgw_requests_total")) == {"0", "1"}  # both workers served
