@@ -391,7 +391,7 @@ def test_with_a_control_plane_both_workers_follow_the_replicas_and_sessions_keep
 
     replicas: dict[str, set[str]] = {}
     workers: dict[str, set[int]] = {}
-    for round_ in range(6):
+    for _ in range(6):
         for n in range(8):
             worker, replica = ask_session(f"session-{n}")
             replicas.setdefault(f"session-{n}", set()).add(replica)
