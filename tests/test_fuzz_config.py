@@ -54,6 +54,13 @@ KNOWN_KEYS = sorted(
         # mTLS and admin (issue 5)
         "agents", "insecure", "tls", "ca", "cert", "key", "deny_serials", "admin", "token",
         "open_status",
+        # keys added since (workers, access log, metrics and router tokens, cache-aware
+        # routing, per-key [[auth.keys]])
+        "workers", "access_log", "access_log_format", "access_log_file", "metrics_token_digest",
+        "metrics_token_env", "token_digest", "token_env", "router_token_digest",
+        "router_token_env", "balancing", "cache_aware", "read_idle_timeout_s",
+        "upstream_idle_s", "metrics_interval_s", "metrics_max_age_s", "block_bytes",
+        "max_share", "shared_prefix_ratio", "keys", "digest", "start_timeout_s",
         # simulated inventory
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
     }

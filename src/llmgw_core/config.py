@@ -98,9 +98,7 @@ class ServerSection:
         default="logfmt", metadata=rules(check=_access_log_format)
     )
     # None: stderr, with the other log lines.
-    access_log_file: Path | None = attrs.field(
-        default=None, metadata=rules(check=_access_log_file)
-    )
+    access_log_file: Path | None = attrs.field(default=None, metadata=rules(check=_access_log_file))
     # Hex SHA-256 digest of the token that GET /metrics asks for; None: /metrics is open.
     metrics_token_digest: str | None = attrs.field(
         default=None, metadata=rules(parse=digest_hook, secret_env="metrics_token_env")

@@ -293,9 +293,7 @@ def _section_hook(converter: cattrs.Converter, cls: type) -> Callable[[object, o
     fields = [f for f in attrs.fields(cls) if f.init]
     specs = {f.name: f.metadata.get(_RULES, Rules()) for f in fields}
     overrides = {
-        f.name: cattrs.gen.override(
-            struct_hook=_field_hook(converter, f), rename=specs[f.name].key
-        )
+        f.name: cattrs.gen.override(struct_hook=_field_hook(converter, f), rename=specs[f.name].key)
         if specs[f.name].in_file
         else cattrs.gen.override(omit=True)
         for f in fields
@@ -423,9 +421,7 @@ def _make_converter() -> cattrs.Converter:
     # Generic aliases are matched by equality: functools' dispatch takes classes only.
     converter.register_structure_hook_func(lambda tp: tp == tuple[str, ...], read_texts)
     converter.register_structure_hook_func(lambda tp: tp == dict[str, str], read_labels)
-    converter.register_structure_hook_factory(
-        attrs.has, lambda cls: _section_hook(converter, cls)
-    )
+    converter.register_structure_hook_factory(attrs.has, lambda cls: _section_hook(converter, cls))
     return converter
 
 

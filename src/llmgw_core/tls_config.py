@@ -52,9 +52,7 @@ class AgentsTLS:
     ca: Path | None = attrs.field(default=None, metadata=_FILE)
     cert: Path | None = attrs.field(default=None, metadata=_FILE)
     key: Path | None = attrs.field(default=None, metadata=_FILE)
-    deny_serials: frozenset[int] = attrs.field(
-        default=frozenset(), metadata=rules(parse=_serials)
-    )
+    deny_serials: frozenset[int] = attrs.field(default=frozenset(), metadata=rules(parse=_serials))
     insecure: bool = False
 
 
