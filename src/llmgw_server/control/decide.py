@@ -1,0 +1,352 @@
+"""The reconcile pass: for each model whose replicas may be judged differently, keep
+the best `replicas` of them, restart, retire and place; it returns the commands.
+
+It reads what is known and writes to it only what it sends (`ShardStore.issued`),
+the records of stopped shards it drops, and the replicas it gives up as broken.
+What it decides per model (replicas kept, endpoints serving, when to look again) is
+kept here until the model is judged again, so that a pass costs O(replicas of the
+models it judges), plus placement (see `placing`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from llmgw_core.catalog import Catalog, Endpoint, ModelEntry, parse_endpoint
+from llmgw_core.control_config import ControlSection
+from llmgw_core.inventory import LaunchSpec, ShardState
+from llmgw_server.control.capacity import NodeCapacity
+from llmgw_server.control.commands import Command, StartShard
+from llmgw_server.control.known import Known
+from llmgw_server.control.launch import free_port, launch_specs
+from llmgw_server.control.lifecycle import Node
+from llmgw_server.control.placement import Assignment
+from llmgw_server.control.placing import Shortfall
+from llmgw_server.control.replicas import (
+    Replica,
+    Status,
+    hold,
+    keep_order,
+    on_draining_node,
+    restart,
+    retire,
+    serves,
+    stop,
+    unwanted,
+)
+from llmgw_server.control.shards import Classified, Phase, ShardRecord, classify
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@attrs.frozen
+class Decided:
+    commands: tuple[Command, ...]
+    placements: tuple[Assignment, ...]  # `key` is the new replica's id
+    notes: tuple[str, ...]
+
+
+@attrs.define
+class _Judged:
+    """One model's replicas, judged before placement."""
+
+    moving: list[Replica] = attrs.Factory(list)
+    ready: int = 0  # kept replicas that serve
+    kept: int = 0
+    commands: list[Command] = attrs.Factory(list)  # broken ones stopped, failed ones restarted
+    notes: list[str] = attrs.Factory(list)
+    retiring: list[tuple[str, list[ShardRecord], str]] = attrs.Factory(list)
+    times: list[float] = attrs.Factory(list)  # when to judge it again, at the latest
+
+
+class Decider:
+    def __init__(
+        self,
+        settings: ControlSection,
+        known: Known,
+        *,
+        started_at: float,
+        instance: str,
+        engine_keys: Callable[[], str],
+    ) -> None:
+        self.settings = settings
+        self.known = known
+        self.grace_until = started_at + settings.lost_after_s
+        self.shortfall = Shortfall(settings, started_at, known.work)
+        self.status: dict[str, Status] = {}  # replica id -> how the last pass judged it
+        self.kept: dict[str, int] = {}  # model -> replicas counted toward it
+        self.serving: dict[str, tuple[Endpoint, ...]] = {}
+        self._missing: dict[str, int] = {}
+        self._instance = instance
+        self._engine_keys = engine_keys
+        self._seq = 0
+        # When each model asked to be judged again (backoff, drain timeout, an awaited
+        # rank), with a heap to find the next.
+        self._due: dict[str, float] = {}
+        self._due_heap: list[tuple[float, str]] = []
+        self._settle_due: float | None = None
+
+    def next_due(self) -> float | None:
+        heap = self._due_heap
+        while heap and self._due.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        times = [t for t in (heap[0][0] if heap else None, self._settle_due) if t is not None]
+        return min(times, default=None)
+
+    def due(self, now: float) -> set[str]:
+        """The models whose time to be judged again has come."""
+        out = set()
+        while self._due_heap and self._due_heap[0][0] <= now:
+            when, name = heapq.heappop(self._due_heap)
+            if self._due.get(name) == when:
+                del self._due[name]
+                out.add(name)
+        if self._settle_due is not None and now >= self._settle_due:
+            self._settle_due = None
+            out |= set(self._missing)
+        return out
+
+    def reconcile(self, catalog: Catalog, models: Iterable[str], now: float) -> Decided:
+        """Judge `models` (and place where any model lacks replicas). O(their replicas),
+        plus placement."""
+        wanted = {m.name: m for m in catalog.profiled if m.replicas > 0}
+        order = {name: i for i, name in enumerate(wanted)}
+        todo = sorted(set(models), key=lambda m: (order.get(m, len(order)), m))
+        judged = {name: self._judge(name, wanted.get(name), catalog, now) for name in todo}
+        commands = [c for j in judged.values() for c in j.commands]
+        notes = [n for j in judged.values() for n in j.notes]
+        placed, settle = self.shortfall.place(self._missing, wanted, now, self.capacities)
+        self._settle_due = settle
+        starts: list[Command] = []
+        placements = []
+        for a in placed:
+            self._missing[a.model] -= 1
+            if not self._missing[a.model]:
+                del self._missing[a.model]
+            rid, specs = self._launch(a, wanted[a.model], now)
+            starts += specs
+            placements.append(attrs.evolve(a, key=rid))
+        for name in sorted({a.model for a in placed} - set(judged)):
+            # Not judged before placing (nothing of it changed): its new replicas count.
+            judged[name] = self._judge(name, wanted.get(name), catalog, now)
+        retiring = [r for j in judged.values() for r in j.retiring]
+        for name, j in judged.items():
+            entry = wanted.get(name)
+            placed_n = sum(a.model == name for a in placements)
+            count, waiting = self.shortfall.short.get(name, (0, None))
+            deferred = count if waiting is not None else 0  # placed once the settle time ends
+            underway = j.kept - j.ready + placed_n + deferred
+            # Moving replicas serve until as many replacements serve; on a forced drain,
+            # only while replacements are on their way.
+            budget = (entry.replicas if entry else 0) - j.ready
+            held, rest = hold(j.moving, budget, underway, self._order, self.status, self._nodes)
+            for rid in held:
+                self.status[rid].moving = True
+            retiring += rest
+        times = {name: j.times for name, j in judged.items()}
+        for rid, records, why in retiring:
+            name = records[0].spec.model_name
+            sent, deadline = retire(
+                rid,
+                records,
+                drained=rid in self.known.drained,
+                now=now,
+                drain_timeout_s=self.settings.drain_timeout_s,
+                nodes=self._nodes,
+            )
+            self._issue(sent, now)
+            commands += sent
+            if deadline is not None:
+                times.setdefault(name, []).append(deadline)
+            if sent and why:
+                verbs = sorted({type(c).__name__.removesuffix("Shard").lower() for c in sent})
+                notes.append(f"retiring replica {rid} of {name} ({why}): " + " and ".join(verbs))
+        for name in judged:
+            self._serve(name)
+            self._schedule(name, [t for t in times[name] if t > now])
+        return Decided(tuple(commands + starts), tuple(placements), tuple(notes))
+
+    # -- one model ----------------------------------------------------------------
+
+    def _judge(self, name: str, entry: ModelEntry | None, catalog: Catalog, now: float) -> _Judged:
+        known, nodes = self.known, self._nodes
+        out = _Judged()
+        candidates: list[Replica] = []
+        for rid in known.store.of_model(name):
+            known.work.replicas += 1
+            records = self._settled(rid)
+            if not records:
+                continue
+            c = classify(records, nodes, grace_until=self.grace_until, now=now)
+            self.status[rid] = Status(c)
+            if c.wait_until is not None:
+                out.times.append(c.wait_until)
+            if c.phase is Phase.BROKEN:
+                # Once given up (a node lost, a rank gone), a replica stays given up: if its
+                # node comes back, the replacement is kept and this one retired.
+                known.abandoned.add(rid)
+                sent = stop(records, nodes)
+                if sent:
+                    self._issue(sent, now)
+                    out.commands += sent
+                    out.notes.append(
+                        f"replica {rid} of {name} is broken ({c.reason}): "
+                        "stopping what is left of it"
+                    )
+                continue
+            why = unwanted(c, entry, catalog, records, nodes)
+            if why is None:
+                candidates.append((rid, records))
+            else:
+                out.retiring.append((rid, records, why))
+        desired = entry.replicas if entry is not None else 0
+        moving = [c for c in candidates if on_draining_node(c[1], nodes)]
+        staying = sorted(
+            (c for c in candidates if not on_draining_node(c[1], nodes)), key=self._order
+        )
+        keep, surplus = staying[:desired], staying[desired:]
+        out.retiring += [(rid, records, "surplus") for rid, records in surplus]
+        self.kept[name] = len(keep)
+        self._missing[name] = desired - len(keep)
+        if not self._missing[name]:
+            del self._missing[name]
+        for rid, records in keep:
+            self.status[rid].kept = True
+            known.drained.discard(rid)  # a drain the router reported is over
+            if self.status[rid].classified.phase is Phase.FAILED:
+                sent, due, said = self._restart(rid, records, now)
+                out.commands += sent
+                out.notes += said
+                if due is not None:
+                    out.times.append(due)
+        out.moving, out.kept = moving, len(keep)
+        out.ready = sum(serves(self.status[rid], records) for rid, records in keep)
+        return out
+
+    def _settled(self, rid: str) -> list[ShardRecord]:
+        """A replica's records, those of stopped shards dropped (a failed replica keeps
+        them until it restarts); a replica with none left is forgotten."""
+        known = self.known
+        records = known.store.replica(rid)
+        if not any(r.state is ShardState.FAILED for r in records):
+            for r in records:
+                if r.state is ShardState.STOPPED:
+                    known.store.remove(r.key)
+                    self.shortfall.grown.add(r.node)
+            records = [r for r in records if r.state is not ShardState.STOPPED]
+            if not records:
+                known.failures.pop(rid, None)
+                known.drained.discard(rid)
+                self.status.pop(rid, None)
+        return records
+
+    def _restart(
+        self, rid: str, records: list[ShardRecord], now: float
+    ) -> tuple[list[Command], float | None, list[str]]:
+        failed = next(r for r in records if r.state is ShardState.FAILED)
+        failure = self.known.failures.get(rid)
+        notes = []
+        if failure is None or failure.attempt != failed.spec.attempt:
+            notes = self.known.failed(failed, now)
+            failure = self.known.failures[rid]
+        spec = failed.spec
+        port = lambda: self._free_port(spec.nodes, after=spec.port + 2, ignore=rid)  # noqa: E731
+        sent, due = restart(records, failure, now, self._nodes, port)
+        self._issue(sent, now)
+        if any(isinstance(c, StartShard) for c in sent):
+            notes.append(
+                f"restarting replica {rid} of {spec.model_name} (failure {failure.count} in a row)"
+            )
+        return sent, due, notes
+
+    def _serve(self, name: str) -> None:
+        """Where its requests go: kept or moving replicas whose every shard is ready."""
+        endpoints = []
+        for rid in self.known.store.of_model(name):
+            status = self.status.get(rid)
+            records = self.known.store.replica(rid)
+            if status is not None and (status.kept or status.moving) and serves(status, records):
+                endpoints.append(endpoint(min(records, key=lambda r: r.spec.rank).spec))
+        if not endpoints:
+            self.serving.pop(name, None)
+        elif tuple(endpoints) != self.serving.get(name):  # unchanged, the same tuple
+            self.serving[name] = tuple(endpoints)
+
+    def _schedule(self, name: str, times: list[float]) -> None:
+        if not times:
+            self._due.pop(name, None)
+            return
+        when = min(times)
+        if self._due.get(name) != when:
+            self._due[name] = when
+            heapq.heappush(self._due_heap, (when, name))
+
+    # -- placing ------------------------------------------------------------------
+
+    def _launch(self, a: Assignment, entry: ModelEntry, now: float) -> tuple[str, list[Command]]:
+        profile = entry.profile
+        assert profile is not None
+        self._seq += 1
+        rid = f"{_UNSAFE.sub('_', a.model)}-{self._instance}-{self._seq}"
+        nodes = [s.node for s in a.shards]
+        port = self._free_port(nodes)
+        head = self._nodes[nodes[0]].inventory.host
+        key = self._engine_keys()
+        starts: list[Command] = [
+            StartShard(spec.node, spec)
+            for spec in launch_specs(rid, profile, a, head, port, api_key=key)
+        ]
+        self._issue(starts, now)
+        self.status[rid] = Status(Classified(Phase.LIVE), kept=True)
+        self.kept[a.model] = self.kept.get(a.model, 0) + 1
+        return rid, starts
+
+    @property
+    def missing(self) -> dict[str, int]:
+        """Model -> replicas it lacks, as last judged."""
+        return self._missing
+
+    def capacities(self, names: Iterable[str] | None) -> list[NodeCapacity]:
+        """What these nodes offer to placement (every node for None)."""
+        nodes = self._nodes
+        store = self.known.store
+        chosen = nodes.values() if names is None else (nodes[n] for n in names if n in nodes)
+        return [
+            NodeCapacity(n.inventory, n.status, n.cordoned, n.draining, store.used_gpus(n.name))
+            for n in chosen
+        ]
+
+    def _free_port(
+        self, nodes: Sequence[str], *, after: int | None = None, ignore: str = ""
+    ) -> int:
+        """A port pair free on every node of a replica (`ignore`: the replica itself).
+
+        Ports belong to an address, not a node name: several simulated nodes on
+        one machine share one port space. O(shards at those addresses)."""
+        known = self._nodes
+        hosts = {known[n].inventory.host if n in known else n for n in nodes}
+        names = self.known.lifecycle.on_hosts(hosts) | {h for h in hosts if h not in known}
+        used = self.known.store.ports(sorted(names), ignore=ignore)
+        s = self.settings
+        return free_port(used, s.engine_port_min, s.engine_port_max, after=after)
+
+    # -- helpers ------------------------------------------------------------------
+
+    @property
+    def _nodes(self) -> dict[str, Node]:
+        return self.known.lifecycle.nodes
+
+    def _order(self, replica: Replica) -> tuple[bool, bool, int, str]:
+        return keep_order(replica, self.status[replica[0]], self.known.abandoned, self._nodes)
+
+    def _issue(self, commands: Iterable[Command], now: float) -> None:
+        for command in commands:
+            self.known.store.issued(command, now)
+
+
+def endpoint(spec: LaunchSpec) -> Endpoint:
+    return attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)

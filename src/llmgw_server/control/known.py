@@ -1,0 +1,188 @@
+"""What the control plane knows: nodes (the lifecycle), shard records (the store),
+failures, drains the router reported, and flags an agent has yet to hear of.
+
+Events update it and say what they touched (`Change`): the models whose replicas
+may now be judged differently, and the nodes that may now hold more. Each event
+costs O(what it touches): the node and the replicas with a shard on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from llmgw_core.control_config import ControlSection
+from llmgw_core.inventory import Inventory, ShardReport, ShardState
+from llmgw_server.control.commands import MarkNode
+from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
+from llmgw_server.control.shards import Failure, ShardRecord, backoff
+from llmgw_server.control.store import ShardStore
+from llmgw_server.control.work import Work
+
+
+@attrs.frozen
+class Change:
+    models: frozenset[str] = frozenset()  # to judge again
+    grown: frozenset[str] = frozenset()  # nodes that may hold more than before
+    transitions: tuple[NodeTransition, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+class Known:
+    def __init__(self, settings: ControlSection, now: float, work: Work) -> None:
+        self.settings = settings
+        self.work = work
+        self.lifecycle = Lifecycle(settings, now, work)
+        self.store = ShardStore(work)
+        self.failures: dict[str, Failure] = {}
+        self.drained: set[str] = set()  # replicas the router reported drained
+        # Replicas given up as broken in this run of the control plane (not kept across a
+        # restart: then a returning replica and its replacement are alike, and one is retired).
+        self.abandoned: set[str] = set()
+        self._unmarked: set[str] = set()  # nodes whose agent has yet to hear of their flags
+
+    def register(
+        self,
+        inventory: Inventory,
+        shards: Sequence[ShardReport],
+        now: float,
+        *,
+        cordoned: bool,
+        draining: bool,
+    ) -> Change:
+        """O(the node's shards and the replicas touching it)."""
+        name = inventory.name
+        known = name in self.lifecycle.nodes
+        transitions = self.lifecycle.register(inventory, now)
+        node = self.lifecycle.nodes[name]
+        if not known:
+            node.cordoned, node.draining = cordoned, draining
+        elif (node.cordoned, node.draining) != (cordoned, draining):
+            self._unmarked.add(name)  # this control plane's operator spoke last: tell the agent
+        models = self.store.models_of(self.store.touching(name))  # before records go
+        for record in self.store.on_node(name):
+            self.store.remove(record.key)
+        notes: list[str] = []
+        for report in shards:
+            spec = report.spec
+            record = ShardRecord(name, spec, report.state, report.detail)
+            if report.state is ShardState.READY:
+                record.ready_since = now
+            elif report.state is ShardState.DRAINING:
+                record.drain_at = now
+            if spec.replica_id not in self.store:
+                notes.append(
+                    f"node {name} reports replica {spec.replica_id} of {spec.model_name} "
+                    f"(rank {spec.rank}, {report.state})"
+                )
+            self.store.add(record)
+            if report.state is ShardState.FAILED:
+                notes += self.failed(record, now)
+        models |= self.store.models_of(self.store.touching(name))
+        return Change(frozenset(models), frozenset({name}), tuple(transitions), tuple(notes))
+
+    def heartbeat(self, node: str, now: float) -> Change | None:
+        """O(1) when nothing changes (then None)."""
+        transitions = self.lifecycle.heartbeat(node, now)
+        return self.transitioned(transitions) if transitions else None
+
+    def disconnected(self, node: str, now: float) -> Change:
+        return self.transitioned(self.lifecycle.disconnected(node, now))
+
+    def transitioned(self, transitions: Iterable[NodeTransition]) -> Change:
+        """The models judged anew and the nodes grown, for nodes that changed status."""
+        transitions = tuple(transitions)
+        touched = set[str]().union(*(self.store.touching(t.node) for t in transitions))
+        grown = {t.node for t in transitions if t.new is NodeStatus.REACHABLE}
+        return Change(frozenset(self.store.models_of(touched)), frozenset(grown), transitions)
+
+    def shard_status(
+        self, node: str, replica_id: str, rank: int, state: ShardState, now: float, detail: str
+    ) -> Change | None:
+        """O(1); None when it changes nothing, a Change with only a note for a shard this
+        control plane does not know."""
+        record = self.store.get((node, replica_id, rank))
+        if record is None:
+            # Not started by this control plane and not reported at registration:
+            # the agent's next registration brings it with its spec.
+            note = f"node {node} reports unknown shard {replica_id} rank {rank} ({state})"
+            return Change(notes=(note,))
+        if record.state is state and record.detail == detail:
+            return None
+        record.state, record.detail = state, detail
+        notes: list[str] = []
+        if state is ShardState.READY:
+            record.ready_since = record.ready_since if record.ready_since is not None else now
+        elif state is ShardState.DRAINING:
+            record.drain_at = record.drain_at if record.drain_at is not None else now
+        elif state is ShardState.FAILED:
+            notes += self.failed(record, now)
+        grown = frozenset({node}) if state is ShardState.STOPPED else frozenset()
+        return Change(frozenset({record.spec.model_name}), grown, notes=tuple(notes))
+
+    def replica_drained(self, replica_id: str) -> Change:
+        self.drained.add(replica_id)
+        return Change(frozenset(self.store.models_of([replica_id])))
+
+    def mark(
+        self,
+        name: str,
+        *,
+        cordoned: bool | None = None,
+        draining: bool | None = None,
+        drain_forced: bool | None = None,
+    ) -> Change:
+        """The operator's flags (KeyError for an unknown node)."""
+        node = self.lifecycle.nodes[name]
+        node.cordoned = node.cordoned if cordoned is None else cordoned
+        node.draining = node.draining if draining is None else draining
+        node.drain_forced = node.drain_forced if drain_forced is None else drain_forced
+        # Unreachable, the node hears of it when it comes back: it keeps the flags
+        # for the next control plane.
+        self._unmarked.add(name)
+        models = self.store.models_of(self.store.touching(name))
+        return Change(frozenset(models), frozenset({name}))
+
+    def marks_due(self) -> list[MarkNode]:
+        """The flags to send to reachable nodes that have yet to hear of them."""
+        out = []
+        for name in sorted(self._unmarked):
+            node = self.lifecycle.nodes.get(name)
+            if node is None:
+                self._unmarked.discard(name)
+            elif node.status is NodeStatus.REACHABLE:
+                self._unmarked.discard(name)
+                out.append(MarkNode(name, node.cordoned, node.draining))
+        return out
+
+    def forget(self, name: str) -> Change:
+        """Drop a lost node and its shards (ValueError for a node not lost)."""
+        if self.lifecycle.nodes[name].status is not NodeStatus.LOST:
+            raise ValueError(f"node {name} is not lost; only a lost node can be forgotten")
+        models = self.store.models_of(self.store.touching(name))
+        self.lifecycle.forget(name)
+        for record in self.store.on_node(name):
+            self.store.remove(record.key)
+        return Change(frozenset(models))
+
+    def failed(self, record: ShardRecord, now: float) -> list[str]:
+        """Note a failure once per failed start and schedule the restart."""
+        spec = record.spec
+        previous = self.failures.get(spec.replica_id)
+        if previous is not None and previous.attempt == spec.attempt:
+            return []
+        s = self.settings
+        served_long = (
+            record.ready_since is not None and now - record.ready_since >= s.restart_backoff_max_s
+        )
+        count = 1 if served_long else spec.attempt + 1
+        delay = backoff(count, s.restart_backoff_s, s.restart_backoff_max_s)
+        self.failures[spec.replica_id] = Failure(
+            spec.attempt, count, now, now + delay, record.detail
+        )
+        loop = " (crash loop)" if count >= s.crash_loop_after else ""
+        return [
+            f"replica {spec.replica_id} of {spec.model_name} failed on {record.node}{loop}: "
+            f"{record.detail or 'no detail'}; restart in {delay:g} s"
+        ]
