@@ -213,13 +213,21 @@ def test_a_worker_killed_under_load_is_replaced_and_the_port_never_stops_answeri
     engine = procs.mock("m", "--mock-tokens", "4", "--mock-tokens-per-second", "200")
     router = two_workers(procs, engine)
     # Kept-alive connections stay with the worker that accepted them; a loop that opens
-    # a connection per request reaches whichever worker accepts it.
-    pinned = [Loop(router.url, keep_alive=True) for _ in range(8)]
+    # a connection per request reaches whichever worker accepts it. Loops are started one
+    # by one until both workers hold some (connections that come together may all go to
+    # the worker that wakes first).
     fresh = Loop(router.url, keep_alive=False)
-    loops = [*pinned, fresh]
-    for loop in loops:
-        loop.start()
+    pinned: list[Loop] = []
+    loops = [fresh]
+    fresh.start()
     try:
+        while len(pinned) < 4 or {loop.answers()[0][0] for loop in pinned} != {0, 1}:
+            assert len(pinned) < 16, [loop.answers()[0] for loop in pinned]
+            pinned.append(Loop(router.url, keep_alive=True))
+            loops.append(pinned[-1])
+            pinned[-1].start()
+            wait_until(lambda: pinned[-1].outcomes, what="a first answer")
+            assert pinned[-1].answers(), pinned[-1].errors()
         wait_until(lambda: all(len(loop.answers()) >= 3 for loop in loops), what="answers")
         first = {loop: loop.answers()[0] for loop in pinned}
         assert {index for index, _ in first.values()} == {0, 1}, first
