@@ -5,7 +5,10 @@ the commands of each `Step` it gets back:
 
 - lifecycle: node reachable -> unreachable -> lost, with the mass-loss and start-up guards
 - placement: GPUs for replicas, and `explain` for those that cannot have any
-- reconciler: desired replicas (catalog) against actual shards (agents' reports)
+- reconciler: desired replicas (catalog) against actual shards (agents' reports); its
+  parts: known (events update what is known), store (shard records and their indexes),
+  decide (the reconcile pass over the models an event touched), replicas (per-replica
+  decisions), placing (missing replicas), drains (an operator's drain)
 """
 
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
