@@ -428,8 +428,7 @@ class Router:
         await responder.start(exchange.status, headers)
         try:
             if not framed and exchange.chunked and responder.chunked:
-                async for chunks in exchange.raw_chunks():
-                    await responder.send_chunks(chunks)
+                await exchange.relay_chunks(responder.send_chunks)
             else:
                 async for data in exchange.body():
                     await responder.send(data)

@@ -20,10 +20,11 @@ h11's per-event validation on every request and every chunk.
 
 from __future__ import annotations
 
+import math
 import re
 import select
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -384,30 +385,47 @@ class Exchange:
             if not data:
                 raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
-    async def raw_chunks(self) -> AsyncIterator[bytes]:
-        """A chunked body's whole chunks with their framing, undecoded, the last chunk left out.
+    async def relay_chunks(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """A chunked body's whole chunks with their framing, undecoded and the last chunk
+        left out, each read's worth given to `send` as it comes.
 
-        The router relays these as they are to an HTTP/1.1 client: no decoding
-        and re-encoding per chunk, and one write per read from the engine.
+        The router relays these as they are to an HTTP/1.1 client: no decoding and
+        re-encoding per chunk, and one write per read from the engine. One cancel scope
+        times the engine's silence for the whole body, its deadline moved at each wait
+        for the engine (and lifted while `send` writes to the client).
         """
         scanner = ChunkScanner()
         conn = self._conn
+        sock = conn.sock
         data, conn.buf = conn.buf, b""
         endpoint = self._pool.endpoint
-        while True:
-            if data:
+        idle = self._pool.idle_timeout_s
+        with trio.CancelScope() as silence:
+            while True:
+                if data:
+                    try:
+                        ready = scanner.feed(data)
+                    except ChunkedError as exc:
+                        raise UpstreamError(
+                            f"{endpoint} broke the chunked framing: {exc}"
+                        ) from None
+                    if ready:
+                        await send(ready)
+                    if scanner.done:
+                        self._finish(scanner.extra)
+                        return
+                # An engine writes an event at a time: after a short read the next one
+                # would find nothing, so the wait comes first.
+                drained = len(data) < _RECV
+                silence.deadline = trio.current_time() + idle
                 try:
-                    ready = scanner.feed(data)
-                except ChunkedError as exc:
-                    raise UpstreamError(f"{endpoint} broke the chunked framing: {exc}") from None
-                if ready:
-                    yield ready
-                if scanner.done:
-                    self._finish(scanner.extra)
-                    return
-            data = await self._receive()
-            if not data:
-                raise UpstreamError(f"{endpoint} closed the connection mid-answer")
+                    data = await sockio.receive_some(sock, _RECV, wait_first=drained)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
+                silence.deadline = math.inf
+                if not data:
+                    raise UpstreamError(f"{endpoint} closed the connection mid-answer")
+        raise UpstreamError(f"{endpoint} sent nothing for {idle:g} s")
 
     async def read_body(self, limit: int) -> bytes:
         parts: list[bytes] = []
