@@ -58,7 +58,6 @@ class ControlPlane:
         self._wake = trio.Event()
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
         self._sleep_until = 0.0
-        self._serving: dict[str, tuple[Endpoint, ...]] = {}
         self._draining: dict[str, tuple[str, Endpoint]] = {}  # replica id -> model, endpoint
         # Until then agents of a restarted control plane may still be registering: the
         # table says it is incomplete, and routers that serve a complete one keep it.
@@ -262,16 +261,8 @@ class ControlPlane:
     def _publish(self) -> int:
         """Publish what serves, with the replicas being drained (kept so that followers
         count what they still have in flight there); returns the table's version."""
-        serving = self.reconciler.serving()
-        if serving != self._serving:
-            for model, endpoints in serving.items():
-                if self._serving.get(model) != endpoints:
-                    # An endpoint prints as its URL: the engine key stays out of the log.
-                    log.info(
-                        "%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing"
-                    )
-            self._serving = serving
-        models = dict(serving)
+        # Each router logs what it serves ("<model> is served by ..."), not this.
+        models = dict(self.reconciler.serving())
         for model, endpoint in self._draining.values():
             if endpoint not in models.get(model, ()):
                 models[model] = (*models.get(model, ()), endpoint)

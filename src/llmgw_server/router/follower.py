@@ -57,9 +57,11 @@ class Connection(Protocol):
 
 
 class Follower:
-    def __init__(self, router: Router, name: str) -> None:
+    def __init__(self, router: Router, name: str, *, log_changes: bool = True) -> None:
         self.router = router
         self.name = name  # how the control plane's log calls this router
+        # "<model> is served by ..." on each change (one router of a process says it).
+        self.log_changes = log_changes
         self.table: RouteTable | None = None  # the last table applied, from any control plane
         self._static = frozenset(m.name for m in router.config.catalog.models if m.profile is None)
         self._ignored: set[str] = set()  # feed models shadowed by static ones, logged once
@@ -96,7 +98,7 @@ class Follower:
         held = self.table
         if not table.complete and held is not None and held.complete:
             table = attrs.evolve(held, version=table.version, draining=table.draining)
-        apply_table(self.router, table, held, self._static, self._ignored)
+        apply_table(self.router, table, held, self._static, self._ignored, self.log_changes)
         self.table = table
 
     def in_flight(self) -> dict[str, int]:
@@ -131,6 +133,7 @@ def apply_table(
     previous: RouteTable | None,
     static: frozenset[str] = frozenset(),
     ignored: set[str] | None = None,
+    log_changes: bool = True,
 ) -> None:
     """Give the router the table's endpoints (a model gone from it gets none) and mark the
     replicas that drain. `static` models are left alone (named in `ignored` once)."""
@@ -145,12 +148,14 @@ def apply_table(
                     model,
                 )
             continue
-        if previous is None or previous.models.get(model) != endpoints:
+        if log_changes and (previous is None or previous.models.get(model) != endpoints):
+            # An endpoint prints as its URL: the engine key stays out of the log.
             log.info("%s is served by %s", model, ", ".join(map(str, endpoints)) or "nothing")
         router.set_endpoints(model, endpoints)
     for model in previous.models if previous is not None else ():
         if model not in table.models and model not in static:
-            log.info("%s is no longer placed by the control plane", model)
+            if log_changes:
+                log.info("%s is no longer placed by the control plane", model)
             router.set_endpoints(model, ())
     for model, balancer in router.balancers.items():
         if model in static:
