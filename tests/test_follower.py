@@ -20,12 +20,16 @@ import pytest
 import trio
 
 from fleet import Fleet, wait_until
+from llmgw_agent.dial import Target
 from llmgw_core.catalog import Endpoint
+from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.route_feed import PROTOCOL, FeedError, Hello, InFlight, encode
+from llmgw_server.__main__ import run_cli
 from llmgw_server.plane.routes import RouteHub, refusal
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
+from llmgw_server.router.standalone import feed_target
 from procs import Proc, free_port
 from test_fleet_e2e import CHAT, model
 
@@ -254,8 +258,9 @@ def secret_file(fleet: Fleet, name: str, token: str) -> Path:
     return path
 
 
-def separate_router(fleet: Fleet, token: str, *, wait: bool = True) -> Proc:
-    """`llmgw-server router` with the control plane's own config, on a port of its own."""
+def separate_router(fleet: Fleet, token: str, *, ca: Path | None = None) -> Proc:
+    """`llmgw-server router` with the control plane's own config, on a port of its own,
+    trusting the fleet's CA (or `ca`)."""
     port = free_port()
     text = (fleet.procs.tmp / "server.toml").read_text()
     path = fleet.procs.tmp / f"router-{port}.toml"
@@ -264,13 +269,12 @@ def separate_router(fleet: Fleet, token: str, *, wait: bool = True) -> Proc:
     )
     argv = [
         sys.executable, "-m", "llmgw_server", "router", "--config", str(path),
-        "--control", fleet.control, "--ca", str(fleet.certs / "ca.crt"),
+        "--control", fleet.control, "--ca", str(ca or fleet.certs / "ca.crt"),
         "--token-file", str(secret_file(fleet, f"token-{port}", token)),
     ]  # fmt: skip
     proc = Proc(argv, port)
     fleet.procs.all.append(proc)
-    if wait:
-        proc.wait_http("/healthz")
+    proc.wait_http("/healthz")
     return proc
 
 
@@ -338,6 +342,16 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
         what="the router with the admin token to be refused",
     )
     admin_router.stop()
+    init_ca(fleet.procs.tmp / "other-ca")
+    untrusting = separate_router(fleet, ROUTER_TOKEN, ca=fleet.procs.tmp / "other-ca" / "ca.crt")
+    wait_until(
+        lambda: "TLS error: the control plane's certificate at 127.0.0.1:" in untrusting.output(),
+        what="the router trusting another CA to say why it cannot follow",
+    )
+    assert f"is not trusted by --ca {fleet.procs.tmp / 'other-ca' / 'ca.crt'}" in (
+        untrusting.output()
+    )
+    untrusting.stop()
 
     # The control plane goes away: the engines stay (their agents keep them), and so does
     # the separate router's table.
@@ -349,6 +363,10 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     )
     assert {fingerprint(apart) for _ in range(6)} == old_ports
     assert fingerprint(apart, "session-0") == picks["session-0"]
+    wait_until(
+        lambda: "connection refused by 127.0.0.1:" in router.output(),
+        what="the router to say the control plane is unreachable",
+    )
 
     # It comes back; a second node joins and the first is drained, under load through
     # the separate router: the replicas move and no request fails.
@@ -377,3 +395,28 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     lines = router.output()
     assert "following the route table of 127.0.0.1" in lines
     assert ROUTER_TOKEN not in lines
+
+
+def test_the_router_command_says_what_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:1"]\n')
+    monkeypatch.delenv("LLMGW_ROUTER_TOKEN", raising=False)
+    assert run_cli(["router", "--config", str(path)]) == 2
+    assert "--control URL is required" in capsys.readouterr().err
+    assert run_cli(["router", "--config", str(path), "--control", "ftp://cp:8081"]) == 2
+    assert "must be the control plane's https:// URL" in capsys.readouterr().err
+    assert run_cli(["router", "--config", str(path), "--control", "https://cp:8081"]) == 2
+    assert "a router token is required: --token-file PATH or $LLMGW_ROUTER_TOKEN" in (
+        capsys.readouterr().err
+    )
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    argv = ["router", "--config", str(path), "--control", "https://cp", "--token-file", str(empty)]
+    assert run_cli(argv) == 2
+    assert f"the router token file {empty} is empty" in capsys.readouterr().err
+    assert feed_target("https://cp.example:8081/ui") == Target(
+        "cp.example", 8081, "/v1/routes", True
+    )
+    assert feed_target("http://[::1]") == Target("::1", 80, "/v1/routes", False)

@@ -124,7 +124,8 @@ class RouteHub:
             raise FeedError(f"no hello within {HELLO_TIMEOUT_S:g} s")
         if not isinstance(hello, Hello):
             raise FeedError(f"the first message must be hello, not {type(hello).__name__}")
-        follower = _Follower(hello.router[:100], peer)
+        name = "".join(c if c.isprintable() else "?" for c in hello.router[:100])
+        follower = _Follower(name, peer)
         key = next(self._ids)
         self._followers[key] = follower
         self._notify()

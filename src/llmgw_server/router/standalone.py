@@ -332,7 +332,9 @@ def _tls_failure(exc: BaseException, where: Target, ca: Path | None) -> str:
             f"TLS error: {where.where} does not speak TLS: the control plane may run with "
             "[agents] insecure = true (then use an http:// URL)"
         )
-    return f"TLS error: the handshake with {where.where} failed: {exc}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS error: the handshake with {where.where} failed: {exc}"
+    return f"{where.where} closed the connection during the TLS handshake ({exc})"
 
 
 def run(config: Config, control: str, token: str, ca: Path | None) -> int:
