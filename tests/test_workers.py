@@ -452,3 +452,153 @@ def test_with_workers_a_drain_moves_replicas_and_a_request_loop_sees_no_error(
     assert set().union(*(loop.served_by for loop in loops)) == ports
     page = httpx.get(fleet.url + "/metrics", timeout=10).text
     assert set(totals(page, "llmgw_requests_total")) == {"0", "1"}  # both workers served
+
+
+# -- a router apart with workers: the parent's relay, in one process -----------------------
+
+
+async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_planes_version() -> (
+    None
+):
+    import trio
+
+    from llmgw_core.catalog import Endpoint
+    from llmgw_core.config import parse_config
+    from llmgw_server.plane.routes import RouteHub
+    from llmgw_server.router.follower import Follower, local_pair
+    from llmgw_server.router.front import Router
+    from llmgw_server.router.workers import TableRelay
+
+    a, b = Endpoint("127.0.0.1", 9001, api_key="k"), Endpoint("127.0.0.1", 9002)
+    config = parse_config({"models": [{"name": "static", "endpoints": ["http://s:1"]}]}, "t.toml")
+    plane, local = RouteHub(), RouteHub()  # the control plane's, the parent's for its workers
+    for n in range(3):  # the plane's versions run ahead of the relay's hub's
+        plane.publish({f"other-{n}": (b,)}, frozenset(), complete=True)
+    relay = TableRelay(local, "relay")
+    routers = [Router(config), Router(config)]  # two workers
+
+    async def until(check: Any, hub: RouteHub) -> None:
+        with trio.fail_after(5):
+            while not check():
+                await hub.wait_reported()
+
+    async with trio.open_nursery() as nursery:
+        up_plane, up_relay = local_pair()
+        nursery.start_soon(plane.serve, up_plane, "relay")
+        nursery.start_soon(relay.follow, up_relay)
+        for i, router in enumerate(routers):
+            hub_end, worker_end = local_pair()
+            nursery.start_soon(local.serve, hub_end, f"worker {i}")
+            nursery.start_soon(Follower(router, f"worker {i}").follow, worker_end)
+        version = plane.publish({"chat": (a, b)}, frozenset(), complete=True)
+        await until(lambda: plane.caught_up(version) and local.followers == 2, plane)
+        await until(lambda: local.caught_up(local.table.version), local)
+        for router in routers:
+            assert [r.endpoint for r in router.balancers["chat"].replicas] == [a, b]
+        # A drain: the plane sees the sum of what both workers have in flight on it.
+        routers[0].replica("chat", a).outstanding = 2  # type: ignore[union-attr]
+        routers[1].replica("chat", a).outstanding = 1  # type: ignore[union-attr]
+        version = plane.publish({"chat": (a, b)}, frozenset({a}), complete=True)
+        await until(lambda: plane.caught_up(version) and plane.in_flight(a) == 3, plane)
+        assert local.table.draining == {a} and local.table.version < version  # its own numbers
+        assert all(r.replica("chat", a).draining for r in routers)  # type: ignore[union-attr]
+        routers[0].replica("chat", a).outstanding = 0  # type: ignore[union-attr]
+        routers[1].replica("chat", a).outstanding = 0  # type: ignore[union-attr]
+        await until(lambda: plane.in_flight(a) == 0, plane)
+        nursery.cancel_scope.cancel()
+    assert relay.table is not None and relay.table.draining == frozenset({a})
+
+
+# How a router apart runs its workers: the parent follows the control plane through the
+# relay (router.standalone's follow loop), its workers follow the parent.
+ROUTER_APART = """
+import functools, logging, sys
+from pathlib import Path
+import trio
+from llmgw_core.config import load_config
+from llmgw_server.router import standalone, workers
+logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
+config = load_config(sys.argv[1])
+where, ca = standalone.feed_target(sys.argv[2]), Path(sys.argv[3])
+token, tls = standalone.read_router_token(sys.argv[4]), standalone.client_context(ca)
+follow = lambda relay: standalone.follow_forever(relay, where, token, tls, ca)
+trio.run(functools.partial(workers.main, config, follow=follow))
+"""
+
+
+def test_a_router_apart_with_workers_follows_keeps_sessions_and_loses_nothing_in_a_drain(
+    fleet: Fleet,
+) -> None:
+    import sys
+
+    from procs import free_port
+    from test_fleet_e2e import RequestLoop, model
+    from test_follower import ADMIN, ADMIN_TOKEN, ROUTER_TOKEN, SLOW, secret_file
+
+    fleet.server(model("chat", replicas=2), control=ADMIN)
+    fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW)
+    old = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="both replicas on gpu-1",
+    )
+    port = free_port()
+    path = fleet.procs.tmp / "apart.toml"
+    path.write_text(
+        (fleet.procs.tmp / "server.toml")
+        .read_text()
+        .replace(f'listen = "127.0.0.1:{fleet.port}"', f'listen = "127.0.0.1:{port}"')
+        .replace("workers = 1", "workers = 2")
+    )
+    token = secret_file(fleet, "router-token", ROUTER_TOKEN)
+    argv = [sys.executable, "-c", ROUTER_APART, str(path), fleet.control]
+    apart = Proc([*argv, str(fleet.certs / "ca.crt"), str(token)], port)
+    fleet.procs.all.append(apart)
+    apart.wait_http("/healthz")
+    wait_until(
+        lambda: [m.id for m in fresh_client(apart.url).models.list()] == ["chat"],
+        what="the workers to follow",
+    )
+    inside = fresh_client(fleet.url)
+    c = fresh_client(apart.url)
+    picks: dict[str, set[str]] = {}
+    workers: set[int] = set()
+    for _ in range(3):
+        for n in range(8):
+            raw = c.chat.completions.with_raw_response.create(
+                model="chat",
+                messages=CHAT,  # type: ignore[arg-type]
+                extra_headers={"x-session-id": f"s{n}"},
+            )
+            workers.add(served_by(raw.headers)[0])
+            picks.setdefault(f"s{n}", set()).add(raw.parse().system_fingerprint or "")
+    assert workers == {0, 1}
+    for session, replicas in picks.items():  # the same replica as the server's own router
+        answer = inside.chat.completions.create(
+            model="chat",
+            messages=CHAT,  # type: ignore[arg-type]
+            extra_headers={"x-session-id": session},
+        )
+        assert replicas == {answer.system_fingerprint}
+
+    fleet.agent("gpu-2", "node-2xl4.toml", env=SLOW)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    loops = [RequestLoop(fresh_client(apart.url)) for _ in range(3)]
+    for loop in loops:
+        loop.__enter__()
+    try:
+        wait_until(lambda: all(loop.done >= 4 for loop in loops), what="requests before")
+        admin = secret_file(fleet, "admin-token", ADMIN_TOKEN)
+        drain = fleet.cli("--token-file", str(admin), "drain", "gpu-1", timeout=60)
+        after = [loop.done for loop in loops]
+        wait_until(
+            lambda: all(loop.done >= n + 4 for loop, n in zip(loops, after, strict=True)),
+            what="requests after the drain",
+        )
+    finally:
+        for loop in loops:
+            loop.__exit__()
+    assert drain.returncode == 0, drain.stderr
+    assert [loop.errors for loop in loops] == [[], [], []]
+    new = fleet.serving("chat")
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old + new}
+    assert set().union(*(loop.served_by for loop in loops)) == ports

@@ -274,7 +274,8 @@ class Worker:
             raise ChannelError(f"a {kind!r} frame is not sent to workers")
 
 
-async def serve(index: int, channel_fd: int, listen_fds: Sequence[int]) -> int:
+async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: bool) -> int:
+    """Serve until stopped; `follow`: the replica set comes from the parent's route feed."""
     channel = channel_from_fd(channel_fd)
     frames = await channel.receive()
     if not frames or frames[0][0] != CONFIG:
@@ -307,7 +308,7 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int]) -> int:
             if router.access_log is not None:
                 await nursery.start(router.access_log.run)
             await nursery.start(http.serve, listeners)
-            if config.runs_control_plane:
+            if follow:
                 nursery.start_soon(_follow, worker)
             await nursery.start(probe_forever, router, client)
             await channel.send(READY)
@@ -349,13 +350,14 @@ def cli(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--listen-fd", type=int, action="append", required=True)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--follow", action="store_true", help="follow the parent's route feed")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}] %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    sys.exit(trio.run(serve, args.index, args.channel_fd, args.listen_fd))
+    sys.exit(trio.run(serve, args.index, args.channel_fd, args.listen_fd, args.follow))
 
 
 if __name__ == "__main__":

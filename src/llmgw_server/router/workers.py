@@ -34,9 +34,12 @@ import trio
 
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_core.route_feed import PROTOCOL, Hello, InFlight, RouteTable, decode_down, encode
 from llmgw_core.tls_config import server_context
 from llmgw_server.plane.admin import AdminAPI
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.plane.routes import RouteHub
+from llmgw_server.router.follower import Connection
 from llmgw_server.router.metrics_merge import merge_pages
 from llmgw_server.router.reload import Reloader, ReloadPlan, reload_on_sighup
 from llmgw_server.router.worker import (
@@ -167,6 +170,7 @@ class Workers:
             *(f"--listen-fd={fd}" for fd in self.listen_fds),
             "--log-level",
             self.log_level.lower(),
+            *(["--follow"] if self.feed is not None else []),
         ]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -357,6 +361,80 @@ def _exit_text(status: int) -> str:
     return f"status {status}"
 
 
+# -- a router apart, with workers ----------------------------------------------------------
+
+
+class TableRelay:
+    """A parent's follower of a control plane on behalf of its workers.
+
+    It follows one connection as router.follower.Follower does (`follow`, `table`), but
+    instead of serving each table it publishes it to `hub`, which the workers follow;
+    back up go their in-flight counts, summed by the hub, under the control plane's
+    version of the latest table every worker has applied. The hub numbers its tables
+    itself: `_versions` maps its versions to the control plane's.
+    """
+
+    def __init__(self, hub: RouteHub, name: str) -> None:
+        self.hub = hub
+        self.name = name
+        self.table: RouteTable | None = None  # the last table received
+        self._versions: dict[int, int] = {}  # hub version -> the control plane's
+        self._wake = trio.Event()
+
+    async def follow(self, connection: Connection) -> None:
+        """Follow until the peer closes the connection (see router.follower)."""
+        self._versions = {}
+        await connection.send(encode(Hello(PROTOCOL, self.name)))
+        failure: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
+            nursery.start_soon(self._wake_on_reports)
+            try:
+                while True:
+                    table = decode_down(await connection.receive()).table
+                    self.table = table
+                    local = self.hub.publish(table.models, table.draining, complete=table.complete)
+                    self._versions[local] = table.version
+                    self._wake.set()
+            except trio.EndOfChannel:
+                pass
+            except Exception as exc:  # handed to the caller whole, not in a group
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _wake_on_reports(self) -> None:
+        while True:
+            await self.hub.wait_reported()
+            self._wake.set()
+
+    def report(self) -> InFlight | None:
+        """What to tell the control plane now; None before every worker has a table."""
+        hub = self.hub
+        done = [local for local in self._versions if hub.caught_up(local)]
+        if not done or self.table is None:
+            return None
+        latest = max(done)
+        for local in [v for v in self._versions if v < latest]:
+            del self._versions[local]
+        counts = {e.url: n for e in self.table.draining if (n := hub.in_flight(e))}
+        return InFlight(self._versions[latest], counts)
+
+    async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
+        sent: InFlight | None = None
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                report = self.report()
+                if report is not None and report != sent:
+                    await connection.send(encode(report))
+                    sent = report
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            scope.cancel()  # the peer went: the receiving side says how
+
+
 # -- the parent process ------------------------------------------------------------------
 
 
@@ -372,21 +450,31 @@ class Running:
 async def main(
     config: Config,
     *,
+    follow: Callable[[TableRelay], Awaitable[None]] | None = None,
     stop: trio.Event | None = None,
     task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve with `config.server.workers` processes until SIGINT/SIGTERM (or `stop`)."""
+    """Serve with `config.server.workers` processes until SIGINT/SIGTERM (or `stop`).
+
+    The workers follow this process's control plane when the config has one; with
+    `follow` (a router apart), the control plane that `follow` follows through the
+    relay it is given, such as `lambda relay: standalone.follow_forever(relay, ...)`.
+    """
     s = config.server
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]
     plane: ControlPlane | None = None
-    if config.runs_control_plane:
+    hub: RouteHub | None = None
+    if follow is not None:
+        hub = RouteHub()
+    elif config.runs_control_plane:
         interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
         plane = ControlPlane(config, heartbeat_interval_s=interval)
+        hub = plane.routes
     workers = Workers(
         config,
         [listener.socket.fileno() for listener in listeners],
-        feed=None if plane is None else plane.routes.serve,
+        feed=None if hub is None else hub.serve,
     )
     reloader = Reloader(config, workers.apply)
     control_port = None
@@ -397,6 +485,9 @@ async def main(
                     control_port = await _serve_control_plane(plane, reloader, nursery)
                 await nursery.start(reload_on_sighup, reloader)
                 await nursery.start(workers.run)
+                if follow is not None:
+                    assert hub is not None
+                    nursery.start_soon(follow, TableRelay(hub, f"{socket.gethostname()}:{port}"))
                 log.info(
                     "llmgw router listening on http://%s:%d with %d workers",
                     s.listen.host,
