@@ -2,7 +2,8 @@
 the best `replicas` of them, restart, retire and place; it returns the commands.
 
 It reads what is known and writes to it only what it sends (`ShardStore.issued`),
-the records of stopped shards it drops, and the replicas it gives up as broken.
+the records of stopped shards it drops, and the router's reported drains it has
+seen through (the replica is kept, or gone).
 What it decides per model (replicas kept, endpoints serving, when to look again) is
 kept here until the model is judged again, so that a pass costs O(replicas of the
 models it judges), plus placement (see `placing`).
@@ -10,19 +11,17 @@ models it judges), plus placement (see `placing`).
 
 from __future__ import annotations
 
-import heapq
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import attrs
 
 from llmgw_core.catalog import Catalog, Endpoint, ModelEntry, parse_endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import LaunchSpec, ShardState
-from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import Command, StartShard
 from llmgw_server.control.known import Known
-from llmgw_server.control.launch import free_port, launch_specs
+from llmgw_server.control.launch import launch_specs
 from llmgw_server.control.lifecycle import Node
 from llmgw_server.control.placement import Assignment
 from llmgw_server.control.placing import Shortfall
@@ -39,6 +38,7 @@ from llmgw_server.control.replicas import (
     unwanted,
 )
 from llmgw_server.control.shards import Classified, Phase, ShardRecord, classify
+from llmgw_server.control.timers import Deadlines
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -84,27 +84,20 @@ class Decider:
         self._instance = instance
         self._engine_keys = engine_keys
         self._seq = 0
-        # When each model asked to be judged again (backoff, drain timeout, an awaited
-        # rank), with a heap to find the next.
-        self._due: dict[str, float] = {}
-        self._due_heap: list[tuple[float, str]] = []
+        # Replicas given up as broken in this run of the control plane (not kept across a
+        # restart: then a returning replica and its replacement are alike, and one is retired).
+        self.abandoned: set[str] = set()
+        # When each model asked to be judged again (backoff, drain timeout, an awaited rank).
+        self._due = Deadlines[str]()
         self._settle_due: float | None = None
 
     def next_due(self) -> float | None:
-        heap = self._due_heap
-        while heap and self._due.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)
-        times = [t for t in (heap[0][0] if heap else None, self._settle_due) if t is not None]
-        return min(times, default=None)
+        times = (self._due.next(), self._settle_due)
+        return min((t for t in times if t is not None), default=None)
 
     def due(self, now: float) -> set[str]:
         """The models whose time to be judged again has come."""
-        out = set()
-        while self._due_heap and self._due_heap[0][0] <= now:
-            when, name = heapq.heappop(self._due_heap)
-            if self._due.get(name) == when:
-                del self._due[name]
-                out.add(name)
+        out = set(self._due.pop_due(now))
         if self._settle_due is not None and now >= self._settle_due:
             self._settle_due = None
             out |= set(self._missing)
@@ -119,7 +112,7 @@ class Decider:
         judged = {name: self._judge(name, wanted.get(name), catalog, now) for name in todo}
         commands = [c for j in judged.values() for c in j.commands]
         notes = [n for j in judged.values() for n in j.notes]
-        placed, settle = self.shortfall.place(self._missing, wanted, now, self.capacities)
+        placed, settle = self.shortfall.place(self._missing, wanted, now, self.known.capacities)
         self._settle_due = settle
         starts: list[Command] = []
         placements = []
@@ -167,7 +160,7 @@ class Decider:
                 notes.append(f"retiring replica {rid} of {name} ({why}): " + " and ".join(verbs))
         for name in judged:
             self._serve(name)
-            self._schedule(name, [t for t in times[name] if t > now])
+            self._due.set(name, min((t for t in times[name] if t > now), default=None))
         return Decided(tuple(commands + starts), tuple(placements), tuple(notes))
 
     # -- one model ----------------------------------------------------------------
@@ -188,7 +181,7 @@ class Decider:
             if c.phase is Phase.BROKEN:
                 # Once given up (a node lost, a rank gone), a replica stays given up: if its
                 # node comes back, the replacement is kept and this one retired.
-                known.abandoned.add(rid)
+                self.abandoned.add(rid)
                 sent = stop(records, nodes)
                 if sent:
                     self._issue(sent, now)
@@ -254,7 +247,7 @@ class Decider:
             notes = self.known.failed(failed, now)
             failure = self.known.failures[rid]
         spec = failed.spec
-        port = lambda: self._free_port(spec.nodes, after=spec.port + 2, ignore=rid)  # noqa: E731
+        port = lambda: self.known.free_port(spec.nodes, after=spec.port + 2, ignore=rid)  # noqa: E731
         sent, due = restart(records, failure, now, self._nodes, port)
         self._issue(sent, now)
         if any(isinstance(c, StartShard) for c in sent):
@@ -276,15 +269,6 @@ class Decider:
         elif tuple(endpoints) != self.serving.get(name):  # unchanged, the same tuple
             self.serving[name] = tuple(endpoints)
 
-    def _schedule(self, name: str, times: list[float]) -> None:
-        if not times:
-            self._due.pop(name, None)
-            return
-        when = min(times)
-        if self._due.get(name) != when:
-            self._due[name] = when
-            heapq.heappush(self._due_heap, (when, name))
-
     # -- placing ------------------------------------------------------------------
 
     def _launch(self, a: Assignment, entry: ModelEntry, now: float) -> tuple[str, list[Command]]:
@@ -293,7 +277,7 @@ class Decider:
         self._seq += 1
         rid = f"{_UNSAFE.sub('_', a.model)}-{self._instance}-{self._seq}"
         nodes = [s.node for s in a.shards]
-        port = self._free_port(nodes)
+        port = self.known.free_port(nodes)
         head = self._nodes[nodes[0]].inventory.host
         key = self._engine_keys()
         starts: list[Command] = [
@@ -310,30 +294,6 @@ class Decider:
         """Model -> replicas it lacks, as last judged."""
         return self._missing
 
-    def capacities(self, names: Iterable[str] | None) -> list[NodeCapacity]:
-        """What these nodes offer to placement (every node for None)."""
-        nodes = self._nodes
-        store = self.known.store
-        chosen = nodes.values() if names is None else (nodes[n] for n in names if n in nodes)
-        return [
-            NodeCapacity(n.inventory, n.status, n.cordoned, n.draining, store.used_gpus(n.name))
-            for n in chosen
-        ]
-
-    def _free_port(
-        self, nodes: Sequence[str], *, after: int | None = None, ignore: str = ""
-    ) -> int:
-        """A port pair free on every node of a replica (`ignore`: the replica itself).
-
-        Ports belong to an address, not a node name: several simulated nodes on
-        one machine share one port space. O(shards at those addresses)."""
-        known = self._nodes
-        hosts = {known[n].inventory.host if n in known else n for n in nodes}
-        names = self.known.lifecycle.on_hosts(hosts) | {h for h in hosts if h not in known}
-        used = self.known.store.ports(sorted(names), ignore=ignore)
-        s = self.settings
-        return free_port(used, s.engine_port_min, s.engine_port_max, after=after)
-
     # -- helpers ------------------------------------------------------------------
 
     @property
@@ -341,7 +301,7 @@ class Decider:
         return self.known.lifecycle.nodes
 
     def _order(self, replica: Replica) -> tuple[bool, bool, int, str]:
-        return keep_order(replica, self.status[replica[0]], self.known.abandoned, self._nodes)
+        return keep_order(replica, self.status[replica[0]], self.abandoned, self._nodes)
 
     def _issue(self, commands: Iterable[Command], now: float) -> None:
         for command in commands:

@@ -15,6 +15,8 @@ from llmgw_core.control_config import ControlSection
 from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.placement import PlacementRequest, place
+from llmgw_server.control.replicas import Status
+from llmgw_server.control.store import ShardStore
 
 
 @attrs.frozen
@@ -101,3 +103,16 @@ def drain_notes(
             "without a replacement"
         )
     return notes
+
+
+def replicas_on(node: str, store: ShardStore, status: Mapping[str, Status]) -> dict[str, str]:
+    """The replicas with a shard on `node` that count for their model: id -> model."""
+    out = {}
+    for rid in sorted(store.touching(node)):
+        records = store.replica(rid)
+        judged = status.get(rid)
+        if any(r.node == node for r in records) and (
+            judged is None or judged.kept or judged.moving
+        ):
+            out[rid] = records[0].spec.model_name
+    return out

@@ -14,7 +14,9 @@ import attrs
 
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
+from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import MarkNode
+from llmgw_server.control.launch import free_port
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
 from llmgw_server.control.shards import Failure, ShardRecord, backoff
 from llmgw_server.control.store import ShardStore
@@ -36,10 +38,9 @@ class Known:
         self.lifecycle = Lifecycle(settings, now, work)
         self.store = ShardStore(work)
         self.failures: dict[str, Failure] = {}
-        self.drained: set[str] = set()  # replicas the router reported drained
-        # Replicas given up as broken in this run of the control plane (not kept across a
-        # restart: then a returning replica and its replacement are alike, and one is retired).
-        self.abandoned: set[str] = set()
+        # Replicas the router reported drained (the reconcile pass clears the report once
+        # the replica is kept again or gone).
+        self.drained: set[str] = set()
         self._unmarked: set[str] = set()  # nodes whose agent has yet to hear of their flags
 
     def register(
@@ -165,6 +166,29 @@ class Known:
         for record in self.store.on_node(name):
             self.store.remove(record.key)
         return Change(frozenset(models))
+
+    # -- reading ------------------------------------------------------------------
+
+    def capacities(self, names: Iterable[str] | None) -> list[NodeCapacity]:
+        """What these nodes offer to placement (every node for None)."""
+        nodes, store = self.lifecycle.nodes, self.store
+        chosen = nodes.values() if names is None else (nodes[n] for n in names if n in nodes)
+        return [
+            NodeCapacity(n.inventory, n.status, n.cordoned, n.draining, store.used_gpus(n.name))
+            for n in chosen
+        ]
+
+    def free_port(self, nodes: Sequence[str], *, after: int | None = None, ignore: str = "") -> int:
+        """A port pair free on every node of a replica (`ignore`: the replica itself).
+
+        Ports belong to an address, not a node name: several simulated nodes on
+        one machine share one port space. O(shards at those addresses)."""
+        known = self.lifecycle.nodes
+        hosts = {known[n].inventory.host if n in known else n for n in nodes}
+        names = self.lifecycle.on_hosts(hosts) | {h for h in hosts if h not in known}
+        used = self.store.ports(sorted(names), ignore=ignore)
+        s = self.settings
+        return free_port(used, s.engine_port_min, s.engine_port_max, after=after)
 
     def failed(self, record: ShardRecord, now: float) -> list[str]:
         """Note a failure once per failed start and schedule the restart."""

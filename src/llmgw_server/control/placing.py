@@ -32,6 +32,23 @@ class Shortfall:
         # The models the last attempt fell short on, with the profile it tried: no node
         # outside `grown` can take one more.
         self._tried: dict[str, Profile] = {}
+        # The settle time's start and end go to the log once each: "start", "end", "said".
+        self._settle_said = "start" if settings.settle_after_start_s > 0 else "said"
+
+    def settle_notes(self, now: float) -> list[str]:
+        """One line when the first step sees the settle time, one when it has passed."""
+        settle_s, settle_until = self.settings.settle_after_start_s, self.settle_until
+        if self._settle_said == "start" and now < settle_until:
+            self._settle_said = "end"
+            return [
+                f"no new replica is placed for {settle_until - now:g} s after the start "
+                f"(settle_after_start_s = {settle_s:g}), so that re-registering agents get "
+                "their engines adopted"
+            ]
+        if self._settle_said != "said" and now >= settle_until:
+            self._settle_said = "said"
+            return [f"settle time of {settle_s:g} s over: missing replicas are placed from now on"]
+        return []
 
     def place(
         self,

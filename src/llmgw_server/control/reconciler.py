@@ -54,13 +54,11 @@ from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.commands import Command
 from llmgw_server.control.decide import Decider, endpoint
-from llmgw_server.control.drains import DrainRefused, Stuck, drain_notes, stuck
+from llmgw_server.control.drains import DrainRefused, Stuck, drain_notes, replicas_on, stuck
 from llmgw_server.control.known import Change, Known
 from llmgw_server.control.lifecycle import NodeTransition
 from llmgw_server.control.placement import Assignment, Explanation, explain
-from llmgw_server.control.replicas import Status
-from llmgw_server.control.shards import Classified, Phase
-from llmgw_server.control.views import ControlView, ModelView, NodeView, Unplaced, replica_view
+from llmgw_server.control.views import ControlView, control_view
 from llmgw_server.control.work import Work
 
 __all__ = ["DrainRefused", "Reconciler", "Step", "Stuck", "random_engine_key"]
@@ -109,8 +107,6 @@ class Reconciler:
         self._last_reconcile: float | None = None
         self._batch_at: float | None = None  # a burst of events is reconciled by then
         self._wake: float | None = None  # the last Step's wake_at, for steps that change nothing
-        # The settle time's start and end go to the log once each: "start", "end", "said".
-        self._settle_said = "start" if settings.settle_after_start_s > 0 else "said"
         # With no node and no shard yet this yields no command, only what is unplaced.
         self._decider.reconcile(catalog, [m.name for m in catalog.profiled], now)
 
@@ -189,7 +185,7 @@ class Reconciler:
         known = self.lifecycle.nodes[node]
         notes = drain_notes(
             node,
-            self._replicas_on(node) if not known.draining else {},
+            replicas_on(node, self.known.store, self._decider.status) if not known.draining else {},
             stuck,
             force=force,
             draining=known.draining,
@@ -204,8 +200,14 @@ class Reconciler:
         (none for a node already draining: its replacements are placed already). O(nodes)."""
         if self.lifecycle.nodes[node].draining:
             return []
-        capacities = self._decider.capacities(None)
-        return stuck(node, self._replicas_on(node), capacities, self.catalog, self.settings)
+        capacities = self.known.capacities(None)
+        return stuck(
+            node,
+            replicas_on(node, self.known.store, self._decider.status),
+            capacities,
+            self.catalog,
+            self.settings,
+        )
 
     def forget_node(self, node: str, now: float) -> Step:
         """Drop a lost node and its shards, such as a decommissioned machine."""
@@ -219,42 +221,10 @@ class Reconciler:
 
     def view(self) -> ControlView:
         """O(nodes, shards and the unplaced models' explanations)."""
-        store, status = self.known.store, self._decider.status
-        nodes = tuple(
-            NodeView(
-                n.name,
-                n.status,
-                n.cordoned,
-                n.draining,
-                n.draining and n.drain_forced,
-                n.last_seen,
-                n.inventory,
-                tuple(sorted(store.used_gpus(n.name))),
-            )
-            for n in self.lifecycle.nodes.values()
+        d = self._decider
+        return control_view(
+            self.known, d.status, d.kept, d.shortfall.short, self.catalog, self.explain
         )
-        replicas = []
-        for rid, records in store.replicas():
-            judged = status.get(rid) or Status(Classified(Phase.LIVE))
-            view = replica_view(
-                records,
-                judged.classified,
-                kept=judged.kept,
-                moving=judged.moving,
-                failure=self.known.failures.get(rid),
-                crash_loop_after=self.settings.crash_loop_after,
-            )
-            replicas.append(view)
-        kept = self._decider.kept
-        models = tuple(
-            ModelView(m.name, m.replicas, kept.get(m.name, 0)) for m in self.catalog.profiled
-        )
-        unplaced = {}
-        for name, (count, waiting) in self._decider.shortfall.short.items():
-            why = self.explain(name)
-            assert why is not None
-            unplaced[name] = Unplaced(name, count, why, waiting)
-        return ControlView(nodes, tuple(replicas), models, unplaced, self.lifecycle.guard)
 
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key.
@@ -272,7 +242,7 @@ class Reconciler:
         entry = self.catalog.get(model)
         if entry is None or entry.profile is None:
             return None
-        capacities = self._decider.capacities(None)
+        capacities = self.known.capacities(None)
         return explain(model, entry.profile, capacities, fabric_key=self.settings.fabric_key)
 
     # -- the step ----------------------------------------------------------------
@@ -282,22 +252,10 @@ class Reconciler:
         self._now = max(self._now, now)
         return self._now
 
-    def _replicas_on(self, node: str) -> dict[str, str]:
-        """The replicas with a shard on `node` that count for their model: id -> model."""
-        out = {}
-        for rid in sorted(self.known.store.touching(node)):
-            records = self.known.store.replica(rid)
-            status = self._decider.status.get(rid)
-            if any(r.node == node for r in records) and (
-                status is None or status.kept or status.moving
-            ):
-                out[rid] = records[0].spec.model_name
-        return out
-
     def _step(self, now: float, change: Change) -> Step:
         """Time passes, then whatever changed is reconciled (batched within
         `reconcile_interval_s`). O(what changed and the nodes whose deadline came)."""
-        notes = [*self._settle_notes(now), *change.notes]
+        notes = [*self._decider.shortfall.settle_notes(now), *change.notes]
         guard = self.lifecycle.guard
         timed = self.known.transitioned(self.lifecycle.advance(now))
         transitions = [*change.transitions, *timed.transitions]
@@ -332,19 +290,3 @@ class Reconciler:
         times = (self._batch_at, decider.next_due(), self.lifecycle.next_deadline())
         self._wake = min((t for t in times if t is not None), default=None)
         return Step(tuple(commands), placements, tuple(transitions), tuple(notes), self._wake, ran)
-
-    def _settle_notes(self, now: float) -> list[str]:
-        """One line when the first step sees the settle time, one when it has passed."""
-        settle_s = self.settings.settle_after_start_s
-        settle_until = self.started_at + settle_s
-        if self._settle_said == "start" and now < settle_until:
-            self._settle_said = "end"
-            return [
-                f"no new replica is placed for {settle_until - now:g} s after the start "
-                f"(settle_after_start_s = {settle_s:g}), so that re-registering agents get "
-                "their engines adopted"
-            ]
-        if self._settle_said != "said" and now >= settle_until:
-            self._settle_said = "said"
-            return [f"settle time of {settle_s:g} s over: missing replicas are placed from now on"]
-        return []

@@ -5,11 +5,16 @@ Engine keys never appear here: a view is shown to operators and written to logs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import attrs
 
+from llmgw_core.catalog import Catalog
 from llmgw_core.inventory import Inventory, ShardState
 from llmgw_server.control.explanation import Explanation
+from llmgw_server.control.known import Known
 from llmgw_server.control.lifecycle import NodeStatus
+from llmgw_server.control.replicas import Status
 from llmgw_server.control.shards import Classified, Failure, Phase, ShardRecord
 
 
@@ -120,3 +125,48 @@ def replica_view(
     )
     # A replica that serves again is out of its loop, whatever it went through.
     return attrs.evolve(view, crash_loop=failures >= crash_loop_after and not view.serving)
+
+
+def control_view(
+    known: Known,
+    status: Mapping[str, Status],
+    kept: Mapping[str, int],
+    short: Mapping[str, tuple[int, str | None]],
+    catalog: Catalog,
+    explain: Callable[[str], Explanation | None],
+) -> ControlView:
+    """Everything, for the admin API: O(nodes and shards, and an explanation for each
+    model short of replicas)."""
+    store, lifecycle = known.store, known.lifecycle
+    nodes = tuple(
+        NodeView(
+            n.name,
+            n.status,
+            n.cordoned,
+            n.draining,
+            n.draining and n.drain_forced,
+            n.last_seen,
+            n.inventory,
+            tuple(sorted(store.used_gpus(n.name))),
+        )
+        for n in lifecycle.nodes.values()
+    )
+    replicas = []
+    for rid, records in store.replicas():
+        judged = status.get(rid) or Status(Classified(Phase.LIVE))
+        view = replica_view(
+            records,
+            judged.classified,
+            kept=judged.kept,
+            moving=judged.moving,
+            failure=known.failures.get(rid),
+            crash_loop_after=known.settings.crash_loop_after,
+        )
+        replicas.append(view)
+    models = tuple(ModelView(m.name, m.replicas, kept.get(m.name, 0)) for m in catalog.profiled)
+    unplaced = {}
+    for name, (count, waiting) in short.items():
+        why = explain(name)
+        assert why is not None
+        unplaced[name] = Unplaced(name, count, why, waiting)
+    return ControlView(nodes, tuple(replicas), models, unplaced, lifecycle.guard)
