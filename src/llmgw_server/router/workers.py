@@ -227,6 +227,7 @@ class Workers:
                 nursery.cancel_scope.cancel()
         finally:
             del self.links[index]
+            link.applied.set()  # a reload waiting on it waits no more
             for gathering in self._gatherings.values():
                 gathering.expected.discard(index)
                 gathering.settle()
