@@ -7,6 +7,7 @@ engines, and a separate `router` process following it over TLS with a router tok
 
 from __future__ import annotations
 
+import random
 import secrets
 import sys
 import threading
@@ -30,7 +31,8 @@ from llmgw_server.plane.routes import RouteHub, refusal
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
 from llmgw_server.router.standalone import feed_target
-from procs import Proc, free_port
+from procs import Proc, free_port, metric
+from test_cache_aware_router import words
 from test_fleet_e2e import CHAT, model
 
 A = Endpoint("127.0.0.1", 9001, api_key="key-a")
@@ -287,6 +289,13 @@ def fingerprint(client: openai.OpenAI, session: str | None = None) -> str:
     return answer.system_fingerprint or ""
 
 
+def ask(router: Proc, messages: list[dict[str, str]]) -> str:
+    body = {"model": "chat", "messages": messages, "max_tokens": 3}
+    response = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=20)
+    assert response.status_code == 200, response.text
+    return str(response.json()["system_fingerprint"])
+
+
 def upgrade(fleet: Fleet, token: str | None) -> httpx.Response:
     """The websocket handshake on /v1/routes, as far as its answer."""
     headers = {
@@ -319,6 +328,23 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     picks = {s: fingerprint(apart, s) for s in (f"session-{i}" for i in range(16))}
     assert picks == {s: fingerprint(inside, s) for s in picks}
     assert set(picks.values()) == old_ports  # 16 sessions reach both replicas
+    # Cache-aware: each conversation stays on the replica that holds its prompt.
+    rng = random.Random(11)
+    conversations = [
+        [{"role": "system", "content": words(rng, 300)}, {"role": "user", "content": words(rng, 9)}]
+        for _ in range(6)
+    ]
+    homes: dict[int, set[str]] = {i: set() for i in range(len(conversations))}
+    for _turn in range(3):
+        for i, messages in enumerate(conversations):
+            homes[i].add(ask(router, messages))
+            messages += [
+                {"role": "assistant", "content": words(rng, 9)},
+                {"role": "user", "content": words(rng, 6)},
+            ]
+    assert all(len(h) == 1 for h in homes.values()), homes
+    page = httpx.get(router.url + "/metrics").text
+    assert metric(page, "llmgw_balancing_decisions_total", model="chat", kind="cache_hit") == 12
 
     # Only the router token follows; it acts on nothing.
     refused = upgrade(fleet, None)
