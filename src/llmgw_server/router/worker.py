@@ -327,7 +327,9 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: 
 
 
 async def _follow(worker: Worker) -> None:
-    follower = Follower(worker.router, f"worker {worker.index} (pid {os.getpid()})")
+    # What serves is logged once, by worker 0: every worker serves the same.
+    name = f"worker {worker.index} (pid {os.getpid()})"
+    follower = Follower(worker.router, name, log_changes=worker.index == 0)
     try:
         await follower.follow(worker.feed)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
