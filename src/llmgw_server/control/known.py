@@ -29,6 +29,7 @@ class Change:
     grown: frozenset[str] = frozenset()  # nodes that may hold more than before
     transitions: tuple[NodeTransition, ...] = ()
     notes: tuple[str, ...] = ()
+    gone: frozenset[str] = frozenset()  # replicas with no record left
 
 
 class Known:
@@ -61,7 +62,8 @@ class Known:
             node.cordoned, node.draining = cordoned, draining
         elif (node.cordoned, node.draining) != (cordoned, draining):
             self._unmarked.add(name)  # this control plane's operator spoke last: tell the agent
-        models = self.store.models_of(self.store.touching(name))  # before records go
+        before = self.store.touching(name)
+        models = self.store.models_of(before)  # before records go
         for record in self.store.on_node(name):
             self.store.remove(record.key)
         notes: list[str] = []
@@ -72,7 +74,7 @@ class Known:
                 record.ready_since = now
             elif report.state is ShardState.DRAINING:
                 record.drain_at = now
-            if spec.replica_id not in self.store:
+            if spec.replica_id not in self.store and spec.replica_id not in before:
                 notes.append(
                     f"node {name} reports replica {spec.replica_id} of {spec.model_name} "
                     f"(rank {spec.rank}, {report.state})"
@@ -81,7 +83,8 @@ class Known:
             if report.state is ShardState.FAILED:
                 notes += self.failed(record, now)
         models |= self.store.models_of(self.store.touching(name))
-        return Change(frozenset(models), frozenset({name}), tuple(transitions), tuple(notes))
+        gone = frozenset(rid for rid in before if rid not in self.store)
+        return Change(frozenset(models), frozenset({name}), tuple(transitions), tuple(notes), gone)
 
     def heartbeat(self, node: str, now: float) -> Change | None:
         """O(1) when nothing changes (then None)."""
@@ -161,11 +164,13 @@ class Known:
         """Drop a lost node and its shards (ValueError for a node not lost)."""
         if self.lifecycle.nodes[name].status is not NodeStatus.LOST:
             raise ValueError(f"node {name} is not lost; only a lost node can be forgotten")
-        models = self.store.models_of(self.store.touching(name))
+        before = self.store.touching(name)
+        models = self.store.models_of(before)
         self.lifecycle.forget(name)
         for record in self.store.on_node(name):
             self.store.remove(record.key)
-        return Change(frozenset(models))
+        gone = frozenset(rid for rid in before if rid not in self.store)
+        return Change(frozenset(models), gone=gone)
 
     # -- reading ------------------------------------------------------------------
 

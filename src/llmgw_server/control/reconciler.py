@@ -268,6 +268,8 @@ class Reconciler:
         notes += [f"node {t.node}: {t.old} -> {t.new} ({t.reason})" for t in transitions if t.old]
         commands: list[Command] = list(self.known.marks_due())
         decider = self._decider
+        for rid in change.gone:
+            decider.status.pop(rid, None)  # judged no more: its model is judged anew
         self._dirty |= change.models | timed.models
         decider.shortfall.grown |= change.grown | timed.grown
         due = decider.due(now)
