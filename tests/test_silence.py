@@ -486,6 +486,9 @@ async def test_a_control_plane_stalled_past_unreachable_after_closes_no_stream(
                 streams = dict(plane.agents.streams)
                 # The fault itself: the whole server loop blocks, past unreachable_after.
                 time.sleep(1.0 + 1.0)
+                # The first step after the stall, before a heartbeat is read: each stream's
+                # task reads and dispatches at once, so it may otherwise come first.
+                plane.apply(plane.reconciler.tick(trio.current_time()))
 
                 def notes() -> list[str]:
                     return [r.getMessage() for r in caplog.records]

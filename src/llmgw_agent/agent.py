@@ -6,15 +6,16 @@ control plane is away; each connection's reader, writer and heartbeat timer
 live in that connection's nursery and end with it.
 
 A stream on which nothing arrives from the control plane for the bound that
-`ws_frames.silence_bound` derives from the heartbeat interval (a ping is sent
-when it is quiet) is cut and dialled again: a control plane that vanished
-without closing (host off, route black-holed) is noticed in 20 s, not in TCP's
-15 minutes. A session on which the control plane kept answering for a while
-(`next_attempt`) resets the backoff, so the redial comes within
-`reconnect.base_s`, whatever the failures before it; one that ended soon after
-the welcome (a bad frame, a close, silence) counts as one more failure, so a
-control plane that admits agents and then fails them does not have the whole
-fleet dial again in lockstep.
+`ws_frames.silence_bound` derives from the heartbeat interval is cut and dialled
+again (the control plane acknowledges each heartbeat with a pong, so a healthy
+stream needs no ping; one is sent when it is quiet, as with an older control
+plane's): a control plane that vanished without closing (host off, route
+black-holed) is noticed in 20 s, not in TCP's 15 minutes. A session on which
+the control plane kept answering for a while (`next_attempt`) resets the
+backoff, so the redial comes within `reconnect.base_s`, whatever the failures
+before it; one that ended soon after the welcome (a bad frame, a close,
+silence) counts as one more failure, so a control plane that admits agents and
+then fails them does not have the whole fleet dial again in lockstep.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ class Agent:
     async def _connection(self, cut: trio.CancelScope, session: Session) -> None:
         # `cut` lies outside the websocket's context: cancelled, it closes the socket
         # without waiting for a close handshake that a vanished peer never answers.
+        # Every byte from the control plane counts as hearing from it: the pong that
+        # acknowledges each heartbeat keeps a quiet stream alive without a ping.
+        heard = Heard(trio.current_time())
         async with open_agent_stream(
             self.config.server,
             self._ssl_context,
@@ -214,6 +218,7 @@ class Agent:
             connect_timeout_s=CONNECT_TIMEOUT_S,
             disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
+            heard=heard,
         ) as ws:
             outbox_send, outbox_receive = trio.open_memory_channel[str](1024)
             # Queue transitions from the moment the snapshot is taken: one that happens
@@ -225,7 +230,7 @@ class Agent:
                     welcome = decode_down(await ws.get_message())
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
-                heard = Heard(trio.current_time())
+                heard.now()
                 interval = welcome.heartbeat_interval_s
                 if not 0.05 <= interval <= 3600:  # NaN fails both
                     raise WireError(f"a heartbeat interval of {interval} s makes no sense")

@@ -23,6 +23,8 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.ws_frames import Heard
+
 # OpenSSL's verify codes for a certificate that is valid but not for the name dialed.
 _NAME_MISMATCH = {62, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 # What OpenSSL says when the peer's first bytes are not TLS (a plaintext server).
@@ -138,10 +140,17 @@ async def dial(
 
 class _Watched(trio.abc.Stream):
     """The dialed stream, remembering why reading from it broke: trio-websocket's reader
-    ends quietly on a broken stream and its opening handshake would then wait forever."""
+    ends quietly on a broken stream and its opening handshake would then wait forever.
+    Every byte that arrives is noted in `heard`: the control plane's acknowledgements
+    (pongs, which trio-websocket drops unseen) prove it alive as well as its frames."""
 
-    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+        heard: Heard | None = None,
+    ) -> None:
         self.stream = stream
+        self.heard = heard
         self.broken: BaseException | None = None
         self.broke = trio.Event()
 
@@ -154,6 +163,8 @@ class _Watched(trio.abc.Stream):
             raise
         if not data:
             self.broke.set()
+        elif self.heard is not None:
+            self.heard.now()
         return data
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -193,9 +204,11 @@ async def open_agent_stream(
     connect_timeout_s: float,
     disconnect_timeout_s: float,
     max_message_size: int,
+    heard: Heard | None = None,
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
-    """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit.
-    Raises ConnectFailed, alone or in an exception group, when it cannot be opened."""
+    """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
+    whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
+    exception group, when it cannot be opened."""
     where = target(url)
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
@@ -205,7 +218,7 @@ async def open_agent_stream(
     try:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(connect_timeout_s) as connecting:
-                stream = _Watched(await dial(where, ssl_context, ca))
+                stream = _Watched(await dial(where, ssl_context, ca), heard)
                 async with trio.open_nursery() as handshake:
                     handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)
                     ws = await trio_websocket.wrap_client_stream(

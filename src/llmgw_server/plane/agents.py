@@ -1,10 +1,14 @@
 """The agent streams: one websocket per node, and the only way to deliver a command to one.
 
-Each stream is owned by one task and its nursery: a reader feeding a memory
-channel (so a slow control loop never stops websocket pings), a writer
-draining the node's outbox, and the loop that hands decoded messages to the
-control plane. A bad frame, an unsupported protocol version or a message out
-of order closes that one stream with a reason; nothing else is touched.
+Each stream is owned by one task, which reads it and hands each decoded message
+to the control plane (whose handlers never wait), and answers each heartbeat
+with a pong: the acknowledgement that tells the agent this control plane is
+alive, so no ping is needed on a healthy stream. Commands wait in the node's
+outbox; a task is started to write them when there are some and ends when they
+are written, so an idle stream holds no task but its owner (with 10,000 nodes,
+every task and channel per stream is memory). A bad frame, an unsupported
+protocol version or a message out of order closes that one stream with a
+reason; nothing else is touched.
 
 A node the lifecycle declares unreachable while its stream is open has sent
 nothing for `unreachable_after`: its stream is dead (the agent vanished, or the
@@ -18,11 +22,11 @@ closing every stream would bring the whole fleet back at once.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Container, Iterable
 from typing import Any, Protocol, assert_never
 
 import trio
-import trio_websocket
 
 from llmgw_core.http_server import ReplayStream, Request
 from llmgw_core.inventory import LaunchSpec
@@ -41,7 +45,14 @@ from llmgw_core.wire import (
     decode_up,
     encode,
 )
-from llmgw_core.ws_frames import read_frames, write_frames
+from llmgw_core.ws_server import (
+    PeerClosed,
+    ServerWebSocket,
+    accept_response,
+    handshake_problem,
+    head_and_rest,
+    refusal,
+)
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
 from llmgw_server.plane.metrics import ControlMetrics
 
@@ -63,13 +74,43 @@ class StreamClosed(Exception):
 
 
 class _Stream:
-    def __init__(self, node: str, ws: trio_websocket.WebSocketConnection) -> None:
+    """A registered node's stream: its outbox, and the scope its owner reads in."""
+
+    __slots__ = ("cancel_scope", "close_kind", "close_reason", "node", "nursery", "outbox", "ws")
+
+    def __init__(self, node: str, ws: ServerWebSocket, nursery: trio.Nursery) -> None:
         self.node = node
         self.ws = ws
-        self.outbox_send, self.outbox_receive = trio.open_memory_channel[str](OUTBOX_SIZE)
+        self.nursery = nursery  # the stream's own: a writer started in it ends with it
+        self.outbox: deque[str] | None = None  # None while no writer runs
         self.cancel_scope = trio.CancelScope()
         self.close_reason = ""
         self.close_kind = "protocol"
+
+    def queue(self, text: str) -> bool:
+        """Queue a frame; False (and the stream closing) when too many wait unwritten."""
+        if self.outbox is None:
+            self.outbox = deque((text,))
+            self.nursery.start_soon(self._write)
+            return True
+        if len(self.outbox) >= OUTBOX_SIZE:
+            self.close(f"{OUTBOX_SIZE} messages wait unread", "backlog")
+            return False
+        self.outbox.append(text)
+        return True
+
+    async def _write(self) -> None:
+        """Write the outbox in order, then end (the next frame starts a new writer)."""
+        outbox = self.outbox
+        assert outbox is not None
+        try:
+            while outbox:
+                await self.ws.send(outbox[0])
+                outbox.popleft()
+        except PeerClosed:
+            self.cancel_scope.cancel()  # the owner's read ends the stream
+        finally:
+            self.outbox = None
 
     def close(self, reason: str, kind: str) -> None:
         self.close_reason, self.close_kind = reason, kind
@@ -108,12 +149,7 @@ class AgentService:
     def send(self, node: str, message: DownMessage) -> bool:
         """Queue a message for a node; False when the node has no open stream."""
         stream = self.streams.get(node)
-        if stream is None:
-            return False
-        try:
-            stream.outbox_send.send_nowait(encode(message))
-        except trio.WouldBlock:
-            stream.close(f"{OUTBOX_SIZE} messages wait unread", "backlog")
+        if stream is None or not stream.queue(encode(message)):
             return False
         self.metrics.frame_out(message)
         return True
@@ -129,25 +165,37 @@ class AgentService:
         return self._command_ids
 
     async def serve_upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
-        """The control port's upgrade handler: one agent stream per connection."""
-        async with trio.open_nursery() as nursery:
-            ws_request = await trio_websocket.wrap_server_stream(
-                nursery, raw, max_message_size=MAX_FRAME_BYTES
+        """The control port's upgrade handler: one agent stream per connection.
+
+        The request is already parsed: the websocket handshake is answered here, and
+        `raw` (which first gives back the bytes read so far) is read for what followed
+        the head."""
+        if request.path != AGENT_PATH:
+            await _refuse(raw, 404, b"Not Found", b"the agent stream is at /v1/agent")
+            return
+        certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
+        if self.require_certificates and not certificate:
+            log.warning("refused an agent stream from %s: no client certificate", _peer(raw))
+            self.metrics.streams_refused["no_certificate"] += 1
+            await _refuse(
+                raw, 403, b"Forbidden", b"a client certificate signed by the fleet CA is required"
             )
-            if request.path != AGENT_PATH:
-                await ws_request.reject(404, body=b"the agent stream is at /v1/agent")
-                return
-            certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
-            if self.require_certificates and not certificate:
-                log.warning("refused an agent stream from %s: no client certificate", _peer(raw))
-                self.metrics.streams_refused["no_certificate"] += 1
-                await ws_request.reject(
-                    403, body=b"a client certificate signed by the fleet CA is required"
-                )
-                return
-            ws = await ws_request.accept()
+            return
+        problem = handshake_problem(request)
+        if problem is not None:
+            await _refuse(raw, 400, b"Bad Request", problem.encode())
+            return
+        rest = b""
+        if isinstance(raw, ReplayStream):  # it gives back the head, and what came after it
+            rest = head_and_rest(bytes(await raw.receive_some()))
+        try:
+            await raw.send_all(accept_response(request))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
+        async with trio.open_nursery() as nursery:
             try:
-                await self._serve(ws, _peer(raw), certificate)
+                await self._serve(ws, nursery, _peer(raw), certificate)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -169,76 +217,72 @@ class AgentService:
             )
 
     async def _serve(
-        self, ws: trio_websocket.WebSocketConnection, peer: str, certificate: dict[str, Any] | None
+        self,
+        ws: ServerWebSocket,
+        nursery: trio.Nursery,
+        peer: str,
+        certificate: dict[str, Any] | None,
     ) -> None:
-        inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
         stream: _Stream | None = None
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_frames, ws, inbox_send)
-                with trio.move_on_after(REGISTER_TIMEOUT_S) as register_scope:
-                    try:
-                        frame = await inbox_receive.receive()
-                    except trio.EndOfChannel:
-                        raise StreamClosed("", code=1000) from None  # gone before registering
-                if register_scope.cancelled_caught:
-                    raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
-                register = self._decode(frame)
-                if not isinstance(register, Register):
-                    raise StreamClosed(
-                        f"the first message must be register, not {type(register).__name__}"
-                    )
-                if register.protocol != PROTOCOL:
-                    raise StreamClosed(
-                        f"protocol version {register.protocol} is not supported "
-                        f"(this server speaks {PROTOCOL})"
-                    )
-                self._check_identity(register.inventory.name, certificate, peer)
-                _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
-                stream = _Stream(register.inventory.name, ws)
-                old = self.streams.get(stream.node)
-                if old is not None:
-                    log.warning(
-                        "node %s connected again from %s: closing its old stream", stream.node, peer
-                    )
-                    old.close(f"node {stream.node} connected again from {peer}", "replaced")
-                self.streams[stream.node] = stream
-                log.info(
-                    "node %s registered from %s with %d shards",
-                    stream.node,
-                    peer,
-                    len(register.shards),
-                )
-                self.send(stream.node, Welcome(PROTOCOL, self.heartbeat_interval_s))
-                self.plane.registered(register)
-                with stream.cancel_scope:
-                    nursery.start_soon(write_frames, ws, stream.outbox_receive)
-                    budget = _Budget(trio.current_time())
-                    async for frame in inbox_receive:
-                        if not budget.take(trio.current_time()):
-                            raise StreamClosed(
-                                f"more than {_BURST} messages in a burst "
-                                f"(at most {_RATE:g} a second are allowed)",
-                                kind="flood",
-                            )
-                        self._dispatch(stream.node, self._decode(frame))
-                    stream.close_reason = ""  # the reader ended: the agent went away
+            with trio.move_on_after(REGISTER_TIMEOUT_S) as register_scope:
+                frame = await ws.receive()
+            if register_scope.cancelled_caught:
+                raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
+            register = self._decode(frame)
+            if not isinstance(register, Register):
                 raise StreamClosed(
-                    stream.close_reason,
-                    code=1008 if stream.close_reason else 1000,
-                    kind=stream.close_kind,
+                    f"the first message must be register, not {type(register).__name__}"
                 )
-        except* StreamClosed as group:
-            closed = group.exceptions[0]
-            assert isinstance(closed, StreamClosed)
+            if register.protocol != PROTOCOL:
+                raise StreamClosed(
+                    f"protocol version {register.protocol} is not supported "
+                    f"(this server speaks {PROTOCOL})"
+                )
+            self._check_identity(register.inventory.name, certificate, peer)
+            certificate = None  # checked: not kept for the stream's life
+            _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
+            stream = _Stream(register.inventory.name, ws, nursery)
+            old = self.streams.get(stream.node)
+            if old is not None:
+                log.warning(
+                    "node %s connected again from %s: closing its old stream", stream.node, peer
+                )
+                old.close(f"node {stream.node} connected again from {peer}", "replaced")
+            self.streams[stream.node] = stream
+            log.info(
+                "node %s registered from %s with %d shards", stream.node, peer, len(register.shards)
+            )
+            self.send(stream.node, Welcome(PROTOCOL, self.heartbeat_interval_s))
+            self.plane.registered(register)
+            del register
+            with stream.cancel_scope:
+                budget = _Budget(trio.current_time())
+                while True:
+                    frame = await ws.receive()
+                    if not budget.take(trio.current_time()):
+                        raise StreamClosed(
+                            f"more than {_BURST} messages in a burst "
+                            f"(at most {_RATE:g} a second are allowed)",
+                            kind="flood",
+                        )
+                    message = self._decode(frame)
+                    self._dispatch(stream.node, message)
+                    if isinstance(message, Heartbeat):
+                        await ws.pong()  # the ack: this control plane read it
+            raise StreamClosed(
+                stream.close_reason, code=1008 if stream.close_reason else 1000,
+                kind=stream.close_kind,
+            )
+        except PeerClosed:
+            pass  # the agent went away (a reason it gave is its own: nothing to add)
+        except StreamClosed as closed:
             if closed.reason:
                 self.metrics.streams_refused[closed.kind] += 1
                 log.warning(
                     "closing the stream of %s: %s", stream.node if stream else peer, closed.reason
                 )
-            with trio.move_on_after(1) as cleanup:
-                cleanup.shield = True
-                await ws.aclose(code=closed.code, reason=closed.reason[:120])
+            await ws.close(closed.code, closed.reason[:120])
         finally:
             if stream is not None and self.streams.get(stream.node) is stream:
                 del self.streams[stream.node]
@@ -320,6 +364,14 @@ def _check_own_shards(node: str, specs: list[LaunchSpec]) -> None:
                 f"{node} reports replica {spec.replica_id} rank {spec.rank}, "
                 f"which belongs to node {spec.node}"
             )
+
+
+async def _refuse(raw: trio.abc.Stream, status: int, reason: bytes, body: bytes) -> None:
+    with trio.move_on_after(2):
+        try:
+            await raw.send_all(refusal(status, reason, body))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 def _peer(stream: trio.abc.Stream) -> str:
