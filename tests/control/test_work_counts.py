@@ -1,8 +1,8 @@
 """Work proportional to change: what the core visits per event, counted, not timed.
 
 The same fleet is built at several sizes: 4 replicas of a small model that serve,
-and a model no node can hold (placement keeps falling short on it, as in the fleet
-bench). Each event below changes one node or one replica, so the nodes, replicas
+and two models no node can hold, one of them across nodes (placement keeps falling
+short on them, as in the fleet bench). Each event below changes one node or one replica, so the nodes, replicas
 and shard records the core visits for it must be the same whatever the fleet's
 size. A count that grows with the fleet fails the test, whatever the machine.
 """
@@ -53,6 +53,7 @@ def events(n: int) -> dict[str, Cost]:
         catalog(
             model("small", 4, tensor_parallel=1),
             model("huge", 1, tensor_parallel=8, gpu_model="B300"),
+            model("spanning", 1, tensor_parallel=8, pipeline_parallel=2, gpu_model="B300"),
         ),
         now=0.0,
     )

@@ -112,7 +112,9 @@ class Decider:
         judged = {name: self._judge(name, wanted.get(name), catalog, now) for name in todo}
         commands = [c for j in judged.values() for c in j.commands]
         notes = [n for j in judged.values() for n in j.notes]
-        placed, settle = self.shortfall.place(self._missing, wanted, now, self.known.capacities)
+        placed, settle = self.shortfall.place(
+            self._missing, wanted, now, self.known.capacities, self.known.lifecycle.domain_mates
+        )
         self._settle_due = settle
         starts: list[Command] = []
         placements = []

@@ -85,7 +85,8 @@ class Lifecycle:
         self.nodes: dict[str, Node] = {}
         # Why the mass-loss guard holds, or None while it does not.
         self.guard: str | None = None
-        self._hosts: dict[str, set[str]] = {}  # address -> the nodes on it
+        # ("host", address) and ("domain", fabric domain) -> the nodes there
+        self._where: dict[tuple[str, str], set[str]] = {}
         self._lost = 0
         self._unreachable: dict[str, None] = {}  # in the order they turned unreachable
         # Unreachable nodes that turned so within the guard's window: name -> since,
@@ -109,13 +110,12 @@ class Lifecycle:
             node = self.nodes[name] = Node(inventory, NodeStatus.REACHABLE, now)
             self._seq += 1
             self._order[name] = self._seq
-            self._hosts.setdefault(inventory.host, set()).add(name)
+            self._place(node, add=True)
             self._schedule(node)
             return [NodeTransition(name, None, NodeStatus.REACHABLE, now, "registered")]
-        if node.inventory.host != inventory.host:
-            self._off_host(node)
-            self._hosts.setdefault(inventory.host, set()).add(name)
+        self._place(node, add=False)
         node.inventory = inventory
+        self._place(node, add=True)
         return self._revive(node, now, "registered again")
 
     def heartbeat(self, name: str, now: float) -> list[NodeTransition]:
@@ -135,7 +135,7 @@ class Lifecycle:
     def forget(self, name: str) -> None:
         """Drop a node, lost or not (the caller checks)."""
         node = self.nodes.pop(name)
-        self._off_host(node)
+        self._place(node, add=False)
         self._lost -= node.status is NodeStatus.LOST
         self._unreachable.pop(name, None)
         self._recent.pop(name, None)
@@ -144,7 +144,17 @@ class Lifecycle:
 
     def on_hosts(self, hosts: set[str]) -> set[str]:
         """The nodes at these addresses (several simulated nodes may share one)."""
-        return set().union(*(self._hosts.get(h, ()) for h in hosts))
+        return set().union(*(self._where.get(("host", h), ()) for h in hosts))
+
+    def domain_mates(self, names: set[str]) -> set[str]:
+        """The nodes in the fabric domains of these nodes (`fabric_key`), these included."""
+        domains = {
+            d
+            for n in names
+            if n in self.nodes
+            and (d := self.nodes[n].inventory.fabric.get(self.settings.fabric_key)) is not None
+        }
+        return set(names).union(*(self._where.get(("domain", d), ()) for d in domains))
 
     # -- time --------------------------------------------------------------------
 
@@ -256,12 +266,21 @@ class Lifecycle:
         self._recent[node.name] = since
         heapq.heappush(self._recent_heap, (since, node.name))
 
-    def _off_host(self, node: Node) -> None:
-        names = self._hosts.get(node.inventory.host)
-        if names is not None:
-            names.discard(node.name)
-            if not names:
-                del self._hosts[node.inventory.host]
+    def _place(self, node: Node, *, add: bool) -> None:
+        """File the node under its address and fabric domain, or take it out."""
+        inventory = node.inventory
+        places = [("host", inventory.host)]
+        domain = inventory.fabric.get(self.settings.fabric_key)
+        if domain is not None:
+            places.append(("domain", domain))
+        for place in places:
+            if add:
+                self._where.setdefault(place, set()).add(node.name)
+            else:
+                names = self._where[place]
+                names.discard(node.name)
+                if not names:
+                    del self._where[place]
 
     def _lost_at(self, node: Node) -> float:
         """When an unreachable node is declared lost, if the guard does not hold then:

@@ -6,8 +6,8 @@ fell short on is tried again only on the nodes that may hold more since (`grown`
 registered, back, uncordoned or with GPUs freed). That is the same answer: a node
 that held no replica of a profile then holds none now unless it changed. So a fleet
 that cannot take a model pays O(1) per registration, not O(nodes). A replica that
-spans nodes may pair a grown node with an unchanged one: such models are always
-tried on the whole fleet.
+spans nodes may pair a grown node with unchanged ones of its fabric domain: for
+such a model the grown nodes' domains are tried, O(their nodes).
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ class Shortfall:
         wanted: Mapping[str, ModelEntry],
         now: float,
         capacities: Callable[[Iterable[str] | None], list[NodeCapacity]],
+        domain_mates: Callable[[set[str]], set[str]],
     ) -> tuple[list[Assignment], float | None]:
         """Place the `missing` replicas of each model; returns the assignments (`key`
         is "model#i") and, during the settle time after the start, when it ends.
-        `capacities(names)` gives those nodes' capacity, every node's for None."""
+        `capacities(names)` gives those nodes' capacity, every node's for None;
+        `domain_mates(names)` the nodes in their fabric domains."""
         missing = {name: n for name, n in missing.items() if n > 0}
         if missing and now < self.settle_until:
             waiting = (
@@ -73,14 +75,15 @@ class Shortfall:
             self.grown.clear()
             return [], None
         profiles = {name: wanted[name].profile for name in missing}
-        retried = all(
-            self._tried.get(name) == p and p is not None and p.pipeline_parallel == 1
-            for name, p in profiles.items()
-        )
+        retried = all(p is not None and self._tried.get(name) == p for name, p in profiles.items())
         if retried and not self.grown:
             self.short = {name: (n, None) for name, n in missing.items()}
             return [], None  # nothing that could help has changed since it fell short
-        nodes = capacities(sorted(self.grown) if retried else None)
+        names = None
+        if retried:
+            spans = any(p is not None and p.pipeline_parallel > 1 for p in profiles.values())
+            names = sorted(domain_mates(self.grown) if spans else self.grown)
+        nodes = capacities(names)
         self.work.nodes += len(nodes)
         self.grown.clear()
         requests = []
