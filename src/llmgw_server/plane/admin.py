@@ -22,7 +22,9 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
+import attrs
 import trio
 
 from llmgw_core.config import AdminSection, digest_of
@@ -134,11 +136,17 @@ class AdminAPI:
                 return
             await self._json(responder, 200, {"reloaded": True, **plan.as_json()})
         elif request.method == b"GET" and rest == ["status"]:
-            await self._json(
-                responder,
-                200,
-                status(self.plane.reconciler.view(), self.plane, trio.current_time()),
-            )
+            query = parse_qs(request.target.partition(b"?")[2].decode("utf-8", "replace"))
+            try:
+                view, page = status_page(self.plane.reconciler.view(), query)
+            except ValueError as exc:
+                await responder.error(400, str(exc))
+                return
+            data = status(view, self.plane, trio.current_time())
+            if page is not None:
+                data["page"] = page
+            # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
+            await responder.whole(200, json.dumps(data, separators=(",", ":")).encode())
         elif request.method == b"GET" and rest == ["stream"]:
             plane = self.plane
             await ui_server.stream(
@@ -308,6 +316,39 @@ def _replica(view: ReplicaView, plane: ControlPlane, now: float) -> dict[str, An
             for s in view.shards
         ],
     }
+
+
+def status_page(
+    view: ControlView, query: dict[str, list[str]]
+) -> tuple[ControlView, dict[str, Any] | None]:
+    """The part of the status a query asks for, and where the next page starts.
+
+    `?node=NAME` (repeatable): those nodes; `?limit=N&after=NAME`: the first N nodes
+    in name order after NAME. Either way with the replicas that have a shard on them,
+    and every model. No query: the whole fleet (and no page). Raises ValueError."""
+    names, limit, after = query.get("node"), query.get("limit"), query.get("after", [""])[0]
+    if names is None and limit is None and not after:
+        return view, None
+    nodes = sorted(view.nodes, key=lambda n: n.name)
+    if names is not None:
+        wanted = set(names)
+        nodes = [n for n in nodes if n.name in wanted]
+    nodes = [n for n in nodes if n.name > after]
+    more = None
+    if limit is not None:
+        try:
+            count = int(limit[0])
+        except ValueError:
+            raise ValueError(f"limit must be a whole number, not {limit[0]!r}") from None
+        if not 1 <= count <= 100_000:
+            raise ValueError(f"limit must be between 1 and 100000, not {count}")
+        if len(nodes) > count:
+            nodes = nodes[:count]
+            more = nodes[-1].name
+    on_page = {n.name for n in nodes}
+    replicas = tuple(r for r in view.replicas if any(s.node in on_page for s in r.shards))
+    page = {"nodes": len(nodes), "of": len(view.nodes), "next_after": more}
+    return attrs.evolve(view, nodes=tuple(nodes), replicas=replicas), page
 
 
 def status(view: ControlView, plane: ControlPlane, now: float) -> dict[str, Any]:
