@@ -91,6 +91,7 @@ class Responder:
         "closing",
         "done",
         "head",
+        "peer_closing",
         "started",
     )
 
@@ -102,10 +103,13 @@ class Responder:
         chunked: bool = False,
         head: bool = False,
         sock: socket.socket | None = None,
+        peer_closing: bool = False,
     ) -> None:
         self._conn = conn
         self._stream = stream
         self._sock = sock  # with conn None: the socket written to
+        # With conn None: the client asked to close (h11 says so in the answer's head).
+        self.peer_closing = peer_closing
         self.head = head  # a HEAD request: the head is sent, never a body
         self.closing = closing  # ask the client to close after this response
         self.started = False
@@ -133,9 +137,9 @@ class Responder:
         # As h11 frames it: a body of unknown length goes chunked (a HEAD answer's
         # headers are those of a GET), one with a content-length as it is.
         if not _has_body_length(status, headers):
-            headers = [*headers, (b"transfer-encoding", b"chunked")]
+            headers = [*headers, (b"Transfer-Encoding", b"chunked")]
             self._chunking = True
-        await self._write(_response_head(status, headers))
+        await self._write(_response_head(status, headers, self.peer_closing))
 
     async def send(self, data: bytes) -> None:
         if not data or self.head:
@@ -164,7 +168,7 @@ class Responder:
         headers = [*headers, (b"content-length", str(len(body)).encode())]
         conn = self._conn
         if conn is None:
-            head = _response_head(status, headers)
+            head = _response_head(status, headers, self.peer_closing)
             self.done = True
             await self._write(head if self.head else head + body)
             return
@@ -205,8 +209,21 @@ def _has_body_length(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
     return any(name == b"content-length" for name, _ in headers)
 
 
-def _response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The status line and headers, written as h11 writes them (no reason phrase)."""
+def _response_head(
+    status: int, headers: list[tuple[bytes, bytes]], peer_closing: bool = False
+) -> bytes:
+    """The status line and headers, written as h11 writes them (no reason phrase; to a
+    client that asked to close, its Connection header values, close among them, last)."""
+    if peer_closing:
+        tokens = {b"close"}
+        kept = []
+        for name, value in headers:
+            if name.lower() == b"connection":
+                tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+            else:
+                kept.append((name, value))
+        tokens.discard(b"keep-alive")
+        headers = [*kept, *((b"Connection", t) for t in sorted(tokens))]
     lines = [b"HTTP/1.1 %d \r\n" % status]
     for name, value in headers:
         lines += (name, b": ", value, b"\r\n")
@@ -808,10 +825,11 @@ class _PlainConnection:
             responder = Responder(
                 None,
                 self.stream,
-                closing=server.draining or close,
+                closing=server.draining,
                 chunked=request.method != b"HEAD",
                 head=request.method == b"HEAD",
                 sock=self.sock,
+                peer_closing=close,
             )
             self._served += 1
             server.busy += 1
@@ -821,7 +839,7 @@ class _PlainConnection:
                 server.busy -= 1
                 if server.draining and server.busy == 0:
                     server.idle_done.set()
-            if not responder.done or responder.closing:
+            if not responder.done or responder.closing or close:
                 return None
         return None
 
