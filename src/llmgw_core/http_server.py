@@ -28,6 +28,8 @@ from llmgw_core.ratelog import RateLimit
 log = logging.getLogger(__name__)
 
 _RECV = 65536
+TLS_HANDSHAKES_AT_ONCE = 32
+_TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 JSON = [(b"content-type", b"application/json")]
 
@@ -295,6 +297,8 @@ class HTTPServer:
         self._idle_scopes: set[trio.CancelScope] = set()
         self._accepting = trio.CancelScope()
         self.tls_failures = 0  # failed TLS handshakes, for metrics
+        self.tls_abandoned = 0  # connections whose client left before their handshake began
+        self._handshakes = trio.CapacityLimiter(TLS_HANDSHAKES_AT_ONCE)
         self.tls_failures_log = RateLimit(60.0)
 
     async def serve(
@@ -336,7 +340,16 @@ class HTTPServer:
         failure: BaseException | None = None
         with trio.move_on_after(self.limits.header_timeout_s) as handshake:
             try:
-                await tls.do_handshake()
+                # A few handshakes at a time (each costs ~1 ms of CPU): in a storm of
+                # thousands, those let in finish within their clients' connect timeout
+                # instead of all finishing late, and a client that gave up meanwhile
+                # costs no handshake at all.
+                async with self._handshakes:
+                    if _peer_left(tls.transport_stream):
+                        await trio.aclose_forcefully(tls.transport_stream)
+                        self.tls_abandoned += 1
+                        return
+                    await tls.do_handshake()
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 failure = exc.__cause__ or exc
         if failure is None and not handshake.cancelled_caught:
@@ -394,6 +407,15 @@ class HTTPServer:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
+
+
+def _peer_left(stream: trio.SocketStream) -> bool:
+    """The client closed or reset the connection (while it waited to be served)."""
+    try:
+        info = stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except (OSError, AttributeError):
+        return False
+    return info[0] in _TCP_GONE
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:

@@ -178,9 +178,16 @@ class ServerWebSocket:
             data = self._ws.send(event)
         except LocalProtocolError:
             raise self.closed or PeerClosed(CloseReason.ABNORMAL_CLOSURE) from None
-        async with self._wlock:
-            try:
-                await self._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.closed = self.closed or PeerClosed(CloseReason.ABNORMAL_CLOSURE)
-                raise self.closed from None
+        # The lock only when another task is writing: its `acquire` yields to the
+        # scheduler even when free, a second round trip for every heartbeat's ack.
+        try:
+            self._wlock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._wlock.acquire()
+        try:
+            await self._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.closed = self.closed or PeerClosed(CloseReason.ABNORMAL_CLOSURE)
+            raise self.closed from None
+        finally:
+            self._wlock.release()

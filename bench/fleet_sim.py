@@ -1,0 +1,223 @@
+"""One process of the fleet simulator: simulated agents `first` .. `first + count - 1`.
+
+Run by bench/fleet_bench.py, several at once, so that the simulator is never the
+bottleneck it measures. Each simulated node does what the real agent's stream
+does (llmgw_agent.dial for the TCP and TLS dial, with its own certificate from
+the fleet CA; register; a heartbeat every interval; the agent's silence bound
+and full-jitter reconnect backoff), and nothing else: no engines.
+
+Talks to the bench over stdin/stdout, one line each:
+  in:  "go T"     boot node i at T + uniform(0, boot_s) (T on CLOCK_MONOTONIC, shared
+                  by every process on the machine)
+       "epoch T"  count the nodes registered since T from now on
+       "stop"     exit
+  out: "ready", then every 0.5 s a JSON report: registered now, registered since the
+       epoch, connection attempts, heartbeats sent, and the times of registrations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import trio
+import trio_websocket
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from llmgw_agent.agent import Session, backoff_delay, next_attempt
+from llmgw_agent.dial import ConnectFailed, open_agent_stream
+from llmgw_core.inventory import Gpu, Inventory
+from llmgw_core.wire import (
+    MAX_FRAME_BYTES,
+    PROTOCOL,
+    Heartbeat,
+    Register,
+    Welcome,
+    WireError,
+    decode_down,
+    encode,
+)
+from llmgw_core.ws_frames import Heard, silence_bound
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def node_name(i: int) -> str:
+    return f"sim-{i:05d}"
+
+
+def inventory(i: int) -> Inventory:
+    """An 8-GPU node, as a real agent's probe reports it."""
+    return Inventory(
+        name=node_name(i),
+        address=f"10.{i // 62500}.{i // 250 % 250}.{i % 250 + 1}",
+        labels={"pool": "bench"},
+        fabric={"ib_domain": f"pod-{i // 32}"},
+        cpus=96,
+        memory_mib=1_000_000,
+        gpus=tuple(Gpu(g, f"GPU-{i}-{g}", H100, 81559, 81000) for g in range(8)),
+    )
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.url = args.url
+        self.rng = random.Random(args.first)
+        self.registered: set[int] = set()
+        self.epoch = float("inf")
+        self.since_epoch: set[int] = set()
+        self.new_registrations: list[float] = []
+        self.new_firsts: list[float] = []  # nodes registered for the first time since the epoch
+        self.connects = 0
+        self.heartbeats = 0
+        self.contexts: dict[int, ssl.SSLContext] = {}
+
+    def context(self, i: int) -> ssl.SSLContext | None:
+        """The node's own TLS context, made once as the real agent does."""
+        certs = self.args.certs
+        if certs is None:
+            return None
+        context = self.contexts.get(i)
+        if context is None:
+            context = ssl.create_default_context(cafile=f"{certs}/ca.crt")
+            name = node_name(i)
+            context.load_cert_chain(f"{certs}/nodes/{name}.crt", f"{certs}/nodes/{name}.key")
+            self.contexts[i] = context
+        return context
+
+    async def agent(self, i: int, boot_at: float) -> None:
+        await trio.sleep(max(0.0, boot_at - time.monotonic()))
+        register = encode(Register(PROTOCOL, "fleet-sim", inventory(i)))
+        attempt = 0
+        while True:
+            session = Session()
+            try:
+                await self.session(i, register, session)
+            except* (
+                ConnectFailed,
+                OSError,
+                trio.TooSlowError,
+                trio_websocket.HandshakeError,
+                trio_websocket.ConnectionClosed,
+                WireError,
+            ):
+                pass
+            self.registered.discard(i)
+            attempt = next_attempt(attempt, session)
+            await trio.sleep(backoff_delay(attempt, 0.5, 30.0, self.rng))
+
+    async def session(self, i: int, register: str, session: Session) -> None:
+        self.connects += 1
+        heard = Heard(trio.current_time())
+        async with open_agent_stream(
+            self.url,
+            self.context(i),
+            connect_timeout_s=10.0,
+            disconnect_timeout_s=1.0,
+            max_message_size=MAX_FRAME_BYTES,
+            heard=heard,
+        ) as ws:
+            await ws.send_message(register)
+            with trio.fail_after(10):
+                welcome = decode_down(await ws.get_message())
+            if not isinstance(welcome, Welcome):
+                raise WireError(f"expected welcome, got {type(welcome).__name__}")
+            heard.now()
+            now = time.monotonic()
+            self.registered.add(i)
+            self.new_registrations.append(now)
+            if now >= self.epoch and i not in self.since_epoch:
+                self.since_epoch.add(i)
+                self.new_firsts.append(now)
+            bound = silence_bound(welcome.heartbeat_interval_s)
+            session.welcomed_at, session.heard, session.bound = heard.at, heard, bound
+            interval = welcome.heartbeat_interval_s
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drain, ws, nursery.cancel_scope)
+                # The real agent's first heartbeat comes one interval after the welcome.
+                seq = 0
+                while True:
+                    await trio.sleep(interval)
+                    if trio.current_time() - heard.at > bound.cut_after_s:
+                        nursery.cancel_scope.cancel()  # silent: dial again, as the agent does
+                        break
+                    seq += 1
+                    await ws.send_message(encode(Heartbeat(seq)))
+                    self.heartbeats += 1
+
+    async def report(self) -> None:
+        while True:
+            line = {
+                "registered": len(self.registered),
+                "since_epoch": len(self.since_epoch),
+                "connects": self.connects,
+                "heartbeats": self.heartbeats,
+                "at": self.new_registrations,
+                "firsts": self.new_firsts,
+            }
+            self.new_registrations, self.new_firsts = [], []
+            print(json.dumps(line), flush=True)
+            await trio.sleep(0.5)
+
+    async def run(self) -> None:
+        commands = trio.lowlevel.FdStream(sys.stdin.fileno())
+        # A real agent loads its certificate once, at start: not part of what is measured.
+        for i in range(self.args.first, self.args.first + self.args.count):
+            self.context(i)
+        print("ready", flush=True)
+        buffer = b""
+        async with trio.open_nursery() as nursery:
+            while True:
+                data = await commands.receive_some()
+                if not data:
+                    break
+                buffer += data
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    word, _, value = line.decode().partition(" ")
+                    if word == "go":
+                        start = float(value)
+                        nursery.start_soon(self.report)
+                        for i in range(self.args.first, self.args.first + self.args.count):
+                            boot = start + self.rng.uniform(0, self.args.boot_s)
+                            nursery.start_soon(self.agent, i, boot)
+                    elif word == "epoch":
+                        self.epoch = float(value)
+                        self.since_epoch, self.new_firsts = set(), []
+                    elif word == "stop":
+                        nursery.cancel_scope.cancel()
+                        return
+            nursery.cancel_scope.cancel()
+
+
+async def _drain(ws: trio_websocket.WebSocketConnection, scope: trio.CancelScope) -> None:
+    try:
+        while True:
+            await ws.get_message()
+    except trio_websocket.ConnectionClosed:
+        scope.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--boot-s", type=float, default=10.0)
+    parser.add_argument("--certs", default=None)
+    args = parser.parse_args()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    trio.run(Worker(args).run)
+
+
+if __name__ == "__main__":
+    main()
