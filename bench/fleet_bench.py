@@ -85,6 +85,12 @@ def progress(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
 
 
+def describe(failures: dict[str, int]) -> str:
+    if not failures:
+        return "none"
+    return "; ".join(f"{why}: {count:,}" for why, count in sorted(failures.items(), key=lambda x: -x[1]))
+
+
 def load() -> str:
     one, five, _ = os.getloadavg()
     return f"{one:.1f}/{five:.1f}"
@@ -135,6 +141,14 @@ class Sims:
         self.reports: list[dict[str, int]] = [{} for _ in procs]
         self.registrations: list[float] = []  # every registration's time
         self.firsts: list[float] = []  # each node's first registration since the epoch
+        self.failures: list[dict[str, int]] = [{} for _ in procs]  # why sessions ended
+
+    def failure_counts(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for counts in self.failures:
+            for why, count in counts.items():
+                total[why] = total.get(why, 0) + count
+        return total
 
     def total(self, key: str) -> int:
         return sum(r.get(key, 0) for r in self.reports)
@@ -167,6 +181,7 @@ class Sims:
                     report = json.loads(line)
                     self.registrations += report.pop("at")
                     self.firsts += report.pop("firsts")
+                    self.failures[index] = report.pop("failures")
                     self.reports[index] = report
 
 
@@ -298,7 +313,9 @@ async def run(args: argparse.Namespace) -> None:
                 sim_note(reg),
             ))
             readme["registration"] = f"{took:.1f} s" if done else f"not all in {args.cap:g} s"
-            progress(f"registered: {rows[-1][1]}")
+            failures_at_registration = sims.failure_counts()
+            rows.append(("sessions that failed during registration", describe(failures_at_registration), ""))
+            progress(f"registered: {rows[-2][1]}")
             # -- steady heartbeats ----------------------------------------------------
             await trio.sleep(2 * args.heartbeat)  # past registration: steady heartbeats
             progress(f"steady: {args.window:g} s window")
@@ -367,6 +384,11 @@ async def run(args: argparse.Namespace) -> None:
                     sim_note(storm),
                 ))
                 readme["storm"] = f"not all back in {args.cap:g} s"
+            rows.append((
+                "sessions that failed (registration and storm)",
+                describe(sims.failure_counts()),
+                "",
+            ))
             rows.append((
                 "server CPU per registration in the storm",
                 f"{storm['server_cpu'] / n * 1e3:.2f} ms",

@@ -79,6 +79,7 @@ class Worker:
         self.connects = 0
         self.heartbeats = 0
         self.contexts: dict[int, ssl.SSLContext] = {}
+        self.failures: dict[str, int] = {}
 
     def context(self, i: int) -> ssl.SSLContext | None:
         """The node's own TLS context, made once as the real agent does."""
@@ -108,11 +109,24 @@ class Worker:
                 trio_websocket.HandshakeError,
                 trio_websocket.ConnectionClosed,
                 WireError,
-            ):
-                pass
+            ) as group:
+                self.failed(group.exceptions[0], session)
             self.registered.discard(i)
             attempt = next_attempt(attempt, session)
             await trio.sleep(backoff_delay(attempt, 0.5, 30.0, self.rng))
+
+    def failed(self, exc: BaseException, session: Session) -> None:
+        """Count why a session ended, in a few words (before or after its welcome)."""
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        if isinstance(exc, ConnectFailed):
+            text = str(exc)
+            why = "refused" if "refused" in text else "no answer" if "no answer" in text else text
+        else:
+            why = type(exc).__name__
+        when = "after welcome" if session.welcomed_at is not None else "before welcome"
+        key = f"{why[:60]} ({when})"
+        self.failures[key] = self.failures.get(key, 0) + 1
 
     async def session(self, i: int, register: str, session: Session) -> None:
         self.connects += 1
@@ -162,6 +176,7 @@ class Worker:
                 "heartbeats": self.heartbeats,
                 "at": self.new_registrations,
                 "firsts": self.new_firsts,
+                "failures": self.failures,
             }
             self.new_registrations, self.new_firsts = [], []
             print(json.dumps(line), flush=True)

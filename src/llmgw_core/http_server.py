@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 _RECV = 65536
 TLS_HANDSHAKES_AT_ONCE = 32
+TLS_QUEUE_S = 2.0  # the longest a connection waits for its handshake to begin
 _TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 JSON = [(b"content-type", b"application/json")]
@@ -297,7 +298,7 @@ class HTTPServer:
         self._idle_scopes: set[trio.CancelScope] = set()
         self._accepting = trio.CancelScope()
         self.tls_failures = 0  # failed TLS handshakes, for metrics
-        self.tls_abandoned = 0  # connections whose client left before their handshake began
+        self.tls_abandoned = 0  # closed before a handshake: the client left, or it waited too long
         self._handshakes = trio.CapacityLimiter(TLS_HANDSHAKES_AT_ONCE)
         self.tls_failures_log = RateLimit(60.0)
 
@@ -342,10 +343,13 @@ class HTTPServer:
             try:
                 # A few handshakes at a time (each costs ~1 ms of CPU): in a storm of
                 # thousands, those let in finish within their clients' connect timeout
-                # instead of all finishing late, and a client that gave up meanwhile
-                # costs no handshake at all.
+                # instead of all finishing late. One that waited too long is closed
+                # unanswered (its client, about to give up, dials again after its
+                # backoff), as is one whose client left: neither costs a handshake.
+                accepted_at = trio.current_time()
                 async with self._handshakes:
-                    if _peer_left(tls.transport_stream):
+                    waited = trio.current_time() - accepted_at
+                    if waited > TLS_QUEUE_S or _peer_left(tls.transport_stream):
                         await trio.aclose_forcefully(tls.transport_stream)
                         self.tls_abandoned += 1
                         return
