@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -260,15 +261,16 @@ def secret_file(fleet: Fleet, name: str, token: str) -> Path:
     return path
 
 
-def separate_router(fleet: Fleet, token: str, *, ca: Path | None = None) -> Proc:
+def separate_router(
+    fleet: Fleet, token: str, *, ca: Path | None = None, workers: int = 1
+) -> Proc:
     """`llmgw-server router` with the control plane's own config, on a port of its own,
-    trusting the fleet's CA (or `ca`)."""
+    trusting the fleet's CA (or `ca`), with `workers` processes."""
     port = free_port()
     text = (fleet.procs.tmp / "server.toml").read_text()
     path = fleet.procs.tmp / f"router-{port}.toml"
-    path.write_text(
-        text.replace(f'listen = "127.0.0.1:{fleet.port}"', f'listen = "127.0.0.1:{port}"')
-    )
+    text = text.replace(f'listen = "127.0.0.1:{fleet.port}"', f'listen = "127.0.0.1:{port}"')
+    path.write_text(text.replace("workers = 1\n", f"workers = {workers}\n"))
     argv = [
         sys.executable, "-m", "llmgw_server", "router", "--config", str(path),
         "--control", fleet.control, "--ca", str(ca or fleet.certs / "ca.crt"),
@@ -446,3 +448,58 @@ def test_the_router_command_says_what_it_lacks(
         "cp.example", 8081, "/v1/routes", True
     )
     assert feed_target("http://[::1]") == Target("::1", 80, "/v1/routes", False)
+
+
+def test_a_separate_router_with_workers_follows_and_reloads_on_sighup(fleet: Fleet) -> None:
+    fleet.server(model("chat", replicas=2), control=ADMIN)
+    fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW)
+    serving = wait_until(
+        lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
+        what="both replicas on gpu-1",
+    )
+    router = separate_router(fleet, ROUTER_TOKEN, workers=2)
+    apart = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: [m.id for m in apart.models.list()] == ["chat"], what="the router to follow")
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in serving}
+
+    def answered_by() -> tuple[str, str]:
+        response = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={"model": "chat", "messages": CHAT, "max_tokens": 3},
+            headers={"connection": "close"},  # a new connection each: either worker takes it
+            timeout=20,
+        )
+        assert response.status_code == 200, response.text
+        worker = response.headers["x-llmgw-worker"].split(";")[0]
+        return worker, str(response.json()["system_fingerprint"])
+
+    seen: set[str] = set()
+
+    def both_workers_serve() -> bool:
+        worker, fingerprint_ = answered_by()
+        assert fingerprint_ in ports
+        seen.add(worker)
+        return seen == {"0", "1"}
+
+    wait_until(both_workers_serve, what="both workers to answer from the followed replicas")
+    # SIGHUP reloads every worker: a static model added to the file (one of the engines,
+    # which answers health probes) is served by both.
+    path = fleet.procs.tmp / f"router-{router.port}.toml"
+    added = f'[[models]]\nname = "added"\nendpoints = ["{serving[0]["url"]}"]\n'
+    path.write_text(path.read_text() + "\n" + added)
+    router.popen.send_signal(signal.SIGHUP)
+
+    def every_worker_lists_added() -> bool:
+        listed = set()
+        for _ in range(12):
+            response = httpx.get(
+                router.url + "/v1/models", headers={"connection": "close"}, timeout=10
+            )
+            if "added" not in {m["id"] for m in response.json()["data"]}:
+                return False
+            listed.add(response.headers["x-llmgw-worker"].split(";")[0])
+        return listed == {"0", "1"}
+
+    wait_until(every_worker_lists_added, what="both workers to serve the reloaded file")
+    assert {m.id for m in apart.models.list()} == {"chat", "added"}
+    assert router.popen.poll() is None

@@ -19,7 +19,9 @@ import socket
 import ssl
 import sys
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,11 +31,12 @@ import trio_websocket
 from llmgw_agent.dial import ConnectFailed, Target, describe_os_error, describe_rejection
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer, ServerLimits
-from llmgw_core.route_feed import MAX_FRAME_BYTES, FeedError
+from llmgw_core.route_feed import MAX_FRAME_BYTES, FeedError, RouteTable
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
-from llmgw_server.router.follower import Follower
+from llmgw_server.router.follower import Connection, Follower
 from llmgw_server.router.front import Router
 from llmgw_server.router.health import probe_forever
+from llmgw_server.router.reload import reload_on_sighup, router_reloader
 
 log = logging.getLogger("llmgw.router")
 
@@ -45,6 +48,15 @@ CONNECT_TIMEOUT_S = 10.0
 BACKOFF_BASE_S = 0.25
 BACKOFF_CAP_S = 2.0
 KEEPALIVE_INTERVAL_S = 5.0  # the control plane is pinged after 10 s of quiet, cut after 20 s
+
+
+class Following(Protocol):
+    """What follows a feed: a router's Follower, or a workers' parent's relay."""
+
+    @property
+    def table(self) -> RouteTable | None: ...
+
+    async def follow(self, connection: Connection) -> None: ...
 
 
 def feed_target(control: str) -> Target:
@@ -125,6 +137,7 @@ async def main(
     async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             nursery.start_soon(follow_forever, follower, where, token, ssl_context, ca)
+            await nursery.start(reload_on_sighup, router_reloader(router))
             if router.access_log is not None:
                 await nursery.start(router.access_log.run)
             await nursery.start(http.serve, listeners)
@@ -161,7 +174,7 @@ async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
 
 
 async def follow_forever(
-    follower: Follower,
+    follower: Following,
     where: Target,
     token: str,
     ssl_context: ssl.SSLContext | None,
@@ -187,7 +200,7 @@ async def follow_forever(
 
 
 async def follow_once(
-    follower: Follower,
+    follower: Following,
     where: Target,
     token: str,
     ssl_context: ssl.SSLContext | None,
@@ -220,7 +233,7 @@ async def follow_once(
 
 async def _follow_stream(
     nursery: trio.Nursery,
-    follower: Follower,
+    follower: Following,
     stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
     where: Target,
     token: str,
@@ -340,7 +353,17 @@ def _tls_failure(exc: BaseException, where: Target, ca: Path | None) -> str:
 def run(config: Config, control: str, token: str, ca: Path | None) -> int:
     """The `router` command: serve until a signal; 1 when the port cannot be had."""
     try:
-        trio.run(main, config, control, token, ca)
+        if config.server.workers > 1:
+            from llmgw_server.router import workers
+
+            where = feed_target(control)
+            ssl_context = client_context(ca) if where.secure else None
+            follow = partial(
+                follow_forever, where=where, token=token, ssl_context=ssl_context, ca=ca
+            )
+            trio.run(partial(workers.main, config, follow=follow))
+        else:
+            trio.run(main, config, control, token, ca)
     except OSError as exc:
         print(
             f"llmgw-server router: cannot listen on {config.server.listen}: {exc}", file=sys.stderr
