@@ -326,10 +326,12 @@ def test_a_changed_profile_replaces_its_replicas() -> None:
     old = f.starts()[0].spec
     f.commands.clear()
     f.set_catalog(catalog(model("a", 1, tensor_parallel=4, args=("--max-model-len", "8192"))))
-    drain, start = f.commands
-    assert drain == DrainShard("n1", old.replica_id, 0)
+    (start,) = f.commands  # make before break: the old replica serves on
     assert isinstance(start, StartShard) and start.spec.args == ("--max-model-len", "8192")
     assert start.spec.gpu_indices == (4, 5, 6, 7)  # the old replica still holds its GPUs
+    f.commands.clear()
+    f.ready_all()
+    assert f.commands == [DrainShard("n1", old.replica_id, 0)]
 
 
 def test_unplaceable_models_are_explained() -> None:

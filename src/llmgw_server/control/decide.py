@@ -26,6 +26,7 @@ from llmgw_server.control.lifecycle import Node
 from llmgw_server.control.placement import Assignment
 from llmgw_server.control.placing import Shortfall
 from llmgw_server.control.replicas import (
+    PROFILE_CHANGED,
     Replica,
     Status,
     hold,
@@ -90,6 +91,12 @@ class Decider:
         # When each model asked to be judged again (backoff, drain timeout, an awaited rank).
         self._due = Deadlines[str]()
         self._settle_due: float | None = None
+        # Rolls to a changed profile: model -> replacements of serving stale replicas not
+        # asked of placement yet (one is placed at a time), and the models whose roll
+        # waits for room, said once.
+        self._roll_held: dict[str, int] = {}
+        self._rolling: dict[str, int] = {}  # model -> its serving stale replicas
+        self._roll_said: set[str] = set()
 
     def next_due(self) -> float | None:
         times = (self._due.next(), self._settle_due)
@@ -128,6 +135,7 @@ class Decider:
         for name in sorted({a.model for a in placed} - set(judged)):
             # Not judged before placing (nothing of it changed): its new replicas count.
             judged[name] = self._judge(name, wanted.get(name), catalog, now)
+        notes += self._roll_notes(judged)
         retiring = [r for j in judged.values() for r in j.retiring]
         for name, j in judged.items():
             entry = wanted.get(name)
@@ -171,6 +179,7 @@ class Decider:
         known, nodes = self.known, self._nodes
         out = _Judged()
         candidates: list[Replica] = []
+        stale: list[Replica] = []
         for rid in known.store.of_model(name):
             known.work.replicas += 1
             records = self._settled(rid)
@@ -196,6 +205,8 @@ class Decider:
             why = unwanted(c, entry, catalog, records, nodes)
             if why is None:
                 candidates.append((rid, records))
+            elif why == PROFILE_CHANGED and serves(self.status[rid], records):
+                stale.append((rid, records))  # serves until its replacement does
             else:
                 out.retiring.append((rid, records, why))
         desired = entry.replicas if entry is not None else 0
@@ -206,9 +217,22 @@ class Decider:
         keep, surplus = staying[:desired], staying[desired:]
         out.retiring += [(rid, records, "surplus") for rid, records in surplus]
         self.kept[name] = len(keep)
-        self._missing[name] = desired - len(keep)
-        if not self._missing[name]:
+        ready = sum(serves(self.status[rid], records) for rid, records in keep)
+        # A roll replaces serving stale replicas one at a time: a replacement is placed
+        # only while no kept replica of the model is starting; replicas beyond the stale
+        # ones (a scale-up with the change) are placed at once.
+        missing = desired - len(keep)
+        rolling = min(len(stale), max(missing, 0))
+        placed_now = 1 if rolling and len(keep) == ready else 0
+        self._missing[name] = missing - rolling + placed_now
+        if self._missing[name] <= 0:
             del self._missing[name]
+        self._rolling[name] = len(stale)
+        if not stale:
+            del self._rolling[name]
+        self._roll_held[name] = rolling - placed_now
+        if not self._roll_held[name]:
+            del self._roll_held[name]
         for rid, records in keep:
             self.status[rid].kept = True
             known.drained.discard(rid)  # a drain the router reported is over
@@ -218,9 +242,25 @@ class Decider:
                 out.notes += said
                 if due is not None:
                     out.times.append(due)
-        out.moving, out.kept = moving, len(keep)
-        out.ready = sum(serves(self.status[rid], records) for rid, records in keep)
+        out.moving, out.kept, out.ready = moving + stale, len(keep), ready
         return out
+
+    def _roll_notes(self, judged: Iterable[str]) -> list[str]:
+        """Once per wait: a roll whose next replacement fits nowhere while the old
+        replicas hold their GPUs waits for room; they keep serving."""
+        notes = []
+        for name in judged:
+            short = self.shortfall.short.get(name)
+            if self._rolling.get(name) and short is not None and short[1] is None:
+                if name not in self._roll_said:
+                    self._roll_said.add(name)
+                    notes.append(
+                        f"the roll of {name} to its changed profile waits for room: its "
+                        f"{self._rolling[name]} replicas with the old profile keep serving"
+                    )
+            else:
+                self._roll_said.discard(name)
+        return notes
 
     def _settled(self, rid: str) -> list[ShardRecord]:
         """A replica's records, those of stopped shards dropped (a failed replica keeps
@@ -293,8 +333,23 @@ class Decider:
 
     @property
     def missing(self) -> dict[str, int]:
-        """Model -> replicas it lacks, as last judged."""
+        """Model -> replicas to place, as last judged."""
         return self._missing
+
+    def short(self) -> dict[str, tuple[int, str | None]]:
+        """Model -> replicas wanted but not placed, and why placement waits (None when
+        nothing fits): the placement's shortfall plus the replacements a roll holds back
+        while one of them starts."""
+        short = dict(self.shortfall.short)
+        for name, held in self._roll_held.items():
+            count, waiting = short.get(name, (0, None))
+            if name not in short:
+                waiting = (
+                    "its changed profile rolls one replica at a time: the next replacement "
+                    "is placed once the one starting serves"
+                )
+            short[name] = (count + held, waiting)
+        return short
 
     # -- helpers ------------------------------------------------------------------
 

@@ -30,6 +30,15 @@ Decisions, per model with a profile:
   a forced drain retires a replica with no replacement on the way. Whether a
   drain was forced is not kept across a restart (agents keep only `draining`):
   it goes on unforced, which errs on the side that keeps models serving.
+- A profile change rolls, make before break as a drain: a serving replica with
+  the old profile (stale) serves on and is retired once a replacement serves.
+  Replacements for stale replicas are placed one at a time per model (the next
+  once no kept replica of the model starts), so a roll never takes capacity
+  away; replicas beyond the stale ones (a scale-up with the change) are placed
+  at once. When a replacement fits nowhere while the old replicas hold their
+  GPUs, the roll waits for room and says so; the old replicas serve on. A
+  restarted control plane with a changed catalog rolls the replicas it adopts
+  the same way. A stale replica that does not serve is retired at once.
 - Every other replica is retired: drained if it was serving, then stopped when
   the router reports it drained or `drain_timeout_s` passes.
 - A replica on a lost node, or missing a rank, is broken: its other shards are
@@ -222,9 +231,7 @@ class Reconciler:
     def view(self) -> ControlView:
         """O(nodes, shards and the unplaced models' explanations)."""
         d = self._decider
-        return control_view(
-            self.known, d.status, d.kept, d.shortfall.short, self.catalog, self.explain
-        )
+        return control_view(self.known, d.status, d.kept, d.short(), self.catalog, self.explain)
 
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key.

@@ -17,6 +17,7 @@ from llmgw_server.control.shards import Classified, Failure, Phase, ShardRecord,
 
 _LIVE_ORDER = {ShardState.READY: 0, ShardState.STARTING: 1, ShardState.PENDING: 2}
 Replica = tuple[str, list[ShardRecord]]  # id, records
+PROFILE_CHANGED = "its profile changed"
 
 
 @attrs.define
@@ -25,7 +26,9 @@ class Status:
 
     classified: Classified
     kept: bool = False
-    moving: bool = False  # on a draining node, serving until a replacement serves
+    # On a draining node, or rolling to a changed profile: serving until a replacement
+    # serves.
+    moving: bool = False
 
 
 def unwanted(
@@ -46,7 +49,7 @@ def unwanted(
             return "its model is scaled to 0 replicas"
         return f"no model {name!r} with a profile in the catalog"
     if not matches(records, entry.profile, nodes):
-        return "its profile changed"
+        return PROFILE_CHANGED
     return None
 
 
@@ -81,9 +84,9 @@ def hold(
     status: Mapping[str, Status],
     nodes: Mapping[str, Node],
 ) -> tuple[list[str], list[tuple[str, list[ShardRecord], str]]]:
-    """Keep up to `budget` serving replicas of a model that sit on draining nodes (as
-    many as replacements do not serve yet); returns those held and those to retire,
-    with why.
+    """Keep up to `budget` serving replicas of a model that sit on draining nodes or
+    roll to a changed profile (as many as replacements do not serve yet); returns
+    those held and those to retire, with why.
 
     A replica on a node whose drain was not forced stays whatever is `underway`: that
     drain never takes a model offline. One on a forced drain stays only while one of
@@ -104,7 +107,7 @@ def hold(
             if is_forced:
                 underway -= 1
             continue
-        why = f"node {draining[0]} is draining"
+        why = f"node {draining[0]} is draining" if draining else PROFILE_CHANGED
         if serving and budget > 0:
             node = next(n for n in draining if nodes[n].drain_forced)
             why = f"the drain of node {node} is forced and it fits nowhere else"
