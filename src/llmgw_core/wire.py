@@ -22,6 +22,28 @@ PROTOCOL = 1
 MAX_FRAME_BYTES = 1024 * 1024
 
 
+def accepts(agent_protocol: int) -> str | None:
+    """Why the control plane refuses an agent of this protocol version, None when it
+    takes it.
+
+    Version policy: the control plane speaks PROTOCOL and PROTOCOL - 1, so that a
+    fleet upgrades in rolling fashion, control plane first, then agents one by one;
+    it answers each agent in the agent's own version (the Welcome carries it). An
+    agent two or more versions behind, or newer than the control plane, is refused.
+    With PROTOCOL = 1, version 0 is "one behind" only in principle: no release spoke
+    it, and its messages are those of version 1.
+    """
+    if agent_protocol == PROTOCOL or agent_protocol == PROTOCOL - 1:
+        return None
+    speaks = f"this control plane speaks {PROTOCOL - 1} and {PROTOCOL}"
+    if agent_protocol > PROTOCOL:
+        return (
+            f"protocol version {agent_protocol} is not supported ({speaks}): "
+            "upgrade the control plane before its agents"
+        )
+    return f"protocol version {agent_protocol} is not supported ({speaks}): upgrade the agent"
+
+
 class WireError(Exception):
     """A frame that cannot be used: not JSON, unknown type, wrong fields, too large."""
 

@@ -33,7 +33,6 @@ from llmgw_core.inventory import LaunchSpec
 from llmgw_core.tls_config import peer_identity
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
-    PROTOCOL,
     Ack,
     DownMessage,
     Heartbeat,
@@ -42,6 +41,7 @@ from llmgw_core.wire import (
     UpMessage,
     Welcome,
     WireError,
+    accepts,
     decode_up,
     encode,
 )
@@ -234,11 +234,9 @@ class AgentService:
                 raise StreamClosed(
                     f"the first message must be register, not {type(register).__name__}"
                 )
-            if register.protocol != PROTOCOL:
-                raise StreamClosed(
-                    f"protocol version {register.protocol} is not supported "
-                    f"(this server speaks {PROTOCOL})"
-                )
+            refused = accepts(register.protocol)
+            if refused is not None:
+                raise StreamClosed(refused)
             self._check_identity(register.inventory.name, certificate, peer)
             certificate = None  # checked: not kept for the stream's life
             _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
@@ -253,7 +251,8 @@ class AgentService:
             log.info(
                 "node %s registered from %s with %d shards", stream.node, peer, len(register.shards)
             )
-            self.send(stream.node, Welcome(PROTOCOL, self.heartbeat_interval_s))
+            # The agent's own version: one behind during a rolling upgrade.
+            self.send(stream.node, Welcome(register.protocol, self.heartbeat_interval_s))
             self.plane.registered(register)
             del register
             with stream.cancel_scope:
