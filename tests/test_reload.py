@@ -67,17 +67,17 @@ def test_a_plan_names_what_it_applies_and_what_waits_for_a_restart(tmp_path: Pat
         "server.listen",
         "server.workers",
         "router.retries",
-        "models.placed (profile)",
     )
+    assert plan.profiles_changed == ("placed",)  # the control plane rolls it
     assert plan.summary() == (
         "API keys: 1 added, 1 removed, 1 changed; models added: new; models changed: m; "
-        "models removed: gone"
+        "models removed: gone; profiles changed (rolled): placed"
     )
     served = reloaded_config(old, new)
     # What serves after it: the new keys and static models, everything else as it was.
     assert served.auth == new.auth and served.server == old.server and served.router == old.router
     assert [m.name for m in served.catalog.models] == ["m", "new", "placed"]
-    assert served.catalog.get("placed") == old.catalog.get("placed")
+    assert served.catalog.get("placed") == new.catalog.get("placed")
     assert plan_reload(served, served).changes is False
     assert plan_reload(served, new).needs_restart == plan.needs_restart
 

@@ -20,7 +20,7 @@ from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router
 from llmgw_server.router.health import probe_forever
-from llmgw_server.router.reload import reload_on_sighup, router_reloader
+from llmgw_server.router.reload import reload_on_sighup, router_reloader, with_control_plane
 
 log = logging.getLogger("llmgw.server")
 
@@ -67,6 +67,7 @@ async def main(
             if config.runs_control_plane:
                 interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
                 plane = ControlPlane(config, heartbeat_interval_s=interval)
+                reloader.apply = with_control_plane(reloader.apply, plane.set_catalog)
                 tls = config.agents
                 if tls.insecure:
                     log.warning(

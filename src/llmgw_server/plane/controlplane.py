@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import assert_never
 
+import attrs
 import trio
 
-from llmgw_core.catalog import Endpoint
+from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
 from llmgw_core.http_server import Request
 from llmgw_core.inventory import ShardState
@@ -145,6 +146,11 @@ class ControlPlane:
         )
 
     # -- operator actions ------------------------------------------------------
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """A reloaded catalog: changed profiles roll, replicas counts apply."""
+        self.config = attrs.evolve(self.config, catalog=catalog)
+        self._run(lambda: self.reconciler.set_catalog(catalog, trio.current_time()))
 
     def cordon(self, node: str, on: bool) -> None:
         self._run(lambda: self.reconciler.cordon(node, on, trio.current_time()))

@@ -1,10 +1,13 @@
 """Reloading the config file without a restart (SIGHUP, `POST /v1/admin/reload`).
 
-What a reload applies: the API keys (`[auth]`), the metrics token and the static models
-(`[[models]]` with `endpoints`: added, removed, their endpoints changed). Everything
-else (listen addresses, workers, `[router]` tuning, the control plane, profiled models)
-is read from the new file only at the next start: `plan_reload` names it, the log says
-it, the rest is applied. A file that does not validate changes nothing.
+What a reload applies: the API keys (`[auth]`), the metrics token, the static models
+(`[[models]]` with `endpoints`: added, removed, their endpoints changed) and, where a
+control plane runs, the profile and `replicas` of each profiled model (the control
+plane rolls the changed ones, one replica at a time). Everything else (listen
+addresses, workers, `[router]` tuning, the control plane's settings, profiled models
+added or removed) is read from the new file only at the next start: `plan_reload`
+names it, the log says it, the rest is applied. A file that does not validate changes
+nothing.
 
 `plan_reload` and `reloaded_config` are pure; `Reloader` reads the file and hands what
 to apply to its owner (a Router, or the workers' parent); `reload_on_sighup` is the
@@ -47,6 +50,8 @@ class ReloadPlan:
     models_added: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_changed: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_removed: tuple[str, ...] = ()
+    # Profiled models whose profile or replicas changed: the control plane takes them.
+    profiles_changed: tuple[str, ...] = ()
     needs_restart: tuple[str, ...] = ()  # such as "server.listen", "models.chat (profile)"
 
     @property
@@ -59,6 +64,7 @@ class ReloadPlan:
             or self.models_added
             or self.models_changed
             or self.models_removed
+            or self.profiles_changed
         )
 
     def summary(self) -> str:
@@ -77,6 +83,8 @@ class ReloadPlan:
         ):
             if names:
                 parts.append(f"models {what}: {', '.join(names)}")
+        if self.profiles_changed:
+            parts.append(f"profiles changed (rolled): {', '.join(self.profiles_changed)}")
         return "; ".join(parts) or "nothing to apply"
 
     def as_json(self) -> dict[str, Any]:
@@ -91,6 +99,7 @@ class ReloadPlan:
                 "added": sorted(self.models_added),
                 "changed": sorted(self.models_changed),
                 "removed": list(self.models_removed),
+                "profiles_changed": list(self.profiles_changed),
             },
             "needs_restart": list(self.needs_restart),
         }
@@ -102,9 +111,13 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     old_static, new_static = _static(old.catalog), _static(new.catalog)
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
     restart = [*_differing_fields(old, new)]
+    rolled = []
     for name in sorted(set(old_profiled) | set(new_profiled)):
         if old_profiled.get(name) != new_profiled.get(name):
-            restart.append(f"models.{name} (profile)")
+            if name in _rollable(old, new):
+                rolled.append(name)
+            else:
+                restart.append(f"models.{name} (profile)")
     return ReloadPlan(
         keys_added=len(new_keys.keys() - old_keys.keys()),
         keys_removed=len(old_keys.keys() - new_keys.keys()),
@@ -126,6 +139,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         models_removed=tuple(
             name for name in old_static if name not in new_static and name not in new_profiled
         ),
+        profiles_changed=tuple(rolled),
         needs_restart=tuple(restart),
     )
 
@@ -133,14 +147,28 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
 def reloaded_config(old: Config, new: Config) -> Config:
     """`old` with what a reload applies taken from `new`: the config that serves after it.
 
-    Static models come in the new file's order; a profiled model stays as it was (as does
-    a name that changed between static and profiled, until a restart).
+    Static models come in the new file's order; a profiled model takes its new profile
+    and replicas where a control plane runs, and stays as it was otherwise (as does a
+    name that changed between static and profiled, until a restart).
     """
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
+    rollable = _rollable(old, new)
     models = [e for e in new.catalog.models if e.profile is None and e.name not in old_profiled]
-    models += [e for e in old.catalog.models if e.profile is not None or e.name in new_profiled]
+    models += [
+        new_profiled[e.name] if e.name in rollable else e
+        for e in old.catalog.models
+        if e.profile is not None or e.name in new_profiled
+    ]
     server = attrs.evolve(old.server, metrics_token_digest=new.server.metrics_token_digest)
     return attrs.evolve(old, server=server, auth=new.auth, catalog=Catalog(models=tuple(models)))
+
+
+def _rollable(old: Config, new: Config) -> set[str]:
+    """The profiled models a reload hands to the running control plane: profiled in
+    both files (one added or removed waits for a restart), where one runs."""
+    if not old.runs_control_plane:
+        return set()
+    return set(_profiled(old.catalog)) & set(_profiled(new.catalog))
 
 
 def _static(catalog: Catalog) -> dict[str, ModelEntry]:
@@ -202,6 +230,18 @@ class Reloader:
                     ", ".join(plan.needs_restart),
                 )
             return plan
+
+
+def with_control_plane(apply: Apply, set_catalog: Callable[[Catalog], None]) -> Apply:
+    """`apply`, then the reloaded catalog to this process's control plane when a profile
+    or a replicas count changed (it rolls the changed models)."""
+
+    async def both(config: Config, plan: ReloadPlan) -> None:
+        await apply(config, plan)
+        if plan.profiles_changed:
+            set_catalog(config.catalog)
+
+    return both
 
 
 def router_reloader(router: Router) -> Reloader:

@@ -41,7 +41,7 @@ from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Connection
 from llmgw_server.router.metrics_merge import merge_pages
-from llmgw_server.router.reload import Reloader, ReloadPlan, reload_on_sighup
+from llmgw_server.router.reload import Reloader, ReloadPlan, reload_on_sighup, with_control_plane
 from llmgw_server.router.worker import (
     APPLIED,
     CONFIG,
@@ -477,7 +477,8 @@ async def main(
         [listener.socket.fileno() for listener in listeners],
         feed=None if hub is None else hub.serve,
     )
-    reloader = Reloader(config, workers.apply)
+    apply = workers.apply if plane is None else with_control_plane(workers.apply, plane.set_catalog)
+    reloader = Reloader(config, apply)
     control_port = None
     try:
         async with trio.open_nursery() as nursery:
