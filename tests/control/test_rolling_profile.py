@@ -133,3 +133,8 @@ def test_a_restarted_control_plane_with_a_changed_profile_rolls_one_at_a_time() 
     starts = [c for c in f.commands if isinstance(c, StartShard)]
     assert len(starts) == 1 and not any(isinstance(c, DrainShard) for c in f.commands)
     assert len(serving(f)) == 2
+    for _ in range(6):  # engines load, drains time out: the roll ends, one at a time
+        f.ready_all()
+        f.advance(FAST.drain_timeout_s)
+        assert len(serving(f)) >= 2 and len(starting(f)) <= 1
+    assert f.replicas("a") == new_ones(f) and len(new_ones(f)) == 2
