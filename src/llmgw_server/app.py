@@ -18,7 +18,7 @@ from llmgw_server.plane.admin import AdminAPI
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Follower, local_pair
-from llmgw_server.router.front import Router
+from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever
 from llmgw_server.router.reload import reload_on_sighup, router_reloader, with_control_plane
 
@@ -48,12 +48,7 @@ async def main(
     reloader = router_reloader(router)  # SIGHUP and POST /v1/admin/reload
     http = HTTPServer(
         router.handle,
-        ServerLimits(
-            max_body_bytes=s.max_body_bytes,
-            header_timeout_s=s.header_timeout_s,
-            body_timeout_s=s.body_timeout_s,
-            keepalive_timeout_s=s.keepalive_timeout_s,
-        ),
+        server_limits(s),
         on_reject=router.rejected,
     )
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)

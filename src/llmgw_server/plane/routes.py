@@ -39,6 +39,7 @@ from llmgw_core.route_feed import (
     decode_up,
     encode,
 )
+from llmgw_core.route_feed_ws import WebSocketFeed
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 
 log = logging.getLogger("llmgw.routes")
@@ -208,26 +209,6 @@ def refusal(
     return 401, "the router token is not valid"
 
 
-class _WebSocketConnection:
-    def __init__(
-        self, ws: trio_websocket.WebSocketConnection, inbox: trio.MemoryReceiveChannel[str | bytes]
-    ) -> None:
-        self.ws = ws
-        self.inbox = inbox
-
-    async def send(self, text: str) -> None:
-        try:
-            await self.ws.send_message(text)
-        except trio_websocket.ConnectionClosed:
-            raise trio.BrokenResourceError("the follower went away") from None
-
-    async def receive(self) -> str:
-        frame = await self.inbox.receive()
-        if isinstance(frame, bytes):
-            raise FeedError("binary frames are not part of the route feed; send JSON text")
-        return frame
-
-
 async def serve_websocket(
     hub: RouteHub,
     request: Request,
@@ -270,7 +251,7 @@ async def _serve_ws(hub: RouteHub, ws: trio_websocket.WebSocketConnection, peer:
                 nursery.cancel_scope,
             )
             try:
-                await hub.serve(_WebSocketConnection(ws, inbox_receive), peer)
+                await hub.serve(WebSocketFeed(ws, inbox_receive, "the follower"), peer)
             except FeedError as exc:
                 code, reason = 1008, str(exc)
                 log.warning("closing the route feed of %s: %s", peer, reason)

@@ -13,8 +13,8 @@ import attrs
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import Config, digest_of
-from llmgw_core.http_server import JSON, Request, Responder
+from llmgw_core.config import Config, ServerSection, digest_of
+from llmgw_core.http_server import JSON, Request, Responder, ServerLimits
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
 from llmgw_server.router.access_log import (
@@ -57,6 +57,16 @@ _WHOLE_LIMIT = 1024 * 1024
 _REQUEST_ID = b"x-request-id"
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered, neither logged nor counted
 _CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
+
+
+def server_limits(s: ServerSection) -> ServerLimits:
+    """The inference port's limits, as `[server]` sets them (every process serving it)."""
+    return ServerLimits(
+        max_body_bytes=s.max_body_bytes,
+        header_timeout_s=s.header_timeout_s,
+        body_timeout_s=s.body_timeout_s,
+        keepalive_timeout_s=s.keepalive_timeout_s,
+    )
 
 
 class Router:

@@ -30,11 +30,12 @@ import trio_websocket
 
 from llmgw_agent.dial import ConnectFailed, Target, describe_os_error, describe_rejection
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_core.http_server import HTTPServer
 from llmgw_core.route_feed import MAX_FRAME_BYTES, FeedError, RouteTable
+from llmgw_core.route_feed_ws import WebSocketFeed
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_server.router.follower import Connection, Follower
-from llmgw_server.router.front import Router
+from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever
 from llmgw_server.router.reload import reload_on_sighup, router_reloader
 
@@ -122,12 +123,7 @@ async def main(
     router = Router(config)
     http = HTTPServer(
         router.handle,
-        ServerLimits(
-            max_body_bytes=s.max_body_bytes,
-            header_timeout_s=s.header_timeout_s,
-            body_timeout_s=s.body_timeout_s,
-            keepalive_timeout_s=s.keepalive_timeout_s,
-        ),
+        server_limits(s),
         on_reject=router.rejected,
     )
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
@@ -264,7 +260,7 @@ async def _follow_stream(
     why = "the control plane closed the route feed"
     with silent:
         try:
-            await follower.follow(_FeedConnection(ws, inbox_receive))
+            await follower.follow(WebSocketFeed(ws, inbox_receive, "the control plane"))
         except FeedError as exc:
             why = f"a frame from the control plane cannot be used: {exc}"
             with trio.move_on_after(1):
@@ -282,26 +278,6 @@ async def _follow_stream(
     with trio.move_on_after(1):
         await ws.aclose()
     return True, why
-
-
-class _FeedConnection:
-    def __init__(
-        self, ws: trio_websocket.WebSocketConnection, inbox: trio.MemoryReceiveChannel[str | bytes]
-    ) -> None:
-        self.ws = ws
-        self.inbox = inbox
-
-    async def send(self, text: str) -> None:
-        try:
-            await self.ws.send_message(text)
-        except trio_websocket.ConnectionClosed:
-            raise trio.BrokenResourceError("the control plane went away") from None
-
-    async def receive(self) -> str:
-        frame = await self.inbox.receive()
-        if isinstance(frame, bytes):
-            raise FeedError("binary frames are not part of the route feed")
-        return frame
 
 
 async def _dial(

@@ -35,9 +35,9 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import JSON, HTTPServer, Request, Responder, ServerLimits
+from llmgw_core.http_server import JSON, HTTPServer, Request, Responder
 from llmgw_server.router.follower import Follower
-from llmgw_server.router.front import Router
+from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever
 from llmgw_server.router.metrics_merge import merge_pages
 
@@ -289,12 +289,7 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: 
     s = config.server
     http = HTTPServer(
         worker.handle,
-        ServerLimits(
-            max_body_bytes=s.max_body_bytes,
-            header_timeout_s=s.header_timeout_s,
-            body_timeout_s=s.body_timeout_s,
-            keepalive_timeout_s=s.keepalive_timeout_s,
-        ),
+        server_limits(s),
         on_reject=router.rejected,
     )
     listeners = [
