@@ -12,10 +12,9 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer, ServerLimits
-from llmgw_core.tls_config import server_context
-from llmgw_server.plane.admin import AdminAPI
+from llmgw_core.http_server import HTTPServer
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.plane.port import serve_control_port
 from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router, server_limits
@@ -55,7 +54,6 @@ async def main(
     port = listeners[0].socket.getsockname()[1]
     timeout = httpx.Timeout(config.router.health_timeout_s)
     plane: ControlPlane | None = None
-    control: HTTPServer | None = None
     control_port = None
     async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -63,35 +61,8 @@ async def main(
                 interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
                 plane = ControlPlane(config, heartbeat_interval_s=interval)
                 reloader.apply = with_control_plane(reloader.apply, plane.set_catalog)
-                tls = config.agents
-                if tls.insecure:
-                    log.warning(
-                        "[agents] insecure = true: the agent stream is plaintext and anyone who "
-                        "reaches %s can register as a node or receive its commands",
-                        s.control_listen,
-                    )
-                control = HTTPServer(
-                    AdminAPI(plane, reload=reloader.reload).handle,
-                    ServerLimits(),
-                    upgrade=plane.serve_upgrade,
-                    ssl_context=None if tls.insecure else server_context(tls),
-                )
-                control_listeners = await trio.open_tcp_listeners(
-                    s.control_listen.port, host=s.control_listen.host
-                )
-                control_port = control_listeners[0].socket.getsockname()[1]
-                await nursery.start(plane.run)
+                control_port = await serve_control_port(plane, reloader.reload, nursery)
                 nursery.start_soon(_follow_in_process, plane.routes, router)
-                await nursery.start(control.serve, control_listeners)
-                where = f"{_url_host(s.control_listen.host)}:{control_port}"
-                log.info(
-                    "control plane listening on %s (agents: %s://%s/v1/agent, admin: %s://%s)",
-                    where,
-                    "ws" if tls.insecure else "wss",
-                    where,
-                    "http" if tls.insecure else "https",
-                    where,
-                )
             if router.access_log is not None:
                 await nursery.start(router.access_log.run)
             await nursery.start(reload_on_sighup, reloader)
@@ -124,10 +95,6 @@ async def _follow_in_process(routes: RouteHub, router: Router) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(routes.serve, hub_end, "this process")
         await Follower(router, "in-process").follow(router_end)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:

@@ -33,11 +33,9 @@ import attrs
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.route_feed import PROTOCOL, Hello, InFlight, RouteTable, decode_down, encode
-from llmgw_core.tls_config import server_context
-from llmgw_server.plane.admin import AdminAPI
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.plane.port import serve_control_port
 from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Connection
 from llmgw_server.router.metrics_merge import merge_pages
@@ -484,7 +482,7 @@ async def main(
         async with trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 if plane is not None:
-                    control_port = await _serve_control_plane(plane, reloader, nursery)
+                    control_port = await serve_control_port(plane, reloader.reload, nursery)
                 await nursery.start(reload_on_sighup, reloader)
                 await nursery.start(workers.run)
                 if follow is not None:
@@ -511,32 +509,6 @@ async def main(
         for listener in listeners:
             listener.socket.close()
     log.info("stopped")
-
-
-async def _serve_control_plane(
-    plane: ControlPlane, reloader: Reloader, nursery: trio.Nursery
-) -> int:
-    """The control plane and its port, as the single process serves them (app.main)."""
-    config = plane.config
-    s, tls = config.server, config.agents
-    if tls.insecure:
-        log.warning(
-            "[agents] insecure = true: the agent stream is plaintext and anyone who "
-            "reaches %s can register as a node or receive its commands",
-            s.control_listen,
-        )
-    control = HTTPServer(
-        AdminAPI(plane, reload=reloader.reload).handle,
-        ServerLimits(),
-        upgrade=plane.serve_upgrade,
-        ssl_context=None if tls.insecure else server_context(tls),
-    )
-    listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
-    await nursery.start(plane.run)
-    await nursery.start(control.serve, listeners)
-    port: int = listeners[0].socket.getsockname()[1]
-    log.info("control plane listening on %s:%d", s.control_listen.host, port)
-    return port
 
 
 async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:

@@ -1,0 +1,54 @@
+"""The control port: the admin API, the agents' streams and the routers' feed, served
+for a control plane (by the single process, or by the workers' parent)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from llmgw_core.http_server import HTTPServer, ServerLimits
+from llmgw_core.tls_config import server_context
+from llmgw_server.plane.admin import AdminAPI
+from llmgw_server.plane.controlplane import ControlPlane
+from llmgw_server.router.reload import ReloadPlan
+
+log = logging.getLogger("llmgw.server")
+
+
+async def serve_control_port(
+    plane: ControlPlane,
+    reload: Callable[[], Awaitable[ReloadPlan]] | None,
+    nursery: trio.Nursery,
+) -> int:
+    """Start the control plane and its port in `nursery`; the port it listens on."""
+    config = plane.config
+    s, tls = config.server, config.agents
+    if tls.insecure:
+        log.warning(
+            "[agents] insecure = true: the agent stream is plaintext and anyone who "
+            "reaches %s can register as a node or receive its commands",
+            s.control_listen,
+        )
+    control = HTTPServer(
+        AdminAPI(plane, reload=reload).handle,
+        ServerLimits(),
+        upgrade=plane.serve_upgrade,
+        ssl_context=None if tls.insecure else server_context(tls),
+    )
+    listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
+    port: int = listeners[0].socket.getsockname()[1]
+    await nursery.start(plane.run)
+    await nursery.start(control.serve, listeners)
+    host = s.control_listen.host
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    log.info(
+        "control plane listening on %s (agents: %s://%s/v1/agent, admin: %s://%s)",
+        where,
+        "ws" if tls.insecure else "wss",
+        where,
+        "http" if tls.insecure else "https",
+        where,
+    )
+    return port
