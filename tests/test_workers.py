@@ -399,7 +399,13 @@ def test_with_a_control_plane_both_workers_follow_the_replicas_and_sessions_keep
 
     replicas: dict[str, set[str]] = {}
     workers: dict[str, set[int]] = {}
-    for _ in range(6):
+    # New connections go to whichever worker accepts first, which under load can be the
+    # same one many times in a row: ask until some session has met both workers.
+    deadline = time.monotonic() + 60
+    rounds = 0
+    while rounds < 6 or not any(w == {0, 1} for w in workers.values()):
+        assert time.monotonic() < deadline, f"no session reached both workers: {workers}"
+        rounds += 1
         for n in range(8):
             worker, replica = ask_session(f"session-{n}")
             replicas.setdefault(f"session-{n}", set()).add(replica)

@@ -340,7 +340,13 @@ class Decider:
         """Model -> replicas wanted but not placed, and why placement waits (None when
         nothing fits): the placement's shortfall plus the replacements a roll holds back
         while one of them starts."""
-        short = dict(self.shortfall.short)
+        # The last attempt's shortfall, as far as the model still lacks it: judged again
+        # after placing, a model whose new replica starts holds the rest of its roll back.
+        short = {}
+        for name, (count, waiting) in self.shortfall.short.items():
+            count = min(count, self._missing.get(name, 0))
+            if count:
+                short[name] = (count, waiting)
         for name, held in self._roll_held.items():
             count, waiting = short.get(name, (0, None))
             if name not in short:
