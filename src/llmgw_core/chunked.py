@@ -34,17 +34,10 @@ class ChunkScanner:
         pos = 0
         n = len(buf)
         while True:
-            line_end = buf.find(b"\r\n", pos, pos + _MAX_LINE)
-            if line_end < 0:
-                if n - pos >= _MAX_LINE:
-                    raise ChunkedError("a chunk header line is too long")
+            header = _size_line(buf, pos)
+            if header is None:
                 break
-            head = buf[pos:line_end]
-            semi = head.find(b";")
-            size_text = (head if semi < 0 else head[:semi]).strip()
-            if not _HEX.fullmatch(size_text):
-                raise ChunkedError(f"bad chunk size {size_text[:20]!r}")
-            size = int(size_text, 16)
+            size, line_end = header
             if size == 0:
                 end = buf.find(b"\r\n\r\n", line_end)
                 if end < 0:
@@ -112,17 +105,10 @@ class ChunkDecoder:
                 self.extra = buf[end + 4 :]
                 pos = n
                 break
-            line_end = buf.find(b"\r\n", pos, pos + _MAX_LINE)
-            if line_end < 0:
-                if n - pos >= _MAX_LINE:
-                    raise ChunkedError("a chunk header line is too long")
+            header = _size_line(buf, pos)
+            if header is None:
                 break
-            head = buf[pos:line_end]
-            semi = head.find(b";")
-            size_text = (head if semi < 0 else head[:semi]).strip()
-            if not _HEX.fullmatch(size_text):
-                raise ChunkedError(f"bad chunk size {size_text[:20]!r}")
-            size = int(size_text, 16)
+            size, line_end = header
             if size == 0:
                 # The CRLF ending the size line may be the blank line that ends the body.
                 self._trailers_from = pos = line_end
@@ -131,3 +117,19 @@ class ChunkDecoder:
             self._left = size
         self._buf = buf[pos:] if not self.done else b""
         return b"".join(out) if len(out) != 1 else out[0]
+
+
+def _size_line(buf: bytes, pos: int) -> tuple[int, int] | None:
+    """The chunk size in the line at `pos` and where that line ends (its CRLF); None
+    while the line is incomplete. Raises ChunkedError for a bad or overlong line."""
+    line_end = buf.find(b"\r\n", pos, pos + _MAX_LINE)
+    if line_end < 0:
+        if len(buf) - pos >= _MAX_LINE:
+            raise ChunkedError("a chunk header line is too long")
+        return None
+    head = buf[pos:line_end]
+    semi = head.find(b";")
+    size_text = (head if semi < 0 else head[:semi]).strip()
+    if not _HEX.fullmatch(size_text):
+        raise ChunkedError(f"bad chunk size {size_text[:20]!r}")
+    return int(size_text, 16), line_end
