@@ -244,7 +244,12 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
     router = procs.router(
         models_toml({"m": [engine.url], "g": [garbage.url], "down": [dead]})
         + f'[auth]\napi_keys = ["sha256:{digest}"]\n',
-        server="max_body_bytes = 4096\nheader_timeout_s = 0.5\nbody_timeout_s = 0.5",
+        server="max_body_bytes = 4096",
+    )
+    # Timeouts are checked on a router of their own: a 0.5 s body deadline on the
+    # router above would turn a slow (loaded) chunked upload into 408, not 413.
+    hasty = procs.router(
+        models_toml({"m": [engine.url]}), server="header_timeout_s = 0.5\nbody_timeout_s = 0.5"
     )
     url = router.url + "/v1/chat/completions"
     good = {"authorization": "Bearer sk-right"}
@@ -279,10 +284,10 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
     check(httpx.post(url, content=chunks(), headers=good), 413, "request_too_large")
 
     # Headers that never finish, and a body that trickles in, time out with 408.
-    answer = raw_exchange(router.port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    answer = raw_exchange(hasty.port, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
     assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
-    answer = raw_exchange(router.port, head + b"{", pause=1.0, rest=b"more")
+    answer = raw_exchange(hasty.port, head + b"{", pause=1.0, rest=b"more")
     assert answer.startswith(b"HTTP/1.1 408 ")
     # A request line that is not HTTP gets 400 and a closed connection.
     assert raw_exchange(router.port, b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
