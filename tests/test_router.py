@@ -380,3 +380,19 @@ def test_an_engine_that_stalls_after_its_head_is_cut_off(procs: Procs) -> None:
     assert time.monotonic() - started < 10  # not the 25 s the engine would take
     error = json.loads(events[-1][6:])["error"]
     assert "sent nothing for 0.5 s" in error["message"]
+
+
+def test_an_engine_with_no_answer_within_the_first_byte_limit_gets_504(procs: Procs) -> None:
+    # A prompt that takes the engine seconds to prefill: the answer's head is that late.
+    slow = procs.mock("m", "--mock-kv-blocks", "1000", "--mock-prefill-tps", "1")
+    router = procs.router(
+        models_toml({"m": [slow.url]}) + "\n[router]\nfirst_byte_timeout_s = 0.5\nretries = 0\n"
+    )
+    started = time.monotonic()
+    response = httpx.post(router.url + "/v1/chat/completions", json=CHAT, timeout=20)
+    waited = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    assert "sent no answer within 0.5 s" in response.json()["error"]["message"]
+    assert 0.5 <= waited < 5, waited  # never early; not the engine's seconds either
+    # The router goes on serving; the engine, once done with the prompt, is used again.
+    assert httpx.get(router.url + "/healthz").status_code == 200

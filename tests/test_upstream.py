@@ -56,6 +56,8 @@ class Engine:
                 if action == "vanish-late":  # as if the engine died while working on it
                     await trio.sleep(1.5)
                     return
+                if action == "stall":  # reads the request and never answers
+                    await trio.sleep_forever()
                 headers = [(b"content-length", b"2")]
                 if self.keep_alive_header:
                     headers.append((b"keep-alive", self.keep_alive_header))
@@ -204,4 +206,28 @@ async def test_a_reused_connection_closed_long_after_the_request_is_a_failure() 
             with pytest.raises(UpstreamError):
                 await get(pool)  # the engine may have done the work: not sent again
             assert (engine.connections, pool.stale_retries) == (1, 0)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("reused", [False, True])
+async def test_an_engine_silent_past_the_first_byte_limit_times_out(reused: bool) -> None:
+    engine = Engine(plan=["answer", "stall"] if reused else ["stall"])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.serve)
+            pool = Pool(Endpoint("127.0.0.1", engine.port), 3.0, reuse_idle_s=60)
+            if reused:
+                assert await get(pool) == b"ok"
+            started = trio.current_time()
+            with pytest.raises(UpstreamError, match=r"sent no answer within 0.3 s") as caught:
+                await pool.open(b"POST", b"/v1/completions", [], b"{}", first_byte_s=0.3)
+            waited = trio.current_time() - started
+            assert caught.value.timed_out and not caught.value.silent
+            assert 0.3 <= waited < 2.0, waited  # never early; late by a tick and the load
+            assert (engine.connections, pool.stale_retries) == (1, 0)  # not sent again
+            assert not pool._idle  # the timed-out connection is closed, not pooled
+            engine.plan = []  # answers from now on
+            assert await get(pool) == b"ok"  # the pool goes on with a new connection
+            assert engine.connections == 2
+            pool.close()
             nursery.cancel_scope.cancel()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import re
 import socket
 import ssl
@@ -21,7 +20,7 @@ import attrs
 import h11
 import trio
 
-from llmgw_core import sockio
+from llmgw_core import coarse_timeouts, sockio
 from llmgw_core.openai_errors import error_body
 from llmgw_core.ratelog import RateLimit
 
@@ -753,6 +752,7 @@ class _PlainConnection:
                     pass  # the client went away: nothing to log
                 finally:
                     nursery.cancel_scope.cancel()
+        coarse_timeouts.disarm(self._scope)
         self.server._idle_scopes.discard(self._scope)
         if self._scope.cancelled_caught:
             if self._waiting_for == "head":
@@ -815,11 +815,11 @@ class _PlainConnection:
                 # the first request's head has the head's time limit from the start.
                 if self._served:
                     self._waiting_for = "idle"
-                    scope.deadline = trio.current_time() + limits.keepalive_timeout_s
+                    coarse_timeouts.arm(scope, trio.current_time() + limits.keepalive_timeout_s)
                     server._idle_scopes.add(scope)
                 else:
                     self._waiting_for = "head"
-                    scope.deadline = trio.current_time() + limits.header_timeout_s
+                    coarse_timeouts.arm(scope, trio.current_time() + limits.header_timeout_s)
                 await self._more()
                 server._idle_scopes.discard(scope)
                 if not self.buf:
@@ -833,13 +833,13 @@ class _PlainConnection:
                 message = (
                     f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}"
                 )
-                scope.deadline = math.inf
+                coarse_timeouts.disarm(scope)
                 await self._reject(413, message)
                 return None
             start = end + 4
             if len(self.buf) - start < length:
                 self._waiting_for = "body"
-                scope.deadline = trio.current_time() + limits.body_timeout_s
+                coarse_timeouts.arm(scope, trio.current_time() + limits.body_timeout_s)
                 while len(self.buf) - start < length:
                     if self.eof:
                         return None  # the client closed during the body
@@ -847,7 +847,7 @@ class _PlainConnection:
             request.body = self.buf[start : start + length]
             self.buf = self.buf[start + length :]
             self._waiting_for = ""
-            scope.deadline = math.inf
+            coarse_timeouts.disarm(scope)
             responder = Responder(
                 None,
                 self.stream,

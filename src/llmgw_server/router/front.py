@@ -351,23 +351,18 @@ class Router:
             replica.outstanding += 1
             try:
                 started = time.monotonic()
-                exchange: Exchange | None = None
-                with trio.move_on_after(tuning.first_byte_timeout_s) as scope:
-                    try:
-                        exchange = await self.pools[replica.endpoint].open(
-                            request.method, request.target, headers, request.body
-                        )
-                    except UpstreamError as exc:
-                        last = _Refusal(502, error_body(502, str(exc)), replica, str(exc))
-                        self._failed(model, balancer, replica, str(exc))
-                        continue
-                if exchange is None:
-                    assert scope.cancelled_caught
-                    message = (
-                        f"{replica.endpoint} sent no answer within {tuning.first_byte_timeout_s} s"
+                try:
+                    exchange = await self.pools[replica.endpoint].open(
+                        request.method,
+                        request.target,
+                        headers,
+                        request.body,
+                        tuning.first_byte_timeout_s,
                     )
-                    last = _Refusal(504, error_body(504, message), replica, message)
-                    self._failed(model, balancer, replica, message)
+                except UpstreamError as exc:
+                    status = 504 if exc.timed_out else 502
+                    last = _Refusal(status, error_body(status, str(exc)), replica, str(exc))
+                    self._failed(model, balancer, replica, str(exc))
                     continue
                 try:
                     ttfb = time.monotonic() - started

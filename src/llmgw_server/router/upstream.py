@@ -20,6 +20,7 @@ h11's per-event validation on every request and every chunk.
 
 from __future__ import annotations
 
+import math
 import re
 import select
 import socket
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
-from llmgw_core import sockio
+from llmgw_core import coarse_timeouts, sockio
 from llmgw_core.catalog import Endpoint
 from llmgw_core.chunked import ChunkDecoder, ChunkedError, ChunkScanner
 
@@ -46,10 +47,13 @@ _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 class UpstreamError(Exception):
     """The engine could not be reached, broke the connection, or spoke garbage."""
 
-    def __init__(self, message: str, *, connect: bool = False, silent: bool = False) -> None:
+    def __init__(
+        self, message: str, *, connect: bool = False, silent: bool = False, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
         self.connect = connect  # nothing reached the engine
         self.silent = silent  # the connection closed before the engine sent a byte
+        self.timed_out = timed_out  # no answer's head within the first-byte limit
 
 
 class _Garbage(Exception):
@@ -57,7 +61,7 @@ class _Garbage(Exception):
 
 
 class _Conn:
-    __slots__ = ("buf", "idle_since", "sock", "stream")
+    __slots__ = ("buf", "expired", "idle_since", "sock", "stream")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
@@ -66,6 +70,13 @@ class _Conn:
         self.sock: socket.socket = sock
         self.buf = b""  # received and not yet parsed
         self.idle_since = 0.0
+        self.expired = False  # closed by its first-byte limit
+
+    def cancel(self) -> None:
+        """The first-byte limit is up (coarse_timeouts): closing the socket wakes the
+        read or write waiting on it at once, with no cancel scope per request."""
+        self.expired = True
+        self.close()
 
     def closed_by_peer(self) -> bool:
         """An idle connection has nothing to read unless the engine closed it (or broke)."""
@@ -158,9 +169,19 @@ class Pool:
         self._idle.clear()
 
     async def open(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        first_byte_s: float = math.inf,
     ) -> Exchange:
-        """Send a request and read the response head; the body is read from the Exchange."""
+        """Send a request and read the response head; the body is read from the Exchange.
+
+        The head must come within `first_byte_s` of this call (a new connection's
+        connecting aside: it has its own limit), else UpstreamError with `timed_out`.
+        """
+        due = trio.current_time() + first_byte_s
         head = [
             (b"host", self._host),
             *headers,
@@ -172,41 +193,62 @@ class Pool:
         if conn is not None:
             exchange = Exchange(self, conn, method)
             sent_at: float | None = None
+            coarse_timeouts.arm(conn, due)
             try:
-                await self._send(exchange._conn, method, target, head, body)
+                await self._send(conn, method, target, head, body)
                 sent_at = trio.current_time()
                 await exchange.read_head()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                exchange.release()  # the engine had closed this idle connection
-                self._stale()
+                exchange.release()
+                if conn.expired:
+                    raise self._no_answer(first_byte_s) from None
+                self._stale()  # the engine had closed this idle connection
             except UpstreamError as exc:
                 exchange.release()
+                if conn.expired:
+                    raise self._no_answer(first_byte_s) from None
                 # A close that answers the request at once is the engine's idle timer;
                 # one that comes later may follow work done, and is not sent again.
                 late = sent_at is not None and trio.current_time() - sent_at > _STALE_WITHIN_S
                 if not exc.silent or late:
                     raise
                 self._stale()  # closed before a single byte: not a failure of the engine
-            except BaseException:  # cancelled (client gone, first-byte timeout): close now
+            except BaseException:  # cancelled (the client went away): close now
                 exchange.release()
                 raise
             else:
                 return exchange
-        exchange = Exchange(self, await self._connect(), method)
+            finally:
+                coarse_timeouts.disarm(conn)
+        conn = await self._connect()
+        exchange = Exchange(self, conn, method)
+        coarse_timeouts.arm(conn, due)
         try:
-            await self._send(exchange._conn, method, target, head, body)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            exchange.release()
-            raise UpstreamError(f"sending to {self.endpoint} failed: {exc}", connect=True) from None
+            try:
+                await self._send(conn, method, target, head, body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                if conn.expired:
+                    raise self._no_answer(first_byte_s) from None
+                raise UpstreamError(
+                    f"sending to {self.endpoint} failed: {exc}", connect=True
+                ) from None
+            try:
+                await exchange.read_head()
+            except UpstreamError:
+                if conn.expired:
+                    raise self._no_answer(first_byte_s) from None
+                raise
         except BaseException:
             exchange.release()
             raise
-        try:
-            await exchange.read_head()
-        except BaseException:
-            exchange.release()
-            raise
+        finally:
+            coarse_timeouts.disarm(conn)
         return exchange
+
+    def _no_answer(self, first_byte_s: float) -> UpstreamError:
+        return UpstreamError(
+            f"{self.endpoint} sent no answer within {first_byte_s:g} s", timed_out=True
+        )
 
     @staticmethod
     async def _send(
@@ -266,7 +308,7 @@ class Exchange:
                     data = sock.recv(_RECV)
                 except BlockingIOError:
                     idle = self._pool.idle_timeout_s
-                    with trio.move_on_after(idle):
+                    with coarse_timeouts.move_on_after(idle):
                         data = await sockio.receive_some(sock, _RECV, wait_first=True)
                         self._received += len(data)
                         return data
@@ -390,10 +432,8 @@ class Exchange:
 
         The router relays these as they are to an HTTP/1.1 client: no decoding and
         re-encoding per chunk, and one write per read from the engine. One cancel scope
-        times the engine's silence for the whole body; its deadline is moved only once
-        it has fallen a hundredth of the limit behind (moving it costs more than the
-        rest of a relayed chunk), so a silent engine is cut off up to 1% early. A client
-        that reads nothing for as long is cut off as gone.
+        times the engine's silence for the whole body, armed again (coarse_timeouts)
+        before each read. A client that reads nothing for as long is cut off as gone.
         """
         scanner = ChunkScanner()
         conn = self._conn
@@ -401,9 +441,8 @@ class Exchange:
         data, conn.buf = conn.buf, b""
         endpoint = self._pool.endpoint
         idle = self._pool.idle_timeout_s
-        slack = idle / 100
         sending = False
-        with trio.CancelScope(deadline=trio.current_time() + idle) as silence:
+        with coarse_timeouts.move_on_after(idle) as silence:
             while True:
                 if data:
                     try:
@@ -422,9 +461,7 @@ class Exchange:
                 # An engine writes an event at a time: after a short read the next one
                 # would find nothing, so the wait comes first.
                 drained = len(data) < _RECV
-                due = trio.current_time() + idle
-                if silence.deadline < due - slack:
-                    silence.deadline = due
+                coarse_timeouts.arm(silence, trio.current_time() + idle)
                 try:
                     data = await sockio.receive_some(sock, _RECV, wait_first=drained)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
