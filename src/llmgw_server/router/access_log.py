@@ -67,6 +67,22 @@ def logfmt_value(value: str | None) -> str:
     return json.dumps(value)  # quoted, with quotes, backslashes and controls escaped
 
 
+def _repeating(value: str | None) -> str:
+    """logfmt_value of a value that repeats from line to line (a method, path, model,
+    replica or key id), each worked out once. Bounded (a client chooses its paths and
+    model names): forgotten all at once when full."""
+    known = _SEEN.get(value)
+    if known is None:
+        if len(_SEEN) >= _SEEN_MAX:
+            _SEEN.clear()
+        known = _SEEN[value] = logfmt_value(value)
+    return known
+
+
+_SEEN: dict[str | None, str] = {}
+_SEEN_MAX = 1024
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.3f}"
 
@@ -95,11 +111,11 @@ def _bounded(text: str | None) -> str | None:
 def format_logfmt(record: AccessRecord) -> str:
     return (
         f"time={timestamp(record.started)} request_id={logfmt_value(record.request_id)} "
-        f"method={logfmt_value(record.method)} path={logfmt_value(_bounded(record.path))} "
-        f"model={logfmt_value(_bounded(record.model))} status={record.status} "
-        f"replica={logfmt_value(record.replica)} duration_ms={_ms(record.duration_s)} "
+        f"method={_repeating(record.method)} path={_repeating(_bounded(record.path))} "
+        f"model={_repeating(_bounded(record.model))} status={record.status} "
+        f"replica={_repeating(record.replica)} duration_ms={_ms(record.duration_s)} "
         f"ttfb_ms={_ms(record.ttfb_s)} bytes={record.bytes_sent} "
-        f"key_id={logfmt_value(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
+        f"key_id={_repeating(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
         f"completion_tokens={_count(record.completion_tokens)}\n"
     )
 

@@ -433,7 +433,8 @@ class Exchange:
         The router relays these as they are to an HTTP/1.1 client: no decoding and
         re-encoding per chunk, and one write per read from the engine. One cancel scope
         times the engine's silence for the whole body, armed again (coarse_timeouts)
-        before each read. A client that reads nothing for as long is cut off as gone.
+        before a read once a tick has passed since the last arming, for a tick more than
+        the limit: never early. A client that reads nothing for as long is cut off as gone.
         """
         scanner = ChunkScanner()
         conn = self._conn
@@ -442,7 +443,9 @@ class Exchange:
         endpoint = self._pool.endpoint
         idle = self._pool.idle_timeout_s
         sending = False
-        with coarse_timeouts.move_on_after(idle) as silence:
+        tick = coarse_timeouts.TICK_S
+        armed_at = trio.current_time()
+        with coarse_timeouts.move_on_after(idle + tick) as silence:
             while True:
                 if data:
                     try:
@@ -461,7 +464,10 @@ class Exchange:
                 # An engine writes an event at a time: after a short read the next one
                 # would find nothing, so the wait comes first.
                 drained = len(data) < _RECV
-                coarse_timeouts.arm(silence, trio.current_time() + idle)
+                now = trio.current_time()
+                if now - armed_at >= tick:
+                    coarse_timeouts.arm(silence, now + idle + tick)
+                    armed_at = now
                 try:
                     data = await sockio.receive_some(sock, _RECV, wait_first=drained)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -473,6 +479,13 @@ class Exchange:
         raise UpstreamError(f"{endpoint} sent nothing for {idle:g} s")
 
     async def read_body(self, limit: int) -> bytes:
+        conn = self._conn
+        length = self._length
+        if self._framing == "length" and 0 < length <= min(limit, len(conn.buf)):
+            # The whole answer came with its head, as a small one does: no read to wait for.
+            body = conn.buf[:length]
+            self._finish(conn.buf[length:])
+            return body
         parts: list[bytes] = []
         size = 0
         async for data in self.body():
