@@ -83,7 +83,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 f"max_body_bytes = {MAX_BODY_BYTES}\n"
             ),
         )
-        with httpx.Client(timeout=HANG_S) as client:
+        # No keep-alive between checks: a pooled connection idle for about the 0.4 s
+        # keep-alive limit (an example's length) races the server's close of it.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=HANG_S, limits=limits) as client:
             yield Server(router, client, slow)
     finally:
         procs.stop_all()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import parse_config
 from llmgw_server.router.front import Router
-from llmgw_server.router.health import read_load_forever
+from llmgw_server.router.health import probe_forever, read_load_forever
 from llmgw_server.router.load_signals import LoadSignal, parse_load
 from procs import Procs, free_port
 
@@ -95,10 +95,16 @@ def test_any_text_parses_or_gives_none(page: str) -> None:
         assert signal.kv_usage is None or 0 <= signal.kv_usage <= 1
 
 
-def router_for(endpoint: Endpoint, interval: float = 0.05) -> Router:
+def router_for(
+    endpoint: Endpoint, interval: float = 0.05, balancing: str = "cache_aware"
+) -> Router:
     config = parse_config(
         {
-            "router": {"cache_aware": {"metrics_interval_s": interval}},
+            "router": {
+                "balancing": balancing,
+                "health_interval_s": 0.1,
+                "cache_aware": {"metrics_interval_s": interval},
+            },
             "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}],
         },
         "test.toml",
@@ -147,3 +153,28 @@ def test_an_engine_without_metrics_leaves_the_router_on_its_own_counts(procs: Pr
     trio.run(read_until, router, lambda: router.metrics.engine_errors)
     (replica,) = router.balancers["m"].replicas
     assert replica.engine_load is None
+
+
+@pytest.mark.parametrize("balancing", ["round_robin", "least_outstanding", "cache_aware"])
+async def test_only_the_cache_aware_policy_reads_engine_load(balancing: str) -> None:
+    asked: list[bytes] = []  # the paths asked for, in order
+
+    async def engine(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = await stream.receive_some(65536)
+            asked.append(data.split(b" ", 2)[1])
+            body = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+            head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            await stream.send_all(head % len(body) + body)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(trio.serve_tcp, engine, 0)
+            port = listeners[0].socket.getsockname()[1]
+            router = router_for(Endpoint("127.0.0.1", port), 0.02, balancing)
+            async with httpx.AsyncClient(timeout=2) as client:
+                nursery.start_soon(probe_forever, router, client)
+                while asked.count(b"/health") < 3:  # three health rounds: many load intervals
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert (b"/metrics" in asked) == (balancing == "cache_aware"), asked

@@ -396,3 +396,31 @@ def test_an_engine_with_no_answer_within_the_first_byte_limit_gets_504(procs: Pr
     assert 0.5 <= waited < 5, waited  # never early; not the engine's seconds either
     # The router goes on serving; the engine, once done with the prompt, is used again.
     assert httpx.get(router.url + "/healthz").status_code == 200
+
+
+def test_a_client_gone_before_the_first_byte_cancels_the_engine_request(procs: Procs) -> None:
+    # A plain request the engine takes seconds to start answering (a slow prefill): the
+    # router writes nothing meanwhile, so only its watch on the client's socket can tell
+    # that the client left, and the engine's work is cancelled with the request.
+    engine = procs.mock("m", "--mock-kv-blocks", "1000", "--mock-prefill-tps", "1")
+    router = procs.router(models_toml({"m": [engine.url]}))
+
+    def engine_busy() -> float:
+        page = httpx.get(engine.url + "/metrics").text
+        return sum(
+            metric(page, name, model_name="m")
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        )
+
+    long_prompt = {**CHAT, "messages": [{"role": "user", "content": "word " * 300}]}
+    body = json.dumps(long_prompt).encode()  # 300 s of prefill at 1 token/s
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        wait_until(lambda: engine_busy() == 1, timeout=5, what="the engine to take the request")
+    wait_until(lambda: engine_busy() == 0, timeout=5, what="the engine to see it cancelled")
+    page = httpx.get(router.url + "/metrics").text
+    assert metric(page, "llmgw_requests_in_flight", model="m") == 0
+    assert "Traceback" not in router.output()

@@ -713,6 +713,18 @@ def _plain_request(head: bytes) -> tuple[Request, int, bool] | None:
     return request, max(length, 0), close
 
 
+class _SetWhenDue:
+    """What coarse_timeouts calls when a handler has run for a tick: wake the watcher."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: _PlainConnection) -> None:
+        self._conn = conn
+
+    def cancel(self) -> None:
+        self._conn._watch.set()
+
+
 class _PlainConnection:
     """One client connection on a plain TCP socket, read without h11 while it can be.
 
@@ -722,13 +734,15 @@ class _PlainConnection:
     malformed) hands the connection with every byte read to `_Connection`, which serves
     it with h11 from then on, as before.
 
-    A reader task owns the socket's receiving side, as in `_Connection`; it reads
-    while the server waits for bytes, and while a handler runs it watches for the
-    client going away (then the connection's scope is cancelled, the handler with
-    it). Bytes that come during a handler are kept and no more are read until it
-    ends, so a client that pipelines without reading cannot make the server buffer
-    without bound. The connection's one cancel scope is also its timer: the keep-alive
-    idle limit, then the head's or body's.
+    The serving task reads the socket itself while it waits for a request. A handler
+    that runs longer than a tick (coarse_timeouts) wakes a watcher task, which waits
+    on the socket for the client going away (then the connection's scope is cancelled,
+    the handler with it) until the handler ends. A short answer so costs no second
+    task's wake-ups; a long one (any real engine's) is cut off within a tick of the
+    client leaving. Bytes that come during a handler are kept and no more are read
+    until it ends, so a client that pipelines without reading cannot make the server
+    buffer without bound. The connection's one cancel scope is also its timer: the
+    keep-alive idle limit, then the head's or body's.
     """
 
     def __init__(self, server: HTTPServer, stream: trio.abc.Stream, sock: socket.socket) -> None:
@@ -738,9 +752,9 @@ class _PlainConnection:
         self.buf = b""  # read and not yet parsed
         self.eof = False
         self.in_handler = False
-        self._wanted = False  # the server waits for more bytes
-        self._arrived = trio.Event()  # set by the reader after each read
-        self._wake = trio.Event()  # set by the server when the reader may read again
+        self._watch = trio.Event()  # set when a handler has run for a tick
+        self._watch_due = _SetWhenDue(self)
+        self._watching: trio.CancelScope | None = None  # the watcher's wait on the socket
         self._scope = trio.CancelScope()
         self._waiting_for = ""  # what the timer would cut: "idle", "head" or "body"
         self._served = 0
@@ -749,7 +763,7 @@ class _PlainConnection:
         handover: bytes | None = None
         with self._scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._reader)
+                nursery.start_soon(self._watcher)
                 try:
                     handover = await self._serve()
                 except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
@@ -757,6 +771,7 @@ class _PlainConnection:
                 finally:
                     nursery.cancel_scope.cancel()
         coarse_timeouts.disarm(self._scope)
+        coarse_timeouts.disarm(self._watch_due)
         self.server._idle_scopes.discard(self._scope)
         if self._scope.cancelled_caught:
             if self._waiting_for == "head":
@@ -767,44 +782,46 @@ class _PlainConnection:
         if handover is not None:
             await _Connection(self.server, self.stream, handover, first=not self._served).run()
 
-    def _may_read(self) -> bool:
-        if self.in_handler:  # watch for the client going away; pipelined bytes wait
-            return not self.buf
-        return self._wanted or len(self.buf) < self.server.limits.max_header_bytes
-
-    async def _reader(self) -> None:
+    async def _more(self) -> None:
+        """Read what the client sends next (the serving task, between handlers)."""
         sock = self.sock
         while True:
+            await trio.lowlevel.wait_readable(sock)
             try:
-                if not self._may_read():
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                    continue
-                await trio.lowlevel.wait_readable(sock)
-                if not self._may_read():
-                    continue
+                data = sock.recv(_RECV)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:
+                self.buf += data
+            else:
+                self.eof = True
+            return
+
+    async def _watcher(self) -> None:
+        """While a handler runs past a tick: the client going away cancels it."""
+        sock = self.sock
+        while True:
+            await self._watch.wait()
+            self._watch = trio.Event()
+            while self.in_handler and not self.buf and not self.eof:
+                with trio.CancelScope() as self._watching:
+                    await trio.lowlevel.wait_readable(sock)
+                self._watching = None
+                if not self.in_handler:  # it ended as this woke: the bytes are _more's
+                    break
                 try:
                     data = sock.recv(_RECV)
                 except BlockingIOError:
                     continue
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                data = b""
-            self._wanted = False
-            if not data:
-                self.eof = True
-                if self.in_handler:  # the client went away: the handler stops at once
-                    self._scope.cancel()
-                self._arrived.set()
-                return
-            self.buf += data
-            self._arrived.set()
-
-    async def _more(self) -> None:
-        """Wait until the reader has read more (or the client has closed)."""
-        self._wanted = True
-        self._wake.set()
-        self._arrived = trio.Event()
-        await self._arrived.wait()
+                except OSError:
+                    data = b""
+                if data:
+                    self.buf += data  # pipelined: kept until the handler ends
+                else:
+                    self.eof = True
+                    self._scope.cancel()  # the client went away: the handler stops
 
     async def _serve(self) -> bytes | None:
         """Answer requests until the connection ends; the bytes to hand to h11, if it must."""
@@ -880,7 +897,7 @@ class _PlainConnection:
             # ready at once still goes out.
             self._scope.cancel()
         self.in_handler = True
-        self._wake.set()
+        coarse_timeouts.arm(self._watch_due, trio.current_time())
         try:
             await self.server.handler(request, responder)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
@@ -889,7 +906,9 @@ class _PlainConnection:
             log.exception("handler failed on %s %s", request.method, request.target)
         finally:
             self.in_handler = False
-            self._wake.set()
+            coarse_timeouts.disarm(self._watch_due)
+            if self._watching is not None:  # the socket is the serving task's again
+                self._watching.cancel()
         if not responder.started:
             await responder.error(500, "internal error: the handler sent no response")
 

@@ -1,10 +1,11 @@
 """The router's view of its replicas, off the request path.
 
 Health probes: GET /health on every replica each interval, ejected ones after their
-cooldown. Engine load: GET /metrics on every available engine each
-`[router.cache_aware] metrics_interval_s`, once per engine however many models it
-serves, with the engine key; a reading is used for `metrics_max_age_s`, after which
-(or when the engine cannot be read) the router balances on its own counts.
+cooldown. Engine load, where the balancing is cache_aware (the one policy that reads
+it): GET /metrics on every available engine each `[router.cache_aware]
+metrics_interval_s`, once per engine however many models it serves, with the engine
+key; a reading is used for `metrics_max_age_s`, after which (or when the engine cannot
+be read) the router balances on its own counts.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
     while True:
         engines: dict[Endpoint, list[Replica]] = {}
         for balancer in router.balancers.values():
-            for replica in balancer.replicas:
+            for replica in balancer.replicas if balancer.cache_aware else ():
                 if replica.available:
                     engines.setdefault(replica.endpoint, []).append(replica)
         async with trio.open_nursery() as nursery:
