@@ -298,6 +298,9 @@ class Config:
     control: ControlSection = attrs.field(factory=ControlSection)
     admin: AdminSection = attrs.field(factory=AdminSection)
     agents: AgentsTLS = attrs.field(factory=AgentsTLS)  # TLS for the agent stream
+    # False for a router apart, whose models come from the control plane it follows:
+    # its file may declare none. Kept so that a reload reads the file by the same rule.
+    models_required: bool = True
 
     @property
     def runs_control_plane(self) -> bool:
@@ -305,17 +308,31 @@ class Config:
         return bool(self.catalog.profiled)
 
 
-def load_config(path: str | Path, *, environ: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | Path,
+    *,
+    environ: Mapping[str, str] | None = None,
+    models_required: bool = True,
+) -> Config:
     """Read and validate a config file; raises ConfigError naming file, key path and problem."""
     file = str(path)
     data = load_toml(path)
-    return parse_config(data, file, environ=environ)
+    return parse_config(data, file, environ=environ, models_required=models_required)
 
 
 def parse_config(
-    data: dict[str, object], file: str, *, environ: Mapping[str, str] | None = None
+    data: dict[str, object],
+    file: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    models_required: bool = True,
 ) -> Config:
-    """Validate config data; keys named by `env` are read from `environ` (os.environ)."""
+    """Validate config data; keys named by `env` are read from `environ` (os.environ).
+
+    `models_required=False` is a router apart's file (`llmgw-server router`): its models
+    come from the control plane it follows, so it may declare none, and a key's `models`
+    may name models the file does not declare.
+    """
     root = Table(data, file)
     environ = os.environ if environ is None else environ
     server = read_table(root.table("server"), ServerSection, environ=environ)
@@ -323,7 +340,8 @@ def parse_config(
     router = read_table(root.table("router"), RouterSection)
     auth_table = root.table("auth")
     auth = read_table(auth_table, AuthSection, environ=environ)
-    _check_auth_models(auth, catalog, auth_table)
+    if models_required:
+        _check_auth_models(auth, catalog, auth_table)
     control = read_table(root.table("control"), ControlSection)
     if root.has("admin"):
         admin = read_table(root.table("admin"), AdminSection, environ=environ)
@@ -343,10 +361,11 @@ def parse_config(
         agents=read_agents_tls(root.table("agents"))
         if catalog.profiled or root.has("agents")
         else AgentsTLS(),
+        models_required=models_required,
     )
     root.known("admin", "agents")  # absent or not, for the "did you mean" of a typo
     root.finish()
-    if not config.catalog.models:
+    if models_required and not config.catalog.models:
         root.fail("models", "no model is declared: add at least one [[models]] table")
     return config
 

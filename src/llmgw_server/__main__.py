@@ -164,7 +164,8 @@ def run_cli(argv: list[str]) -> int:
     if not file:
         parser.error("--config FILE is required")
     try:
-        config = load_config(file)
+        # A router apart may declare no model: the control plane it follows places them.
+        config = load_config(file, models_required=args.command != "router")
     except ConfigError as exc:
         print(f"llmgw-server: config error: {exc}", file=sys.stderr)
         return 2

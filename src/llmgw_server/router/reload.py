@@ -215,7 +215,7 @@ class Reloader:
         """Raises ConfigError (and changes nothing) when the file does not validate."""
         async with self._lock:
             try:
-                new = load_config(self.config.file)
+                new = load_config(self.config.file, models_required=self.config.models_required)
             except ConfigError as exc:
                 log.error("reload refused, the running config stays: %s", exc)
                 raise
