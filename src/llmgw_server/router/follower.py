@@ -63,6 +63,9 @@ class Follower:
         # "<model> is served by ..." on each change (one router of a process says it).
         self.log_changes = log_changes
         self.table: RouteTable | None = None  # the last table applied, from any control plane
+        # Set once a complete table has been applied: the router then knows the fleet's
+        # models (an incomplete one, from a control plane that just started, may lack some).
+        self.complete = trio.Event()
         self._static = frozenset(m.name for m in router.config.catalog.models if m.profile is None)
         self._ignored: set[str] = set()  # feed models shadowed by static ones, logged once
         self._version = -1  # of the last table received on the current connection
@@ -100,6 +103,8 @@ class Follower:
             table = attrs.evolve(held, version=table.version, draining=table.draining)
         apply_table(self.router, table, held, self._static, self._ignored, self.log_changes)
         self.table = table
+        if table.complete:
+            self.complete.set()
 
     def in_flight(self) -> dict[str, int]:
         """Requests in flight on each draining endpoint this router holds, by URL."""

@@ -7,6 +7,11 @@ a websocket, TLS unless the URL says http://), authenticated with the router
 token. It dials again forever, with jittered backoff and a log line saying why
 each attempt failed; while no control plane answers it serves the last table
 it had, and it catches up on the current one when it connects again.
+
+`/readyz` answers 503 until the first complete route table is applied and one health
+round has probed its replicas (static models included): a router that does not know
+the fleet's models yet must not be given traffic by the balancer in front of it, even
+when its own config serves static models. Health probes start with that table.
 """
 
 from __future__ import annotations
@@ -137,7 +142,7 @@ async def main(
             if router.access_log is not None:
                 await nursery.start(router.access_log.run)
             await nursery.start(http.serve, listeners)
-            await nursery.start(probe_forever, router, client)
+            nursery.start_soon(probe_once_followed, follower, router, client)
             log.info(
                 "llmgw router listening on http://%s:%d, following %s://%s%s",
                 s.listen.host,
@@ -160,6 +165,22 @@ async def main(
     for pool in router.pools.values():
         pool.close()
     log.info("stopped")
+
+
+async def probe_once_followed(
+    follower: Follower, router: Router, client: httpx.AsyncClient
+) -> None:
+    """Probe the replicas (and with the first round, turn /readyz 200) once `follower`
+    has applied a complete table, then forever."""
+    await follower.complete.wait()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(probe_forever, router, client)
+        table = follower.table
+        log.info(
+            "ready: route table %d applied (%d models placed) and its replicas probed",
+            table.version if table is not None else -1,
+            len(table.models) if table is not None else 0,
+        )
 
 
 async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
