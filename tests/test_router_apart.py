@@ -1,0 +1,215 @@
+"""A router apart (`llmgw-server router`): a config with no models, readiness that waits
+for the control plane's first complete table, and the shipped systemd unit.
+
+The end-to-end test runs the router with the command line of
+conf/systemd/llmgw-router.service (paths and the control plane's URL swapped for the
+test's), started before its control plane exists.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from fleet import Fleet, wait_until
+from llmgw_core.catalog import Endpoint
+from llmgw_core.config import digest_of, parse_config
+from llmgw_core.route_feed import RouteTable
+from llmgw_core.tomlshape import ConfigError
+from llmgw_server.__main__ import run_cli
+from llmgw_server.router.follower import Follower
+from llmgw_server.router.front import Router
+from procs import Proc, free_port
+from test_fleet_e2e import CHAT, model
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT = REPO / "conf" / "systemd" / "llmgw-router.service"
+SERVER_UNIT = REPO / "conf" / "systemd" / "llmgw-server.service"
+NO_MODEL = "no model is declared: add at least one [[models]] table"
+
+
+# -- a router's config may declare no model -------------------------------------------
+
+
+def test_a_router_config_needs_only_a_server_table() -> None:
+    data: dict[str, object] = {"server": {"listen": "0.0.0.0:8080"}}
+    config = parse_config(data, "router.toml", models_required=False)
+    assert config.catalog.models == () and not config.runs_control_plane
+    assert config.models_required is False
+    # The daemon itself still wants a model, with the same words as before.
+    with pytest.raises(ConfigError, match=r"no model is declared: add at least one \[\[models\]\]"):
+        parse_config(data, "server.toml")
+
+
+def test_a_router_key_may_name_models_its_control_plane_places() -> None:
+    data: dict[str, object] = {
+        "auth": {"keys": [{"digest": "sha256:" + digest_of("k"), "models": ["chat"]}]},
+    }
+    config = parse_config(data, "router.toml", models_required=False)
+    assert config.auth.keys == {digest_of("k"): frozenset({"chat"})}
+    data["models"] = [{"name": "static", "endpoints": ["http://127.0.0.1:9"]}]
+    with pytest.raises(ConfigError, match="'chat' is not a model of this config"):
+        parse_config(data, "server.toml")
+
+
+def test_only_the_router_command_takes_a_config_without_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text('[server]\nlisten = "127.0.0.1:1"\n')
+    assert run_cli(["check-config", str(path)]) == 2
+    assert NO_MODEL in capsys.readouterr().err
+    assert run_cli(["--config", str(path)]) == 2
+    assert NO_MODEL in capsys.readouterr().err
+    # The router reads the file, then stops at what it lacks next: the token.
+    monkeypatch.delenv("LLMGW_ROUTER_TOKEN", raising=False)
+    argv = ["router", "--config", str(path), "--control", "https://cp:8081"]
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "config error" not in err and "a router token is required" in err
+
+
+# -- readiness waits for a complete table ----------------------------------------------
+
+
+async def test_the_follower_says_when_a_complete_table_is_applied() -> None:
+    router = Router(parse_config({}, "router.toml", models_required=False))
+    follower = Follower(router, "test")
+    a = Endpoint("127.0.0.1", 9001)
+    follower.apply(RouteTable(1, {"chat": (a,)}, frozenset(), complete=False))
+    assert not follower.complete.is_set()  # a control plane that just started
+    assert [r.endpoint for r in router.balancers["chat"].replicas] == [a]
+    follower.apply(RouteTable(2, {"chat": (a,)}, frozenset(), complete=True))
+    assert follower.complete.is_set()
+    with trio.fail_after(1):
+        await follower.complete.wait()
+
+
+# -- the shipped unit, and a router started by its command line ------------------------
+
+
+def read_service(path: Path) -> dict[str, list[str]]:
+    """The [Service] settings of a unit file; a key given twice keeps both values."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif section == "Service":
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def exec_start() -> list[str]:
+    (line,) = read_service(UNIT)["ExecStart"]
+    return shlex.split(line)
+
+
+def test_the_router_unit_runs_the_router_command_with_flags_it_takes() -> None:
+    argv = exec_start()
+    assert argv[:2] == ["/opt/llmgw/bin/llmgw-server", "router"]
+    given = {arg.split("=", 1)[0] for arg in argv[2:] if arg.startswith("-")}
+    assert given == {"--control", "--config", "--ca", "--token-file"}
+    helped = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "router", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    offered = {word.strip("[],") for word in helped.split() if word.startswith("-")}
+    assert given <= offered, given - offered
+    options = dict(zip(argv[2::2], argv[3::2], strict=True))
+    assert options["--config"] == "/etc/llmgw/router.toml"
+    assert options["--control"].startswith("https://")
+    # The token comes from a systemd credential: a root-only file, copied for the service.
+    credential, _, source = read_service(UNIT)["LoadCredential"][0].partition(":")
+    assert options["--token-file"] == f"%d/{credential}" and source.startswith("/etc/llmgw/")
+
+
+def test_the_router_unit_is_hardened_as_the_server_unit() -> None:
+    router, server = read_service(UNIT), read_service(SERVER_UNIT)
+    for key, value in server.items():
+        if key not in ("ExecStart", "LimitNOFILE"):
+            assert router.get(key) == value, key
+
+
+def test_a_router_apart_is_ready_only_once_its_control_plane_sent_a_table(
+    fleet: Fleet,
+) -> None:
+    token = "router-" + secrets.token_hex(8)
+    etc = fleet.procs.tmp / "etc"
+    credentials = fleet.procs.tmp / "credentials"
+    (etc / "certs").mkdir(parents=True)
+    credentials.mkdir()
+    (etc / "certs" / "ca.crt").write_bytes((fleet.certs / "ca.crt").read_bytes())
+    (credentials / "router-token").write_text(token + "\n")
+    port = free_port()
+    # Nothing but [server]: every model comes from the control plane.
+    (etc / "router.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\n[router]\nhealth_interval_s = 0.5\n'
+    )
+    argv = [
+        arg.replace("/etc/llmgw/", f"{etc}/").replace("%d", str(credentials))
+        for arg in exec_start()
+    ]
+    argv[argv.index("--control") + 1] = fleet.control
+    router = Proc([sys.executable, "-m", "llmgw_server", *argv[1:]], port)
+    fleet.procs.all.append(router)
+    router.wait_http("/healthz")
+    wait_until(
+        lambda: "connection refused by 127.0.0.1:" in router.output(),
+        what="the router to find no control plane",
+    )
+    # Alive, but it knows no model yet: a load balancer must send it nothing.
+    readiness = httpx.get(router.url + "/readyz", timeout=5)
+    assert readiness.status_code == 503
+    assert readiness.json() == {"ready": False, "draining": False, "models": {}}
+
+    admin = f'\n[admin]\nrouter_token_digest = "sha256:{digest_of(token)}"\nopen_status = true\n'
+    fleet.server(model("chat", replicas=1), control=admin)
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    router.wait_http("/readyz", timeout=60)
+    assert "ready: route table" in router.output()
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    wait_until(
+        lambda: [m.id for m in client.models.list()] == ["chat"],
+        timeout=60,
+        what="the router to serve the placed model",
+    )
+    answer = client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content
+    (replica,) = fleet.serving("chat")
+    assert answer.system_fingerprint == "mock:" + replica["url"].rsplit(":", 1)[1]
+
+    # SIGHUP reads the file by the router's rule: a static model added, then the file
+    # back to no model at all (which the daemon's rule would refuse, keeping "added").
+    path = etc / "router.toml"
+    bare = path.read_text()
+    path.write_text(bare + f'[[models]]\nname = "added"\nendpoints = ["{replica["url"]}"]\n')
+    router.signal(signal.SIGHUP)
+    wait_until(
+        lambda: {m.id for m in client.models.list()} == {"chat", "added"},
+        what="the router to serve the added static model",
+    )
+    path.write_text(bare)
+    router.signal(signal.SIGHUP)
+    wait_until(
+        lambda: [m.id for m in client.models.list()] == ["chat"],
+        what="the router to drop the static model",
+    )
+    assert "reload refused" not in router.output()
+    assert router.popen.poll() is None and token not in router.output()
