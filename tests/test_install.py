@@ -87,7 +87,9 @@ def test_units_run_the_declared_entry_points() -> None:
         assert argv[1:3] == ["--config", f"{CONFIG_DIR}{program.removeprefix('llmgw-')}.toml"]
 
 
-@pytest.mark.parametrize("unit", ["llmgw-server.service", "llmgw-agent.service"])
+@pytest.mark.parametrize(
+    "unit", ["llmgw-server.service", "llmgw-agent.service", "llmgw-router.service"]
+)
 def test_units_restart_on_failure_but_not_on_a_config_error(unit: str) -> None:
     settings = service(unit)
     assert one(settings, "Restart") == "on-failure"
@@ -95,7 +97,9 @@ def test_units_restart_on_failure_but_not_on_a_config_error(unit: str) -> None:
     assert int(one(settings, "LimitNOFILE")) >= 1 << 20  # 10,000 agent streams and more
 
 
-@pytest.mark.parametrize("unit", ["llmgw-server.service", "llmgw-agent.service"])
+@pytest.mark.parametrize(
+    "unit", ["llmgw-server.service", "llmgw-agent.service", "llmgw-router.service"]
+)
 def test_units_are_hardened(unit: str) -> None:
     settings = service(unit)
     assert one(settings, "NoNewPrivileges") == "yes"
@@ -325,7 +329,9 @@ def test_both_daemons_start_with_the_units_command_lines(
     assert codes == (0, 0), f"exit codes {codes}:\n{server.output()}\n{agent and agent.output()}"
 
 
-@pytest.mark.parametrize("unit", ["llmgw-server.service", "llmgw-agent.service"])
+@pytest.mark.parametrize(
+    "unit", ["llmgw-server.service", "llmgw-agent.service", "llmgw-router.service"]
+)
 def test_units_verify(tmp_path: Path, installed: Installed, unit: str) -> None:
     """`systemd-analyze verify` with ExecStart at the installed entry point. It exits 0
     on an unknown key or a bad value and only says so: anything it says about the unit
