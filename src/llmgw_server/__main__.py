@@ -59,7 +59,8 @@ def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) 
         metavar="PATH",
         default=default(None),
         help="a file holding the admin token for status, explain, drain, cordon... "
-        "(default: the environment variable LLMGW_ADMIN_TOKEN)",
+        "(default: the environment variable LLMGW_ADMIN_TOKEN), or the router token for "
+        "router (default: LLMGW_ROUTER_TOKEN)",
     )
 
 
