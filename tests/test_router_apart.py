@@ -48,6 +48,12 @@ def test_a_router_config_needs_only_a_server_table() -> None:
     # The daemon itself still wants a model, with the same words as before.
     with pytest.raises(ConfigError, match=r"no model is declared: add at least one \[\[models\]\]"):
         parse_config(data, "server.toml")
+    # Profiles (a copy of the control plane's file) need no [agents]: a router apart runs
+    # no control plane.
+    data["models"] = [{"name": "chat", "profile": {"engine": "vllm", "model": "org/chat"}}]
+    assert parse_config(data, "router.toml", models_required=False).agents.ca is None
+    with pytest.raises(ConfigError, match=r"agents\.ca: is required"):
+        parse_config(data, "server.toml")
 
 
 def test_a_router_key_may_name_models_its_control_plane_places() -> None:

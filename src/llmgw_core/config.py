@@ -356,10 +356,11 @@ def parse_config(
         catalog=catalog,
         control=control,
         admin=admin,
-        # Read whenever a control plane runs (it then must say how agents connect),
-        # and whenever present, so that a typo never waits for that day.
+        # Read whenever a control plane runs (it then must say how agents connect; a
+        # router apart runs none, whatever its profiles), and whenever present, so that
+        # a typo never waits for that day.
         agents=read_agents_tls(root.table("agents"))
-        if catalog.profiled or root.has("agents")
+        if (catalog.profiled and models_required) or root.has("agents")
         else AgentsTLS(),
         models_required=models_required,
     )
