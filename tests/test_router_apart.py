@@ -183,7 +183,7 @@ def test_a_router_apart_is_ready_only_once_its_control_plane_sent_a_table(
     # Alive, but it knows no model yet: a load balancer must send it nothing.
     readiness = httpx.get(router.url + "/readyz", timeout=5)
     assert readiness.status_code == 503
-    assert readiness.json() == {"ready": False, "draining": False, "models": {}}
+    assert readiness.json()["ready"] is False and readiness.json()["models"] == {}
 
     admin = f'\n[admin]\nrouter_token_digest = "sha256:{digest_of(token)}"\nopen_status = true\n'
     fleet.server(model("chat", replicas=1), control=admin)
