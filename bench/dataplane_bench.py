@@ -75,7 +75,7 @@ VLLM_VENV = CACHE / "vllm-router-venv"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 MODEL = "bench"
-KINDS = ("plain", "paced")
+KINDS = ("plain", "paced", "steady")
 POLICIES = ("round_robin", "cache_aware")
 PROMPT = "Say something about foxes and dogs."
 
@@ -417,6 +417,7 @@ def wrk_env(kind: str, args: argparse.Namespace) -> dict[str, str]:
         os.environ,
         LLMGW_BENCH_MODEL=MODEL,
         LLMGW_BENCH_STREAM="1" if kind == "paced" else "0",
+        LLMGW_BENCH_DELAY_MS=f"{args.steady_delay_ms:g}" if kind == "steady" else "0",
         LLMGW_BENCH_CONVERSATIONS=str(args.conversations),
     )
 
@@ -436,7 +437,7 @@ def parse_wrk(returncode: int, stdout: str, stderr: str, argv: list[str]) -> Wrk
 
 
 def run_wrk(url: str, kind: str, duration_s: int, args: argparse.Namespace) -> WrkResult:
-    conns = args.plain_conns if kind == "plain" else args.paced_conns
+    conns = {"plain": args.plain_conns, "paced": args.paced_conns}.get(kind, args.steady_conns)
     argv = wrk_argv(url, conns, duration_s, args.wrk_threads)
     done = subprocess.run(argv, capture_output=True, text=True, env=wrk_env(kind, args),
                           timeout=duration_s + 60, check=False)
@@ -618,6 +619,7 @@ def summarize(
                     (statistics.median(cpu) - statistics.median(plain)) * 1000 / args.chunks
                     if kind == "paced" and plain else None),
                 "ratio_to_vllm_router": statistics.median(cpu) / ref_median if ref_median else None,
+                "ratio_to_one_worker": _to_one_worker(gw, gateways, samples, kind),
                 "ratio_per_round_median": statistics.median(per_round) if per_round else None,
                 "ratio_per_round_min": min(per_round) if per_round else None,
                 "ratio_per_round_max": max(per_round) if per_round else None,
@@ -629,6 +631,21 @@ def summarize(
                 "parent_cpu_ms_median": statistics.median(s.parent_cpu_ms for s in mine),
             })
     return rows
+
+
+def _to_one_worker(
+    gw: Gateway, gateways: list[Gateway], samples: list[Sample], kind: str
+) -> float | None:
+    """llmgw's median CPU per request with these workers over its median with one."""
+    one = next((g for g in gateways if g.product == "llmgw" and g.policy == gw.policy
+                and g.workers == 1), None)
+    if gw.product != "llmgw" or one is None:
+        return None
+    base = [s.cpu_ms for s in samples if s.gateway == one.name and s.kind == kind]
+    mine = [s.cpu_ms for s in samples if s.gateway == gw.name and s.kind == kind]
+    if not base or not mine or not statistics.median(base):
+        return None
+    return statistics.median(mine) / statistics.median(base)
 
 
 def engine_requests(
@@ -691,6 +708,23 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, survival: Sur
         else:
             cells += ["", "", "", ""]
         out.append("| " + " | ".join(cells) + " |")
+    steady = [r for r in rows if r["kind"] == "steady"]
+    if steady:
+        offered = args.steady_conns * 1000 / args.steady_delay_ms
+        out += ["", f"Steady load: plain requests, {args.steady_conns} connections each pausing "
+                f"{args.steady_delay_ms:g} ms before every request (under {offered:.0f} req/s "
+                "offered, the same for every gateway, below what any of them can take): CPU per "
+                "request without the batching a saturated process gets. x: over vllm-router's "
+                "(same policy), and over llmgw's with one worker.", "",
+                "| gateway | procs | CPU ms/req | x vllm-router | x workers=1 | req/s "
+                "| p50 / p99 ms |", "|---|--:|--:|--:|--:|--:|--:|"]
+        for r in steady:
+            one = r["ratio_to_one_worker"]
+            err = f", {r['errors']} errors" if r["errors"] else ""
+            out.append(
+                f"| {r['gateway']} | {r['processes']} | {r['cpu_ms_median']:.3f} | {ratio(r)} | "
+                f"{'' if one is None else f'{one:.2f}'} | {r['rps_median']:.0f} | "
+                f"{r['p50_ms_median']:.2f} / {r['p99_ms_median']:.2f}{err} |")
     out += ["", f"Machine: {env['cpus']} CPUs, {env['cpu_model']}; during the runs "
             f"{env['load'].get('busy', 0):.0f}% busy, {env['load'].get('others', 0):.0f}% "
             "by processes other than this benchmark's. "
@@ -770,7 +804,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plain-conns", type=int, default=16, help="wrk connections, plain (16)")
     p.add_argument("--paced-conns", type=int, default=16, help="wrk connections, paced (16)")
     p.add_argument("--wrk-threads", type=int, default=1, help="wrk -t (default 1)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="plain,paced (default both)")
+    p.add_argument("--steady-conns", type=int, default=16,
+                   help="wrk connections, steady (16)")
+    p.add_argument("--steady-delay-ms", type=float, default=8.0,
+                   help="steady: each connection's pause before a request, ms (8)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="plain,paced,steady (default all three)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="round_robin,cache_aware (default both)")
     p.add_argument("--workers", default="1,auto",

@@ -10,12 +10,21 @@
 --   LLMGW_BENCH_MODEL          model name to ask for (default "bench")
 --   LLMGW_BENCH_STREAM         "1" for a streamed answer (server-sent events)
 --   LLMGW_BENCH_CONVERSATIONS  distinct conversations (default 64)
+--   LLMGW_BENCH_DELAY_MS       a pause before each request on a connection (default none):
+--                              a steady offered load below what the gateway can take
 
 local model = os.getenv("LLMGW_BENCH_MODEL") or "bench"
 local stream = os.getenv("LLMGW_BENCH_STREAM") == "1"
 local conversations = tonumber(os.getenv("LLMGW_BENCH_CONVERSATIONS") or "64")
 local system = "You are a concise assistant for a benchmark. Answer in one short paragraph, "
   .. "plainly, without lists or headings, and never repeat the question back to the user."
+
+local pause = tonumber(os.getenv("LLMGW_BENCH_DELAY_MS") or "0")
+if pause > 0 then
+  delay = function()
+    return pause
+  end
+end
 
 local prepared = {}
 local next_one = 0

@@ -668,11 +668,13 @@ class _Connection:
 
 
 _REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/1\.1")
-_FIELD_NAME = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_ODD_VALUE = re.compile(rb"[\x00\r\n\x0b\x0c]")  # what h11 refuses in a field value
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 # Requests the plain parser leaves to h11: their framing or semantics need its state machine.
 _TO_H11 = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+# Every field line at once (one match instead of two per line): a name, a colon, a value
+# with nothing h11 would refuse. A head it does not match goes to h11 whole.
+_FIELDS = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*(?:\r\n|\Z))+")
+_SPECIAL = frozenset({b"content-length", b"host", b"connection", *_TO_H11})
 
 
 def _plain_request(head: bytes) -> tuple[Request, int, bool] | None:
@@ -680,32 +682,31 @@ def _plain_request(head: bytes) -> tuple[Request, int, bool] | None:
     that the plain parser serves: HTTP/1.1, one Host, at most one Content-Length, no
     Transfer-Encoding, Expect or Upgrade, nothing h11 would refuse or read otherwise.
     None: h11 reads it (and refuses it with its own words where it is malformed)."""
-    lines = head.split(b"\r\n")
-    match = _REQUEST_LINE.fullmatch(lines[0])
-    if match is None:
-        return None
+    line_end = head.find(b"\r\n")
+    if line_end < 0:
+        return None  # no Host
+    match = _REQUEST_LINE.fullmatch(head, 0, line_end)
+    if match is None or not _FIELDS.fullmatch(head, line_end + 2):
+        return None  # also an obsolete folded line (it starts with a space)
     headers: list[tuple[bytes, bytes]] = []
     length = -1
     hosts = 0
     close = False
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not _FIELD_NAME.fullmatch(name):
-            return None  # also an obsolete folded line (it starts with a space)
-        value = value.strip(b" \t")
-        if _ODD_VALUE.search(value):
-            return None
+    for line in head[line_end + 2 :].split(b"\r\n"):
+        name, _, value = line.partition(b":")
         name = name.lower()
-        if name in _TO_H11:
-            return None
-        if name == b"content-length":
-            if length >= 0 or not _DIGITS.fullmatch(value):
+        value = value.strip(b" \t")
+        if name in _SPECIAL:
+            if name in _TO_H11:
                 return None
-            length = int(value)
-        elif name == b"host":
-            hosts += 1
-        elif name == b"connection":
-            close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
+            if name == b"content-length":
+                if length >= 0 or not _DIGITS.fullmatch(value):
+                    return None
+                length = int(value)
+            elif name == b"host":
+                hosts += 1
+            else:
+                close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
         headers.append((name, value))
     if hosts != 1:
         return None

@@ -90,6 +90,8 @@ class Router:
             self.set_endpoints(model.name, model.endpoints)
         # Set by a worker: the page of every worker (router.workers), instead of this one's.
         self.metrics_page: Callable[[], Awaitable[bytes]] | None = None
+        # Set by a worker: its name, in the head of every answer (x-llmgw-worker).
+        self.answer_headers: tuple[tuple[bytes, bytes], ...] = ()
 
     def reload(self, config: Config) -> ReloadPlan:
         """Take the API keys, metrics token and static models of `config` (router.reload);
@@ -158,7 +160,7 @@ class Router:
             request.path.decode("latin-1"),
             key_id=None if digest is None else key_id_of(digest),
         )
-        recorder = RecordingResponder(responder, record, arrived)
+        recorder = RecordingResponder(responder, record, arrived, self.answer_headers)
         try:
             await self._route(request, recorder)
         except BaseException as exc:

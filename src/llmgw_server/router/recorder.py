@@ -30,7 +30,7 @@ def new_request_id() -> str:
 
 class RecordingResponder(Responder):
     """The server's responder, seen through: every write goes to `inner` unchanged but
-    for the request id added to the head, and the record learns the status, the bytes,
+    for the request id (and `added`) in the head, and the record learns the status, the bytes,
     the time of the first body byte and the engine's token usage.
 
     Usage is looked for only in writes that hold the bytes `"usage"`: the whole body of a
@@ -38,9 +38,15 @@ class RecordingResponder(Responder):
     stream (engines write each event at once, so it is never split between writes).
     """
 
-    __slots__ = ("_arrived", "_id_header", "inner", "message", "record")
+    __slots__ = ("_added", "_arrived", "inner", "message", "record")
 
-    def __init__(self, inner: Responder, record: AccessRecord, arrived: float) -> None:
+    def __init__(
+        self,
+        inner: Responder,
+        record: AccessRecord,
+        arrived: float,
+        added: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         # No Responder.__init__: nothing is written but through `inner`.
         self.inner = inner
         self.record = record
@@ -50,11 +56,12 @@ class RecordingResponder(Responder):
         self.closing = inner.closing
         self.started = False
         self._arrived = arrived  # time.monotonic() when the request arrived
-        self._id_header = (_REQUEST_ID, record.request_id.encode())
+        # The request id, then the router's own (a worker's name): in every answer's head.
+        self._added = ((_REQUEST_ID, record.request_id.encode()), *added)
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         # An engine may echo the id too (vLLM's --enable-request-id-headers): sent once.
-        return [*(h for h in headers if h[0] != _REQUEST_ID), self._id_header]
+        return [*(h for h in headers if h[0] != _REQUEST_ID), *self._added]
 
     def _body(self, data: bytes) -> None:
         record = self.record

@@ -42,6 +42,11 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
 _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _DIGITS = re.compile(rb"[0-9]+")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+# Every header line at once, as engines write them: a token, a colon, a value with no
+# control character but tab; CRLF or LF between lines. Anything else is read line by line.
+_FIELD_LINES = re.compile(
+    rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*(?:\r?\n|\Z))*"
+)
 
 
 class UpstreamError(Exception):
@@ -302,7 +307,9 @@ class Exchange:
         sock = self._conn.sock
         try:
             if not self.status:  # the head: the router's first-byte timeout applies
-                data = await sockio.receive_some(sock, _RECV)
+                # Just sent (or the head came in part): the engine's answer cannot be
+                # there yet, so the wait comes first, not a read bound to fail.
+                data = await sockio.receive_some(sock, _RECV, wait_first=True)
             else:
                 try:  # a cancel scope only where a wait is due
                     data = sock.recv(_RECV)
@@ -510,6 +517,9 @@ def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
     match = _STATUS_LINE.fullmatch(status_line)
     if match is None:
         raise _Garbage(f"bad status line {status_line[:40]!r}")
+    status, http11 = int(match.group(2)), match.group(1) == b"1"
+    if _FIELD_LINES.fullmatch(head, len(lines[0]) + 1):  # as engines write heads
+        return status, http11, [_field(line) for line in lines[1:]]
     headers: list[tuple[bytes, bytes]] = []
     for raw in lines[1:]:
         line = raw.rstrip(b"\r")
@@ -526,7 +536,12 @@ def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
         if _BAD_VALUE.search(value):
             raise _Garbage(f"bad value of the header {name[:40]!r}")
         headers.append((name.lower(), value))
-    return int(match.group(2)), match.group(1) == b"1", headers
+    return status, http11, headers
+
+
+def _field(line: bytes) -> tuple[bytes, bytes]:
+    name, _, value = line.partition(b":")
+    return name.lower(), value.strip(b" \t\r")
 
 
 def _framing(

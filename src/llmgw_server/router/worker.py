@@ -35,7 +35,7 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import JSON, HTTPServer, Request, Responder
+from llmgw_core.http_server import HTTPServer
 from llmgw_server.router.follower import Follower
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever
@@ -163,47 +163,6 @@ def encode_config(generation: int, config: Config) -> bytes:
     return tagged(generation, pickle.dumps(config))
 
 
-class WorkerResponder(Responder):
-    """The server's responder with the worker's name added to every answer's head."""
-
-    __slots__ = ("_name", "inner")
-
-    def __init__(self, inner: Responder, name: bytes) -> None:
-        # No Responder.__init__: everything is written through `inner`.
-        self.inner = inner
-        self._name = (WORKER_HEADER, name)
-        self.chunked = inner.chunked
-        self.head = inner.head
-        self.closing = inner.closing
-        self.started = False
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
-        await self.inner.start(status, [*headers, self._name])
-
-    async def send(self, data: bytes) -> None:
-        await self.inner.send(data)
-
-    async def send_chunks(self, framed: bytes) -> None:
-        await self.inner.send_chunks(framed)
-
-    async def end(self) -> None:
-        await self.inner.end()
-
-    async def whole(
-        self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
-    ) -> None:
-        self.started = True
-        await self.inner.whole(status, body, [*headers, self._name])
-
-    async def abort(self) -> None:
-        await self.inner.abort()
-
-    async def send_raw(self, data: bytes) -> None:
-        self.started = True
-        await self.inner.send_raw(data)
-
-
 class Worker:
     def __init__(self, index: int, channel: Channel, config: Config, generation: int) -> None:
         self.index = index
@@ -213,12 +172,10 @@ class Worker:
         self.generation = generation
         self.feed = FeedConnection(channel)
         self.name = f"{index}; pid={os.getpid()}".encode()
+        self.router.answer_headers = ((WORKER_HEADER, self.name),)
         self.stop = trio.Event()
         self._ids = itertools.count(1)
         self._scrapes: dict[int, trio.MemorySendChannel[bytes]] = {}
-
-    async def handle(self, request: Request, responder: Responder) -> None:
-        await self.router.handle(request, WorkerResponder(responder, self.name))
 
     async def scrape(self) -> bytes:
         """Every live worker's page, merged by the parent; this one's alone if it cannot."""
@@ -288,7 +245,7 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: 
     router = worker.router
     s = config.server
     http = HTTPServer(
-        worker.handle,
+        router.handle,
         server_limits(s),
         on_reject=router.rejected,
     )
