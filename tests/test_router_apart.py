@@ -153,8 +153,9 @@ def test_the_router_unit_is_hardened_as_the_server_unit() -> None:
             assert router.get(key) == value, key
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_router_apart_is_ready_only_once_its_control_plane_sent_a_table(
-    fleet: Fleet,
+    fleet: Fleet, workers: int
 ) -> None:
     token = "router-" + secrets.token_hex(8)
     etc = fleet.procs.tmp / "etc"
@@ -166,7 +167,8 @@ def test_a_router_apart_is_ready_only_once_its_control_plane_sent_a_table(
     port = free_port()
     # Nothing but [server]: every model comes from the control plane.
     (etc / "router.toml").write_text(
-        f'[server]\nlisten = "127.0.0.1:{port}"\n[router]\nhealth_interval_s = 0.5\n'
+        f'[server]\nlisten = "127.0.0.1:{port}"\nworkers = {workers}\n'
+        "[router]\nhealth_interval_s = 0.5\n"
     )
     argv = [
         arg.replace("/etc/llmgw/", f"{etc}/").replace("%d", str(credentials))

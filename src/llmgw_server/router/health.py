@@ -17,6 +17,7 @@ import trio
 
 from llmgw_core.catalog import Endpoint
 from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.follower import Follower
 from llmgw_server.router.front import Router
 from llmgw_server.router.load_signals import parse_load
 
@@ -35,6 +36,22 @@ async def probe_forever(
             nursery.start_soon(read_load_forever, router, client)
         await nursery.start(_health_forever, router, client)
         task_status.started()
+
+
+async def probe_once_followed(
+    follower: Follower, router: Router, client: httpx.AsyncClient
+) -> None:
+    """Probe the replicas (and with the first round, turn /readyz 200) once `follower`
+    has applied a complete table, then forever."""
+    await follower.complete.wait()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(probe_forever, router, client)
+        table = follower.table
+        log.info(
+            "ready: route table %d applied (%d models placed) and its replicas probed",
+            table.version if table is not None else -1,
+            len(table.models) if table is not None else 0,
+        )
 
 
 async def _health_forever(

@@ -41,7 +41,7 @@ from llmgw_core.route_feed_ws import WebSocketFeed
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_server.router.follower import Connection, Follower
 from llmgw_server.router.front import Router, server_limits
-from llmgw_server.router.health import probe_forever
+from llmgw_server.router.health import probe_once_followed
 from llmgw_server.router.reload import reload_on_sighup, router_reloader
 
 log = logging.getLogger("llmgw.router")
@@ -165,22 +165,6 @@ async def main(
     for pool in router.pools.values():
         pool.close()
     log.info("stopped")
-
-
-async def probe_once_followed(
-    follower: Follower, router: Router, client: httpx.AsyncClient
-) -> None:
-    """Probe the replicas (and with the first round, turn /readyz 200) once `follower`
-    has applied a complete table, then forever."""
-    await follower.complete.wait()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(probe_forever, router, client)
-        table = follower.table
-        log.info(
-            "ready: route table %d applied (%d models placed) and its replicas probed",
-            table.version if table is not None else -1,
-            len(table.models) if table is not None else 0,
-        )
 
 
 async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:

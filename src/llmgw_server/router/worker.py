@@ -38,7 +38,7 @@ from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer
 from llmgw_server.router.follower import Follower
 from llmgw_server.router.front import Router, server_limits
-from llmgw_server.router.health import probe_forever
+from llmgw_server.router.health import probe_forever, probe_once_followed
 from llmgw_server.router.metrics_merge import merge_pages
 
 log = logging.getLogger("llmgw.worker")
@@ -231,8 +231,15 @@ class Worker:
             raise ChannelError(f"a {kind!r} frame is not sent to workers")
 
 
-async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: bool) -> int:
-    """Serve until stopped; `follow`: the replica set comes from the parent's route feed."""
+async def serve(
+    index: int,
+    channel_fd: int,
+    listen_fds: Sequence[int],
+    follow: bool,
+    ready_after_table: bool = False,
+) -> int:
+    """Serve until stopped; `follow`: the replica set comes from the parent's route feed;
+    `ready_after_table` (a router apart): probes, and /readyz 200, wait for a complete one."""
     channel = channel_from_fd(channel_fd)
     frames = await channel.receive()
     if not frames or frames[0][0] != CONFIG:
@@ -261,8 +268,14 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: 
                 await nursery.start(router.access_log.run)
             await nursery.start(http.serve, listeners)
             if follow:
-                nursery.start_soon(_follow, worker)
-            await nursery.start(probe_forever, router, client)
+                name = f"worker {worker.index} (pid {os.getpid()})"
+                # What serves is logged once, by worker 0: every worker serves the same.
+                follower = Follower(worker.router, name, log_changes=worker.index == 0)
+                nursery.start_soon(_follow, worker, follower)
+                if ready_after_table:
+                    nursery.start_soon(probe_once_followed, follower, router, client)
+            if not (follow and ready_after_table):
+                await nursery.start(probe_forever, router, client)
             await channel.send(READY)
             async with trio.open_nursery() as waiters:
                 waiters.start_soon(_signals, signals, worker.stop)
@@ -278,10 +291,7 @@ async def serve(index: int, channel_fd: int, listen_fds: Sequence[int], follow: 
     return 0
 
 
-async def _follow(worker: Worker) -> None:
-    # What serves is logged once, by worker 0: every worker serves the same.
-    name = f"worker {worker.index} (pid {os.getpid()})"
-    follower = Follower(worker.router, name, log_changes=worker.index == 0)
+async def _follow(worker: Worker, follower: Follower) -> None:
     try:
         await follower.follow(worker.feed)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -305,13 +315,22 @@ def cli(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--listen-fd", type=int, action="append", required=True)
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--follow", action="store_true", help="follow the parent's route feed")
+    parser.add_argument(
+        "--ready-after-table",
+        action="store_true",
+        help="probe, and turn ready, once a complete route table came (a router apart)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}] %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    sys.exit(trio.run(serve, args.index, args.channel_fd, args.listen_fd, args.follow))
+    sys.exit(
+        trio.run(
+            serve, args.index, args.channel_fd, args.listen_fd, args.follow, args.ready_after_table
+        )
+    )
 
 
 if __name__ == "__main__":

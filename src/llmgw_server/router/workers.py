@@ -140,11 +140,14 @@ class Workers:
         feed: FeedServer | None = None,
         policy: RestartPolicy = RestartPolicy(),
         log_level: str | None = None,
+        ready_after_table: bool = False,
     ) -> None:
         self.config = config
         self.count = config.server.workers
         self.listen_fds = listen_fds
         self.feed = feed  # serves one worker's route feed (the control plane's hub)
+        # A router apart: each worker's /readyz waits for its first complete table.
+        self.ready_after_table = ready_after_table
         self.policy = policy
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.generation = 0
@@ -169,6 +172,7 @@ class Workers:
             "--log-level",
             self.log_level.lower(),
             *(["--follow"] if self.feed is not None else []),
+            *(["--ready-after-table"] if self.ready_after_table else []),
         ]
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -474,6 +478,7 @@ async def main(
         config,
         [listener.socket.fileno() for listener in listeners],
         feed=None if hub is None else hub.serve,
+        ready_after_table=follow is not None,
     )
     apply = workers.apply if plane is None else with_control_plane(workers.apply, plane.set_catalog)
     reloader = Reloader(config, apply)
