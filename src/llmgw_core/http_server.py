@@ -783,45 +783,41 @@ class _PlainConnection:
         if handover is not None:
             await _Connection(self.server, self.stream, handover, first=not self._served).run()
 
+    def _take(self) -> bool:
+        """One read of what the socket holds into `buf` (its end sets `eof`); False if
+        it held nothing after all."""
+        try:
+            data = self.sock.recv(_RECV)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if data:
+            self.buf += data
+        else:
+            self.eof = True
+        return True
+
     async def _more(self) -> None:
         """Read what the client sends next (the serving task, between handlers)."""
-        sock = self.sock
         while True:
-            await trio.lowlevel.wait_readable(sock)
-            try:
-                data = sock.recv(_RECV)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if data:
-                self.buf += data
-            else:
-                self.eof = True
-            return
+            await trio.lowlevel.wait_readable(self.sock)
+            if self._take():
+                return
 
     async def _watcher(self) -> None:
         """While a handler runs past a tick: the client going away cancels it."""
-        sock = self.sock
         while True:
             await self._watch.wait()
             self._watch = trio.Event()
             while self.in_handler and not self.buf and not self.eof:
                 with trio.CancelScope() as self._watching:
-                    await trio.lowlevel.wait_readable(sock)
+                    await trio.lowlevel.wait_readable(self.sock)
                 self._watching = None
                 if not self.in_handler:  # it ended as this woke: the bytes are _more's
                     break
-                try:
-                    data = sock.recv(_RECV)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if data:
-                    self.buf += data  # pipelined: kept until the handler ends
-                else:
-                    self.eof = True
+                # Bytes read here are pipelined: kept until the handler ends.
+                if self._take() and self.eof:
                     self._scope.cancel()  # the client went away: the handler stops
 
     async def _serve(self) -> bytes | None:
