@@ -240,6 +240,27 @@ async def time_status(url: str, ca: Path | None) -> tuple[float, float, int]:
     return statistics.median(whole), page, size
 
 
+def histogram_bounds(page: str, name: str, quantiles: tuple[float, ...]) -> tuple[int, list[float]]:
+    """(observations, for each quantile the upper bound of the bucket it falls in) of a
+    Prometheus histogram without labels in `page`; inf past the last finite bound."""
+    buckets: list[tuple[float, int]] = []
+    for line in page.splitlines():
+        if line.startswith(name + '_bucket{le="'):
+            bound, count = line[len(name) + 12 :].split('"} ')
+            buckets.append((float(bound), int(float(count))))
+    total = buckets[-1][1] if buckets else 0
+    return total, [
+        next((b for b, c in buckets if c >= q * total), math.inf) for q in quantiles
+    ]
+
+
+async def reconcile_times(url: str, ca: Path | None) -> tuple[int, list[float]]:
+    """The control plane's reconcile steps so far: how many, and their p50 / p99 bounds."""
+    async with httpx.AsyncClient(verify=str(ca) if ca else False, timeout=60) as client:
+        page = (await client.get(f"{url}/metrics")).text
+    return histogram_bounds(page, "llmgw_control_reconcile_seconds", (0.5, 0.99))
+
+
 async def run(args: argparse.Namespace) -> None:
     raise_nofile()
     n = args.nodes
@@ -354,6 +375,13 @@ async def run(args: argparse.Namespace) -> None:
                 "",
             ))
             readme["status"] = f"{whole * 1e3:.0f} ms"
+            steps, (p50, p99) = await reconcile_times(admin, certs / "ca.crt" if certs else None)
+            rows.append((
+                "reconcile steps since the start (registration, then heartbeats): p50 / p99",
+                f"{steps:,} steps; p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms "
+                "(upper bounds of llmgw_control_reconcile_seconds' buckets)",
+                "",
+            ))
             # -- restart storm --------------------------------------------------------
             progress("storm: the server is killed")
             server.kill()
