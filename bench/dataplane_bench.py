@@ -289,6 +289,7 @@ class Gateway:
     url: str = ""
     processes: int = 1  # counted once it serves
     threads: int = 0
+    baseline: bool = False  # llmgw running --baseline-src's code, not this checkout's
 
     def children(self) -> list[int]:
         return [p for p in process_tree(self.proc.pid) if p != self.proc.pid]
@@ -303,7 +304,8 @@ def _child_env(src: Path) -> dict[str, str]:
 
 
 def start_llmgw(
-    name: str, policy: str, workers: int, upstreams: list[str], args: argparse.Namespace
+    name: str, policy: str, workers: int, upstreams: list[str], args: argparse.Namespace,
+    src: Path | None = None,
 ) -> Gateway:
     config = LOG_DIR / f"{name}.toml"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -322,8 +324,8 @@ def start_llmgw(
         f"endpoints = [{endpoints}]\n"
     )
     proc = Proc(name, [sys.executable, "-m", "llmgw_server", "--config", str(config)],
-                env=_child_env(args.llmgw_src))
-    gw = Gateway(name, "llmgw", policy, workers, upstreams, proc)
+                env=_child_env(src or args.llmgw_src))
+    gw = Gateway(name, "llmgw", policy, workers, upstreams, proc, baseline=src is not None)
 
     def url() -> str:
         for line in proc.log_text().splitlines():
@@ -620,6 +622,7 @@ def summarize(
                     if kind == "paced" and plain else None),
                 "ratio_to_vllm_router": statistics.median(cpu) / ref_median if ref_median else None,
                 "ratio_to_one_worker": _to_one_worker(gw, gateways, samples, kind),
+                "ratio_to_baseline": _to_baseline(gw, gateways, samples, kind),
                 "ratio_per_round_median": statistics.median(per_round) if per_round else None,
                 "ratio_per_round_min": min(per_round) if per_round else None,
                 "ratio_per_round_max": max(per_round) if per_round else None,
@@ -638,10 +641,25 @@ def _to_one_worker(
 ) -> float | None:
     """llmgw's median CPU per request with these workers over its median with one."""
     one = next((g for g in gateways if g.product == "llmgw" and g.policy == gw.policy
-                and g.workers == 1), None)
+                and g.workers == 1 and g.baseline == gw.baseline), None)
     if gw.product != "llmgw" or one is None:
         return None
-    base = [s.cpu_ms for s in samples if s.gateway == one.name and s.kind == kind]
+    return _median_ratio(gw, one, samples, kind)
+
+
+def _to_baseline(
+    gw: Gateway, gateways: list[Gateway], samples: list[Sample], kind: str
+) -> float | None:
+    """This checkout's median CPU per request over --baseline-src's (same policy, workers)."""
+    base = next((g for g in gateways if g.baseline and g.policy == gw.policy
+                 and g.workers == gw.workers), None)
+    if gw.product != "llmgw" or gw.baseline or base is None:
+        return None
+    return _median_ratio(gw, base, samples, kind)
+
+
+def _median_ratio(gw: Gateway, base_gw: Gateway, samples: list[Sample], kind: str) -> float | None:
+    base = [s.cpu_ms for s in samples if s.gateway == base_gw.name and s.kind == kind]
     mine = [s.cpu_ms for s in samples if s.gateway == gw.name and s.kind == kind]
     if not base or not mine or not statistics.median(base):
         return None
@@ -725,6 +743,13 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, survival: Sur
                 f"| {r['gateway']} | {r['processes']} | {r['cpu_ms_median']:.3f} | {ratio(r)} | "
                 f"{'' if one is None else f'{one:.2f}'} | {r['rps_median']:.0f} | "
                 f"{r['p50_ms_median']:.2f} / {r['p99_ms_median']:.2f}{err} |")
+    against_base = [r for r in rows if r["ratio_to_baseline"] is not None]
+    if against_base:
+        out += ["", f"This checkout beside --baseline-src ({args.baseline_src}), same rounds: "
+                "median CPU per request (per stream for paced) over the baseline's, same policy "
+                "and workers.", "", "| gateway | kind | CPU ms | x baseline |", "|---|---|--:|--:|"]
+        out += [f"| {r['gateway']} | {r['kind']} | {r['cpu_ms_median']:.3f} | "
+                f"{r['ratio_to_baseline']:.3f} |" for r in against_base]
     out += ["", f"Machine: {env['cpus']} CPUs, {env['cpu_model']}; during the runs "
             f"{env['load'].get('busy', 0):.0f}% busy, {env['load'].get('others', 0):.0f}% "
             "by processes other than this benchmark's. "
@@ -826,6 +851,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--llmgw-src", type=Path, default=ROOT / "src",
                    help="the llmgw code to run (default this checkout's src/; for a commit:\n"
                    "git archive COMMIT src | tar -x -C DIR, then --llmgw-src DIR/src)")
+    p.add_argument("--baseline-src", type=Path, default=None,
+                   help="also run llmgw from this code (as --llmgw-src), interleaved in the\n"
+                   "same rounds: each llmgw row then gets its ratio to the baseline's")
     p.add_argument("--no-survival", action="store_true", help="skip the killed-worker check")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: 1 round of 1 s, no warm-up (figures are noise)")
@@ -834,6 +862,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.quick:
         args.runs, args.duration, args.warmup = 1, 1, 0
     args.llmgw_src = args.llmgw_src.resolve()
+    if args.baseline_src is not None:
+        args.baseline_src = args.baseline_src.resolve()
     args.kinds = [k for k in args.kinds.split(",") if k]
     args.policies = [k for k in args.policies.split(",") if k]
     if not set(args.kinds) <= set(KINDS) or not args.kinds:
@@ -872,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies:
             plan.append(("vllm-router", policy, 1))
             plan += [("llmgw", policy, w) for w in args.workers]
+            if args.baseline_src is not None:
+                plan += [("llmgw@base", policy, w) for w in args.workers]
         slots = len(plan) + (0 if args.no_survival else 1)
         engine, urls = start_engine(binary, args.replicas * slots, args)
         upstream = [urls[i * args.replicas : (i + 1) * args.replicas] for i in range(slots)]
@@ -880,6 +912,10 @@ def main(argv: list[str] | None = None) -> int:
         for i, (product, policy, workers) in enumerate(plan):
             if product == "vllm-router":
                 gw = start_vllm_router(f"vllm-router {policy}", exe, policy, upstream[i])
+            elif product == "llmgw@base":
+                gw = start_llmgw(f"llmgw@base {policy} workers={workers}", policy, workers,
+                                 upstream[i], args, src=args.baseline_src)
+                gw.processes = 1 + len(wait_workers(gw, workers if workers > 1 else 0, 10.0))
             else:
                 gw = start_llmgw(f"llmgw {policy} workers={workers}", policy, workers,
                                  upstream[i], args)
