@@ -25,9 +25,7 @@ import time
 from pathlib import Path
 
 MIB = 1024 * 1024
-_KEY_TOML = (
-    '[auth]\napi_keys = ["sha256:0000000000000000000000000000000000000000000000000000000000000000"]\n'
-)
+_KEY_TOML = '[auth]\napi_keys = ["sha256:0000000000000000000000000000000000000000000000000000000000000000"]\n'
 
 
 def _free_port() -> int:

@@ -382,10 +382,12 @@ class HTTPServer:
         self.turned_away += 1
         if self.on_reject is not None:
             self.on_reject(503, _TOO_MANY_MESSAGE)
-        try:
-            stream.socket.send(_TOO_MANY)
-        except OSError:
-            pass
+        sock = sockio.raw_socket(stream)
+        if sock is not None:
+            try:
+                sock.send(_TOO_MANY)
+            except OSError:
+                pass
         stream.socket.close()
 
     async def _serve_plain(self, stream: trio.SocketStream) -> None:
