@@ -1044,7 +1044,7 @@ class _PlainConnection:
         have = len(self.buf)
         pace = None
         if limits.min_body_rate:
-            pace = self._pace = _BodyPace(self._scope, limits.min_body_rate, 0)
+            pace = self._pace = _BodyPace(self._scope, limits.min_body_rate, have - start)
         parts = [self.buf]
         sock = self.sock
         try:
