@@ -336,7 +336,6 @@ class HTTPServer:
         self.tls_abandoned = 0  # closed before a handshake: the client left, or it waited too long
         self._handshakes = trio.CapacityLimiter(TLS_HANDSHAKES_AT_ONCE)
         self.plain_connections = 0  # served now on plain listeners (limits.max_connections)
-        self.turned_away = 0  # connections answered 503 for max_connections, for metrics
         self.tls_failures_log = RateLimit(60.0)
 
     async def serve(
@@ -379,7 +378,6 @@ class HTTPServer:
     def _turn_away(self, stream: trio.SocketStream) -> None:
         """A connection past max_connections: a fixed 503 written if the socket takes it
         at once, then closed, without reading anything or starting a task."""
-        self.turned_away += 1
         if self.on_reject is not None:
             self.on_reject(503, _TOO_MANY_MESSAGE)
         sock = sockio.raw_socket(stream)
