@@ -290,7 +290,18 @@ async def test_a_head_over_the_limit_gets_431(how: str) -> None:
 # -- a client gone with bytes buffered -------------------------------------------------
 
 
-async def test_a_client_gone_with_a_pipelined_byte_buffered_cancels_the_handler() -> None:
+@pytest.mark.parametrize(
+    ("framing", "byte_comes"),
+    [
+        ("plain", "with the request"),
+        ("plain", "during the handler"),
+        # (With the request, h11 holds the byte unparsed and the reader sees the close.)
+        ("chunked (h11)", "during the handler"),
+    ],
+)
+async def test_a_client_gone_with_a_pipelined_byte_buffered_cancels_the_handler(
+    byte_comes: str, framing: str
+) -> None:
     started, cancelled = trio.Event(), trio.Event()
 
     async def slow(request: Request, responder: Responder) -> None:
@@ -301,14 +312,23 @@ async def test_a_client_gone_with_a_pipelined_byte_buffered_cancels_the_handler(
             cancelled.set()
 
     server = HTTPServer(slow, ServerLimits())
+    if framing == "plain":
+        request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    else:
+        request = b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
     with trio.fail_after(5):  # old code: the handler ran on
         async with trio.open_nursery() as nursery:
             listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
             await nursery.start(server.serve, listeners)
             port = listeners[0].socket.getsockname()[1]
             client = await trio.open_tcp_stream("127.0.0.1", port)
-            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\nG")
-            await started.wait()
+            if byte_comes == "with the request":
+                await client.send_all(request + b"G")
+                await started.wait()
+            else:
+                await client.send_all(request)
+                await started.wait()
+                await client.send_all(b"G")
             await client.aclose()
             await cancelled.wait()
             nursery.cancel_scope.cancel()

@@ -602,6 +602,22 @@ class _Connection:
                     if self._handler_scope is not None:
                         self._handler_scope.cancel()
                     return
+                if self._handler_scope is not None:
+                    await self._watch_unread()
+
+    async def _watch_unread(self) -> None:
+        """Bytes came while a handler runs: no more are read until it ends, and the
+        client's leaving is seen in its socket's TCP state instead, once a tick."""
+        stream = self.stream
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if not isinstance(transport, trio.SocketStream):
+            return
+        while self._handler_scope is not None and not self._may_read.is_set():
+            if _peer_left(transport):
+                self._handler_scope.cancel()
+                return
+            with trio.move_on_after(coarse_timeouts.TICK_S):
+                await self._may_read.wait()
 
     async def _next_event(self) -> Any:
         conn = self.conn
