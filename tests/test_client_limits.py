@@ -351,6 +351,8 @@ def test_hop_by_hop_connection_named_and_lookalike_headers_are_not_forwarded() -
             (b"keep_alive", b"timeout=5"),
             (b"content-type", b"application/json"),
             (b"x-kept", b"3"),
+            (b"connection", b"x-third"),  # a second Connection header counts too
+            (b"x-third", b"4"),
         ],
     )
     assert front._forwarded_headers(request) == [

@@ -519,8 +519,13 @@ def _bearer_digest(request: Request) -> str | None:
 def _forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
     """The client's headers an engine gets: not hop-by-hop ones, their lookalikes, nor
     those the client's Connection header names (RFC 9110 section 7.6.1)."""
-    headers = [(k, v) for k, v in request.headers if k not in _NOT_FORWARDED]
-    connection = request.header(b"connection")
+    headers = []
+    connection = None  # one pass: a second one for Connection would double its cost
+    for name, value in request.headers:
+        if name not in _NOT_FORWARDED:
+            headers.append((name, value))
+        elif name == b"connection":
+            connection = value if connection is None else connection + b"," + value
     if connection is None or connection in _PLAIN_CONNECTION:
         return headers
     named = {t.strip().lower() for t in connection.split(b",")}
