@@ -30,6 +30,7 @@ from llmgw_core.http_server import (
     Responder,
     ServerLimits,
     body_too_slow,
+    pieces_too_small,
 )
 from llmgw_server.router import front
 from llmgw_server.router.front import Router
@@ -198,6 +199,34 @@ def test_the_body_pace_rule() -> None:
     assert body_too_slow(1024 * 5 - 1, 5.0, 1024)
     assert not body_too_slow(1024 * 5, 5.0, 1024)
     assert not body_too_slow(1024 * 5, 60.0, 0)  # no minimum
+
+
+def test_the_body_piece_rule() -> None:
+    assert not pieces_too_small(1024, 1024)  # the first pieces are free
+    assert pieces_too_small(1025, 1025)
+    assert not pieces_too_small(2000, 64 * 2000)
+
+
+async def test_a_body_in_tiny_chunks_is_refused() -> None:
+    # Old code parsed a body of 1-byte chunks to its end, at most of a core's cost.
+    server = HTTPServer(hello, ServerLimits())
+    head = b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def exchange(chunk: int) -> bytes:
+        piece = b"%x\r\n%b\r\n" % (chunk, b"x" * chunk)
+        async with serving(server) as client:
+            wire = memoryview(head + piece * 3000 + b"0\r\n\r\n")
+            try:
+                while wire:
+                    wire = wire[await client.send(wire) :]
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before the whole body
+            return bytes(await client.recv(65536))
+
+    with trio.fail_after(10):
+        tiny, fine = await exchange(1), await exchange(100)
+    assert tiny.startswith(b"HTTP/1.1 400 ") and b"pieces too small" in tiny, tiny
+    assert fine.startswith(b"HTTP/1.1 200 ") and fine.endswith(b"got 300000"), fine
 
 
 async def _trickle(client: Any, head: bytes, piece: bytes, seconds: float) -> None:

@@ -36,6 +36,11 @@ JSON = [(b"content-type", b"application/json")]
 # may wait on its own start); from then on it is checked this often.
 BODY_RATE_GRACE_S = 5.0
 BODY_RATE_CHECK_S = 1.0
+# Past its first pieces, a request body (its chunks, or what each read brings) must
+# average this many bytes a piece: h11's cost is per piece, and 1-byte chunks would
+# spend most of a core on a body that meets any byte rate.
+BODY_FREE_PIECES = 1024
+BODY_PIECE_MIN_AVERAGE = 64
 # Where h11 ends a request head (it also takes bare LF line ends).
 _HEAD_END = re.compile(rb"\n\r?\n")
 
@@ -505,6 +510,11 @@ def _too_slow(limits: ServerLimits) -> str:
     return f"request body arrived slower than the minimum of {limits.min_body_rate} bytes/s"
 
 
+def pieces_too_small(pieces: int, received: int) -> bool:
+    """Whether a request body that came in `pieces` h11 events is cut for its overhead."""
+    return pieces > BODY_FREE_PIECES and received < BODY_PIECE_MIN_AVERAGE * pieces
+
+
 def body_too_slow(received: int, elapsed_s: float, min_rate: int) -> bool:
     """Whether a request body that brought `received` bytes in its first `elapsed_s` is
     cut: past the grace, it must have averaged `min_rate` bytes/s since its start."""
@@ -730,6 +740,7 @@ class _Connection:
             )
         chunks: list[bytes] = []
         size = 0
+        pieces = 0
         with trio.move_on_after(limits.body_timeout_s) as scope:
             pace = _BodyPace(scope, limits.min_body_rate, 0) if limits.min_body_rate else None
             try:
@@ -743,6 +754,14 @@ class _Connection:
                                 f"request body exceeds the limit of {limits.max_body_bytes} bytes",
                             )
                         chunks.append(bytes(event.data))
+                        pieces += 1
+                        if pieces_too_small(pieces, size):
+                            raise RequestRejected(
+                                400,
+                                "request body in pieces too small: past the first "
+                                f"{BODY_FREE_PIECES}, they must average "
+                                f"{BODY_PIECE_MIN_AVERAGE} bytes",
+                            )
                         if pace is not None:
                             pace.received = size
                     elif isinstance(event, h11.EndOfMessage):
