@@ -7,10 +7,11 @@ unknown model) and measures its CPU time from /proc/PID/stat and its RSS from
 
   cpu: one request per body size (4 and 16 MiB by default), the body in 1 KiB writes;
        the router's user+system CPU seconds for each.
+  chunks: one chunked body of 1-byte chunks, sent for up to 5 s; the router's CPU.
   rss: with an API key configured, N connections without a key each send a head with
        Content-Length 16 MiB and then 16 MiB - 1 bytes of body; RSS before and after.
 
-Run: .venv/bin/python bench/client_body_bench.py [cpu|rss|both]
+Run: .venv/bin/python bench/client_body_bench.py [cpu|chunks|rss|both]
 """
 
 from __future__ import annotations
@@ -112,6 +113,40 @@ def cpu(sizes: tuple[int, ...] = (4, 16)) -> None:
             proc.wait()
 
 
+def tiny_chunks(seconds: float = 5.0) -> None:
+    """One body in 1-byte chunks, sent as fast as the router reads it for `seconds`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = start_router(Path(tmp))
+        try:
+            time.sleep(1)
+            before = _cpu_s(proc.pid)
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                deadline = time.monotonic() + seconds
+                sent = 0
+                try:
+                    while time.monotonic() < deadline:
+                        sock.sendall(b"1\r\nx\r\n" * 1000)
+                        sent += 1000
+                except OSError:
+                    pass  # refused
+                sock.settimeout(5)
+                try:
+                    answer = sock.recv(200).split(b"\r\n", 1)[0]
+                except OSError as exc:
+                    answer = repr(exc).encode()
+            print(
+                f"1-byte chunks for up to {seconds:g} s ({sent} sent): router CPU "
+                f"{_cpu_s(proc.pid) - before:.2f} s ({answer.decode(errors='replace')})"
+            )
+        finally:
+            proc.terminate()
+            proc.wait()
+
+
 def rss(connections: int = 30) -> float:
     """RSS growth in MiB under `connections` keyless 16 MiB uploads (one byte short), with
     every connection still open when RSS is read."""
@@ -158,5 +193,7 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "both"
     if what in ("cpu", "both"):
         cpu()
+    if what in ("chunks", "both"):
+        tiny_chunks()
     if what in ("rss", "both"):
         rss()
