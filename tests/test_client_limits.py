@@ -157,6 +157,17 @@ async def test_a_valid_key_is_hashed_once_and_per_model_refusals_read_the_body(
 # -- connections, body pace, head size, framing ------------------------------------------
 
 
+def test_the_server_keys_reach_the_inference_ports_limits() -> None:
+    models = [{"name": "m", "endpoints": ["http://127.0.0.1:9"]}]
+    default = front.server_limits(parse_config({"models": models}, "r.toml").server)
+    assert (default.max_connections, default.min_body_rate) == (4096, 1024)
+    server = {"max_connections": 10, "min_body_rate": 0}
+    limits = front.server_limits(
+        parse_config({"server": server, "models": models}, "r.toml").server
+    )
+    assert (limits.max_connections, limits.min_body_rate) == (10, 0)
+
+
 async def test_connections_past_max_connections_get_503_and_a_close() -> None:
     refused: list[tuple[int, str]] = []
     server = HTTPServer(
