@@ -33,7 +33,8 @@ KNOWN_KEYS = sorted(
     {
         # server
         "server", "listen", "control_listen", "max_body_bytes", "header_timeout_s",
-        "body_timeout_s", "keepalive_timeout_s", "shutdown_grace_s",
+        "body_timeout_s", "keepalive_timeout_s", "shutdown_grace_s", "max_connections",
+        "min_body_rate",
         # router
         "router", "retries", "connect_timeout_s", "first_byte_timeout_s",
         "eject_after_failures", "eject_cooldown_s", "health_interval_s", "health_timeout_s",

@@ -398,10 +398,14 @@ def test_an_engine_with_no_answer_within_the_first_byte_limit_gets_504(procs: Pr
     assert httpx.get(router.url + "/healthz").status_code == 200
 
 
-def test_a_client_gone_before_the_first_byte_cancels_the_engine_request(procs: Procs) -> None:
+@pytest.mark.parametrize("pipelined", [b"", b"G"])
+def test_a_client_gone_before_the_first_byte_cancels_the_engine_request(
+    procs: Procs, pipelined: bytes
+) -> None:
     # A plain request the engine takes seconds to start answering (a slow prefill): the
     # router writes nothing meanwhile, so only its watch on the client's socket can tell
-    # that the client left, and the engine's work is cancelled with the request.
+    # that the client left, and the engine's work is cancelled with the request. Also
+    # when the client sent a byte of a next request first, which the router keeps unread.
     engine = procs.mock("m", "--mock-kv-blocks", "1000", "--mock-prefill-tps", "1")
     router = procs.router(models_toml({"m": [engine.url]}))
 
@@ -417,7 +421,7 @@ def test_a_client_gone_before_the_first_byte_cancels_the_engine_request(procs: P
     with socket.create_connection(("127.0.0.1", router.port)) as sock:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+            b"content-length: %d\r\n\r\n%b%b" % (len(body), body, pipelined)
         )
         wait_until(lambda: engine_busy() == 1, timeout=5, what="the engine to take the request")
     wait_until(lambda: engine_busy() == 0, timeout=5, what="the engine to see it cancelled")

@@ -93,6 +93,12 @@ class ServerSection:
     # An idle connection between requests.
     keepalive_timeout_s: float = attrs.field(default=75.0, metadata=rules(min=0.1))
     shutdown_grace_s: float = attrs.field(default=30.0, metadata=rules(min=0))
+    # Client connections one router process serves at once (2,000 idle keep-alives fit);
+    # past it a new connection is answered 503 and closed.
+    max_connections: int = attrs.field(default=4096, metadata=rules(min=1))
+    # A request body must average this many bytes/s since its start, from its first 5 s
+    # on (408 otherwise); 0: no minimum.
+    min_body_rate: int = attrs.field(default=1024, metadata=rules(min=0))
     access_log: bool = True  # one line per request
     access_log_format: str = attrs.field(  # or "json"
         default="logfmt", metadata=rules(check=_access_log_format)

@@ -32,6 +32,17 @@ TLS_QUEUE_S = 2.0  # the longest a connection waits for its handshake to begin
 _TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 JSON = [(b"content-type", b"application/json")]
+# A request body's first seconds are not held to `min_body_rate` (a client's first write
+# may wait on its own start); from then on it is checked this often.
+BODY_RATE_GRACE_S = 5.0
+BODY_RATE_CHECK_S = 1.0
+# Past its first pieces, a request body (its chunks, or what each read brings) must
+# average this many bytes a piece: h11's cost is per piece, and 1-byte chunks would
+# spend most of a core on a body that meets any byte rate.
+BODY_FREE_PIECES = 1024
+BODY_PIECE_MIN_AVERAGE = 64
+# Where h11 ends a request head (it also takes bare LF line ends).
+_HEAD_END = re.compile(rb"\n\r?\n")
 
 
 @attrs.frozen
@@ -41,6 +52,12 @@ class ServerLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 75.0
+    # Connections on plain listeners served at once; past it a new one is answered 503
+    # and closed. None: no limit.
+    max_connections: int | None = None
+    # A request body must average at least this many bytes/s since its start, from
+    # BODY_RATE_GRACE_S on (408 otherwise); 0: no minimum.
+    min_body_rate: int = 1024
 
 
 @attrs.define(slots=True)
@@ -50,6 +67,10 @@ class Request:
     headers: list[tuple[bytes, bytes]]  # names lower-cased by h11
     body: bytes = b""
     http_version: bytes = b"1.1"
+    # Set by the server's head check (HTTPServer's check_head), for the handler: the
+    # digest of the client's credential (the router's: its API key), None if it sent none.
+    credential: str | None = None
+    head_checked: bool = False
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -237,7 +258,21 @@ def _response_head(
     return b"".join(lines)
 
 
+def _refusal(status: int, message: str, headers: list[tuple[bytes, bytes]] = JSON) -> bytes:
+    """A whole answer that closes the connection, as the server writes its own refusals."""
+    body = error_body(status, message)
+    length = (b"content-length", str(len(body)).encode())
+    return _response_head(status, [*headers, length, (b"connection", b"close")]) + body
+
+
+_TOO_MANY_MESSAGE = "the server has as many connections as it may serve (max_connections)"
+_TOO_MANY = _refusal(503, _TOO_MANY_MESSAGE, [*JSON, (b"retry-after", b"1")])
+
 Handler = Callable[[Request, Responder], Awaitable[None]]
+# Called with a request's head before its body is read: True to read the body; False
+# to run the handler on the head alone (its body empty), which answers it (a refusal),
+# and then close the connection with the body unread.
+HeadCheck = Callable[[Request], bool]
 UpgradeHandler = Callable[[Request, trio.abc.Stream], Awaitable[None]]
 
 
@@ -288,8 +323,10 @@ class HTTPServer:
         upgrade: UpgradeHandler | None = None,
         ssl_context: ssl.SSLContext | None = None,
         on_reject: Callable[[int, str], None] | None = None,
+        check_head: HeadCheck | None = None,
     ) -> None:
         self.handler = handler
+        self.check_head = check_head
         # Told of each request refused before the handler (413, 408, malformed).
         self.on_reject = on_reject
         self.limits = limits
@@ -303,6 +340,7 @@ class HTTPServer:
         self.tls_failures = 0  # failed TLS handshakes, for metrics
         self.tls_abandoned = 0  # closed before a handshake: the client left, or it waited too long
         self._handshakes = trio.CapacityLimiter(TLS_HANDSHAKES_AT_ONCE)
+        self.plain_connections = 0  # served now on plain listeners (limits.max_connections)
         self.tls_failures_log = RateLimit(60.0)
 
     async def serve(
@@ -332,10 +370,34 @@ class HTTPServer:
                     continue
                 raise
             if self.ssl_context is None:
-                connections.start_soon(self.serve_connection, stream)
+                limit = self.limits.max_connections
+                if limit is not None and self.plain_connections >= limit:
+                    self._turn_away(stream)
+                    continue
+                self.plain_connections += 1
+                connections.start_soon(self._serve_plain, stream)
             else:
                 tls = trio.SSLStream(stream, self.ssl_context, server_side=True)
                 connections.start_soon(self._serve_tls, tls)
+
+    def _turn_away(self, stream: trio.SocketStream) -> None:
+        """A connection past max_connections: a fixed 503 written if the socket takes it
+        at once, then closed, without reading anything or starting a task."""
+        if self.on_reject is not None:
+            self.on_reject(503, _TOO_MANY_MESSAGE)
+        sock = sockio.raw_socket(stream)
+        if sock is not None:
+            try:
+                sock.send(_TOO_MANY)
+            except OSError:
+                pass
+        stream.socket.close()
+
+    async def _serve_plain(self, stream: trio.SocketStream) -> None:
+        try:
+            await self.serve_connection(stream)
+        finally:
+            self.plain_connections -= 1
 
     async def _serve_tls(self, tls: trio.SSLStream[trio.SocketStream]) -> None:
         """The TLS handshake first, so that a failed one is logged with the peer's address
@@ -405,6 +467,7 @@ class HTTPServer:
             if sock is None:  # TLS: h11 on the decrypted stream
                 await _Connection(self, stream).run()
             else:
+                assert isinstance(stream, trio.SocketStream)  # as raw_socket found it
                 await _PlainConnection(self, stream, sock).run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
@@ -432,6 +495,54 @@ def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
     except (OSError, ValueError):
         return "?", "an unknown peer"
     return str(host), f"{host}:{port}"
+
+
+def _unparsed(conn: h11.Connection) -> int:
+    """The bytes h11 holds unparsed (it has no public count; trailing_data copies them)."""
+    return len(conn._receive_buffer)
+
+
+def _head_too_large(limits: ServerLimits) -> str:
+    return f"request head exceeds the limit of {limits.max_header_bytes} bytes"
+
+
+def _too_slow(limits: ServerLimits) -> str:
+    return f"request body arrived slower than the minimum of {limits.min_body_rate} bytes/s"
+
+
+def pieces_too_small(pieces: int, received: int) -> bool:
+    """Whether a request body that came in `pieces` h11 events is cut for its overhead."""
+    return pieces > BODY_FREE_PIECES and received < BODY_PIECE_MIN_AVERAGE * pieces
+
+
+def body_too_slow(received: int, elapsed_s: float, min_rate: int) -> bool:
+    """Whether a request body that brought `received` bytes in its first `elapsed_s` is
+    cut: past the grace, it must have averaged `min_rate` bytes/s since its start."""
+    return elapsed_s >= BODY_RATE_GRACE_S and received < min_rate * elapsed_s
+
+
+class _BodyPace:
+    """A body's pace, checked on the coarse timer wheel (no trio deadline, nothing per
+    read but setting `received`): first after the grace, then each BODY_RATE_CHECK_S;
+    one too slow has its scope cancelled and `slow` set."""
+
+    __slots__ = ("_min_rate", "_scope", "_started", "received", "slow")
+
+    def __init__(self, scope: trio.CancelScope, min_rate: int, received: int) -> None:
+        self._scope = scope
+        self._min_rate = min_rate
+        self._started = trio.current_time()
+        self.received = received  # body bytes read so far
+        self.slow = False
+        coarse_timeouts.arm(self, self._started + BODY_RATE_GRACE_S)
+
+    def cancel(self) -> None:  # the wheel calls it when due
+        now = trio.current_time()
+        if body_too_slow(self.received, now - self._started, self._min_rate):
+            self.slow = True
+            self._scope.cancel()
+        else:
+            coarse_timeouts.arm(self, now + BODY_RATE_CHECK_S)
 
 
 class _Connection:
@@ -468,6 +579,8 @@ class _Connection:
         self._arrived = trio.Event()
         self._eof = False
         self._handler_scope: trio.CancelScope | None = None
+        self._fed = 0  # bytes given to h11, to measure a request head
+        self._head_only = False  # the head check refused the request: its body is not read
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -491,6 +604,7 @@ class _Connection:
                     data = b""
                 if self.raw is not None:
                     self.raw += data
+                self._fed += len(data)
                 self.conn.receive_data(data)  # b"" tells h11 the client closed
                 self._arrived.set()
                 if not data:
@@ -498,6 +612,22 @@ class _Connection:
                     if self._handler_scope is not None:
                         self._handler_scope.cancel()
                     return
+                if self._handler_scope is not None:
+                    await self._watch_unread()
+
+    async def _watch_unread(self) -> None:
+        """Bytes came while a handler runs: no more are read until it ends, and the
+        client's leaving is seen in its socket's TCP state instead, once a tick."""
+        stream = self.stream
+        transport = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        if not isinstance(transport, trio.SocketStream):
+            return
+        while self._handler_scope is not None and not self._may_read.is_set():
+            if _peer_left(transport):
+                self._handler_scope.cancel()
+                return
+            with trio.move_on_after(coarse_timeouts.TICK_S):
+                await self._may_read.wait()
 
     async def _next_event(self) -> Any:
         conn = self.conn
@@ -562,6 +692,7 @@ class _Connection:
                 self.server._idle_scopes.discard(idle_scope)
             if idle_scope.cancelled_caught:
                 return None
+        unparsed, fed = _unparsed(self.conn), self._fed
         with trio.move_on_after(limits.header_timeout_s) as head_scope:
             event = await self._next_event()
         if head_scope.cancelled_caught:
@@ -570,6 +701,9 @@ class _Connection:
             return None
         if not isinstance(event, h11.Request):
             raise RequestRejected(400, "expected a request")
+        # h11 limits only a head it is still waiting for; one that came whole is measured.
+        if unparsed + self._fed - fed - _unparsed(self.conn) > limits.max_header_bytes:
+            raise RequestRejected(431, _head_too_large(limits))
         request = Request(
             method=event.method,
             target=event.target,
@@ -579,6 +713,16 @@ class _Connection:
         if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
             raise _Upgrade(request)
         self.raw = None
+        framing = request.header(b"transfer-encoding"), request.header(b"content-length")
+        if None not in framing:
+            # RFC 9112 section 6.1: a server must at least close such a connection.
+            raise RequestRejected(
+                400, "a request with both Transfer-Encoding and Content-Length is ambiguous"
+            )
+        check = self.server.check_head
+        if check is not None and not check(request):
+            self._head_only = True
+            return request
         request.body = await self._read_body(request)
         return request
 
@@ -596,28 +740,47 @@ class _Connection:
             )
         chunks: list[bytes] = []
         size = 0
+        pieces = 0
         with trio.move_on_after(limits.body_timeout_s) as scope:
-            while True:
-                event = await self._next_event()
-                if isinstance(event, h11.Data):
-                    size += len(event.data)
-                    if size > limits.max_body_bytes:
-                        raise RequestRejected(
-                            413, f"request body exceeds the limit of {limits.max_body_bytes} bytes"
-                        )
-                    chunks.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    return b"".join(chunks)
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise trio.BrokenResourceError("client closed during the body")
+            pace = _BodyPace(scope, limits.min_body_rate, 0) if limits.min_body_rate else None
+            try:
+                while True:
+                    event = await self._next_event()
+                    if isinstance(event, h11.Data):
+                        size += len(event.data)
+                        if size > limits.max_body_bytes:
+                            raise RequestRejected(
+                                413,
+                                f"request body exceeds the limit of {limits.max_body_bytes} bytes",
+                            )
+                        chunks.append(bytes(event.data))
+                        pieces += 1
+                        if pieces_too_small(pieces, size):
+                            raise RequestRejected(
+                                400,
+                                "request body in pieces too small: past the first "
+                                f"{BODY_FREE_PIECES}, they must average "
+                                f"{BODY_PIECE_MIN_AVERAGE} bytes",
+                            )
+                        if pace is not None:
+                            pace.received = size
+                    elif isinstance(event, h11.EndOfMessage):
+                        return b"".join(chunks)
+                    elif isinstance(event, h11.ConnectionClosed):
+                        raise trio.BrokenResourceError("client closed during the body")
+            finally:
+                if pace is not None:
+                    coarse_timeouts.disarm(pace)
         assert scope.cancelled_caught
+        if pace is not None and pace.slow:
+            raise RequestRejected(408, _too_slow(limits))
         raise RequestRejected(408, "request body did not arrive in time")
 
     async def _respond(self, request: Request) -> None:
         responder = Responder(
             self.conn,
             self.stream,
-            closing=self.server.draining,
+            closing=self.server.draining or self._head_only,
             chunked=request.http_version == b"1.1" and request.method != b"HEAD",
             head=request.method == b"HEAD",
         )
@@ -746,7 +909,7 @@ class _PlainConnection:
     keep-alive idle limit, then the head's or body's.
     """
 
-    def __init__(self, server: HTTPServer, stream: trio.abc.Stream, sock: socket.socket) -> None:
+    def __init__(self, server: HTTPServer, stream: trio.SocketStream, sock: socket.socket) -> None:
         self.server = server
         self.stream = stream
         self.sock = sock
@@ -758,6 +921,7 @@ class _PlainConnection:
         self._watching: trio.CancelScope | None = None  # the watcher's wait on the socket
         self._scope = trio.CancelScope()
         self._waiting_for = ""  # what the timer would cut: "idle", "head" or "body"
+        self._pace: _BodyPace | None = None  # the last body's pace, if it was waited for
         self._served = 0
 
     async def run(self) -> None:
@@ -778,7 +942,10 @@ class _PlainConnection:
             if self._waiting_for == "head":
                 await self._reject(408, "request headers did not arrive in time")
             elif self._waiting_for == "body":
-                await self._reject(408, "request body did not arrive in time")
+                if self._pace is not None and self._pace.slow:
+                    await self._reject(408, _too_slow(self.server.limits))
+                else:
+                    await self._reject(408, "request body did not arrive in time")
             return
         if handover is not None:
             await _Connection(self.server, self.stream, handover, first=not self._served).run()
@@ -810,7 +977,16 @@ class _PlainConnection:
         while True:
             await self._watch.wait()
             self._watch = trio.Event()
-            while self.in_handler and not self.buf and not self.eof:
+            while self.in_handler and not self.eof:
+                if self.buf:
+                    # Pipelined bytes are kept and no more read: the client's leaving is
+                    # seen in its socket's TCP state instead, once a tick.
+                    if _peer_left(self.stream):
+                        self._scope.cancel()
+                    else:
+                        now = trio.current_time()
+                        coarse_timeouts.arm(self._watch_due, now + coarse_timeouts.TICK_S)
+                    break
                 with trio.CancelScope() as self._watching:
                     await trio.lowlevel.wait_readable(self.sock)
                 self._watching = None
@@ -845,9 +1021,18 @@ class _PlainConnection:
             end = self.buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
             parsed = _plain_request(self.buf[:end]) if end >= 0 else None
             if parsed is None:
+                too_large = end < 0 and len(self.buf) >= limits.max_header_bytes
+                if too_large and not _HEAD_END.search(self.buf, 0, limits.max_header_bytes):
+                    coarse_timeouts.disarm(scope)
+                    await self._reject(431, _head_too_large(limits))
+                    return None
                 return self.buf
             request, length, close = parsed
-            if length > limits.max_body_bytes:
+            check = server.check_head
+            head_only = check is not None and not check(request)
+            if head_only:
+                length = 0  # answered from the head; the connection closes unread
+            elif length > limits.max_body_bytes:
                 message = (
                     f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}"
                 )
@@ -855,13 +1040,8 @@ class _PlainConnection:
                 await self._reject(413, message)
                 return None
             start = end + 4
-            if len(self.buf) - start < length:
-                self._waiting_for = "body"
-                coarse_timeouts.arm(scope, trio.current_time() + limits.body_timeout_s)
-                while len(self.buf) - start < length:
-                    if self.eof:
-                        return None  # the client closed during the body
-                    await self._more()
+            if len(self.buf) - start < length and not await self._body(start, start + length):
+                return None  # the client closed during the body
             request.body = self.buf[start : start + length]
             self.buf = self.buf[start + length :]
             self._waiting_for = ""
@@ -869,7 +1049,7 @@ class _PlainConnection:
             responder = Responder(
                 None,
                 self.stream,
-                closing=server.draining,
+                closing=server.draining or head_only,
                 chunked=request.method != b"HEAD",
                 head=request.method == b"HEAD",
                 sock=self.sock,
@@ -886,6 +1066,41 @@ class _PlainConnection:
             if not responder.done or responder.closing or close:
                 return None
         return None
+
+    async def _body(self, start: int, end: int) -> bool:
+        """Read until `buf` holds `end` bytes (the body from `start`), within the body's
+        time limit and pace; False if the client closed first. Linear in the body's size:
+        the reads are joined once, not added to `buf` one by one."""
+        limits = self.server.limits
+        self._waiting_for = "body"
+        coarse_timeouts.arm(self._scope, trio.current_time() + limits.body_timeout_s)
+        have = len(self.buf)
+        pace = None
+        if limits.min_body_rate:
+            pace = self._pace = _BodyPace(self._scope, limits.min_body_rate, have - start)
+        parts = [self.buf]
+        sock = self.sock
+        try:
+            while have < end:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    data = sock.recv(_RECV)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self.eof = True
+                    return False
+                parts.append(data)
+                have += len(data)
+                if pace is not None:
+                    pace.received = have - start
+        finally:
+            self.buf = b"".join(parts)
+            if pace is not None:
+                coarse_timeouts.disarm(pace)
+        return True
 
     async def _respond(self, request: Request, responder: Responder) -> None:
         if self.eof:

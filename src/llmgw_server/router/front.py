@@ -52,6 +52,11 @@ _HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+# Never forwarded to an engine: the above, and their lookalikes with `_` for `-` (a
+# server that reads `_` as `-` would take `transfer_encoding` for framing).
+_NOT_FORWARDED = _HOP_BY_HOP | {name.replace(b"-", b"_") for name in _HOP_BY_HOP}
+# Connection header values that name no further header to drop (what clients send).
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
 _ERROR_BODY_LIMIT = 1024 * 1024
 _WHOLE_LIMIT = 1024 * 1024
 _REQUEST_ID = b"x-request-id"
@@ -66,6 +71,8 @@ def server_limits(s: ServerSection) -> ServerLimits:
         header_timeout_s=s.header_timeout_s,
         body_timeout_s=s.body_timeout_s,
         keepalive_timeout_s=s.keepalive_timeout_s,
+        max_connections=s.max_connections,
+        min_body_rate=s.min_body_rate,
     )
 
 
@@ -152,7 +159,7 @@ class Router:
             request_id = new_request_id()
             request.headers = [h for h in request.headers if h[0] != _REQUEST_ID]
             request.headers.append((_REQUEST_ID, request_id.encode()))
-        digest = _bearer_digest(request)
+        digest = request.credential if request.head_checked else _bearer_digest(request)
         record = AccessRecord(
             time.time(),
             request_id,
@@ -162,7 +169,7 @@ class Router:
         )
         recorder = RecordingResponder(responder, record, arrived, self.answer_headers)
         try:
-            await self._route(request, recorder)
+            await self._route(request, recorder, digest)
         except BaseException as exc:
             # Status 0: the client went away before the answer ended (as in the metrics).
             # Anything else is a bug, which the server answers with 500 if it still can.
@@ -220,23 +227,32 @@ class Router:
             f" ({suppressed} more since the last line)" if suppressed else "",
         )
 
-    def _metrics_allowed(self, request: Request) -> bool:
+    def check_head(self, request: Request) -> bool:
+        """The HTTP server's head check: whether to read the body. An inference request
+        without a valid key (where keys are set) is answered 401 from its head, and its
+        connection closed unread. The key is hashed here once, for the whole request."""
+        digest = request.credential = _bearer_digest(request)
+        request.head_checked = True
+        return not self.keys or digest in self.keys or request.path not in INFERENCE_PATHS
+
+    def _metrics_allowed(self, digest: str | None) -> bool:
         if self.metrics_token is None:
             return True
-        digest = _bearer_digest(request)
         return digest is not None and hmac.compare_digest(digest, self.metrics_token)
 
-    async def _route(self, request: Request, responder: RecordingResponder) -> None:
+    async def _route(
+        self, request: Request, responder: RecordingResponder, digest: str | None
+    ) -> None:
         path = request.path
         if path in INFERENCE_PATHS:
             if request.method != b"POST":
                 await responder.error(405, f"{path.decode()} takes POST")
                 return
-            await self._proxy(request, responder)
+            await self._proxy(request, responder, digest)
         elif request.method not in (b"GET", b"HEAD"):
             await responder.error(405 if path in _GET_PATHS else 404, "no such route")
         elif path == b"/v1/models":
-            allowed = self._authorized(request)
+            allowed = self._authorized(digest)
             if allowed is False:
                 await responder.error(401, "a valid API key is required (Authorization: Bearer)")
             else:
@@ -246,7 +262,7 @@ class Router:
         elif path == b"/readyz":
             ok = self.ready and not self.draining
             await responder.whole(200 if ok else 503, json.dumps(self._readiness()).encode())
-        elif path == b"/metrics" and not self._metrics_allowed(request):
+        elif path == b"/metrics" and not self._metrics_allowed(digest):
             await responder.error(401, "a valid metrics token is required (Authorization: Bearer)")
         elif path == b"/metrics":
             page = self.render_metrics() if self.metrics_page is None else await self.metrics_page()
@@ -254,15 +270,12 @@ class Router:
         else:
             await responder.error(404, f"no route {path.decode(errors='replace')}")
 
-    def _authorized(self, request: Request) -> frozenset[str] | Literal[False] | None:
+    def _authorized(self, digest: str | None) -> frozenset[str] | Literal[False] | None:
         """False: no valid key; None: every model; else the models the key may use."""
         if not self.keys:
             return None
-        value = request.header(b"authorization")
-        if value is None or value[:7].lower() != b"bearer ":
-            return False
         # Looked up by digest: the raw key is never compared.
-        return self.keys.get(digest_of(value[7:].strip()), False)
+        return False if digest is None else self.keys.get(digest, False)
 
     def _models(self, allowed: frozenset[str] | None) -> bytes:
         data = [
@@ -279,9 +292,11 @@ class Router:
             "models": {name: b.healthy_count for name, b in self.balancers.items()},
         }
 
-    async def _proxy(self, request: Request, responder: RecordingResponder) -> None:
+    async def _proxy(
+        self, request: Request, responder: RecordingResponder, digest: str | None
+    ) -> None:
         path = request.path
-        allowed = self._authorized(request)
+        allowed = self._authorized(digest)
         if allowed is False:
             await responder.error(401, "a valid API key is required (Authorization: Bearer)")
             return
@@ -335,7 +350,7 @@ class Router:
         prompt: PromptKey | None,
     ) -> int:
         tuning = self.tuning
-        headers = [(k, v) for k, v in request.headers if k not in _HOP_BY_HOP]
+        headers = _forwarded_headers(request)
         tried: list[Replica] = []
         last: _Refusal | None = None
         for attempt in range(1 + tuning.retries):
@@ -499,6 +514,23 @@ def _bearer_digest(request: Request) -> str | None:
         return None
     token = value[7:].strip()
     return digest_of(token) if token else None
+
+
+def _forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    """The client's headers an engine gets: not hop-by-hop ones, their lookalikes, nor
+    those the client's Connection header names (RFC 9110 section 7.6.1)."""
+    headers = []
+    connection = None  # one pass: a second one for Connection would double its cost
+    for name, value in request.headers:
+        if name not in _NOT_FORWARDED:
+            headers.append((name, value))
+        elif name == b"connection":
+            connection = value if connection is None else connection + b"," + value
+    if connection is None or connection in _PLAIN_CONNECTION:
+        return headers
+    named = {t.strip().lower() for t in connection.split(b",")}
+    named |= {name.replace(b"-", b"_") for name in named}
+    return [(k, v) for k, v in headers if k not in named]
 
 
 def _auth_failure(record: AccessRecord) -> str | None:

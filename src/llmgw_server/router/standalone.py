@@ -130,6 +130,7 @@ async def main(
         router.handle,
         server_limits(s),
         on_reject=router.rejected,
+        check_head=router.check_head,
     )
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]

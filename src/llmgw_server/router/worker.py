@@ -255,6 +255,7 @@ async def serve(
         router.handle,
         server_limits(s),
         on_reject=router.rejected,
+        check_head=router.check_head,
     )
     listeners = [
         trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
