@@ -24,6 +24,7 @@ def test_printable_text_is_left_as_it_is() -> None:
     )
     assert escaped("GPU «0» größer: 80 GiB") == "GPU «0» größer: 80 GiB"
     assert escaped(None) == "None" and escaped(42) == "42"
+    assert escaped(b"evil.example\r\n\xff") == "evil.example\\r\\n\xff"
 
 
 def test_control_characters_are_escaped_as_repr_writes_them() -> None:

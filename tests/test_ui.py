@@ -258,7 +258,10 @@ def test_the_page_follows_the_fleet_live_in_headless_chromium(
     old_node = serving[0]["nodes"][0]
     new_node = {"gpu-1": "gpu-2", "gpu-2": "gpu-1"}[old_node]
     drained = httpx.post(
-        f"{fleet.control}/v1/admin/nodes/{old_node}/drain", headers=AUTH, verify=fleet.tls
+        f"{fleet.control}/v1/admin/nodes/{old_node}/drain",
+        headers=AUTH,
+        json={},
+        verify=fleet.tls,
     )
     assert drained.status_code == 200, drained.text
     wait_until(
@@ -405,7 +408,7 @@ def test_the_page_shows_every_node_replica_and_model_of_the_demo_live(tmp_path: 
             moved = {rid for rid, (_, nodes) in expected["replicas"].items() if drained in nodes}
             asked = time.monotonic()
             response = httpx.post(
-                f"{control}/v1/admin/nodes/{drained}/drain", timeout=5, verify=trust
+                f"{control}/v1/admin/nodes/{drained}/drain", json={}, timeout=5, verify=trust
             )
             assert response.status_code == 200, response.text
             wait_until(

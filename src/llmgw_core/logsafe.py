@@ -18,10 +18,13 @@ _SUSPECT = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
 
 
 def escaped(text: object, limit: int = LIMIT) -> str:
-    """`text` (str() of it, when it is not a string) fit for one log line: non-printable
-    characters and backslashes escaped as `repr` writes them, at most `limit`
-    characters of it kept (the rest counted)."""
-    value = text if isinstance(text, str) else str(text)
+    """`text` fit for one log line: non-printable characters and backslashes escaped as
+    `repr` writes them, at most `limit` characters of it kept (the rest counted). Bytes
+    (a header's value) are read as Latin-1, as h11 reads them; anything else is str()."""
+    if isinstance(text, bytes):
+        value = text.decode("latin-1")
+    else:
+        value = text if isinstance(text, str) else str(text)
     cut = len(value) - limit
     if cut > 0:
         value = value[:limit]
