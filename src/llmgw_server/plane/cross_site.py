@@ -10,7 +10,8 @@ operator's browser against it (issue 17, finding 4).
   `127.0.0.1`, `::1`) when it listens on loopback or on every address, and
   `[server] control_hosts` (a proxy's or an alias's name). The port in Host is not
   checked: only a name can be rebound.
-- **A state-changing request (any method but GET and HEAD) from another site: 403**,
+- **A state-changing request (any method but GET and HEAD, on any path: the admin API
+  parses paths leniently, and nothing else on the port takes one) from another site: 403**,
   when `Sec-Fetch-Site` is `cross-site` or `same-site` (another port or a sibling name
   is another program: only the port's own page, or a client that is no browser, acts),
   or when `Origin` is present and is not the port's own origin (its scheme and the
