@@ -277,6 +277,20 @@ async def test_a_cross_site_page_cannot_drain_the_demos_open_admin_api() -> None
                 code, body = await raw(port, drain + rebound + json_type, force)
                 assert code == 421, body
 
+                # A page may not open the agents' websocket (nor any other, rebound).
+                with pytest.raises(trio_websocket.ConnectionRejected) as rejected:
+                    async with trio_websocket.open_websocket_url(
+                        agent, extra_headers=[(b"origin", b"http://evil.example")]
+                    ):
+                        pass
+                assert rejected.value.status_code == 403
+                upgrade = (
+                    "Upgrade: websocket\nConnection: Upgrade\nSec-WebSocket-Version: 13\n"
+                    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\n"
+                )
+                code, _ = await raw(port, "GET /elsewhere HTTP/1.1\n" + rebound + upgrade)
+                assert code == 421
+
                 # The port's own page, and clients that are no browser, still act.
                 own = f"Origin: http://127.0.0.1:{port}\nSec-Fetch-Site: same-origin\n"
                 code, body = await raw(port, cordon + here + own + json_type)

@@ -31,9 +31,8 @@ alone; `ControlPortGate` applies it in front of everything the port serves.
 from __future__ import annotations
 
 import ipaddress
-import logging
+import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import attrs
 import trio
@@ -48,13 +47,12 @@ from llmgw_core.ws_server import refusal as upgrade_refusal
 from llmgw_server.plane.agents import AGENT_PATH
 from llmgw_server.plane.routes import ROUTES_PATH
 
-log = logging.getLogger("llmgw.admin")
-
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARD_LISTEN = frozenset({"", "0.0.0.0", "::"})
 _SAFE_METHODS = frozenset({b"GET", b"HEAD"})
 _FOREIGN_SITES = frozenset({b"cross-site", b"same-site"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_PORT = re.compile(r"[0-9]{1,5}")
 # The websockets that need no Host of ours: the agents' and the routers'.
 WEBSOCKET_PATHS = frozenset({AGENT_PATH, ROUTES_PATH})
 
@@ -120,7 +118,7 @@ def port_names(server: ServerSection, tls: AgentsTLS) -> ControlNames:
     """The control port's names, from its config and its certificate's file."""
     if tls.insecure or tls.cert is None:
         return control_names(server, "http")
-    return control_names(server, "https", certificate_names(Path(tls.cert).read_bytes()))
+    return control_names(server, "https", certificate_names(tls.cert.read_bytes()))
 
 
 def _split_authority(text: str) -> tuple[str, int | None] | None:
@@ -136,7 +134,7 @@ def _split_authority(text: str) -> tuple[str, int | None] | None:
     else:
         name, colon, port_text_or = text.partition(":")
         port_text = port_text_or if colon else None
-    if port_text is not None and not (port_text.isdigit() and len(port_text) <= 5):
+    if port_text is not None and not _PORT.fullmatch(port_text):
         return None
     name = host_name(name)
     if not name or any(c in name for c in "/@?#\\ ") or ("]" in name or "[" in name):
@@ -151,7 +149,6 @@ def _split_authority(text: str) -> tuple[str, int | None] | None:
 
 def _same_origin(origin: bytes, host: tuple[str, int | None], names: ControlNames) -> bool:
     """Whether `origin` is the port's own: its scheme and the Host the request names."""
-    scheme = names.scheme
     text = origin.decode("ascii", "replace").strip()
     origin_scheme, sep, authority = text.partition("://")
     if not sep or origin_scheme.lower() not in _DEFAULT_PORTS:
@@ -163,12 +160,9 @@ def _same_origin(origin: bytes, host: tuple[str, int | None], names: ControlName
     if name in names.aliases:
         return True  # served by a proxy, under its own scheme and port
     origin_scheme = origin_scheme.lower()
-    own_port = host[1] if host[1] is not None else _DEFAULT_PORTS[scheme]
-    return (origin_scheme, name, port or _DEFAULT_PORTS[origin_scheme]) == (
-        scheme,
-        host[0],
-        own_port,
-    )
+    origin_port = _DEFAULT_PORTS[origin_scheme] if port is None else port
+    own_port = _DEFAULT_PORTS[names.scheme] if host[1] is None else host[1]
+    return (origin_scheme, name, origin_port) == (names.scheme, host[0], own_port)
 
 
 def _values(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
