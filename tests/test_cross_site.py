@@ -363,3 +363,25 @@ async def test_a_rebound_host_is_refused_with_the_token_too_over_tls(tmp_path: P
                 )
                 assert cordon.status_code == 404, cordon.text  # let through: no such node
             stop.set()
+
+
+@pytest.mark.parametrize(
+    ("hosts", "expected"),
+    [
+        (["https://gw.example.com"], "server.control_hosts[0]: 'https://gw.example.com' must be a host name or an IP address, without a scheme or a port"),
+        (["ok.example", "gw.example.com:443"], "server.control_hosts[1]: 'gw.example.com:443' must be"),
+        ([""], "server.control_hosts[0]: '' must be"),
+        ("gw.example.com", "server.control_hosts: must be an array of strings"),
+    ],
+)  # fmt: skip
+def test_control_hosts_are_names_or_addresses(hosts: object, expected: str) -> None:
+    from llmgw_core.tomlshape import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        parse_config(server_config(server={"control_hosts": hosts}), "s.toml")
+    assert expected in str(caught.value)
+    parsed = parse_config(
+        server_config(server={"control_hosts": ["GW.Example.com.", "[::1]", "10.0.0.1"]}), "s"
+    )
+    assert parsed.server.control_hosts == ("gw.example.com", "::1", "10.0.0.1")
+    assert parse_config(server_config(), "s").server.control_hosts == ()
