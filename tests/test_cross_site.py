@@ -8,9 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import ssl
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,14 @@ import httpx
 import pytest
 import trio
 import trio_websocket
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 from llmgw_core.certs import init_ca
 from llmgw_core.config import ListenAddress, ServerSection, parse_config
+from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_core.inventory import Gpu, Inventory
+from llmgw_core.tomlshape import ConfigError
 from llmgw_core.wire import PROTOCOL, Register, Welcome, decode_down, encode
 from llmgw_server.app import Running, main
 from llmgw_server.plane.cross_site import (
@@ -375,8 +382,6 @@ async def test_a_rebound_host_is_refused_with_the_token_too_over_tls(tmp_path: P
     ],
 )  # fmt: skip
 def test_control_hosts_are_names_or_addresses(hosts: object, expected: str) -> None:
-    from llmgw_core.tomlshape import ConfigError
-
     with pytest.raises(ConfigError) as caught:
         parse_config(server_config(server={"control_hosts": hosts}), "s.toml")
     assert expected in str(caught.value)
@@ -385,3 +390,88 @@ def test_control_hosts_are_names_or_addresses(hosts: object, expected: str) -> N
     )
     assert parsed.server.control_hosts == ("gw.example.com", "::1", "10.0.0.1")
     assert parse_config(server_config(), "s").server.control_hosts == ()
+
+
+# --- a real browser: headless Chromium -----------------------------------------------------
+
+# What a page elsewhere runs: it cannot read the answer, but a POST sent is a POST served.
+ATTACK = """<!doctype html><title>waiting</title><script>
+fetch("http://127.0.0.1:%d/v1/admin/nodes/sim-node-1/drain",
+      {method: "POST", mode: "no-cors", body: '{"force": true}'})
+  .then(() => { document.title = "sent"; }, (e) => { document.title = "failed: " + e; });
+</script>"""
+FETCH = """const done = arguments[arguments.length - 1];
+fetch(arguments[0], {method: "POST", headers: {"content-type": "application/json"}, body: "{}"})
+  .then((r) => done(r.status), (e) => done("failed: " + e));"""
+
+
+def _chromium() -> webdriver.Chrome:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "Debian's chromium and chromium-driver: `make browser`"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                # DNS rebinding, without DNS: the attacker's name now leads to this machine.
+                "--host-resolver-rules=MAP rebind.attacker.example 127.0.0.1"):  # fmt: skip
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def _until(condition: Callable[[], bool], what: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+async def test_in_chromium_a_page_elsewhere_cannot_drain_and_a_rebound_name_is_refused() -> None:
+    stop = trio.Event()
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            running: Running = await nursery.start(
+                lambda **kw: main(parse_config(server_config(), "<test>"), stop=stop, **kw)
+            )
+            port = running.control_port
+            assert port is not None
+
+            async def attacker(request: Request, responder: Responder) -> None:
+                page = (ATTACK % port).encode()
+                await responder.whole(200, page, [(b"content-type", b"text/html")])
+
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            evil = listeners[0].socket.getsockname()[1]
+            await nursery.start(HTTPServer(attacker, ServerLimits()).serve, listeners)
+
+            def browse() -> None:
+                browser = _chromium()
+                try:
+                    # A page on another site (localhost is another site than 127.0.0.1).
+                    browser.get(f"http://localhost:{evil}/")
+                    _until(lambda: browser.title != "waiting", "the page's fetch")
+                    assert browser.title == "sent", browser.title
+                    shown = node(port, "sim-node-1")
+                    assert not shown["draining"] and not shown["cordoned"], shown
+                    # A page on the attacker's name, now resolving here: its own origin,
+                    # so it could read the answers; it gets none.
+                    browser.get(f"http://rebind.attacker.example:{port}/v1/admin/status")
+                    assert "misdirected_request" in browser.page_source
+                    assert "sim-node-1" not in browser.page_source
+                    reload = browser.execute_async_script(FETCH, "/v1/admin/reload")
+                    assert reload == 421, reload
+                    # The port's own page may act (the page itself only reads).
+                    browser.get(f"http://127.0.0.1:{port}/ui")
+                    cordon = browser.execute_async_script(
+                        FETCH, "/v1/admin/nodes/sim-node-1/cordon"
+                    )
+                    assert cordon == 200, cordon
+                finally:
+                    browser.quit()
+
+            agent = f"ws://127.0.0.1:{port}/v1/agent"
+            async with trio_websocket.open_websocket_url(agent) as ws:
+                await register(ws, "sim-node-1")
+                await trio.to_thread.run_sync(browse)
+                shown = await trio.to_thread.run_sync(node, port, "sim-node-1")
+                assert not shown["draining"] and shown["cordoned"], shown
+            stop.set()
+            nursery.cancel_scope.cancel()
