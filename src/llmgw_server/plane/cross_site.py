@@ -118,7 +118,11 @@ def port_names(server: ServerSection, tls: AgentsTLS) -> ControlNames:
     """The control port's names, from its config and its certificate's file."""
     if tls.insecure or tls.cert is None:
         return control_names(server, "http")
-    return control_names(server, "https", certificate_names(tls.cert.read_bytes()))
+    try:
+        names = certificate_names(tls.cert.read_bytes())
+    except (OSError, ValueError):
+        names = []  # not a certificate: loading it for TLS says so, next
+    return control_names(server, "https", names)
 
 
 def _split_authority(text: str) -> tuple[str, int | None] | None:

@@ -32,12 +32,16 @@ async def serve_control_port(
             "reaches %s can register as a node or receive its commands",
             s.control_listen,
         )
-    ssl_context = None if tls.insecure else server_context(tls)
     # Every request and upgrade on the port passes the gate first (cross_site).
     gate = ControlPortGate(
         port_names(s, tls), AdminAPI(plane, reload=reload).handle, plane.serve_upgrade
     )
-    control = HTTPServer(gate.handle, ServerLimits(), upgrade=gate.upgrade, ssl_context=ssl_context)
+    control = HTTPServer(
+        gate.handle,
+        ServerLimits(),
+        upgrade=gate.upgrade,
+        ssl_context=None if tls.insecure else server_context(tls),
+    )
     listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
     port: int = listeners[0].socket.getsockname()[1]
     await nursery.start(plane.run)
