@@ -358,6 +358,7 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     cordon = httpx.post(
         fleet.control + "/v1/admin/nodes/gpu-1/cordon",
         headers={"authorization": f"Bearer {ROUTER_TOKEN}"},
+        json={},
         verify=fleet.tls,
     )
     assert cordon.status_code == 401 and not fleet.node("gpu-1")["cordoned"]

@@ -61,7 +61,7 @@ KNOWN_KEYS = sorted(
         "metrics_token_env", "token_digest", "token_env", "router_token_digest",
         "router_token_env", "balancing", "cache_aware", "read_idle_timeout_s",
         "upstream_idle_s", "metrics_interval_s", "metrics_max_age_s", "block_bytes",
-        "max_share", "shared_prefix_ratio", "keys", "digest", "start_timeout_s",
+        "max_share", "shared_prefix_ratio", "keys", "digest", "start_timeout_s", "control_hosts",
         # simulated inventory
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
     }

@@ -121,3 +121,14 @@ def test_every_docs_link_leads_to_a_file() -> None:
         links += [f"docs/{x}" for x in re.findall(r"\]\(([\w-]+\.md)", doc.read_text())]
     assert links and [x for x in links if not (ROOT / x).is_file()] == []
     assert {f"docs/{d.name}" for d in DOCS} <= set(links)  # every page is reachable
+
+
+def test_every_curl_line_that_acts_on_the_admin_api_sends_json() -> None:
+    # The control port refuses an action without Content-Type: application/json (415).
+    posts = []
+    for doc in (README, *DOCS):
+        for code in code_spans(doc.read_text().replace("\\\n", " ")):
+            if "curl" in code and "/v1/admin/" in code and ("-X POST" in code or " -d " in code):
+                posts.append(code)
+    assert len(posts) >= 2, posts  # the README's drain, control-plane.md's
+    assert [c for c in posts if "content-type: application/json" not in c.lower()] == []

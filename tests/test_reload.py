@@ -218,7 +218,7 @@ def test_the_admin_reload_takes_the_token_applies_the_file_and_refuses_a_broken_
 
     def reload(token: str | None = "admin-token") -> httpx.Response:
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        return admin.post("/v1/admin/reload", headers=headers)
+        return admin.post("/v1/admin/reload", headers=headers, json={})
 
     assert reload(None).status_code == 401 and reload("wrong").status_code == 401
     assert not answers(fleet.url, "x", "static")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -81,11 +82,36 @@ def _workers(value: object) -> int:
     return read_integer(value)
 
 
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
+
+
+def _control_hosts(value: object) -> tuple[str, ...]:
+    """Host names or IP addresses, without a scheme or a port (`[::1]` or `::1`)."""
+    hosts = []
+    for i, text in enumerate(read_texts(value)):
+        name = text.strip().lower()
+        if name.startswith("[") and name.endswith("]"):
+            name = name[1:-1]
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            if len(name) > 253 or not _HOST_NAME.fullmatch(name):
+                raise Problem(
+                    f"{text!r} must be a host name or an IP address, without a scheme or a port",
+                    f"[{i}]",
+                ) from None
+        hosts.append(name.removesuffix("."))
+    return tuple(hosts)
+
+
 @attrs.frozen
 class ServerSection:
     listen: ListenAddress = ListenAddress("127.0.0.1", 8080)
     # The agents' stream and the admin API, apart from the inference API.
     control_listen: ListenAddress = ListenAddress("127.0.0.1", 8081)
+    # More names the control port answers to (a proxy's, an alias's), beside its
+    # certificate's names, control_listen's host and loopback names on loopback.
+    control_hosts: tuple[str, ...] = attrs.field(default=(), metadata=rules(parse=_control_hosts))
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, metadata=rules(min=1024))
     # From the first byte of a request to the end of its head.
     header_timeout_s: float = attrs.field(default=10.0, metadata=rules(min=0.1))

@@ -262,7 +262,7 @@ def run(
                 assert target is not None
                 return _drain(client, base, target, token, force=force, wait=wait, poll_s=poll_s)
             else:
-                response = client.post(f"{base}/nodes/{target}/{command}")
+                response = client.post(f"{base}/nodes/{target}/{command}", json={})
                 if response.status_code == 200:
                     print(f"{target}: {command} done")
     except httpx.HTTPError as exc:

@@ -13,6 +13,9 @@ where one is set, so that a scraper needs no token that may act on the fleet.
 
 `POST /v1/admin/nodes/NODE/drain` takes an optional JSON body `{"force": true}`: without
 it, a drain that would leave a replica nowhere to go is refused with 409 and why.
+
+Before any of it, the control port's gate (`cross_site`) refuses a Host not its own and
+actions from other sites' pages or without `Content-Type: application/json`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import trio
 
 from llmgw_core.http_server import ReplayStream, Request
 from llmgw_core.inventory import LaunchSpec
+from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
@@ -237,6 +238,7 @@ class AgentService:
             refused = accepts(register.protocol)
             if refused is not None:
                 raise StreamClosed(refused)
+            _check_node_name(register.inventory.name)
             self._check_identity(register.inventory.name, certificate, peer)
             certificate = None  # checked: not kept for the stream's life
             _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
@@ -279,7 +281,9 @@ class AgentService:
             if closed.reason:
                 self.metrics.streams_refused[closed.kind] += 1
                 log.warning(
-                    "closing the stream of %s: %s", stream.node if stream else peer, closed.reason
+                    "closing the stream of %s: %s",
+                    stream.node if stream else peer,
+                    escaped(closed.reason),  # it may quote what the node sent
                 )
             await ws.close(closed.code, closed.reason[:120])
         finally:
@@ -306,7 +310,10 @@ class AgentService:
         elif isinstance(message, Ack):
             if not message.ok:
                 log.warning(
-                    "node %s refused command %d: %s", node, message.command_id, message.error
+                    "node %s refused command %d: %s",
+                    node,
+                    message.command_id,
+                    escaped(message.error),
                 )
         elif isinstance(message, Register):
             raise StreamClosed(f"{type(message).__name__} is out of order after registration")
@@ -354,6 +361,19 @@ class _Budget:
             return False
         self.tokens -= 1
         return True
+
+
+NODE_NAME_MAX = 253  # a DNS name's length: a node's name is its certificate's
+
+
+def _check_node_name(name: str) -> None:
+    """A node's name goes into every log line and status about it: printable and bounded,
+    checked once at registration (what comes later is escaped where it is logged)."""
+    if not name or len(name) > NODE_NAME_MAX or not name.isprintable():
+        # Raw here: the log line escapes the reason, the agent gets its own words back.
+        raise StreamClosed(
+            f"a node name must be 1 to {NODE_NAME_MAX} printable characters, not '{name[:40]}'"
+        )
 
 
 def _check_own_shards(node: str, specs: list[LaunchSpec]) -> None:

@@ -23,6 +23,7 @@ from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
 from llmgw_core.http_server import Request
 from llmgw_core.inventory import ShardState
+from llmgw_core.logsafe import escaped
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
@@ -130,14 +131,15 @@ class ControlPlane:
         if report.state is ShardState.FAILED:
             self.metrics.engine_failures[spec.model_name] += 1
             self.output_tails[(node, spec.replica_id, spec.rank)] = message.output_tail
-            tail = "\n    ".join(message.output_tail[-10:])
+            # The node's words, escaped: one line, whatever it sent (the tail's lines
+            # joined by an escaped newline).
             log.warning(
-                "replica %s rank %d on %s failed: %s\n    %s",
-                spec.replica_id,
+                "replica %s rank %d on %s failed: %s; output tail: %s",
+                escaped(spec.replica_id),
                 spec.rank,
                 node,
-                report.detail,
-                tail,
+                escaped(report.detail),
+                escaped("\n".join(message.output_tail[-10:]), limit=4000),
             )
         self._run(
             lambda: self.reconciler.shard_status(
@@ -178,9 +180,9 @@ class ControlPlane:
         self.feed.stepped(step)
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
-                log.info("node %s joined (%s)", transition.node, transition.reason)
-        for note in step.notes:
-            log.info("%s", note)
+                log.info("node %s joined (%s)", transition.node, escaped(transition.reason))
+        for note in step.notes:  # they quote nodes' words (a failure's detail): escaped
+            log.info("%s", escaped(note, limit=4000))
         # A node declared unreachable has a dead stream (unless the mass-loss guard holds).
         self.agents.close_silent(step.transitions, self.reconciler.lifecycle.guard)
         for command in step.commands:

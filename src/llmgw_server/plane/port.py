@@ -12,6 +12,7 @@ from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tls_config import server_context
 from llmgw_server.plane.admin import AdminAPI
 from llmgw_server.plane.controlplane import ControlPlane
+from llmgw_server.plane.cross_site import ControlPortGate, port_names
 from llmgw_server.router.reload import ReloadPlan
 
 log = logging.getLogger("llmgw.server")
@@ -31,10 +32,14 @@ async def serve_control_port(
             "reaches %s can register as a node or receive its commands",
             s.control_listen,
         )
+    # Every request and upgrade on the port passes the gate first (cross_site).
+    gate = ControlPortGate(
+        port_names(s, tls), AdminAPI(plane, reload=reload).handle, plane.serve_upgrade
+    )
     control = HTTPServer(
-        AdminAPI(plane, reload=reload).handle,
+        gate.handle,
         ServerLimits(),
-        upgrade=plane.serve_upgrade,
+        upgrade=gate.upgrade,
         ssl_context=None if tls.insecure else server_context(tls),
     )
     listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
@@ -50,5 +55,10 @@ async def serve_control_port(
         where,
         "http" if tls.insecure else "https",
         where,
+    )
+    names = gate.names
+    log.info(
+        "the control port answers to Host: %s",
+        ", ".join(sorted(names.names | names.aliases) + [f"*{w}" for w in names.wildcards]),
     )
     return port

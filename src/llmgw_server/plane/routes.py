@@ -29,6 +29,7 @@ import trio_websocket
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import digest_of
 from llmgw_core.http_server import Request
+from llmgw_core.logsafe import escaped
 from llmgw_core.route_feed import (
     MAX_FRAME_BYTES,
     FeedError,
@@ -125,7 +126,7 @@ class RouteHub:
             raise FeedError(f"no hello within {HELLO_TIMEOUT_S:g} s")
         if not isinstance(hello, Hello):
             raise FeedError(f"the first message must be hello, not {type(hello).__name__}")
-        name = "".join(c if c.isprintable() else "?" for c in hello.router[:100])
+        name = escaped(hello.router, limit=100)
         follower = _Follower(name, peer)
         key = next(self._ids)
         self._followers[key] = follower
@@ -254,7 +255,7 @@ async def _serve_ws(hub: RouteHub, ws: trio_websocket.WebSocketConnection, peer:
                 await hub.serve(WebSocketFeed(ws, inbox_receive, "the follower"), peer)
             except FeedError as exc:
                 code, reason = 1008, str(exc)
-                log.warning("closing the route feed of %s: %s", peer, reason)
+                log.warning("closing the route feed of %s: %s", peer, escaped(reason))
             nursery.cancel_scope.cancel()
     finally:
         with trio.move_on_after(1) as cleanup:
