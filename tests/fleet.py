@@ -7,7 +7,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +83,11 @@ class Fleet:
         env: str = "",
         cert_for: str = "",
         via: int | None = None,
+        command: Sequence[str] = MOCK,
     ) -> Proc:
         """An agent with its own certificate (`cert_for`: one issued to another name);
-        `via`: the port of a relay in front of the control plane."""
+        `via`: the port of a relay in front of the control plane; `command`: how it
+        launches its (mock) engines."""
         path = self.procs.tmp / f"{name}.toml"
         crt, key, _ = issue_node(self.certs, cert_for or name)
         path.write_text(
@@ -94,7 +96,7 @@ class Fleet:
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
             "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
-            f"[engines.vllm]\ncommand = {MOCK!r}\nenv = {{ {env} }}\n".replace("'", '"')
+            f"[engines.vllm]\ncommand = {list(command)!r}\nenv = {{ {env} }}\n".replace("'", '"')
         )
         proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
         self.procs.all.append(proc)
