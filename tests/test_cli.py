@@ -236,3 +236,29 @@ def test_status_names_a_crash_loop_and_its_reason(fleet: Any) -> None:
     assert (name, desired, placed, serving) == ("chat", "1", "1", "0")
     assert why.startswith(f"{replica['replica_id']} crash loop: the engine exited with status 3 (")
     assert " failures" in why
+
+
+def test_a_port_in_use_is_one_line_for_the_router_and_the_control_port(tmp_path: Path) -> None:
+    """Exit 1 and one line, no traceback (`run` checks), whichever port is taken."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        with socket.socket() as spare:
+            spare.bind(("127.0.0.1", 0))
+            free = spare.getsockname()[1]
+        for listen, control, what in (
+            (busy, free, f"cannot listen on 127.0.0.1:{busy}: "),
+            (free, busy, f"cannot listen on 127.0.0.1:{busy} (control_listen): "),
+        ):
+            config = tmp_path / "server.toml"
+            config.write_text(
+                f'[server]\nlisten = "127.0.0.1:{listen}"\ncontrol_listen = "127.0.0.1:{control}"\n'
+                f"[agents]\ninsecure = true\n{MODEL}"
+            )
+            done = server("--config", str(config))
+            assert done.returncode == 1
+            line = done.stderr.strip().splitlines()[-1]  # after the config's warnings
+            assert line.startswith(f"llmgw-server: {what}") and "in use" in line, line
