@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from llmgw_core.tls_advice import cert_error, name_mismatch
+
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 
@@ -290,6 +292,10 @@ def tls_hint(control: str, exc: httpx.HTTPError, ca: str | None) -> str:
                 "the fleet's CA, or --config with the server's config)"
             )
     elif url.scheme == "https" and "CERTIFICATE_VERIFY_FAILED" in text:
+        verify_error = cert_error(exc)
+        mismatch = name_mismatch(verify_error) if verify_error is not None else None
+        if mismatch is not None:
+            return f" ({mismatch})"
         if ca is None:
             return (
                 " (the control plane's certificate is not trusted: give --ca FILE, the "
@@ -340,6 +346,12 @@ def _failed(response: httpx.Response, token: str | None) -> int:
         )
     elif response.status_code == 409:
         message += " (--force drains anyway: those replicas are stopped without a replacement)"
+    elif response.status_code == 404 and message.startswith("no route /v1/admin/"):
+        # The control port knows every /v1/admin/ path; the router's port knows none.
+        message += (
+            " (this looks like the router's port: --control takes the control plane's, "
+            "[server] control_listen, 8081 by default)"
+        )
     print(f"llmgw-server: {message}", file=sys.stderr)
     return 1
 

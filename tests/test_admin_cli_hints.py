@@ -1,0 +1,57 @@
+"""The admin CLI's advice when it is pointed at the wrong thing, in process."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw_core.certs import init_ca
+from llmgw_server import admin_cli
+
+
+def test_a_certificate_without_the_name_dialed_gets_the_agents_advice_not_the_cas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    init_ca(tmp_path, ["other.example"])  # the right CA; a server certificate without 127.0.0.1
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "server.crt", tmp_path / "server.key")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve_one() -> None:
+            conn, _ = listener.accept()
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError):
+                pass  # the client gives up on the certificate
+
+        thread = threading.Thread(target=serve_one, daemon=True)
+        thread.start()
+        code = admin_cli.run("status", None, f"https://127.0.0.1:{port}", ca=str(tmp_path / "ca.crt"))
+        thread.join(10)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "name mismatch: the control plane's certificate is not valid for the name dialed" in err, err
+    assert "(certs init --host)" in err and "is it the fleet's CA?" not in err
+
+
+def test_the_router_port_answering_no_route_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    request = httpx.Request("GET", "http://127.0.0.1:8080/v1/admin/status")
+    routers = httpx.Response(
+        404, json={"error": {"message": "no route /v1/admin/status"}}, request=request
+    )
+    assert admin_cli._failed(routers, None) == 1
+    assert capsys.readouterr().err.strip() == (
+        "llmgw-server: no route /v1/admin/status (this looks like the router's port: "
+        "--control takes the control plane's, [server] control_listen, 8081 by default)"
+    )
+    # The control port's own 404s are left as they are.
+    unknown = httpx.Response(404, json={"error": {"message": "no node 'gpu-9'"}}, request=request)
+    assert admin_cli._failed(unknown, None) == 1
+    assert capsys.readouterr().err.strip() == "llmgw-server: no node 'gpu-9'"
