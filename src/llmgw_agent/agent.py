@@ -500,7 +500,9 @@ class Agent:
             for line in tail[-10:]:
                 log.warning("    %s", line)
         else:
-            log.info("%s rank %d: %s %s", spec.replica_id, spec.rank, state, detail)
+            # A detail may begin with the state ("draining on request"): say it once.
+            words = detail if detail.startswith(str(state)) else f"{state} {detail}".rstrip()
+            log.info("%s rank %d: %s", spec.replica_id, spec.rank, words)
         self._send(ShardUpdate(shard.report(), tail))
 
     def _forget_later(self, shard: _Shard) -> None:
