@@ -55,3 +55,55 @@ def test_the_router_port_answering_no_route_is_named(capsys: pytest.CaptureFixtu
     unknown = httpx.Response(404, json={"error": {"message": "no node 'gpu-9'"}}, request=request)
     assert admin_cli._failed(unknown, None) == 1
     assert capsys.readouterr().err.strip() == "llmgw-server: no node 'gpu-9'"
+
+
+def _node(name: str) -> dict[str, object]:
+    return {
+        "name": name, "status": "reachable", "cordoned": False, "draining": False,
+        "gpus": [], "fabric": {}, "last_seen_s_ago": 0.5,
+    }  # fmt: skip
+
+
+def test_status_lists_nodes_by_name_not_by_registration() -> None:
+    data = {"nodes": [_node(n) for n in ("sim-node-2", "gpu-10", "sim-node-1", "gpu-9")],
+            "replicas": [], "models": []}  # fmt: skip
+    rows = admin_cli.render_status(data).split("\n\n")[0].splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["gpu-9", "gpu-10", "sim-node-1", "sim-node-2"]
+
+
+def test_status_json_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    """`status --json | head`: no BrokenPipeError traceback."""
+    import json
+    import subprocess
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    big = json.dumps({"nodes": [_node(f"n{i}") for i in range(5000)], "replicas": [], "models": []}).encode()
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(big)))
+            self.end_headers()
+            self.wfile.write(big)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Status) as http:
+        threading.Thread(target=http.serve_forever, daemon=True).start()
+        control = f"http://127.0.0.1:{http.server_address[1]}"
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "llmgw_server", "--control", control, "status", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert cli.stdout is not None and cli.stderr is not None
+        assert cli.stdout.read(10) == b'{\n  "nodes'  # what `head` reads, then it goes
+        cli.stdout.close()
+        err = cli.stderr.read().decode()
+        code = cli.wait(20)
+        http.shutdown()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert code == 1 and err == ""

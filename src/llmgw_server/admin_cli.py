@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from llmgw_core.tls_advice import cert_error, name_mismatch
+from llmgw_server.control.explanation import natural
 
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
@@ -71,7 +72,7 @@ def render_status(data: dict[str, Any]) -> str:
                 ",".join(f"{k}={v}" for k, v in sorted(n["fabric"].items())) or "-",
                 f"{n['last_seen_s_ago']}s ago",
             ]
-            for n in data["nodes"]
+            for n in sorted(data["nodes"], key=lambda n: natural(n["name"]))
         ],
     )
     replicas = table(
@@ -273,6 +274,11 @@ def run(
             + tls_hint(control, exc, ca),
             file=sys.stderr,
         )
+        return 1
+    except BrokenPipeError:
+        # The reader left (`status --json | head`): nothing more to say. Python would
+        # fail again flushing stdout at exit, so it goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return _failed(response, token)
 
