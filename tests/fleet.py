@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import ssl
 import subprocess
@@ -96,7 +97,9 @@ class Fleet:
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
             "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
-            f"[engines.vllm]\ncommand = {list(command)!r}\nenv = {{ {env} }}\n".replace("'", '"')
+            f"[engines.vllm]\nenv = {{ {env} }}\n".replace("'", '"')
+            # JSON's strings are TOML's basic strings: a command may hold quotes.
+            + f"command = {json.dumps(list(command))}\n"
         )
         proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
         self.procs.all.append(proc)

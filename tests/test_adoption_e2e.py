@@ -1,6 +1,7 @@
 """A restarted agent adopts its engines whatever launches them: a console script (as
-vLLM's `vllm`), a shell wrapper that forks the engine, or a direct `python -m`, as a
-binary would be; what is left of an engine it cannot adopt is stopped, never left
+vLLM's `vllm`), a shell wrapper that forks the engine or execs it, or a direct
+`python -m`, as a binary would be (tests/test_llamacpp_managed.py adopts the real
+llama-server binary); what is left of an engine it cannot adopt is stopped, never left
 holding its GPU and port beside its replacement. Real processes."""
 
 from __future__ import annotations
@@ -53,11 +54,18 @@ def children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("kind", ["console script", "forking shell wrapper", "python -m"])
+# `sh -c 'exec ...'`: the shell becomes the engine, whose command line is not the argv run.
+EXEC_WRAPPER = ["sh", "-c", 'exec "$0" -m llmgw_core.mock_engine "$@"', sys.executable]
+
+
+@pytest.mark.parametrize(
+    "kind", ["console script", "forking shell wrapper", "sh -c exec wrapper", "python -m"]
+)
 def test_a_restarted_agent_adopts_two_engines_across_a_control_plane_restart(fleet: Fleet, kind: str) -> None:
     command = {
         "console script": console_script(),
         "forking shell wrapper": forking_wrapper(fleet.procs.tmp),
+        "sh -c exec wrapper": EXEC_WRAPPER,
         "python -m": MOCK,
     }[kind]
     fleet.server(MODEL)
