@@ -6,6 +6,7 @@ holding its GPU and port beside its replacement. Real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -116,3 +117,44 @@ def test_what_is_left_of_an_engine_that_cannot_be_adopted_is_stopped_before_its_
     assert restarted["replica_id"] == replica["replica_id"]
     started = [int(line.rsplit(" ", 1)[1]) for line in agent.output().splitlines() if ": starting pid " in line]
     assert started and engine not in started
+
+
+async def test_what_is_left_ignoring_sigterm_is_killed_and_a_group_not_proven_ours_is_not_touched(
+    tmp_path: Path,
+) -> None:
+    """stop_leftovers: SIGTERM to the group, the grace, then SIGKILL, the whole group (a
+    child that scrubbed its environment too: only the engine's session is in it); a
+    group in which no process carries the launch's marker is never signalled."""
+    import subprocess
+
+    import trio
+
+    from llmgw_agent.adoption import MARKER, Identity
+    from llmgw_agent.supervisor import stop_leftovers
+
+    launch = "r-1.0.0123456789abcdef"
+    # The leader starts a child that ignores SIGTERM (the engine left behind) and one
+    # with its environment scrubbed, then is killed.
+    script = 'trap "" TERM; sleep 60 & env -u LLMGW_LAUNCH_ID sleep 60 & echo "$!" > scrubbed; wait'
+    leader = subprocess.Popen(
+        ["sh", "-c", script], cwd=tmp_path, env={**os.environ, MARKER: launch}, start_new_session=True
+    )
+    started = procinfo.start_time(leader.pid)
+    assert started is not None
+    try:
+        with trio.fail_after(20):
+            while not (tmp_path / "scrubbed").exists() or len(children(leader.pid)) < 2:
+                await trio.sleep(0.05)
+            scrubbed = int((tmp_path / "scrubbed").read_text())
+            (ignoring,) = [p for p in children(leader.pid) if p != scrubbed]
+            leader.kill()
+            leader.wait()
+            # Another launch's record for this group: nothing in it carries its marker.
+            assert await stop_leftovers(Identity(leader.pid, started, "r-1.0.ffffffffffffffff"), 0.5)
+            assert alive(ignoring) and alive(scrubbed)
+            assert await stop_leftovers(Identity(leader.pid, started, launch), grace_s=0.5)
+            assert not alive(ignoring)  # it ignored SIGTERM: SIGKILL after the grace
+            assert not alive(scrubbed)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(leader.pid, signal.SIGKILL)

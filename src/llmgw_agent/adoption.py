@@ -13,8 +13,11 @@ engine leads the group its PID names.
 
 An engine whose leader cannot be adopted (it ended, a wrapper that forked the engine
 ended) while processes of its launch still run in its group is stopped, group and all:
-left running, it would hold its GPUs and port beside its replacement. Processes without
-the launch's marker are never touched.
+left running, it would hold its GPUs and port beside its replacement. A group in which
+no process carries the launch's marker is never touched; one in which some process
+does is the engine's (the kernel gives its PID to no new process while the group
+lives, and only the engine's session can join it), so all of it goes, a child that
+scrubbed its environment included.
 """
 
 from __future__ import annotations
