@@ -30,13 +30,21 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP)
 
 # llama.cpp's llama-server for CPU and gemma-3-270m, built once into a cache outside the
-# checkout (~/.cache/llmgw/real-engine, or $$LLMGW_REAL_ENGINE_CACHE): about 6 minutes.
+# checkout (~/.cache/llmgw/real-engine, or $$LLMGW_REAL_ENGINE_CACHE): about 7 minutes on
+# an idle 2-core machine. It needs cmake and a C/C++ compiler: the build checks for them
+# first and names what is missing.
 real-engine: venv
 	$(BIN)/python tests/real_engine.py build
 
-# Debian's chromium and its driver, for the fleet page's test (tests/test_ui.py).
+# Debian's chromium and its driver, for the fleet page's test (tests/test_ui.py); installing
+# them takes root and apt-get: without either, one line says what to install.
 browser:
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || (apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver))
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	    echo "make test needs chromium and chromedriver for the fleet page's test (tests/test_ui.py): install them (on Debian or Ubuntu, as root: apt-get install chromium chromium-driver), or run make test as root where apt-get installs them" >&2; \
+	    exit 1; \
+	  fi; \
+	  apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver); }
 
 test: venv real-engine browser
 	$(BIN)/python -m pytest -q

@@ -8,7 +8,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import procs as procs_module
 from procs import Procs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The logs of every process a test starts, under pytest's temporary directory."""
+    procs_module.LOG_DIR = tmp_path_factory.mktemp("process-logs")
 
 
 @pytest.fixture

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
 import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,11 @@ class Fleet:
         env: str = "",
         cert_for: str = "",
         via: int | None = None,
+        command: Sequence[str] = MOCK,
     ) -> Proc:
         """An agent with its own certificate (`cert_for`: one issued to another name);
-        `via`: the port of a relay in front of the control plane."""
+        `via`: the port of a relay in front of the control plane; `command`: how it
+        launches its (mock) engines."""
         path = self.procs.tmp / f"{name}.toml"
         crt, key, _ = issue_node(self.certs, cert_for or name)
         path.write_text(
@@ -94,7 +97,9 @@ class Fleet:
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
             "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
-            f"[engines.vllm]\ncommand = {MOCK!r}\nenv = {{ {env} }}\n".replace("'", '"')
+            f"[engines.vllm]\nenv = {{ {env} }}\n".replace("'", '"')
+            # JSON's strings are TOML's basic strings: a command may hold quotes.
+            + f"command = {json.dumps(list(command))}\n"
         )
         proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
         self.procs.all.append(proc)

@@ -7,11 +7,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+
+# Where the processes' logs go: pytest's temporary directory for the session (conftest
+# sets it; pytest keeps the last three sessions' and removes older ones), so a test run
+# leaves no logs in the system's temporary directory.
+LOG_DIR: Path | None = None
 
 
 def free_port() -> int:
@@ -25,9 +31,8 @@ class Proc:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.argv = list(argv)
-        self.log = (
-            Path(os.environ.get("TMPDIR", "/tmp")) / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
-        )
+        directory = LOG_DIR or Path(tempfile.gettempdir())
+        self.log = directory / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("wb")
         self.popen = subprocess.Popen(
             self.argv,

@@ -1,7 +1,8 @@
 """A real engine for the tests: llama.cpp's llama-server on CPU, and gemma-3-270m.
 
 `python tests/real_engine.py build` (make real-engine) builds llama-server from the
-llama.cpp sources vendored in a pinned llama-cpp-python sdist and assembles the model,
+llama.cpp sources vendored in a pinned llama-cpp-python sdist (it needs cmake and a C and
+C++ compiler, checked first: the one line names what is missing) and assembles the model,
 once, into a cache outside the checkout keyed by version. Everything is made in a
 temporary directory and renamed into place under a lock, so a build killed half-way
 never leaves a half-built cache behind.
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -67,6 +69,29 @@ def is_built() -> bool:
     return server_binary().is_file() and model_path().is_file()
 
 
+# What the build runs, each with the ways to have it and how to install it on Debian.
+BUILD_TOOLS = (
+    ("cmake", ("cmake",), "apt-get install cmake"),
+    ("a C compiler", ("cc", "gcc", "clang"), "apt-get install build-essential"),
+    ("a C++ compiler", ("c++", "g++", "clang++"), "apt-get install build-essential"),
+    ("make", ("make", "ninja"), "apt-get install build-essential"),
+    ("tar", ("tar",), "apt-get install tar"),
+)
+
+
+def missing_build_tools(which: Callable[[str], str | None] = shutil.which) -> list[str]:
+    """What the build needs and this machine lacks, each with how to install it."""
+    return [
+        f"{what} ({' or '.join(names)}: {how})"
+        for what, names, how in BUILD_TOOLS
+        if not any(which(name) for name in names)
+    ]
+
+
+class BuildToolsMissing(Exception):
+    pass
+
+
 def _run(cmd: list[str], cwd: Path | None = None) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=cwd, check=True)
@@ -114,6 +139,11 @@ def _vendored_commit(src: Path) -> str:
 
 
 def build() -> Path:
+    if not is_built() and (missing := missing_build_tools()):
+        raise BuildToolsMissing(
+            "building llama.cpp's llama-server (make real-engine, part of make test) needs "
+            + "; ".join(missing)
+        )
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
@@ -134,7 +164,10 @@ def build() -> Path:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["build"]:
-        print(build())
+        try:
+            print(build())
+        except BuildToolsMissing as missing:
+            sys.exit(str(missing))
     elif sys.argv[1:] == ["path"]:
         print(cache_dir())
     else:

@@ -157,6 +157,53 @@ def test_agent_check_config(tmp_path: Path) -> None:
     )
 
 
+def test_agent_probe_reads_the_configs_inventory_file_and_check_config_takes_config(tmp_path: Path) -> None:
+    init_ca(tmp_path / "tls")
+    crt, key, _ = issue_node(tmp_path / "tls", "n1")
+    config = _agent_config(tmp_path, f'[tls]\nca = "tls/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n')
+    probed = agent("--config", str(config), "probe")
+    assert probed.returncode == 0, probed.stderr
+    assert probed.stdout == agent("probe", "--from", str(SIM)).stdout
+    assert 'uuid = "GPU-sim-l4-1"' in probed.stdout  # the simulated node's, not NVML's
+    checked = agent("check-config", "--config", str(config))
+    assert checked.returncode == 0 and one_line(checked.stdout).startswith(f"{config}: ok, node n1")
+    neither = agent("check-config")
+    assert neither.returncode == 2 and "check-config needs a config file" in neither.stderr
+
+
+def _described(help_text: str) -> list[str]:
+    """The options and arguments a --help lists without a word on what they are."""
+    lines = help_text.splitlines()
+    bare = []
+    for i, line in enumerate(lines):
+        entry = line.strip()
+        starts_entry = line.startswith("  ") and not line.startswith("      ") and entry
+        if not starts_entry or entry.endswith(":"):
+            continue
+        parts = entry.split("  ", 1)
+        if not parts[0].startswith(("-", "{")) and " " in parts[0]:
+            continue  # a group's description, not an option
+        described = len(parts) == 2 and parts[1].strip()
+        continued = i + 1 < len(lines) and lines[i + 1].startswith(" " * 8) and lines[i + 1].strip()
+        if not described and not continued:
+            bare.append(entry)
+    return bare
+
+
+def test_help_describes_each_option_and_lists_only_those_that_apply() -> None:
+    mock = run("llmgw_core.mock_engine", "--help")
+    assert mock.returncode == 0 and "--mock-fail-status" in mock.stdout
+    assert _described(mock.stdout) == [], mock.stdout
+    for argv in (["certs", "init", "--help"], ["certs", "issue", "--help"]):
+        done = server(*argv)
+        assert done.returncode == 0 and _described(done.stdout) == [], done.stdout
+    hash_key = server("hash-key", "--help")
+    for unrelated in ("--control", "--ca", "--token-file"):
+        assert unrelated not in hash_key.stdout, hash_key.stdout
+    status = server("status", "--help")
+    assert "--control" in status.stdout and "--token-file" in status.stdout
+
+
 # --- against a real control plane ----------------------------------------------------------
 
 
@@ -236,3 +283,29 @@ def test_status_names_a_crash_loop_and_its_reason(fleet: Any) -> None:
     assert (name, desired, placed, serving) == ("chat", "1", "1", "0")
     assert why.startswith(f"{replica['replica_id']} crash loop: the engine exited with status 3 (")
     assert " failures" in why
+
+
+def test_a_port_in_use_is_one_line_for_the_router_and_the_control_port(tmp_path: Path) -> None:
+    """Exit 1 and one line, no traceback (`run` checks), whichever port is taken."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        with socket.socket() as spare:
+            spare.bind(("127.0.0.1", 0))
+            free = spare.getsockname()[1]
+        for listen, control, what in (
+            (busy, free, f"cannot listen on 127.0.0.1:{busy}: "),
+            (free, busy, f"cannot listen on 127.0.0.1:{busy} (control_listen): "),
+        ):
+            config = tmp_path / "server.toml"
+            config.write_text(
+                f'[server]\nlisten = "127.0.0.1:{listen}"\ncontrol_listen = "127.0.0.1:{control}"\n'
+                f"[agents]\ninsecure = true\n{MODEL}"
+            )
+            done = server("--config", str(config))
+            assert done.returncode == 1
+            line = done.stderr.strip().splitlines()[-1]  # after the config's warnings
+            assert line.startswith(f"llmgw-server: {what}") and "in use" in line, line

@@ -74,8 +74,14 @@ def test_a_missing_file_is_named_by_the_path_it_was_looked_for_at(layout: Path) 
     with pytest.raises(ConfigError) as caught:
         load_config(layout / "server.toml")
     assert str(caught.value) == (
-        f"{layout / 'server.toml'}: agents.ca: {layout / 'tls' / 'ca.crt'} is not a file"
+        f"{layout / 'server.toml'}: agents.ca: {layout / 'tls' / 'ca.crt'} does not exist "
+        "(`llmgw-server certs init DIR` makes the CA and the control plane's certificate, "
+        "`llmgw-server certs issue NODE DIR` a node's)"
     )
+    (layout / "tls" / "ca.crt").mkdir()  # there, but not a file
+    with pytest.raises(ConfigError) as caught:
+        load_config(layout / "server.toml")
+    assert str(caught.value).endswith(f"agents.ca: {layout / 'tls' / 'ca.crt'} is not a file")
 
 
 def test_absolute_and_home_paths_are_kept(layout: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,6 +86,14 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
         status = json.loads(done.stdout)
         table = subprocess.run(cli_line.split(), capture_output=True, text=True, timeout=20)
         assert table.returncode == 0 and "demo-big" in table.stdout, table.stderr
+        # The explain and drain lines, and the fleet page's address, are there too.
+        explain_line = next(x.strip() for x in banner.splitlines() if " explain " in x)
+        assert explain_line == cli_line.replace(" status", " explain demo-big")
+        explained = subprocess.run(explain_line.split(), capture_output=True, text=True, timeout=20)
+        assert explained.returncode == 0 and "nodes fit" in explained.stdout, explained.stderr
+        assert cli_line.replace(" status", " drain sim-node-1") in banner
+        page = f"https://127.0.0.1:{port + 1}/ui"
+        assert f"The fleet page, live: {page} (" in banner and str(work / "certs" / "ca.crt") in banner
 
         # Each replica's line names the nodes and GPUs the control plane placed it on.
         assert len(status["replicas"]) == 3

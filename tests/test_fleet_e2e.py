@@ -215,7 +215,7 @@ def test_a_drain_that_would_take_a_model_offline_is_refused_unless_forced(fleet:
     assert refused.returncode == 1 and refused.stdout == ""
     assert (
         f"draining gpu-1 would take replicas offline: replica {rid} of solo fits nowhere else: "
-        "0 of 1 nodes fit: 1 draining (gpu-1)" in refused.stderr
+        "there is no other node" in refused.stderr
     )
     assert "--force drains anyway" in refused.stderr
     assert not fleet.node("gpu-1")["draining"] and fleet.serving("solo")

@@ -82,6 +82,18 @@ def test_a_plan_names_what_it_applies_and_what_waits_for_a_restart(tmp_path: Pat
     assert plan_reload(served, new).needs_restart == plan.needs_restart
 
 
+def test_a_change_of_replicas_alone_is_named_as_such_not_as_a_roll(tmp_path: Path) -> None:
+    old = config(PROFILED, tmp_path)
+    more = PROFILED.replace('name = "placed"\n', 'name = "placed"\nreplicas = 2\n')
+    plan = plan_reload(old, config(more, tmp_path))
+    assert plan.changes and plan.profiles_changed == ()
+    assert plan.replicas_changed == {"placed": (1, 2)}
+    assert plan.summary() == "replicas changed: placed 1 -> 2"
+    assert plan.as_json()["models"]["replicas_changed"] == {"placed": [1, 2]}
+    both = plan_reload(old, config(more.replace("org/placed", "org/other"), tmp_path))
+    assert both.summary() == "profiles changed (rolled): placed; replicas changed: placed 1 -> 2"
+
+
 def test_a_model_that_changes_between_static_and_placed_waits_for_a_restart(
     tmp_path: Path,
 ) -> None:

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate an agent config file (and the files it names) and exit",
         parents=[common],
     )
-    check.add_argument("file")
+    check.add_argument(
+        "file", nargs="?", help="the config to validate (default: the one --config names)"
+    )
     probe = sub.add_parser(
         "probe",
         help="print this node's inventory as TOML, the inventory_file format",
@@ -82,11 +84,17 @@ def run_cli(argv: list[str]) -> int:
         if args.command == "probe":
             from pathlib import Path
 
-            hardware = read_simulated(Path(args.source)) if args.source else detect_hardware()
+            # --from, else the config's inventory_file, else the hardware (NVML).
+            source = Path(args.source) if args.source else None
+            if source is None and args.config:
+                source = load_agent_config(args.config).inventory_file
+            hardware = read_simulated(source) if source else detect_hardware()
             print(hardware_to_toml(hardware), end="")
             return 0
         if args.command == "check-config":
-            return check_config(args.file)
+            if not (args.file or args.config):
+                parser.error("check-config needs a config file: check-config FILE")
+            return check_config(args.file or args.config)
         if not args.config:
             parser.error("--config FILE is required")
         config = load_agent_config(args.config)

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import assert_never
@@ -36,9 +37,16 @@ import trio_websocket
 from llmgw_agent import procinfo
 from llmgw_agent import shard_records as records
 from llmgw_agent.adapters import EngineLaunch, build_command
+from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.dial import ConnectFailed, open_agent_stream
-from llmgw_agent.supervisor import LOG_FILES_KEPT, EngineProcess, Transition, prune_logs
+from llmgw_agent.supervisor import (
+    LOG_FILES_KEPT,
+    EngineProcess,
+    Transition,
+    prune_logs,
+    stop_leftovers,
+)
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
@@ -159,7 +167,7 @@ class Agent:
             self._client = client
             engines = await nursery.start(_hold_nursery)
             self._engines = engines
-            self._adopt_engines()
+            await self._adopt_engines()
             task_status.started()
             await self._connect_forever()
 
@@ -375,17 +383,19 @@ class Agent:
         for old in prune_logs(logfile.parent, LOG_FILES_KEPT, known):
             log.info("removed the old engine log %s", old)
 
+        # The marker a restarted agent knows the engine by (see `adoption`).
+        launch_id = f"{spec.replica_id}.{spec.rank}.{secrets.token_hex(8)}"
+
         def remember(pid: int) -> None:
+            started = procinfo.start_time(pid) or 0
+            argv = tuple(command.argv)
             records.save(
-                state_dir,
-                records.ShardRecord(
-                    spec, pid, procinfo.start_time(pid) or 0, tuple(command.argv), str(logfile)
-                ),
+                state_dir, records.ShardRecord(spec, pid, started, argv, str(logfile), launch_id)
             )
 
         shard.process = EngineProcess(
             command.argv,
-            {**os.environ, **command.env},
+            {**os.environ, **command.env, MARKER: launch_id},
             health,
             self._reporter(shard),
             self._client,
@@ -413,18 +423,32 @@ class Agent:
 
         return report
 
-    def _adopt_engines(self) -> None:
-        """Find the engines an earlier run of this agent started, from the state directory."""
+    async def _adopt_engines(self) -> None:
+        """Find the engines an earlier run of this agent started, from the state directory.
+        What is left of one that cannot be adopted is stopped before the agent registers,
+        so that its replacement never starts beside it."""
         config = self.config
         assert self._engines is not None and self._client is not None
+        leftovers: list[records.ShardRecord] = []
         for record in records.load(config.state_dir):
             spec = record.spec
             key = (spec.replica_id, spec.rank)
-            if not procinfo.same_process(record.pid, record.started, list(record.argv)):
+            identity = record.identity()
+            decision = decide(
+                identity,
+                procinfo.view(record.pid, MARKER),
+                procinfo.group_members(record.pid, MARKER),
+            )
+            if decision.verdict is not Verdict.ADOPT:
                 detail = f"the engine (pid {record.pid}) ended while the agent was away"
+                if decision.verdict is Verdict.STOP:
+                    pids = ", ".join(map(str, decision.leftovers))
+                    detail += f"; its process group (pids {pids}) is stopped"
+                    leftovers.append(record)  # its record goes once they are stopped
+                else:
+                    records.remove(config.state_dir, spec)
                 log.warning("%s rank %d: %s", spec.replica_id, spec.rank, detail)
                 self.shards[key] = _Shard(spec, ShardState.FAILED, detail)
-                records.remove(config.state_dir, spec)
                 continue
             log.info("%s rank %d: adopting engine pid %d", spec.replica_id, spec.rank, record.pid)
             shard = self.shards[key] = _Shard(
@@ -443,6 +467,20 @@ class Agent:
                 api_key=spec.api_key,
             )
             self._engines.start_soon(self._watch_adopted, shard, record)
+        async with trio.open_nursery() as nursery:
+            for record in leftovers:
+                nursery.start_soon(self._stop_leftovers, record)
+
+    async def _stop_leftovers(self, record: records.ShardRecord) -> None:
+        spec = record.spec
+        if not await stop_leftovers(record.identity(), self.config.stop_grace_s):
+            log.error(
+                "%s rank %d: processes of the engine's group (pid %d) outlived SIGKILL",
+                spec.replica_id,
+                spec.rank,
+                record.pid,
+            )
+        records.remove(self.config.state_dir, spec)
 
     async def _watch_adopted(self, shard: _Shard, record: records.ShardRecord) -> None:
         assert shard.process is not None
@@ -462,7 +500,9 @@ class Agent:
             for line in tail[-10:]:
                 log.warning("    %s", line)
         else:
-            log.info("%s rank %d: %s %s", spec.replica_id, spec.rank, state, detail)
+            # A detail may begin with the state ("draining on request"): say it once.
+            words = detail if detail.startswith(str(state)) else f"{state} {detail}".rstrip()
+            log.info("%s rank %d: %s", spec.replica_id, spec.rank, words)
         self._send(ShardUpdate(shard.report(), tail))
 
     def _forget_later(self, shard: _Shard) -> None:

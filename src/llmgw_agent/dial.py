@@ -23,10 +23,9 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
 
-# OpenSSL's verify codes for a certificate that is valid but not for the name dialed.
-_NAME_MISMATCH = {62, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 # What OpenSSL says when the peer's first bytes are not TLS (a plaintext server).
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}
 
@@ -78,12 +77,9 @@ def describe_tls_error(exc: BaseException, where: str, ca: Path | None) -> str:
     trust = f"[tls] ca ({ca})" if ca else "[tls] ca"
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = exc.verify_message or exc.reason or str(exc)
-        if exc.verify_code in _NAME_MISMATCH:
-            return (
-                f"name mismatch: the control plane's certificate is not valid for the name "
-                f"dialed ({why}): dial a name or address the certificate holds, or make the "
-                "server's certificate for it (certs init --host)"
-            )
+        mismatch = name_mismatch(exc)
+        if mismatch is not None:
+            return mismatch
         return (
             f"the control plane's certificate at {where} is not trusted ({why}): {trust} "
             "must be the fleet CA that signed the server's certificate"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from llmgw_agent.adoption import ProcView
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -15,7 +18,8 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def start_time(pid: int) -> int | None:
-    """Clock ticks after boot when the process started; a reused PID has another."""
+    """Clock ticks after boot when the process started (/proc/PID/stat field 22); a
+    reused PID has another."""
     fields = _stat_fields(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
@@ -26,14 +30,42 @@ def running(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")  # type: ignore[index]
 
 
-def cmdline(pid: int) -> list[str] | None:
+def environ_value(pid: int, name: str) -> str | None:
+    """The value of `name` in the environment process `pid` was started with ("" when it
+    has none), or None when /proc/PID/environ cannot be read (another user's process, a
+    non-dumpable one, a process gone)."""
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
-    return [part.decode("utf-8", errors="replace") for part in raw.split(b"\0") if part]
+    prefix = name.encode() + b"="
+    for entry in raw.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode("utf-8", errors="replace")
+    return ""
 
 
-def same_process(pid: int, started: int, argv: list[str]) -> bool:
-    """The PID still names the process we recorded: same start time, same command line."""
-    return running(pid) and start_time(pid) == started and cmdline(pid) == argv
+def view(pid: int, marker: str) -> ProcView | None:
+    """What /proc says of a live (not zombie) process, with its `marker` variable; None
+    when it is gone."""
+    fields = _stat_fields(pid)
+    if not fields or len(fields) <= 19 or fields[0] in ("Z", "X"):
+        return None
+    return ProcView(
+        pid=pid, start_time=int(fields[19]), pgid=int(fields[2]), marker=environ_value(pid, marker)
+    )
+
+
+def group_members(pgid: int, marker: str) -> list[ProcView]:
+    """The live processes of process group `pgid` (a scan of /proc: run it at an agent's
+    start, not on a hot path)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields and len(fields) > 19 and int(fields[2]) == pgid:
+            member = view(int(entry.name), marker)
+            if member is not None:
+                members.append(member)
+    return members

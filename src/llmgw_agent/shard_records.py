@@ -1,7 +1,8 @@
 """The agent's state directory: which engines it runs, so a restarted agent finds them.
 
-One JSON file per shard: its launch spec, the engine's PID, start time and
-command line (so a reused PID is never mistaken for the engine), and its log.
+One JSON file per shard: its launch spec, the engine's PID, start time and launch
+id (the marker put in its environment: see `adoption`, so a reused PID is never
+mistaken for the engine), its command line and its log.
 Written when the engine starts, removed when it is stopped or has failed.
 
 A record holds the shard's engine key, so records, and the key files written
@@ -19,6 +20,7 @@ from pathlib import Path
 import attrs
 import cattrs
 
+from llmgw_agent.adoption import Identity
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.wire import converter
 
@@ -32,6 +34,10 @@ class ShardRecord:
     started: int  # clock ticks after boot, from /proc/PID/stat
     argv: tuple[str, ...]
     log: str
+    launch_id: str = ""  # "": written by an agent that set no launch marker
+
+    def identity(self) -> Identity:
+        return Identity(self.pid, self.started, self.launch_id)
 
 
 def _dir(state_dir: Path) -> Path:

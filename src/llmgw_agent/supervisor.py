@@ -42,6 +42,7 @@ import httpx
 import trio
 
 from llmgw_agent import procinfo
+from llmgw_agent.adoption import MARKER, Identity, Verdict, decide
 from llmgw_agent.shard_records import write_private
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -333,6 +334,28 @@ class EngineProcess:
         _signal_group(pid, signal.SIGTERM)
         await trio.sleep(self.stop_grace_s)
         _signal_group(pid, signal.SIGKILL)
+
+
+def leftovers(identity: Identity) -> tuple[int, ...]:
+    """The processes of a launch that cannot be adopted but still run (see `adoption`)."""
+    leader = procinfo.view(identity.pid, MARKER)
+    decision = decide(identity, leader, procinfo.group_members(identity.pid, MARKER))
+    return decision.leftovers if decision.verdict is Verdict.STOP else ()
+
+
+async def stop_leftovers(identity: Identity, grace_s: float, poll_s: float = 0.2) -> bool:
+    """Stop what runs of an engine that cannot be adopted, its whole process group: SIGTERM,
+    `grace_s`, SIGKILL. The group is signalled only while `decide` finds processes of the
+    launch in it. True when nothing of it is left (a process stuck in the kernel may
+    outlive SIGKILL for a while)."""
+    for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, max(grace_s, 5.0))):
+        if not leftovers(identity):
+            return True
+        _signal_group(identity.pid, signum)
+        with trio.move_on_after(wait_s):
+            while leftovers(identity):
+                await trio.sleep(poll_s)
+    return not leftovers(identity)
 
 
 def _signal_group(pid: int, signum: int) -> None:

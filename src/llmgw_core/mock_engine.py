@@ -107,21 +107,33 @@ _CONTROLLABLE = (
 
 def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     parser = argparse.ArgumentParser(prog="llmgw-mock-engine", description=__doc__)
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("model")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", nargs="+", default=None)
-    parser.add_argument("--headless", action="store_true")
-    e = env.get
-    parser.add_argument("--api-key", default=e("VLLM_API_KEY", ""))
+    parser.add_argument("command", choices=["serve"], help="serve (as `vllm serve`)")
+    parser.add_argument("model", help="the model name it answers for")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
-        "--mock-keepalive", type=float, default=float(e("LLMGW_MOCK_KEEPALIVE", "5"))
+        "--served-model-name", nargs="+", default=None, help="names it answers to (default: MODEL)"
+    )
+    parser.add_argument(
+        "--headless", action="store_true", help="accepted, as vLLM's worker ranks take it"
+    )
+    e = env.get
+    parser.add_argument(
+        "--api-key",
+        default=e("VLLM_API_KEY", ""),
+        help="the key every request must carry (default: $VLLM_API_KEY; none)",
+    )
+    parser.add_argument(
+        "--mock-keepalive",
+        type=float,
+        default=float(e("LLMGW_MOCK_KEEPALIVE", "5")),
+        help="seconds an idle connection is kept open (default 5; $LLMGW_MOCK_KEEPALIVE)",
     )
     parser.add_argument(
         "--mock-close-after-stream",
         action="store_true",
         default=e("LLMGW_MOCK_CLOSE_AFTER_STREAM", "") == "1",
+        help="close the connection after each stream, as llama-server does",
     )
     parser.add_argument(
         "--mock-unsupported",
@@ -129,27 +141,53 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         default=[p for p in e("LLMGW_MOCK_UNSUPPORTED", "").split(",") if p],
         help="an endpoint such as /v1/embeddings to answer 501 (repeatable)",
     )
-    parser.add_argument("--mock-tokens", type=int, default=int(e("LLMGW_MOCK_TOKENS", "16")))
     parser.add_argument(
-        "--mock-tokens-per-second", type=float, default=float(e("LLMGW_MOCK_TPS", "0"))
+        "--mock-tokens",
+        type=int,
+        default=int(e("LLMGW_MOCK_TOKENS", "16")),
+        help="tokens in each answer (default 16; $LLMGW_MOCK_TOKENS)",
     )
     parser.add_argument(
-        "--mock-startup-delay", type=float, default=float(e("LLMGW_MOCK_STARTUP_DELAY", "0"))
+        "--mock-tokens-per-second",
+        type=float,
+        default=float(e("LLMGW_MOCK_TPS", "0")),
+        help="pace of a streamed answer (default 0: as fast as it can; $LLMGW_MOCK_TPS)",
     )
     parser.add_argument(
-        "--mock-exit-after", type=float, default=float(e("LLMGW_MOCK_EXIT_AFTER", "0"))
+        "--mock-startup-delay",
+        type=float,
+        default=float(e("LLMGW_MOCK_STARTUP_DELAY", "0")),
+        help="seconds /health answers 503 after the start, as an engine loading weights",
     )
     parser.add_argument(
-        "--mock-fail-status", type=int, default=int(e("LLMGW_MOCK_FAIL_STATUS", "0"))
+        "--mock-exit-after",
+        type=float,
+        default=float(e("LLMGW_MOCK_EXIT_AFTER", "0")),
+        help="exit with status 3 after this many seconds (default 0: never), a crash",
     )
     parser.add_argument(
-        "--mock-garbage", action="store_true", default=e("LLMGW_MOCK_GARBAGE", "") == "1"
+        "--mock-fail-status",
+        type=int,
+        default=int(e("LLMGW_MOCK_FAIL_STATUS", "0")),
+        help="answer every inference request with this HTTP status (default 0: no)",
     )
     parser.add_argument(
-        "--mock-break-after-chunks", type=int, default=int(e("LLMGW_MOCK_BREAK_AFTER", "0"))
+        "--mock-garbage",
+        action="store_true",
+        default=e("LLMGW_MOCK_GARBAGE", "") == "1",
+        help="answer inference requests with bytes that are not HTTP",
     )
     parser.add_argument(
-        "--mock-sse-ping", action="store_true", default=e("LLMGW_MOCK_SSE_PING", "") == "1"
+        "--mock-break-after-chunks",
+        type=int,
+        default=int(e("LLMGW_MOCK_BREAK_AFTER", "0")),
+        help="cut a stream abruptly after this many chunks (default 0: never)",
+    )
+    parser.add_argument(
+        "--mock-sse-ping",
+        action="store_true",
+        default=e("LLMGW_MOCK_SSE_PING", "") == "1",
+        help="send an SSE `: ping` comment before the first chunk",
     )
     model = parser.add_argument_group(
         "scheduler model",

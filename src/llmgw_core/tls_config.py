@@ -21,6 +21,11 @@ from llmgw_core.tomlshape import Table
 def _readable_file(path: Path) -> Path:
     """Relative paths are taken from the config file's directory (see `config_schema.read_path`)."""
     try:
+        if not path.exists():
+            raise Problem(
+                f"{path} does not exist (`llmgw-server certs init DIR` makes the CA and the "
+                "control plane's certificate, `llmgw-server certs issue NODE DIR` a node's)"
+            )
         if not path.is_file():
             raise Problem(f"{path} is not a file")
         # Read now, as the daemon's user: a key left owned by whoever made it is

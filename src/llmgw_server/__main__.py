@@ -21,8 +21,11 @@ def cli(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_cli(sys.argv[1:] if argv is None else list(argv)))
 
 
-def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
-    """The options every command takes, before or after its name.
+def add_global_options(
+    parser: argparse.ArgumentParser, *, after_command: bool, admin: bool = True
+) -> None:
+    """The options every command takes, before or after its name (`admin`: with those
+    that reach a control plane, which `hash-key` has no use for).
 
     After the name their default is SUPPRESS, so that one given before the name is not
     overwritten by the subcommand's default.
@@ -41,6 +44,8 @@ def add_global_options(parser: argparse.ArgumentParser, *, after_command: bool) 
         default=default("info"),
         help="how much the server logs (default: info)",
     )
+    if not admin:
+        return
     parser.add_argument(
         "--control",
         default=default(None),
@@ -74,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_global_options(common, after_command=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common])
+    local = argparse.ArgumentParser(add_help=False)
+    add_global_options(local, after_command=True, admin=False)
+
+    def command(name: str, help: str, *, admin: bool = True) -> argparse.ArgumentParser:
+        parents = [common if admin else local]
+        return sub.add_parser(name, help=help, description=help, parents=parents)
 
     command("serve", "run the server (the default)")
     command(
@@ -115,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hash-key",
         "print the digest of a key or token ([auth] api_keys, [[auth.keys]] digest, "
         "[admin] token_digest)",
+        admin=False,
     )
     hash_key.add_argument(
         "key", nargs="?", help="the key (default: read from stdin, or asked at the terminal)"

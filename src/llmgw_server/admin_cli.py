@@ -24,6 +24,9 @@ from typing import Any
 
 import httpx
 
+from llmgw_core.tls_advice import cert_error, name_mismatch
+from llmgw_server.control.explanation import natural
+
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
 
@@ -69,7 +72,7 @@ def render_status(data: dict[str, Any]) -> str:
                 ",".join(f"{k}={v}" for k, v in sorted(n["fabric"].items())) or "-",
                 f"{n['last_seen_s_ago']}s ago",
             ]
-            for n in data["nodes"]
+            for n in sorted(data["nodes"], key=lambda n: natural(n["name"]))
         ],
     )
     replicas = table(
@@ -272,6 +275,11 @@ def run(
             file=sys.stderr,
         )
         return 1
+    except BrokenPipeError:
+        # The reader left (`status --json | head`): nothing more to say. Python would
+        # fail again flushing stdout at exit, so it goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return _failed(response, token)
 
 
@@ -290,6 +298,10 @@ def tls_hint(control: str, exc: httpx.HTTPError, ca: str | None) -> str:
                 "the fleet's CA, or --config with the server's config)"
             )
     elif url.scheme == "https" and "CERTIFICATE_VERIFY_FAILED" in text:
+        verify_error = cert_error(exc)
+        mismatch = name_mismatch(verify_error) if verify_error is not None else None
+        if mismatch is not None:
+            return f" ({mismatch})"
         if ca is None:
             return (
                 " (the control plane's certificate is not trusted: give --ca FILE, the "
@@ -340,6 +352,12 @@ def _failed(response: httpx.Response, token: str | None) -> int:
         )
     elif response.status_code == 409:
         message += " (--force drains anyway: those replicas are stopped without a replacement)"
+    elif response.status_code == 404 and message.startswith("no route /v1/admin/"):
+        # The control port knows every /v1/admin/ path; the router's port knows none.
+        message += (
+            " (this looks like the router's port: --control takes the control plane's, "
+            "[server] control_listen, 8081 by default)"
+        )
     print(f"llmgw-server: {message}", file=sys.stderr)
     return 1
 

@@ -14,7 +14,7 @@ import trio
 from llmgw_core.config import Config
 from llmgw_core.http_server import HTTPServer
 from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
-from llmgw_server.plane.port import serve_control_port
+from llmgw_server.plane.port import ControlListenFailed, serve_control_port
 from llmgw_server.plane.routes import RouteHub
 from llmgw_server.router.follower import Follower, local_pair
 from llmgw_server.router.front import Router, server_limits
@@ -118,14 +118,23 @@ def _raise_open_file_limit() -> None:
 
 def run(config: Config) -> int:
     _raise_open_file_limit()
+    failed: BaseException | None = None
     try:
-        if config.server.workers > 1:
-            from llmgw_server.router import workers
+        try:
+            if config.server.workers > 1:
+                from llmgw_server.router import workers
 
-            trio.run(workers.main, config)
-        else:
-            trio.run(main, config)
+                trio.run(workers.main, config)
+            else:
+                trio.run(main, config)
+        except* ControlListenFailed as group:  # opened inside a nursery: in a group
+            failed = group
+            while isinstance(failed, BaseExceptionGroup):
+                failed = failed.exceptions[0]
     except OSError as exc:
         print(f"llmgw-server: cannot listen on {config.server.listen}: {exc}", file=sys.stderr)
+        return 1
+    if failed is not None:
+        print(f"llmgw-server: {failed}", file=sys.stderr)
         return 1
     return 0

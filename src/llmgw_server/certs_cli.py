@@ -13,7 +13,12 @@ def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="llmgw-server certs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="make the fleet's CA and the control plane's certificate")
-    init.add_argument("dir", type=Path)
+    init.add_argument(
+        "dir",
+        type=Path,
+        help="where to write ca.crt, ca.key, server.crt and server.key (made if missing; "
+        "an existing CA is never replaced)",
+    )
     init.add_argument(
         "--host",
         action="append",
@@ -21,8 +26,14 @@ def run(argv: list[str]) -> int:
         "default: localhost and 127.0.0.1)",
     )
     issue = sub.add_parser("issue", help="make a node's certificate and key")
-    issue.add_argument("node")
-    issue.add_argument("dir", type=Path)
+    issue.add_argument(
+        "node", help="the node's name, as its agent config's `name` (the certificate's name)"
+    )
+    issue.add_argument(
+        "dir",
+        type=Path,
+        help="the CA's directory, from certs init: writes nodes/NODE.crt and nodes/NODE.key there",
+    )
     args = parser.parse_args(argv)
     # Absolute in the printed config lines: a config takes relative paths from its own
     # directory, which need not be where this command ran.

@@ -189,7 +189,12 @@ def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[
         f"  curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\\n"
         '    -d \'{"model": "demo-model", "stream": true, '
         '"messages": [{"role": "user", "content": "hello"}]}\'\n\n'
-        f"  {sys.executable} -m llmgw_server --config {server_toml} status\n\n"
+        "The fleet's state, why a model runs where it does, and a node's replicas moved off:\n"
+        f"  {sys.executable} -m llmgw_server --config {server_toml} status\n"
+        f"  {sys.executable} -m llmgw_server --config {server_toml} explain demo-big\n"
+        f"  {sys.executable} -m llmgw_server --config {server_toml} drain {NODES[0][0]}\n\n"
+        f"The fleet page, live: {admin}/ui (your browser does not know the demo's CA: "
+        f"{certs / 'ca.crt'})\n"
         f"Logs: {logs}\nCtrl-C stops it all and removes {work} (certificates, configs, logs).\n",
         flush=True,
     )

@@ -469,8 +469,9 @@ def test_a_drain_that_would_take_a_replica_offline_is_refused_unless_forced() ->
     (stuck,) = refused.value.stuck
     assert stuck.model == "a" and stuck.replica_id.startswith("a-")
     assert stuck.explanation.text == (
-        # Against the fleet as it would be once b moved to n2.
-        "0 of 2 nodes fit: 1 draining (n1); 1 has too few free GPUs (n2 has 2, need 6)"
+        # Against the other nodes as they would be once b moved to n2; n1, the node
+        # asked about, is not counted as one already draining.
+        "0 of 1 nodes fit: 1 has too few free GPUs (n2 has 2, need 6)"
     )
     assert str(refused.value).startswith("draining n1 would take replicas offline: replica a-")
     assert f.cp.view() == before and f.commands == []
@@ -606,8 +607,23 @@ def test_a_refusal_names_the_stuck_replicas_of_a_model_once_with_the_explanation
         f.cp.request_drain("n1", f.now)
     assert str(refused.value) == (
         "draining n1 would take replicas offline: replicas a-a-1, a-a-2 of a fit nowhere "
-        "else: 0 of 1 nodes fit: 1 draining (n1)"
+        "else: there is no other node"
     )
+
+
+def test_a_refusal_counts_as_draining_only_the_nodes_that_are() -> None:
+    """The node asked about is not 'already draining' in the explanation (issue 18)."""
+    f = fleet_with(model("a", 1, tensor_parallel=8), model("b", 1, tensor_parallel=8), nodes=3)
+    f.ready_all()
+    placed = {c.node for c in f.starts()}
+    idle = ({"n1", "n2", "n3"} - placed).pop()
+    f.cp.request_drain(idle, f.now)  # empty: drained at once, and stays draining
+    asked = sorted(placed)[0]
+    with pytest.raises(DrainRefused) as refused:
+        f.cp.request_drain(asked, f.now)
+    (stuck,) = refused.value.stuck
+    assert stuck.explanation.text.startswith(f"0 of 2 nodes fit: 1 draining ({idle}); ")
+    assert asked not in stuck.explanation.text
 
 
 def test_a_replica_failing_on_a_draining_node_is_stopped_not_restarted_there() -> None:

@@ -1,7 +1,8 @@
 """An operator's drain: which replicas would have nowhere to go, and what the log says.
 
-`stuck` places the node's replicas on the fleet as it would be with the node
-draining: O(nodes), once per operator request.
+`stuck` places the node's replicas on the fleet's other nodes: O(nodes), once per
+operator request. Its explanations count only those (the node asked about is not
+"already draining"), or say there is none.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def stuck(
 ) -> list[Stuck]:
     """The `replicas` (id -> model) on `node` that could not be placed elsewhere, were
     it draining."""
-    nodes = [attrs.evolve(c, draining=True) if c.name == node else c for c in capacities]
+    nodes = [c for c in capacities if c.name != node]
     requests = []
     for rid, model in replicas.items():
         entry = catalog.get(model)
@@ -65,7 +66,13 @@ def stuck(
             requests.append(PlacementRequest(rid, model, entry.profile))
     result = place(requests, nodes, fabric_key=settings.fabric_key, spread=settings.spread)
     return [
-        Stuck(r.key, r.model, result.explanations[r.model])
+        Stuck(
+            r.key,
+            r.model,
+            result.explanations[r.model]
+            if nodes
+            else Explanation(r.model, "there is no other node", (), {}),
+        )
         for r in sorted(result.unplaced, key=lambda r: r.key)
     ]
 

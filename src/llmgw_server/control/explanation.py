@@ -154,18 +154,18 @@ def _text(
     if pp > 1:
         head += f" {total} GPUs on one node or as {pp} shards of {tp} in one fabric domain"
     if fitting:
-        head += f" ({', '.join(sorted(fitting, key=_natural))})"
+        head += f" ({', '.join(sorted(fitting, key=natural))})"
     if not n_nodes:
         return f"{head}: no node has registered"
     parts: list[str] = []
     for kind in _KINDS[:-1]:
-        items = sorted(found[kind], key=lambda item: _natural(item[0]))
+        items = sorted(found[kind], key=lambda item: natural(item[0]))
         if items:
             parts.append(_group(kind, items, profile, need, fabric_key))
     if short:
-        domains = sorted(short, key=_natural)
+        domains = sorted(short, key=natural)
         for i, domain in enumerate(domains):
-            names = ", ".join(sorted(domain_nodes[domain], key=_natural))
+            names = ", ".join(sorted(domain_nodes[domain], key=natural))
             if i == 0:
                 parts.append(
                     f"fabric domain {domain} ({names}) has {short[domain]} free GPUs "
@@ -215,7 +215,7 @@ def _gib(mib: int) -> str:
 _DIGITS = re.compile(r"(\d+)")
 
 
-def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+def natural(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort gpu-2 before gpu-10."""
     return tuple(
         (0, int(part)) if part.isdigit() else (1, part) for part in _DIGITS.split(name) if part

@@ -33,6 +33,7 @@ import heapq
 import attrs
 
 from llmgw_core.control_config import ControlSection
+from llmgw_core.durations import seconds
 from llmgw_core.inventory import Inventory
 from llmgw_server.control.work import Work
 
@@ -295,7 +296,10 @@ class Lifecycle:
         released = node.guard_released_at
         if released is not None and released > max(node.last_seen, self.started_at):
             silent = self._lost_at(node) - node.last_seen
-            return f"no heartbeat for {silent:g} s, {after:g} s since the mass-loss guard released"
+            return (
+                f"no heartbeat for {seconds(silent)}, {after:g} s since the mass-loss guard "
+                "released"
+            )
         return f"no heartbeat for {after:g} s"
 
     def _revive(self, node: Node, now: float, reason: str) -> list[NodeTransition]:

@@ -18,6 +18,10 @@ from llmgw_server.router.reload import ReloadPlan
 log = logging.getLogger("llmgw.server")
 
 
+class ControlListenFailed(Exception):
+    """The control port cannot be opened: one line for the operator, no traceback."""
+
+
 async def serve_control_port(
     plane: ControlPlane,
     reload: Callable[[], Awaitable[ReloadPlan]] | None,
@@ -42,7 +46,12 @@ async def serve_control_port(
         upgrade=gate.upgrade,
         ssl_context=None if tls.insecure else server_context(tls),
     )
-    listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
+    try:
+        listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
+    except OSError as exc:
+        raise ControlListenFailed(
+            f"cannot listen on {s.control_listen} (control_listen): {exc}"
+        ) from exc
     port: int = listeners[0].socket.getsockname()[1]
     await nursery.start(plane.run)
     await nursery.start(control.serve, listeners)

@@ -50,8 +50,11 @@ class ReloadPlan:
     models_added: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_changed: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_removed: tuple[str, ...] = ()
-    # Profiled models whose profile or replicas changed: the control plane takes them.
+    # Profiled models handed to the control plane: those whose profile changed (it rolls
+    # their replicas) and those whose `replicas` changed (old, new: it adds or removes
+    # replicas, nothing rolls).
     profiles_changed: tuple[str, ...] = ()
+    replicas_changed: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)
     needs_restart: tuple[str, ...] = ()  # such as "server.listen", "models.chat (profile)"
 
     @property
@@ -65,6 +68,7 @@ class ReloadPlan:
             or self.models_changed
             or self.models_removed
             or self.profiles_changed
+            or self.replicas_changed
         )
 
     def summary(self) -> str:
@@ -85,6 +89,9 @@ class ReloadPlan:
                 parts.append(f"models {what}: {', '.join(names)}")
         if self.profiles_changed:
             parts.append(f"profiles changed (rolled): {', '.join(self.profiles_changed)}")
+        if self.replicas_changed:
+            counts = (f"{name} {a} -> {b}" for name, (a, b) in self.replicas_changed.items())
+            parts.append(f"replicas changed: {', '.join(counts)}")
         return "; ".join(parts) or "nothing to apply"
 
     def as_json(self) -> dict[str, Any]:
@@ -100,6 +107,7 @@ class ReloadPlan:
                 "changed": sorted(self.models_changed),
                 "removed": list(self.models_removed),
                 "profiles_changed": list(self.profiles_changed),
+                "replicas_changed": {k: list(v) for k, v in self.replicas_changed.items()},
             },
             "needs_restart": list(self.needs_restart),
         }
@@ -112,12 +120,18 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
     restart = [*_differing_fields(old, new)]
     rolled = []
+    replicas = {}
     for name in sorted(set(old_profiled) | set(new_profiled)):
-        if old_profiled.get(name) != new_profiled.get(name):
-            if name in _rollable(old, new):
-                rolled.append(name)
-            else:
+        was, now = old_profiled.get(name), new_profiled.get(name)
+        if was != now:
+            if name not in _rollable(old, new):
                 restart.append(f"models.{name} (profile)")
+                continue
+            assert was is not None and now is not None  # rollable: profiled in both
+            if was.profile != now.profile:
+                rolled.append(name)
+            if was.replicas != now.replicas:
+                replicas[name] = (was.replicas, now.replicas)
     return ReloadPlan(
         keys_added=len(new_keys.keys() - old_keys.keys()),
         keys_removed=len(old_keys.keys() - new_keys.keys()),
@@ -140,6 +154,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
             name for name in old_static if name not in new_static and name not in new_profiled
         ),
         profiles_changed=tuple(rolled),
+        replicas_changed=replicas,
         needs_restart=tuple(restart),
     )
 

@@ -245,7 +245,9 @@ class Workers:
     async def _follow(self, link: Link) -> None:
         assert self.feed is not None
         try:
-            await self.feed(link.feed, f"worker {link.index} (pid {link.process.pid})")
+            # The peer is how it is reached (its name says which worker): "router worker 1
+            # (pid 8210) (pipe) follows the route table".
+            await self.feed(link.feed, "pipe")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the worker went: _run_once sees it exit
 

@@ -258,7 +258,9 @@ async function follow() {
   $("problem").hidden = true;
   $("login").hidden = true;
   $("fleet").hidden = false;
-  setConnection("live", "live");
+  // "live" once a snapshot is drawn: over the empty tables it would claim too much.
+  setConnection("", "connected; waiting for the fleet");
+  let drawn = false;
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -276,7 +278,11 @@ async function follow() {
         buffer = buffer.slice(end + 1);
         if (!line.trim()) continue;
         const message = JSON.parse(line);
-        if (message.status) render(message);
+        if (message.status) {
+          render(message);
+          if (!drawn) setConnection("live", "live");
+          drawn = true;
+        }
       }
     }
   } catch (e) {
