@@ -27,7 +27,9 @@ _MAX_LINE = 4096  # a chunk-size line, or all the trailers together
 _TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
 _QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
 # 16 hex digits at most: no 0x, _, signs or spaces (int() would take some of those).
-_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;%b(?:=(?:%b|%b))?)*\r\n" % (_TOKEN, _TOKEN, _QUOTED))
+_SIZE_LINE = re.compile(
+    rb"([0-9A-Fa-f]{1,16})(?:;%b(?:=(?:%b|%b))?)*\r\n" % (_TOKEN, _TOKEN, _QUOTED)
+)
 _TRAILER_LINE = re.compile(rb"%b:[^\x00-\x08\x0a-\x1f\x7f]*\r\n" % _TOKEN)
 
 _SIZE, _DATA, _TRAILERS = 0, 1, 2
