@@ -413,12 +413,14 @@ class Router:
         responder: Responder,
         stream: bool,
     ) -> None:
+        # The router frames what it sends itself: the engine's Content-Length and
+        # Transfer-Encoding are never relayed (hop-by-hop), only the length it read.
         headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
         if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
             self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
-        length = _header(exchange.headers, b"content-length")
-        framed = bool(length)
-        if framed and int(length) <= _WHOLE_LIMIT:
+        length = exchange.content_length
+        framed = length is not None
+        if length is not None and length <= _WHOLE_LIMIT:
             # A small answer goes out in one write: head and body together.
             try:
                 body = await exchange.read_body(_WHOLE_LIMIT)
@@ -430,8 +432,8 @@ class Router:
             balancer.succeeded(replica)
             await responder.whole(exchange.status, body, headers)
             return
-        if framed:
-            headers.append((b"content-length", length))
+        if length is not None:
+            headers.append((b"content-length", b"%d" % length))
         await responder.start(exchange.status, headers)
         try:
             if not framed and exchange.chunked and responder.chunked:
@@ -443,7 +445,9 @@ class Router:
             self._failed(model, balancer, replica, str(exc))
             self._log_5xx(model, replica, 502, f"the answer broke off after its head: {exc}")
             sse = _header(exchange.headers, b"content-type").startswith(b"text/event-stream")
-            if sse and not framed:
+            # An error event only where the client's stream is whole so far; an answer
+            # that broke HTTP's framing ends with the client's connection closed.
+            if sse and not framed and not exc.broken and not exchange.mid_chunk:
                 await responder.send(sse_error_event(502, f"the engine stream broke: {exc}"))
                 await responder.end()
             else:
