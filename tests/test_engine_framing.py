@@ -51,6 +51,12 @@ class RawEngine:
         await trio.serve_listeners(self._connection, listeners)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        try:
+            await self._answer(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the router closed, or an answer ended with the connection
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
         buf = b""
         async with stream:
             while True:
@@ -372,3 +378,38 @@ async def test_a_status_outside_100_to_599_is_a_502(
             assert b"bad status line" in answer.body
             assert failures(app) == 1
     no_traceback(caplog)
+
+
+async def test_an_engine_gone_mid_chunk_aborts_the_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """Part of a chunk has reached the client (a chunk's data goes out as it comes): an
+    SSE error event there would land inside the chunk, so the connection is closed."""
+
+    async def half_a_chunk(stream: trio.SocketStream) -> None:
+        head = chunked_head(b"content-type: text/event-stream\r\n")
+        await stream.send_all(head + b"c\r\ndata: hi\r\n\r\n\r\n" + b"100\r\ndata: half")
+        await stream.aclose()
+
+    engine = RawEngine([half_a_chunk])
+    with trio.fail_after(20):
+        async with gateway(engine) as (app, client):
+            answer = await client.ask()
+            assert answer.status == 200 and not answer.complete
+            assert b"upstream_error" not in answer.raw
+            assert await client.rest() == b""
+            assert failures(app) == 1
+    no_traceback(caplog)
+
+
+async def test_an_engine_gone_between_chunks_ends_the_stream_with_an_error_event() -> None:
+    async def whole_chunks(stream: trio.SocketStream) -> None:
+        head = chunked_head(b"content-type: text/event-stream\r\n")
+        await stream.send_all(head + b"c\r\ndata: hi\r\n\r\n\r\n")
+        await stream.aclose()
+
+    engine = RawEngine([whole_chunks])
+    with trio.fail_after(20):
+        async with gateway(engine) as (app, client):
+            answer = await client.ask()
+            assert answer.complete and answer.body.startswith(b"data: hi\r\n\r\n")
+            assert b"upstream_error" in answer.body
+            assert failures(app) == 1
