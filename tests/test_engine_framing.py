@@ -344,22 +344,30 @@ async def test_five_interim_answers_are_fine() -> None:
             assert (answer.status, answer.body) == (200, b"ok")
 
 
-async def test_an_early_413_is_relayed_and_not_charged(caplog: pytest.LogCaptureFixture) -> None:
-    """The engine answers 413 from the head, and reads none of the 12 MiB body: the
-    router relays the 413 instead of waiting in its send until the first-byte limit."""
+@pytest.mark.parametrize("closes", [False, True])
+async def test_an_early_413_is_relayed_and_not_charged(
+    closes: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine answers 413 from the head, and reads none of the 12 MiB body (then
+    closes, or keeps the connection): the router relays the 413 instead of waiting in
+    its send until the first-byte limit (504), or failing in it (502)."""
     refusal = b'{"error": {"message": "too big"}}'
+    head = b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
+    answer = head + b"content-length: %d\r\n\r\n%b" % (len(refusal), refusal)
+
+    async def answer_and_close(stream: trio.SocketStream) -> None:
+        await stream.send_all(answer)
+        await stream.aclose()
+
     engine = RawEngine(
-        [b"HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n"
-         b"content-length: %d\r\n\r\n%b" % (len(refusal), refusal)],
-        read_body=False,
-        receive_buffer=64 * 1024,
-    )  # fmt: skip
+        [answer_and_close if closes else answer], read_body=False, receive_buffer=64 * 1024
+    )
     big = json.dumps({"model": "m", "prompt": "x" * (12 << 20)}).encode()
     with trio.fail_after(30):
         async with gateway(engine, first_byte_timeout_s=8) as (app, client):
             started = trio.current_time()
-            answer = await client.ask(big, sender=True)
-            assert (answer.status, answer.body) == (413, refusal)
+            got = await client.ask(big, sender=True)
+            assert (got.status, got.body) == (413, refusal)
             assert trio.current_time() - started < 6  # not the first-byte limit's 504
             assert failures(app) == 0
             assert not app.pools[app.balancers["m"].replicas[0].endpoint]._idle  # not reused

@@ -360,15 +360,15 @@ class Exchange:
         # is read, and a send that fails (the engine closed after answering) is no error
         # of its own: the answer, or the lack of one, tells.
         failure: BaseException | None = None
-        sending = True
+        sent_whole = False
 
         async def send_rest() -> None:
-            nonlocal sending
+            nonlocal sent_whole
             try:
                 await sockio.send_all(self._conn.sock, unsent)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            sending = False
+                return
+            sent_whole = True  # before any answer to it can be read: no checkpoint between
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_rest)
@@ -376,9 +376,9 @@ class Exchange:
                 await self._read_head()
             except BaseException as exc:  # raised after the nursery, not in a group
                 failure = exc
-            if sending:  # an early answer: the rest is not sent, the connection not reused
-                self.keep_alive = False
-                nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()  # an early answer: the rest is not sent
+        if not sent_whole:  # the engine got part of the request: the connection is done
+            self.keep_alive = False
         if failure is not None:
             raise failure
 
