@@ -421,3 +421,18 @@ async def test_an_engine_gone_between_chunks_ends_the_stream_with_an_error_event
             assert answer.complete and answer.body.startswith(b"data: hi\r\n\r\n")
             assert b"upstream_error" in answer.body
             assert failures(app) == 1
+
+
+async def test_framing_lookalikes_and_connection_named_headers_are_not_relayed() -> None:
+    engine = RawEngine(
+        [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nTransfer_Encoding: chunked\r\n"
+         b"content_length: 9\r\nconnection: keep-alive, x-hop\r\nx-hop: 1\r\nx-kept: 2\r\n"
+         b"\r\nok"]
+    )  # fmt: skip
+    with trio.fail_after(20):
+        async with gateway(engine) as (_app, client):
+            answer = await client.ask()
+            assert (answer.status, answer.body) == (200, b"ok")
+            head = answer.raw.split(b"\r\n\r\n")[0].lower()
+            assert b"transfer_encoding" not in head and b"content_length" not in head
+            assert b"x-hop" not in head and b"x-kept: 2" in head

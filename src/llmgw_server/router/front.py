@@ -413,9 +413,7 @@ class Router:
         responder: Responder,
         stream: bool,
     ) -> None:
-        # The router frames what it sends itself: the engine's Content-Length and
-        # Transfer-Encoding are never relayed (hop-by-hop), only the length it read.
-        headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
+        headers = _answer_headers(exchange.headers)
         if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
             self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
         length = exchange.content_length
@@ -521,6 +519,24 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
         if key == name:
             return value
     return b""
+
+
+def _answer_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine's headers that go into the client's answer. The router frames what it
+    sends itself: the engine's Content-Length and Transfer-Encoding are never relayed
+    (hop-by-hop), nor their lookalikes (`Transfer_Encoding`, which some proxies read as
+    the real one), nor the headers the engine's `Connection` names."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    return [
+        (name, value)
+        for name, value in headers
+        if name not in _HOP_BY_HOP
+        and name not in named
+        and not (b"_" in name and name.replace(b"_", b"-") in _HOP_BY_HOP)
+    ]
 
 
 def _content_type_of(body: bytes) -> list[tuple[bytes, bytes]]:
