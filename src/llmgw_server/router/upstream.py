@@ -15,7 +15,9 @@ the engine. Only what fails on a fresh connection reaches the caller.
 The requests are written and the answers parsed here, not by h11: the router sends
 only requests it built itself, and reads only what it relays (status, headers,
 framing), so a small parser of its own in front of the engines costs a fraction of
-h11's per-event validation on every request and every chunk.
+h11's per-event validation on every request and every chunk. It is stricter than h11
+where the framing is concerned (an engine may be buggy or taken over): an answer h11
+refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 """
 
 from __future__ import annotations
