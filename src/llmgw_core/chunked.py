@@ -156,6 +156,7 @@ class ChunkScanner:
             return -1
         held = self._held
         held += data[: lf + 1]
+        self.copied += 2 * (lf + 1)  # the slice, and its append
         if len(held) > _MAX_LINE:
             raise ChunkedError("a chunk-size line is too long")
         if self._state == _SIZE:
