@@ -231,3 +231,21 @@ async def test_an_engine_silent_past_the_first_byte_limit_times_out(reused: bool
             assert engine.connections == 2
             pool.close()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_big_request_on_a_vanished_connection_is_sent_again_on_a_fresh_one() -> None:
+    """A body bigger than the socket's buffer is sent while the answer is read: a pooled
+    connection the engine closes under it is still the pool's race, not a failure."""
+    engine = Engine(plan=["answer", "vanish"])
+    body = b"x" * (8 << 20)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.serve)
+            pool = Pool(Endpoint("127.0.0.1", engine.port), 3.0, reuse_idle_s=60)
+            for _ in range(2):
+                exchange = await pool.open(b"POST", b"/v1/completions", [], body)
+                assert await exchange.read_body(1024) == b"ok"
+                exchange.release()
+            assert (engine.connections, engine.answered, pool.stale_retries) == (2, 2, 1)
+            pool.close()
+            nursery.cancel_scope.cancel()

@@ -9,13 +9,14 @@ connection goes back to the pool exactly when h11 would keep it alive.
 from __future__ import annotations
 
 import h11
+import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn
+from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn, _framing, _Garbage
 
 
 def h11_answer(
@@ -134,3 +135,32 @@ def test_garbage_is_an_upstream_error() -> None:
         except* UpstreamError as group:
             messages = [str(exc) for exc in group.exceptions]
         assert messages and all("garbage" in m for m in messages), wire
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ([(b"content-length", b"107")], ("length", 107, True)),
+        ([(b"content-length", b"0" * 18)], ("length", 0, True)),
+        ([(b"transfer-encoding", b"Chunked")], ("chunked", 0, True)),
+        # With Transfer-Encoding the length is ignored, and the connection not reused.
+        ([(b"content-length", b"5"), (b"transfer-encoding", b"chunked")], ("chunked", 0, False)),
+        ([], ("close", 0, True)),
+        ([(b"content-length", b"107, 107")], None),
+        ([(b"content-length", b"107"), (b"content-length", b"107")], None),
+        ([(b"content-length", b"1" * 19)], None),
+        ([(b"content-length", b"1" * 5000)], None),
+        ([(b"content-length", b"+5")], None),
+        ([(b"content-length", b"")], None),
+        ([(b"transfer-encoding", b"gzip, chunked")], None),
+    ],
+)
+def test_how_an_answer_is_framed(
+    headers: list[tuple[bytes, bytes]], expected: tuple[str, int, bool] | None
+) -> None:
+    if expected is None:
+        with pytest.raises(_Garbage):
+            _framing(200, headers, head_only=False)
+    else:
+        assert _framing(200, headers, head_only=False) == expected
+    assert _framing(204, headers, head_only=False) == ("length", 0, True)  # never a body

@@ -8,6 +8,7 @@ writes whatever the handler sends, streamed or whole.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import re
@@ -221,6 +222,12 @@ class Responder:
     async def abort(self) -> None:
         """Close the connection mid-answer: the client sees a truncated response."""
         self.done = False
+        if self._sock is not None:
+            # Shut down, not closed here: the connection's own task may be waiting on the
+            # socket (for the client going away); it sees the end, and closes the socket.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            return
         await self._stream.aclose()
 
     async def send_raw(self, data: bytes) -> None:

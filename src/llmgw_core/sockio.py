@@ -75,3 +75,13 @@ async def receive_some(sock: socket.socket, max_bytes: int, *, wait_first: bool 
         if not waited:  # shielded: the bytes read are never lost to a cancellation
             await trio.lowlevel.cancel_shielded_checkpoint()
         return data
+
+
+def send_now(sock: socket.socket, data: bytes | bytearray | memoryview) -> int:
+    """What of `data` the kernel takes at once (0 when its buffer is full); never waits."""
+    try:
+        return sock.send(data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise _stream_error(exc) from exc

@@ -428,12 +428,12 @@ class Router:
         responder: Responder,
         stream: bool,
     ) -> None:
-        headers = [(k, v) for k, v in exchange.headers if k not in _HOP_BY_HOP]
+        headers = _answer_headers(exchange.headers)
         if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
             self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
-        length = _header(exchange.headers, b"content-length")
-        framed = bool(length)
-        if framed and int(length) <= _WHOLE_LIMIT:
+        length = exchange.content_length
+        framed = length is not None
+        if length is not None and length <= _WHOLE_LIMIT:
             # A small answer goes out in one write: head and body together.
             try:
                 body = await exchange.read_body(_WHOLE_LIMIT)
@@ -445,8 +445,8 @@ class Router:
             balancer.succeeded(replica)
             await responder.whole(exchange.status, body, headers)
             return
-        if framed:
-            headers.append((b"content-length", length))
+        if length is not None:
+            headers.append((b"content-length", b"%d" % length))
         await responder.start(exchange.status, headers)
         try:
             if not framed and exchange.chunked and responder.chunked:
@@ -458,7 +458,9 @@ class Router:
             self._failed(model, balancer, replica, str(exc))
             self._log_5xx(model, replica, 502, f"the answer broke off after its head: {exc}")
             sse = _header(exchange.headers, b"content-type").startswith(b"text/event-stream")
-            if sse and not framed:
+            # An error event only where the client's stream is whole so far; an answer
+            # that broke HTTP's framing ends with the client's connection closed.
+            if sse and not framed and not exc.broken and not exchange.mid_chunk:
                 await responder.send(sse_error_event(502, f"the engine stream broke: {exc}"))
                 await responder.end()
             else:
@@ -549,6 +551,24 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
         if key == name:
             return value
     return b""
+
+
+def _answer_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine's headers that go into the client's answer. The router frames what it
+    sends itself: the engine's Content-Length and Transfer-Encoding are never relayed
+    (hop-by-hop), nor their lookalikes (`Transfer_Encoding`, which some proxies read as
+    the real one), nor the headers the engine's `Connection` names."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    return [
+        (name, value)
+        for name, value in headers
+        if name not in _HOP_BY_HOP
+        and name not in named
+        and not (b"_" in name and name.replace(b"_", b"-") in _HOP_BY_HOP)
+    ]
 
 
 def _content_type_of(body: bytes) -> list[tuple[bytes, bytes]]:

@@ -15,7 +15,9 @@ the engine. Only what fails on a fresh connection reaches the caller.
 The requests are written and the answers parsed here, not by h11: the router sends
 only requests it built itself, and reads only what it relays (status, headers,
 framing), so a small parser of its own in front of the engines costs a fraction of
-h11's per-event validation on every request and every chunk.
+h11's per-event validation on every request and every chunk. It is stricter than h11
+where the framing is concerned (an engine may be buggy or taken over): an answer h11
+refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ _MAX_HEAD = 16 * 1024  # a response head longer than this is garbage (h11's limi
 # How soon after the request a silent close must come to be taken for a stale connection.
 _STALE_WITHIN_S = 1.0
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: [^\r\n]*)?")  # 100 to 599
 _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_DIGITS = re.compile(rb"[0-9]+")
+# One length, 18 digits at most (below 2**63, and far beyond any answer): no list
+# ("107, 107"), sign, space or 5,000-digit number.
+_CONTENT_LENGTH = re.compile(rb"[0-9]{1,18}")
+_MAX_INTERIM = 5  # 1xx answers before the final one; an engine sending more is broken
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 # Every header line at once, as engines write them: a token, a colon, a value with no
 # control character but tab; CRLF or LF between lines. Anything else is read line by line.
@@ -53,12 +58,19 @@ class UpstreamError(Exception):
     """The engine could not be reached, broke the connection, or spoke garbage."""
 
     def __init__(
-        self, message: str, *, connect: bool = False, silent: bool = False, timed_out: bool = False
+        self,
+        message: str,
+        *,
+        connect: bool = False,
+        silent: bool = False,
+        timed_out: bool = False,
+        broken: bool = False,
     ) -> None:
         super().__init__(message)
         self.connect = connect  # nothing reached the engine
         self.silent = silent  # the connection closed before the engine sent a byte
         self.timed_out = timed_out  # no answer's head within the first-byte limit
+        self.broken = broken  # the engine's bytes break HTTP's framing: never relayed on
 
 
 class _Garbage(Exception):
@@ -200,9 +212,9 @@ class Pool:
             sent_at: float | None = None
             coarse_timeouts.arm(conn, due)
             try:
-                await self._send(conn, method, target, head, body)
+                unsent = self._send(conn, method, target, head, body)
                 sent_at = trio.current_time()
-                await exchange.read_head()
+                await exchange.read_head(unsent)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 exchange.release()
                 if conn.expired:
@@ -230,15 +242,13 @@ class Pool:
         coarse_timeouts.arm(conn, due)
         try:
             try:
-                await self._send(conn, method, target, head, body)
+                unsent = self._send(conn, method, target, head, body)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                if conn.expired:
-                    raise self._no_answer(first_byte_s) from None
                 raise UpstreamError(
                     f"sending to {self.endpoint} failed: {exc}", connect=True
                 ) from None
             try:
-                await exchange.read_head()
+                await exchange.read_head(unsent)
             except UpstreamError:
                 if conn.expired:
                     raise self._no_answer(first_byte_s) from None
@@ -256,14 +266,18 @@ class Pool:
         )
 
     @staticmethod
-    async def _send(
+    def _send(
         conn: _Conn, method: bytes, target: bytes, head: list[tuple[bytes, bytes]], body: bytes
-    ) -> None:
+    ) -> memoryview | None:
+        """Writes what the kernel takes at once; the rest (None: nothing) is sent while
+        the answer is read (Exchange.read_head)."""
         lines = [method, b" ", target, b" HTTP/1.1\r\n"]
         for name, value in head:
             lines += (name, b": ", value, b"\r\n")
         lines += (b"\r\n", body)
-        await sockio.send_all(conn.sock, b"".join(lines))
+        wire = b"".join(lines)
+        sent = sockio.send_now(conn.sock, wire)
+        return None if sent == len(wire) else memoryview(wire)[sent:]
 
     def close(self) -> None:
         self.closed = True
@@ -285,6 +299,8 @@ class Exchange:
         "_length",
         "_pool",
         "_received",
+        "_scanner",
+        "content_length",
         "headers",
         "keep_alive",
         "status",
@@ -299,8 +315,12 @@ class Exchange:
         self._length = 0
         self.keep_alive = False
         self._received = 0
+        self._scanner: ChunkScanner | None = None  # relay_chunks's, once it runs
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # The body's length where the engine's Content-Length frames it: the one the
+        # router may relay (never with Transfer-Encoding, never for 204 or 304).
+        self.content_length: int | None = None
 
     async def _receive(self) -> bytes:
         """One read; after the head, an engine that stays silent too long has stalled."""
@@ -331,34 +351,91 @@ class Exchange:
         self._received += len(data)
         return data
 
-    async def read_head(self) -> None:
+    async def read_head(self, unsent: memoryview | None = None) -> None:
+        """Reads the answer's head, interim answers (1xx) skipped; with `unsent`, the rest
+        of the request is sent meanwhile."""
+        if unsent is None:
+            await self._read_head()
+            return
+        # The request did not fit the socket's buffer: the engine may answer before it
+        # reads it all (a 413 for a body too big), so the rest is sent while the answer
+        # is read, and a send that fails (the engine closed after answering) is no error
+        # of its own: the answer, or the lack of one, tells.
+        failure: BaseException | None = None
+        sent_whole = False
+
+        async def send_rest() -> None:
+            nonlocal sent_whole
+            try:
+                await sockio.send_all(self._conn.sock, unsent)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            sent_whole = True  # before any answer to it can be read: no checkpoint between
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_rest)
+            try:
+                await self._read_head()
+            except BaseException as exc:  # raised after the nursery, not in a group
+                failure = exc
+            nursery.cancel_scope.cancel()  # an early answer: the rest is not sent
+        if not sent_whole:  # the engine got part of the request: the connection is done
+            self.keep_alive = False
+        if failure is not None:
+            raise failure
+
+    async def _read_head(self) -> None:
         conn = self._conn
         endpoint = self._pool.endpoint
+        buf: bytes | bytearray = conn.buf
+        searched = 0  # where the search for the blank line goes on
+        interim = 0
         while True:
-            end = _HEAD_END.search(conn.buf)
+            end = _HEAD_END.search(buf, searched)
             if end is None:
-                if len(conn.buf) > _MAX_HEAD:
-                    raise UpstreamError(f"{endpoint} answered garbage: the head is too long")
+                if len(buf) > _MAX_HEAD:
+                    raise UpstreamError(
+                        f"{endpoint} answered garbage: the head is too long", broken=True
+                    )
+                searched = max(0, len(buf) - 3)
                 data = await self._receive()
                 if not data:
-                    if not conn.buf:
+                    if not buf:
                         raise UpstreamError(
                             f"{endpoint} closed the connection without answering",
                             silent=not self._received,
                         )
-                    raise UpstreamError(f"{endpoint} answered garbage: it closed within the head")
-                conn.buf += data
+                    raise UpstreamError(
+                        f"{endpoint} answered garbage: it closed within the head", broken=True
+                    )
+                if not buf:
+                    buf = data
+                else:  # a head in pieces: appended, never joined again
+                    if isinstance(buf, bytes):
+                        buf = bytearray(buf)
+                    buf += data
                 continue
-            head, conn.buf = conn.buf[: end.start()], conn.buf[end.end() :]
+            head = bytes(buf[: end.start()])
+            buf = bytes(buf[end.end() :])
+            searched = 0
             try:
                 status, http11, headers = _parse_head(head)
             except _Garbage as exc:
-                raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+                raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
             if 100 <= status < 200:  # informational (100 Continue): the answer follows
                 if status == 101:
-                    raise UpstreamError(f"{endpoint} answered garbage: an unasked protocol switch")
+                    raise UpstreamError(
+                        f"{endpoint} answered garbage: an unasked protocol switch", broken=True
+                    )
+                interim += 1
+                if interim > _MAX_INTERIM:
+                    raise UpstreamError(
+                        f"{endpoint} answered garbage: more than {_MAX_INTERIM} interim answers",
+                        broken=True,
+                    )
                 continue
             break
+        conn.buf = buf
         self.status = status
         self.headers = headers
         self.keep_alive = http11 and not any(
@@ -368,13 +445,18 @@ class Exchange:
         if timeout is not None:
             self._pool.engine_keep_alive(timeout)
         try:
-            self._framing, self._length = _framing(status, headers, self._head_only)
+            self._framing, self._length, reusable = _framing(status, headers, self._head_only)
         except _Garbage as exc:
-            raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+            raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
+        if not reusable:
+            self.keep_alive = False
         if self._framing == "close":
             self.keep_alive = False
-        elif self._framing == "length" and not self._length:
-            self._finish(conn.buf)
+        elif self._framing == "length":
+            if not (self._head_only or status in (204, 304)):
+                self.content_length = self._length
+            if not self._length:
+                self._finish(conn.buf)
 
     def _finish(self, extra: bytes) -> None:
         self._done = not extra  # bytes after the answer: the connection is not reused
@@ -383,6 +465,11 @@ class Exchange:
     @property
     def chunked(self) -> bool:
         return self._framing == "chunked"
+
+    @property
+    def mid_chunk(self) -> bool:
+        """Whether relay_chunks gave on part of a chunk, and not the rest of it."""
+        return self._scanner is not None and self._scanner.mid_chunk
 
     async def body(self) -> AsyncIterator[bytes]:
         """The decoded body, as the engine sends it; pieces already received come out joined."""
@@ -422,7 +509,9 @@ class Exchange:
                 try:
                     piece = decoder.feed(data)
                 except ChunkedError as exc:
-                    raise UpstreamError(f"{endpoint} answered garbage: {exc}") from None
+                    raise UpstreamError(
+                        f"{endpoint} answered garbage: {exc}", broken=True
+                    ) from None
                 if decoder.done:
                     self._finish(decoder.extra)
                 if piece:
@@ -434,8 +523,8 @@ class Exchange:
                 raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
     async def relay_chunks(self, send: Callable[[bytes], Awaitable[None]]) -> None:
-        """A chunked body's whole chunks with their framing, undecoded and the last chunk
-        left out, each read's worth given to `send` as it comes.
+        """A chunked body with its framing, checked and undecoded, the last chunk left out,
+        each read's worth given to `send` as it comes (a chunk's data too, as it comes).
 
         The router relays these as they are to an HTTP/1.1 client: no decoding and
         re-encoding per chunk, and one write per read from the engine. One cancel scope
@@ -443,7 +532,7 @@ class Exchange:
         before a read once a tick has passed since the last arming, for a tick more than
         the limit: never early. A client that reads nothing for as long is cut off as gone.
         """
-        scanner = ChunkScanner()
+        scanner = self._scanner = ChunkScanner()
         conn = self._conn
         sock = conn.sock
         data, conn.buf = conn.buf, b""
@@ -459,7 +548,7 @@ class Exchange:
                         ready = scanner.feed(data)
                     except ChunkedError as exc:
                         raise UpstreamError(
-                            f"{endpoint} broke the chunked framing: {exc}"
+                            f"{endpoint} broke the chunked framing: {exc}", broken=True
                         ) from None
                     if ready:
                         sending = True
@@ -516,7 +605,7 @@ def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
     status_line = lines[0].rstrip(b"\r")
     match = _STATUS_LINE.fullmatch(status_line)
     if match is None:
-        raise _Garbage(f"bad status line {status_line[:40]!r}")
+        raise _Garbage(f"bad status line {status_line[:40]!r} (the status must be 100 to 599)")
     status, http11 = int(match.group(2)), match.group(1) == b"1"
     if _FIELD_LINES.fullmatch(head, len(lines[0]) + 1):  # as engines write heads
         return status, http11, [_field(line) for line in lines[1:]]
@@ -546,12 +635,17 @@ def _field(line: bytes) -> tuple[bytes, bytes]:
 
 def _framing(
     status: int, headers: list[tuple[bytes, bytes]], head_only: bool
-) -> tuple[str, int]:
-    """How the body is delimited (RFC 9112 section 6.3): ("length", n), ("chunked", 0)
-    or ("close", 0)."""
+) -> tuple[str, int, bool]:
+    """How the body is delimited (RFC 9112 section 6.3): ("length", n), ("chunked", 0) or
+    ("close", 0), and whether the connection may be reused after it.
+
+    With Transfer-Encoding, a Content-Length is ignored (and the connection not reused:
+    the answer may be an attempt at smuggling). More than one Content-Length, even
+    identical ones, is garbage, as is a value that is not 1 to 18 digits.
+    """
     if head_only or status in (204, 304):
-        return "length", 0
-    lengths = set()
+        return "length", 0, True
+    length = -1
     chunked = False
     for name, value in headers:
         if name == b"transfer-encoding":
@@ -559,15 +653,13 @@ def _framing(
                 raise _Garbage(f"unsupported transfer-encoding {value[:40]!r}")
             chunked = True
         elif name == b"content-length":
-            for part in value.split(b","):
-                part = part.strip()
-                if not _DIGITS.fullmatch(part):
-                    raise _Garbage(f"bad content-length {value[:40]!r}")
-                lengths.add(int(part))
+            if length >= 0:
+                raise _Garbage("more than one content-length")
+            if not _CONTENT_LENGTH.fullmatch(value):
+                raise _Garbage(f"bad content-length {value[:40]!r}")
+            length = int(value)
     if chunked:
-        return "chunked", 0
-    if len(lengths) > 1:
-        raise _Garbage("conflicting content-lengths")
-    if lengths:
-        return "length", lengths.pop()
-    return "close", 0
+        return "chunked", 0, length < 0
+    if length >= 0:
+        return "length", length, True
+    return "close", 0, True
