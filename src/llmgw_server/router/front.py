@@ -52,8 +52,7 @@ _HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
-# Never forwarded to an engine: the above, and their lookalikes with `_` for `-` (a
-# server that reads `_` as `-` would take `transfer_encoding` for framing).
+# Never relayed either way: the above, and their lookalikes with `_` for `-`.
 _NOT_FORWARDED = _HOP_BY_HOP | {name.replace(b"-", b"_") for name in _HOP_BY_HOP}
 # Connection header values that name no further header to drop (what clients send).
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
@@ -350,7 +349,7 @@ class Router:
         prompt: PromptKey | None,
     ) -> int:
         tuning = self.tuning
-        headers = _forwarded_headers(request)
+        headers = _end_to_end(request.headers)
         tried: list[Replica] = []
         last: _Refusal | None = None
         for attempt in range(1 + tuning.retries):
@@ -428,7 +427,7 @@ class Router:
         responder: Responder,
         stream: bool,
     ) -> None:
-        headers = _answer_headers(exchange.headers)
+        headers = _end_to_end(exchange.headers)
         if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
             self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
         length = exchange.content_length
@@ -518,21 +517,24 @@ def _bearer_digest(request: Request) -> str | None:
     return digest_of(token) if token else None
 
 
-def _forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
-    """The client's headers an engine gets: not hop-by-hop ones, their lookalikes, nor
-    those the client's Connection header names (RFC 9110 section 7.6.1)."""
-    headers = []
+def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers that cross the router, either way: not hop-by-hop ones (the router
+    frames what it sends itself, so never the other side's Content-Length or
+    Transfer-Encoding), not their lookalikes with `_` for `-` (a peer that reads `_` as
+    `-` would take `transfer_encoding` for framing), nor those the Connection header
+    names (RFC 9110 section 7.6.1)."""
+    kept = []
     connection = None  # one pass: a second one for Connection would double its cost
-    for name, value in request.headers:
+    for name, value in headers:
         if name not in _NOT_FORWARDED:
-            headers.append((name, value))
+            kept.append((name, value))
         elif name == b"connection":
             connection = value if connection is None else connection + b"," + value
     if connection is None or connection in _PLAIN_CONNECTION:
-        return headers
+        return kept
     named = {t.strip().lower() for t in connection.split(b",")}
     named |= {name.replace(b"-", b"_") for name in named}
-    return [(k, v) for k, v in headers if k not in named]
+    return [(k, v) for k, v in kept if k not in named]
 
 
 def _auth_failure(record: AccessRecord) -> str | None:
@@ -551,24 +553,6 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
         if key == name:
             return value
     return b""
-
-
-def _answer_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The engine's headers that go into the client's answer. The router frames what it
-    sends itself: the engine's Content-Length and Transfer-Encoding are never relayed
-    (hop-by-hop), nor their lookalikes (`Transfer_Encoding`, which some proxies read as
-    the real one), nor the headers the engine's `Connection` names."""
-    named: set[bytes] = set()
-    for name, value in headers:
-        if name == b"connection":
-            named.update(token.strip().lower() for token in value.split(b","))
-    return [
-        (name, value)
-        for name, value in headers
-        if name not in _HOP_BY_HOP
-        and name not in named
-        and not (b"_" in name and name.replace(b"_", b"-") in _HOP_BY_HOP)
-    ]
 
 
 def _content_type_of(body: bytes) -> list[tuple[bytes, bytes]]:
