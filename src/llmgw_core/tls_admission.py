@@ -1,0 +1,309 @@
+"""Admission of TLS handshakes on the control port: no anonymous peer can hold it, and
+a storm of agents is refused cheaply, before any SSL object, when it cannot be served.
+
+The port faces every node and every operator, before any credential is seen. What a
+connection may hold, and for how long:
+
+- Every connection has one deadline, `deadline_s` (3 s) from its arrival in the
+  kernel (its age there read from TCP_INFO, so time spent in the accept queue
+  counts): a silent, trickling or stalled handshake is cut then.
+- A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
+  is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
+  costs no wake-ups), and given back as soon as the server has sent its first
+  flight: a slot covers the server's own CPU (the signature, ~1 ms), never a wait
+  for the peer. A silent or slow peer therefore holds no slot at all, whatever it
+  does, and slots pace CPU instead of being held by slow clients.
+- A connection is counted as pending from accept to the end of its handshake; past
+  `max_pending` in all, or `per_source_pending` from one source address, a new
+  connection is reset at once (SO_LINGER 0): it costs an accept and a close, no
+  SSL object. A client that reached the accept queue too late to finish within its
+  deadline (`min_left_s`) is reset the same way, as is one whose deadline is too
+  near once its slot comes: the server serves only clients that will still be
+  there, and the agents back off on a reset.
+
+An attacker from one address can hold `per_source_pending` sockets for 3 s each and
+nothing else; holding every pending place takes max_pending / per_source_pending
+addresses (16 with the defaults), each redialling 340 times a second.
+
+The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
+source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
+the socket and carries them out.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+from collections import Counter
+
+import attrs
+import trio
+
+from llmgw_core import sockio
+
+_TLS_HANDSHAKE_RECORD = 0x16
+HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum shares included
+_TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, milliseconds)
+_TCP_INFO_BYTES = 104
+_TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
+
+
+@attrs.frozen
+class AdmissionLimits:
+    handshakes_at_once: int = 32  # server flights being computed at once (CPU, not peers)
+    deadline_s: float = 3.0  # from the connection's arrival in the kernel to its handshake's end
+    max_pending: int = 1024  # connections between accept and the end of their handshake
+    per_source_pending: int = 64  # of those, from one source address
+    min_left_s: float = 0.5  # a handshake begun with less time left would not finish
+
+
+REFUSED_FULL = "too many handshakes pending"
+REFUSED_SOURCE = "too many handshakes pending from this address"
+REFUSED_LATE = "waited too long in the accept queue"
+SHED_LATE = "waited too long for a handshake slot"
+
+
+@attrs.define
+class TLSAdmission:
+    """Who may begin a handshake: counts of pending connections per source, and
+    how many connections were turned away, per reason (for metrics and tests)."""
+
+    limits: AdmissionLimits = attrs.field(factory=AdmissionLimits)
+    pending: Counter[str] = attrs.field(factory=Counter)
+    refused: Counter[str] = attrs.field(factory=Counter)
+    total_pending: int = 0
+
+    def arrive(self, source: str, age_s: float) -> str | None:
+        """A connection accepted from `source` after `age_s` in the kernel's queue:
+        None when it is admitted (pending until `leave`), else why it is refused."""
+        why: str | None = None
+        if age_s > self.limits.deadline_s - self.limits.min_left_s:
+            why = REFUSED_LATE
+        elif self.total_pending >= self.limits.max_pending:
+            why = REFUSED_FULL
+        elif self.pending[source] >= self.limits.per_source_pending:
+            why = REFUSED_SOURCE
+        if why is not None:
+            self.refused[why] += 1
+            return why
+        self.pending[source] += 1
+        self.total_pending += 1
+        return None
+
+    def leave(self, source: str) -> None:
+        """An admitted connection's handshake ended (done, failed or cut)."""
+        self.total_pending -= 1
+        self.pending[source] -= 1
+        if self.pending[source] <= 0:
+            del self.pending[source]
+
+    def deadline(self, accepted_at: float, age_s: float) -> float:
+        """When an admitted connection's handshake must be over (trio's clock)."""
+        return accepted_at - age_s + self.limits.deadline_s
+
+    def may_begin(self, now: float, deadline: float) -> bool:
+        """A slot came: begin the handshake only if it can still finish in time."""
+        if deadline - now >= self.limits.min_left_s:
+            return True
+        self.refused[SHED_LATE] += 1
+        return False
+
+
+def hello_bytes_needed(peeked: bytes) -> int:
+    """How many bytes must be buffered before the ClientHello is whole (0: it is, or the
+    bytes are no TLS handshake and OpenSSL may refuse them at once; -1: it would be over
+    HELLO_MAX_BYTES, which no real client sends). The hello may span several records."""
+    pos = 0
+    head = b""  # the handshake message's 4-byte header (type, 24-bit length)
+    body = 0  # handshake bytes in the whole records so far
+    while True:
+        if len(peeked) < pos + 5:
+            return pos + 5
+        record = int.from_bytes(peeked[pos + 3 : pos + 5], "big")
+        if peeked[pos] != _TLS_HANDSHAKE_RECORD or record == 0:
+            return 0  # not a handshake record (RFC 8446 5.1 forbids empty ones)
+        end = pos + 5 + record
+        if end > HELLO_MAX_BYTES:
+            return -1
+        if len(peeked) < end:
+            return end
+        head += peeked[pos + 5 : pos + 5 + min(record, 4 - len(head))]
+        body += record
+        pos = end
+        if len(head) == 4 and body >= 4 + int.from_bytes(head[1:4], "big"):
+            return 0
+
+
+# -- the trio shell ------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """An admitted connection, before its handshake."""
+
+    stream: trio.SocketStream
+    source: str
+    deadline: float  # trio's clock
+
+
+def kernel_age_s(sock: socket.socket) -> float:
+    """How long an accepted connection has existed (its wait in the accept queue): the
+    time since it last sent data, which it never has yet. 0 where TCP_INFO is missing."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, AttributeError):
+        return 0.0
+    if len(info) < _TCPI_LAST_DATA_SENT + 4:
+        return 0.0
+    (ms,) = struct.unpack_from("I", info, _TCPI_LAST_DATA_SENT)
+    return float(ms) / 1000.0
+
+
+def reset(stream: trio.SocketStream) -> None:
+    """Close with a reset (SO_LINGER 0): nothing kept in TIME_WAIT, and the client
+    learns at once, as a refused connection, that it must come back later."""
+    try:
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    stream.socket.close()
+
+
+def peer_left(sock: socket.socket) -> bool:
+    """The client closed or reset the connection (while it waited to be served)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except (OSError, AttributeError):
+        return False
+    return info[0] in _TCP_GONE
+
+
+def _raw(stream: trio.SocketStream) -> socket.socket:
+    sock = sockio.raw_socket(stream)
+    if sock is None:
+        raise TypeError(f"a TCP socket stream expected, not {type(stream).__name__}")
+    return sock
+
+
+def _source(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError):
+        return "?"
+
+
+class Gate:
+    """The control port's admission, for one HTTPServer: the decisions and the slots."""
+
+    def __init__(self, limits: AdmissionLimits | None = None) -> None:
+        self.core = TLSAdmission(limits or AdmissionLimits())
+        self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
+
+    def admit(self, stream: trio.SocketStream) -> Ticket | None:
+        """At accept: a ticket, or None when the connection was refused (reset)."""
+        raw = _raw(stream)
+        age = kernel_age_s(raw)
+        source = _source(raw)
+        if self.core.arrive(source, age) is not None:
+            reset(stream)
+            return None
+        return Ticket(stream, source, self.core.deadline(trio.current_time(), age))
+
+    def leave(self, ticket: Ticket) -> None:
+        self.core.leave(ticket.source)
+
+    async def handshake(
+        self, ticket: Ticket, context: ssl.SSLContext
+    ) -> trio.SSLStream[_FirstFlight] | None:
+        """The whole ClientHello, a slot, the handshake: the TLS stream, or None when
+        the peer left or was shed (closed already). Raises trio's stream errors as
+        SSLStream does; the caller cancels at `ticket.deadline`."""
+        stream = ticket.stream
+        raw = _raw(stream)
+        if not await _whole_hello(raw):
+            await trio.aclose_forcefully(stream)
+            return None
+        async with _Slot(self.slots) as slot:
+            if peer_left(raw):  # a client that gave up while it waited costs no handshake
+                await trio.aclose_forcefully(stream)
+                return None
+            if not self.core.may_begin(trio.current_time(), ticket.deadline):
+                reset(stream)
+                return None
+            tls = trio.SSLStream(_FirstFlight(stream, slot), context, server_side=True)
+            await tls.do_handshake()
+        return tls
+
+
+async def _whole_hello(sock: socket.socket) -> bool:
+    """Wait until the ClientHello is buffered whole (True), or the peer closed (False).
+    SO_RCVLOWAT makes the socket readable only once the bytes still missing are there."""
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                peeked = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+            if not peeked:
+                return False
+            needed = hello_bytes_needed(peeked)
+            if needed == -1:
+                return False
+            if needed == 0:
+                return True
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+    finally:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        except OSError:
+            pass
+
+
+class _Slot:
+    """A handshake slot, given back early by `release` (the first flight was sent)."""
+
+    def __init__(self, slots: trio.Semaphore) -> None:
+        self.slots = slots
+        self.held = False
+
+    async def __aenter__(self) -> _Slot:
+        await self.slots.acquire()
+        self.held = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
+class _FirstFlight(trio.abc.Stream):
+    """The TCP stream under a server-side SSLStream: gives back the handshake slot once
+    the server's first flight is sent, since what follows waits on the peer."""
+
+    def __init__(self, stream: trio.SocketStream, slot: _Slot) -> None:
+        self.stream = stream
+        self.socket = stream.socket  # lets the peer be named
+        self._slot: _Slot | None = slot
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
