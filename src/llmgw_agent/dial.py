@@ -116,12 +116,15 @@ def describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
 
 
 async def dial(
-    where: Target, ssl_context: ssl.SSLContext | None, ca: Path | None = None
+    where: Target,
+    ssl_context: ssl.SSLContext | None,
+    ca: Path | None = None,
+    local_address: str | None = None,
 ) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
-    """A TCP connection, with the TLS handshake done when `ssl_context` is given.
-    Raises ConnectFailed; the caller bounds the time."""
+    """A TCP connection (from `local_address` when given), with the TLS handshake done
+    when `ssl_context` is given. Raises ConnectFailed; the caller bounds the time."""
     try:
-        tcp = await trio.open_tcp_stream(where.host, where.port)
+        tcp = await trio.open_tcp_stream(where.host, where.port, local_address=local_address)
     except OSError as exc:
         raise ConnectFailed(describe_os_error(exc, where.where)) from None
     if ssl_context is None:
@@ -205,10 +208,12 @@ async def open_agent_stream(
     disconnect_timeout_s: float,
     max_message_size: int,
     heard: Heard | None = None,
+    local_address: str | None = None,
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
     whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
-    exception group, when it cannot be opened."""
+    exception group, when it cannot be opened. `local_address`: the source address
+    (the fleet bench gives each simulated node its own, as real nodes have)."""
     where = target(url)
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
@@ -218,7 +223,7 @@ async def open_agent_stream(
     try:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(connect_timeout_s) as connecting:
-                stream = _Watched(await dial(where, ssl_context, ca), heard)
+                stream = _Watched(await dial(where, ssl_context, ca, local_address), heard)
                 async with trio.open_nursery() as handshake:
                     handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)
                     ws = await trio_websocket.wrap_client_stream(
