@@ -8,6 +8,7 @@ import ssl
 import time
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -20,6 +21,7 @@ from llmgw_core.http_server import JSON, HTTPServer, Request, Responder, ServerL
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_admission import (
     HELLO_MAX_BYTES,
+    REFUSED_BUSY,
     REFUSED_FULL,
     REFUSED_LATE,
     REFUSED_SOURCE,
@@ -100,9 +102,45 @@ def test_a_connection_too_old_to_finish_in_time_is_refused_and_the_deadline_coun
     assert core.arrive("10.0.0.1", 2.4) is None
     deadline = core.deadline(accepted_at=100.0, age_s=2.4)
     assert deadline == pytest.approx(100.6)
-    assert core.may_begin(100.05, deadline)
-    assert not core.may_begin(100.2, deadline)
+    assert core.hello(100.0) is None and core.hello(100.0) is None
+    assert core.begin(100.05, deadline)
+    assert not core.begin(100.2, deadline)  # its slot came too late: reset, no handshake
+    assert core.waiting == 0 and core.running == 1
     assert core.refused == {REFUSED_LATE: 1, SHED_LATE: 1}
+
+
+def test_hellos_past_what_the_server_serves_within_a_deadline_are_refused_at_once() -> None:
+    """Finding 12: connections queued 2 s for a slot and then shed, or served after their
+    clients gave up; 69% of the handshakes begun produced no registration."""
+    limits = AdmissionLimits(handshakes_at_once=4, deadline_s=3.0, min_left_s=0.5, assumed_rate=100)
+    core = TLSAdmission(limits)
+    # Before any measure: the assumed 100 a second, 2.5 s of them.
+    assert [core.hello(0.0) for _ in range(251)][-2:] == [None, REFUSED_BUSY]
+    assert core.queue_bound() == 250
+    # A busy second in which the slots finished 20 handshakes: 20 a second measured
+    # (the first measure is taken as it is, later ones move the rate halfway), and the
+    # queue is cut to 2.5 s of it.
+    for k in range(20):
+        assert core.begin(0.05 * k, 3.0)
+        core.done(0.05 * k + 0.01)
+    core.hello(1.0)
+    assert core.rate == pytest.approx(20 / 1.0)
+    assert core.queue_bound() == pytest.approx(50)
+    assert core.hello(1.1) == REFUSED_BUSY  # 231 queued still
+    while core.waiting:
+        core.unqueue()
+    assert core.hello(1.2) is None
+    # Never below the slots themselves, however slow it was.
+    assert TLSAdmission(attrs.evolve(limits, assumed_rate=0.1)).queue_bound() == 4
+
+
+def test_a_quiet_second_says_nothing_of_capacity() -> None:
+    core = TLSAdmission(AdmissionLimits(handshakes_at_once=4))
+    for t in (0.0, 0.5, 1.2, 2.5, 3.9):  # one at a time: never a slot short
+        assert core.hello(t) is None
+        assert core.begin(t, t + 3)
+        core.done(t + 0.01)
+    assert core.rate is None
 
 
 # -- in process, over real sockets and real TLS -----------------------------------

@@ -32,6 +32,7 @@ the socket and carries them out.
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import struct
@@ -41,6 +42,9 @@ import attrs
 import trio
 
 from llmgw_core import sockio
+from llmgw_core.ratelog import RateLimit
+
+log = logging.getLogger(__name__)
 
 _TLS_HANDSHAKE_RECORD = 0x16
 HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum shares included
@@ -56,12 +60,16 @@ class AdmissionLimits:
     max_pending: int = 1024  # connections between accept and the end of their handshake
     per_source_pending: int = 64  # of those, from one source address
     min_left_s: float = 0.5  # a handshake begun with less time left would not finish
+    # Handshakes finished a second, assumed until measured (a cold start into a storm):
+    # one core does several hundred; this is a busy machine's share.
+    assumed_rate: float = 100.0
 
 
 REFUSED_FULL = "too many handshakes pending"
 REFUSED_SOURCE = "too many handshakes pending from this address"
 REFUSED_LATE = "waited too long in the accept queue"
 SHED_LATE = "waited too long for a handshake slot"
+REFUSED_BUSY = "more hellos queued than the server can serve in time"
 
 
 @attrs.define
@@ -73,6 +81,12 @@ class TLSAdmission:
     pending: Counter[str] = attrs.field(factory=Counter)
     refused: Counter[str] = attrs.field(factory=Counter)
     total_pending: int = 0
+    waiting: int = 0  # whole hellos queued for a slot
+    running: int = 0  # handshakes begun and not ended
+    rate: float | None = None  # handshakes ended a second, measured while every slot was taken
+    _bucket_start: float = 0.0
+    _bucket_done: int = 0
+    _bucket_busy: bool = False
 
     def arrive(self, source: str, age_s: float) -> str | None:
         """A connection accepted from `source` after `age_s` in the kernel's queue:
@@ -102,12 +116,56 @@ class TLSAdmission:
         """When an admitted connection's handshake must be over (trio's clock)."""
         return accepted_at - age_s + self.limits.deadline_s
 
-    def may_begin(self, now: float, deadline: float) -> bool:
-        """A slot came: begin the handshake only if it can still finish in time."""
+    def queue_bound(self) -> float:
+        """The hellos that may wait for a slot: as many as the server finishes (at its
+        measured rate) within a deadline, less the time a handshake takes."""
+        rate = self.limits.assumed_rate if self.rate is None else self.rate
+        within = self.limits.deadline_s - self.limits.min_left_s
+        return max(float(self.limits.handshakes_at_once), rate * within)
+
+    def hello(self, now: float) -> str | None:
+        """A whole ClientHello arrived: None when it joins the queue for a slot (until
+        `begin` or `unqueue`), else why it is refused, before any SSL object: it would
+        wait past its deadline, its handshake work thrown away."""
+        self._roll(now)
+        if self.waiting >= self.queue_bound():
+            self.refused[REFUSED_BUSY] += 1
+            return REFUSED_BUSY
+        if self.running + self.waiting >= self.limits.handshakes_at_once:
+            self._bucket_busy = True  # the slots are the limit: this second shows capacity
+        self.waiting += 1
+        return None
+
+    def unqueue(self) -> None:
+        """A queued hello left the queue without a slot (cut at its deadline)."""
+        self.waiting -= 1
+
+    def begin(self, now: float, deadline: float) -> bool:
+        """A slot came: begin the handshake (then `done`) only if it can still finish
+        in time; either way it has left the queue."""
+        self.waiting -= 1
         if deadline - now >= self.limits.min_left_s:
+            self.running += 1
             return True
         self.refused[SHED_LATE] += 1
         return False
+
+    def done(self, now: float) -> None:
+        """A handshake begun ended (finished, failed or cut): it counts for the rate."""
+        self._roll(now)
+        self.running -= 1
+        self._bucket_done += 1
+
+    def _roll(self, now: float) -> None:
+        """After each second in which every slot was taken, the rate moves halfway to
+        what that second did (a quiet second says nothing of capacity)."""
+        elapsed = now - self._bucket_start
+        if elapsed < 1.0:
+            return
+        if self._bucket_busy and elapsed < 2.0:  # (a longer gap had no events: no measure)
+            observed = self._bucket_done / elapsed
+            self.rate = observed if self.rate is None else (self.rate + observed) / 2
+        self._bucket_start, self._bucket_done, self._bucket_busy = now, 0, False
 
 
 def hello_bytes_needed(peeked: bytes) -> int:
@@ -199,14 +257,20 @@ class Gate:
     def __init__(self, limits: AdmissionLimits | None = None) -> None:
         self.core = TLSAdmission(limits or AdmissionLimits())
         self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
+        self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
 
     def admit(self, stream: trio.SocketStream) -> Ticket | None:
         """At accept: a ticket, or None when the connection was refused (reset)."""
         raw = _raw(stream)
         age = kernel_age_s(raw)
         source = _source(raw)
-        if self.core.arrive(source, age) is not None:
+        why = self.core.arrive(source, age)
+        if why is not None:
             reset(stream)
+            held = self.refusals_log.allow(why, trio.current_time())
+            if held is not None:
+                more = f" ({held} more since the last such line)" if held else ""
+                log.warning("refused a TLS connection from %s: %s%s", source, why, more)
             return None
         return Ticket(stream, source, self.core.deadline(trio.current_time(), age))
 
@@ -224,15 +288,30 @@ class Gate:
         if not await _whole_hello(raw):
             await trio.aclose_forcefully(stream)
             return None
-        async with _Slot(self.slots) as slot:
-            if peer_left(raw):  # a client that gave up while it waited costs no handshake
-                await trio.aclose_forcefully(stream)
-                return None
-            if not self.core.may_begin(trio.current_time(), ticket.deadline):
+        if self.core.hello(trio.current_time()) is not None:
+            reset(stream)
+            return None
+        slot = _Slot(self.slots)
+        try:
+            await slot.acquire()
+        except BaseException:
+            self.core.unqueue()  # cut at its deadline while it waited
+            raise
+        try:
+            if not self.core.begin(trio.current_time(), ticket.deadline):
                 reset(stream)
                 return None
-            tls = trio.SSLStream(_FirstFlight(stream, slot), context, server_side=True)
-            await tls.do_handshake()
+            if peer_left(raw):  # a client that gave up while it waited costs no handshake
+                await trio.aclose_forcefully(stream)
+                self.core.done(trio.current_time())
+                return None
+            try:
+                tls = trio.SSLStream(_FirstFlight(stream, slot), context, server_side=True)
+                await tls.do_handshake()
+            finally:
+                self.core.done(trio.current_time())
+        finally:
+            slot.release()
         return tls
 
 
@@ -270,13 +349,9 @@ class _Slot:
         self.slots = slots
         self.held = False
 
-    async def __aenter__(self) -> _Slot:
+    async def acquire(self) -> None:
         await self.slots.acquire()
         self.held = True
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
     def release(self) -> None:
         if self.held:
