@@ -132,7 +132,12 @@ class Worker:
             exc = exc.exceptions[0]
         if isinstance(exc, ConnectFailed):
             text = str(exc)
-            why = "refused" if "refused" in text else "no answer" if "no answer" in text else text
+            if "refused" in text:
+                why = "refused"
+            elif "no answer" in text:  # and during which step
+                why = "no answer " + text[text.rfind("(") :]
+            else:
+                why = text
         else:
             why = type(exc).__name__
         when = "after welcome" if session.welcomed_at is not None else "before welcome"

@@ -120,9 +120,13 @@ async def dial(
     ssl_context: ssl.SSLContext | None,
     ca: Path | None = None,
     local_address: str | None = None,
+    stage: list[str] | None = None,
 ) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
     """A TCP connection (from `local_address` when given), with the TLS handshake done
-    when `ssl_context` is given. Raises ConnectFailed; the caller bounds the time."""
+    when `ssl_context` is given. Raises ConnectFailed; the caller bounds the time, and
+    learns from `stage` (appended to) how far it got."""
+    stage = [] if stage is None else stage
+    stage.append("the TCP connect")
     try:
         tcp = await trio.open_tcp_stream(where.host, where.port, local_address=local_address)
     except OSError as exc:
@@ -130,6 +134,7 @@ async def dial(
     if ssl_context is None:
         return tcp
     tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
+    stage.append("the TLS handshake")
     try:
         await tls.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -218,12 +223,14 @@ async def open_agent_stream(
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
     stream: _Watched | None = None
+    stage: list[str] = []  # how far the dial got, for a timeout's words
     ws: trio_websocket.WebSocketConnection | None = None
     rejected: trio_websocket.ConnectionRejected | None = None
     try:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(connect_timeout_s) as connecting:
-                stream = _Watched(await dial(where, ssl_context, ca, local_address), heard)
+                stream = _Watched(await dial(where, ssl_context, ca, local_address, stage), heard)
+                stage.append("the websocket handshake")
                 async with trio.open_nursery() as handshake:
                     handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)
                     ws = await trio_websocket.wrap_client_stream(
@@ -238,9 +245,10 @@ async def open_agent_stream(
                 if stream is not None:
                     await trio.aclose_forcefully(stream.stream)
                 if connecting.cancelled_caught:
+                    during = stage[-1] if stage else "the TCP connect"
                     raise ConnectFailed(
                         f"no answer from the control plane at {where.where} within "
-                        f"{connect_timeout_s:g} s (timeout)"
+                        f"{connect_timeout_s:g} s (timeout, during {during})"
                     )
                 assert stream is not None
                 raise ConnectFailed(_closed_early(where, stream.broken, ca))
