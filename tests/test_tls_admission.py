@@ -20,7 +20,10 @@ from llmgw_core.config import parse_config
 from llmgw_core.http_server import JSON, HTTPServer, Request, Responder, ServerLimits
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_admission import (
+    AGENT_ALPN,
+    AGENTS,
     HELLO_MAX_BYTES,
+    OTHERS,
     REFUSED_BUSY,
     REFUSED_FULL,
     REFUSED_LATE,
@@ -30,6 +33,8 @@ from llmgw_core.tls_admission import (
     Gate,
     TLSAdmission,
     hello_bytes_needed,
+    lane_of,
+    offered_alpn,
     peer_left,
 )
 from llmgw_core.tls_config import AgentsTLS, server_context
@@ -39,9 +44,11 @@ from llmgw_server.app import Running, main
 # -- the pure parts ----------------------------------------------------------------
 
 
-def client_hello() -> bytes:
+def client_hello(alpn: list[str] | None = None) -> bytes:
     """A real ClientHello, as Python's ssl (OpenSSL) sends it."""
     context = ssl.create_default_context()
+    if alpn:
+        context.set_alpn_protocols(alpn)
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     conn = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
     with pytest.raises(ssl.SSLWantReadError):
@@ -102,45 +109,59 @@ def test_a_connection_too_old_to_finish_in_time_is_refused_and_the_deadline_coun
     assert core.arrive("10.0.0.1", 2.4) is None
     deadline = core.deadline(accepted_at=100.0, age_s=2.4)
     assert deadline == pytest.approx(100.6)
-    assert core.hello(100.0) is None and core.hello(100.0) is None
-    assert core.begin(100.05, deadline)
-    assert not core.begin(100.2, deadline)  # its slot came too late: reset, no handshake
-    assert core.waiting == 0 and core.running == 1
+    assert core.hello(AGENTS, 100.0) is None and core.hello(AGENTS, 100.0) is None
+    assert core.begin(AGENTS, 100.05, deadline)
+    assert not core.begin(AGENTS, 100.2, deadline)  # its place came too late: reset
+    assert core.lanes[AGENTS].waiting == 0 and core.lanes[AGENTS].in_flight == 1
     assert core.refused == {REFUSED_LATE: 1, SHED_LATE: 1}
 
 
-def test_hellos_past_what_the_server_serves_within_a_deadline_are_refused_at_once() -> None:
+def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() -> None:
     """Finding 12: connections queued 2 s for a slot and then shed, or served after their
     clients gave up; 69% of the handshakes begun produced no registration."""
-    limits = AdmissionLimits(handshakes_at_once=4, deadline_s=3.0, min_left_s=0.5, assumed_rate=100)
+    limits = AdmissionLimits(
+        agents_in_flight=4, others_in_flight=2, deadline_s=3.0, min_left_s=0.5, assumed_rate=100
+    )
     core = TLSAdmission(limits)
     # Before any measure: the assumed 100 a second, 2.5 s of them.
-    assert [core.hello(0.0) for _ in range(251)][-2:] == [None, REFUSED_BUSY]
-    assert core.queue_bound() == 250
-    # A busy second in which the slots finished 20 handshakes: 20 a second measured
-    # (the first measure is taken as it is, later ones move the rate halfway), and the
-    # queue is cut to 2.5 s of it.
+    assert [core.hello(AGENTS, 0.0) for _ in range(251)][-2:] == [None, REFUSED_BUSY]
+    assert core.queue_bound(AGENTS) == 250
+    # Operators have a lane of their own: the agents' queue does not hold them back.
+    assert core.hello(OTHERS, 0.0) is None
+    # A busy second in which 20 places were given back: 20 a second measured (the first
+    # measure is taken as it is, later ones move the rate halfway); the queue is cut to
+    # 2.5 s of it.
     for k in range(20):
-        assert core.begin(0.05 * k, 3.0)
-        core.done(0.05 * k + 0.01)
-    core.hello(1.0)
-    assert core.rate == pytest.approx(20 / 1.0)
-    assert core.queue_bound() == pytest.approx(50)
-    assert core.hello(1.1) == REFUSED_BUSY  # 231 queued still
-    while core.waiting:
-        core.unqueue()
-    assert core.hello(1.2) is None
-    # Never below the slots themselves, however slow it was.
-    assert TLSAdmission(attrs.evolve(limits, assumed_rate=0.1)).queue_bound() == 4
+        assert core.begin(AGENTS, 0.05 * k, 3.0)
+        core.done(AGENTS, 0.05 * k + 0.01)
+    core.hello(AGENTS, 1.0)
+    assert core.lanes[AGENTS].rate == pytest.approx(20 / 1.0)
+    assert core.queue_bound(AGENTS) == pytest.approx(50)
+    assert core.hello(AGENTS, 1.1) == REFUSED_BUSY  # 231 queued still
+    while core.lanes[AGENTS].waiting:
+        core.unqueue(AGENTS)
+    assert core.hello(AGENTS, 1.2) is None
+    # Never below the lane's places, however slow it was.
+    assert TLSAdmission(attrs.evolve(limits, assumed_rate=0.1)).queue_bound(AGENTS) == 4
 
 
 def test_a_quiet_second_says_nothing_of_capacity() -> None:
-    core = TLSAdmission(AdmissionLimits(handshakes_at_once=4))
-    for t in (0.0, 0.5, 1.2, 2.5, 3.9):  # one at a time: never a slot short
-        assert core.hello(t) is None
-        assert core.begin(t, t + 3)
-        core.done(t + 0.01)
-    assert core.rate is None
+    core = TLSAdmission(AdmissionLimits(agents_in_flight=4))
+    for t in (0.0, 0.5, 1.2, 2.5, 3.9):  # one at a time: never a place short
+        assert core.hello(AGENTS, t) is None
+        assert core.begin(AGENTS, t, t + 3)
+        core.done(AGENTS, t + 0.01)
+    assert core.lanes[AGENTS].rate is None
+
+
+def test_agents_are_told_apart_by_the_alpn_name_their_hello_offers() -> None:
+    assert offered_alpn(client_hello()) == []
+    assert lane_of(client_hello()) == OTHERS
+    assert offered_alpn(client_hello(["h2", "http/1.1"])) == [b"h2", b"http/1.1"]
+    assert lane_of(client_hello(["h2", "http/1.1"])) == OTHERS
+    assert lane_of(client_hello([AGENT_ALPN.decode()])) == AGENTS
+    for broken in (b"", b"\x16\x03\x01\x00\x10" + bytes(16), client_hello(["x"])[:60]):
+        assert offered_alpn(broken) == []
 
 
 # -- in process, over real sockets and real TLS -----------------------------------
@@ -240,7 +261,7 @@ async def test_a_peer_stalled_after_its_hello_holds_no_handshake_slot(tmp_path: 
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             # One slot: a stalled handshake that held it would shut everyone out.
-            port, _ = await serve_tls(nursery, certs, AdmissionLimits(handshakes_at_once=1))
+            port, server = await serve_tls(nursery, certs, AdmissionLimits(handshakes_at_once=1))
             stalled = [await silent(port, first=client_hello()) for _ in range(3)]
             await trio.sleep(0.2)  # their hellos are in; the server sent its first flights
             t0 = time.monotonic()
@@ -248,6 +269,9 @@ async def test_a_peer_stalled_after_its_hello_holds_no_handshake_slot(tmp_path: 
             assert time.monotonic() - t0 < 2.0
             for stream in stalled:
                 await stream.aclose()
+            lanes = server.tls_admission.core.lanes.values()
+            while any(lane.in_flight or lane.waiting for lane in lanes):
+                await trio.sleep(0.05)  # every place given back: nothing leaks
             nursery.cancel_scope.cancel()
 
 

@@ -23,6 +23,7 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.tls_admission import AGENT_ALPN
 from llmgw_core.ws_frames import Heard
 
 # OpenSSL's verify codes for a certificate that is valid but not for the name dialed.
@@ -133,6 +134,9 @@ async def dial(
         raise ConnectFailed(describe_os_error(exc, where.where)) from None
     if ssl_context is None:
         return tcp
+    # Named in the ClientHello, so that the control port admits agents in their own lane
+    # (a storm of them cannot crowd operators out); the server selects no ALPN.
+    ssl_context.set_alpn_protocols([AGENT_ALPN.decode()])
     tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
     stage.append("the TLS handshake")
     try:

@@ -356,7 +356,10 @@ class HTTPServer:
             if tls is None:  # the client left, or was shed: closed, no handshake spent
                 self.tls_abandoned += 1
                 return
-            await self.serve_connection(tls)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.tls_admission.hold_place, tls)
+                await self.serve_connection(tls)
+                nursery.cancel_scope.cancel()
             return
         host, peer = _peer_address(ticket.stream)
         await trio.aclose_forcefully(ticket.stream)

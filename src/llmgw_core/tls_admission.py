@@ -20,6 +20,19 @@ connection may hold, and for how long:
   deadline (`min_left_s`) is reset the same way, as is one whose deadline is too
   near once its slot comes: the server serves only clients that will still be
   there, and the agents back off on a reset.
+- Work past the handshake is bounded too: a whole hello takes an in-flight place
+  in its lane before its handshake, held until the connection has had its
+  answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
+  closes, or `in_flight_s` has passed. Two lanes, told apart by the ClientHello
+  alone: agents offer the ALPN name `llmgw-agent` (AGENT_ALPN), everyone else
+  (operators' CLI, browsers, curl) is in the other lane, so a registration storm
+  cannot crowd operators out, nor operators agents. A hello waits for a place in
+  FIFO order while the lane's queue holds no more than the lane serves within a
+  deadline (its measured rate of places given back, in seconds when every place was
+  taken); past that it is reset before any SSL object. Without this bound a storm
+  on a starved server completed thousands of TLS handshakes whose clients then
+  gave up during the websocket handshake (measured at 2,000 nodes: 3,463 of 6,381
+  dials).
 
 An attacker from one address can hold `per_source_pending` sockets for 3 s each and
 nothing else; holding every pending place takes max_pending / per_source_pending
@@ -60,9 +73,16 @@ class AdmissionLimits:
     max_pending: int = 1024  # connections between accept and the end of their handshake
     per_source_pending: int = 64  # of those, from one source address
     min_left_s: float = 0.5  # a handshake begun with less time left would not finish
-    # Handshakes finished a second, assumed until measured (a cold start into a storm):
-    # one core does several hundred; this is a busy machine's share.
-    assumed_rate: float = 100.0
+    agents_in_flight: int = 64  # agents between their hello and their welcome
+    others_in_flight: int = 16  # anyone else between the hello and the first answer
+    in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)
+    # Places given back a second, assumed until measured (a cold start into a storm):
+    # one core registers a few hundred agents a second; this is a busy machine's share.
+    assumed_rate: float = 50.0
+
+
+AGENT_ALPN = b"llmgw-agent"  # offered by agents in their ClientHello: the agents' lane
+AGENTS, OTHERS = "agents", "others"
 
 
 REFUSED_FULL = "too many handshakes pending"
@@ -73,20 +93,45 @@ REFUSED_BUSY = "more hellos queued than the server can serve in time"
 
 
 @attrs.define
+class Lane:
+    """Connections of one kind between their whole hello and their answers."""
+
+    places: int
+    waiting: int = 0  # whole hellos queued for a place
+    in_flight: int = 0
+    rate: float | None = None  # places given back a second, while every one was taken
+    bucket_start: float = 0.0
+    bucket_done: int = 0
+    bucket_busy: bool = False
+
+    def roll(self, now: float) -> None:
+        """After each second in which every place was taken, the rate moves halfway to
+        what that second did (a quiet second says nothing of capacity)."""
+        elapsed = now - self.bucket_start
+        if elapsed < 1.0:
+            return
+        if self.bucket_busy and elapsed < 2.0:  # (a longer gap had no events: no measure)
+            observed = self.bucket_done / elapsed
+            self.rate = observed if self.rate is None else (self.rate + observed) / 2
+        self.bucket_start, self.bucket_done, self.bucket_busy = now, 0, False
+
+
+@attrs.define
 class TLSAdmission:
-    """Who may begin a handshake: counts of pending connections per source, and
-    how many connections were turned away, per reason (for metrics and tests)."""
+    """Who may begin a handshake: counts of pending connections per source, the lanes,
+    and how many connections were turned away, per reason (for metrics and tests)."""
 
     limits: AdmissionLimits = attrs.field(factory=AdmissionLimits)
     pending: Counter[str] = attrs.field(factory=Counter)
     refused: Counter[str] = attrs.field(factory=Counter)
     total_pending: int = 0
-    waiting: int = 0  # whole hellos queued for a slot
-    running: int = 0  # handshakes begun and not ended
-    rate: float | None = None  # handshakes ended a second, measured while every slot was taken
-    _bucket_start: float = 0.0
-    _bucket_done: int = 0
-    _bucket_busy: bool = False
+    lanes: dict[str, Lane] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.lanes = {
+            AGENTS: Lane(self.limits.agents_in_flight),
+            OTHERS: Lane(self.limits.others_in_flight),
+        }
 
     def arrive(self, source: str, age_s: float) -> str | None:
         """A connection accepted from `source` after `age_s` in the kernel's queue:
@@ -116,56 +161,80 @@ class TLSAdmission:
         """When an admitted connection's handshake must be over (trio's clock)."""
         return accepted_at - age_s + self.limits.deadline_s
 
-    def queue_bound(self) -> float:
-        """The hellos that may wait for a slot: as many as the server finishes (at its
+    def queue_bound(self, lane: str) -> float:
+        """The hellos that may wait for a place: as many as the lane gives back (at its
         measured rate) within a deadline, less the time a handshake takes."""
-        rate = self.limits.assumed_rate if self.rate is None else self.rate
+        held = self.lanes[lane]
+        rate = self.limits.assumed_rate if held.rate is None else held.rate
         within = self.limits.deadline_s - self.limits.min_left_s
-        return max(float(self.limits.handshakes_at_once), rate * within)
+        return max(float(held.places), rate * within)
 
-    def hello(self, now: float) -> str | None:
-        """A whole ClientHello arrived: None when it joins the queue for a slot (until
-        `begin` or `unqueue`), else why it is refused, before any SSL object: it would
-        wait past its deadline, its handshake work thrown away."""
-        self._roll(now)
-        if self.waiting >= self.queue_bound():
+    def hello(self, lane: str, now: float) -> str | None:
+        """A whole ClientHello arrived: None when it joins its lane's queue for a place
+        (until `begin` or `unqueue`), else why it is refused, before any SSL object: it
+        would wait past its deadline, its handshake work thrown away."""
+        held = self.lanes[lane]
+        held.roll(now)
+        if held.waiting >= self.queue_bound(lane):
             self.refused[REFUSED_BUSY] += 1
             return REFUSED_BUSY
-        if self.running + self.waiting >= self.limits.handshakes_at_once:
-            self._bucket_busy = True  # the slots are the limit: this second shows capacity
-        self.waiting += 1
+        if held.in_flight + held.waiting >= held.places:
+            held.bucket_busy = True  # the places are the limit: this second shows capacity
+        held.waiting += 1
         return None
 
-    def unqueue(self) -> None:
-        """A queued hello left the queue without a slot (cut at its deadline)."""
-        self.waiting -= 1
+    def unqueue(self, lane: str) -> None:
+        """A queued hello left the queue without a place (cut at its deadline)."""
+        self.lanes[lane].waiting -= 1
 
-    def begin(self, now: float, deadline: float) -> bool:
-        """A slot came: begin the handshake (then `done`) only if it can still finish
-        in time; either way it has left the queue."""
-        self.waiting -= 1
+    def begin(self, lane: str, now: float, deadline: float) -> bool:
+        """A place came: begin the handshake (the place held until `done`) only if it
+        can still finish in time; either way the hello has left the queue."""
+        held = self.lanes[lane]
+        held.waiting -= 1
         if deadline - now >= self.limits.min_left_s:
-            self.running += 1
+            held.in_flight += 1
             return True
         self.refused[SHED_LATE] += 1
         return False
 
-    def done(self, now: float) -> None:
-        """A handshake begun ended (finished, failed or cut): it counts for the rate."""
-        self._roll(now)
-        self.running -= 1
-        self._bucket_done += 1
+    def done(self, lane: str, now: float) -> None:
+        """A place given back (answered, closed, failed or timed out): counts for the rate."""
+        held = self.lanes[lane]
+        held.roll(now)
+        held.in_flight -= 1
+        held.bucket_done += 1
 
-    def _roll(self, now: float) -> None:
-        """After each second in which every slot was taken, the rate moves halfway to
-        what that second did (a quiet second says nothing of capacity)."""
-        elapsed = now - self._bucket_start
-        if elapsed < 1.0:
-            return
-        if self._bucket_busy and elapsed < 2.0:  # (a longer gap had no events: no measure)
-            observed = self._bucket_done / elapsed
-            self.rate = observed if self.rate is None else (self.rate + observed) / 2
-        self._bucket_start, self._bucket_done, self._bucket_busy = now, 0, False
+
+def offered_alpn(hello: bytes) -> list[bytes]:
+    """The ALPN names a whole ClientHello offers (RFC 7301); [] when it offers none or
+    cannot be read (then OpenSSL judges it). Reads the first record's fragment only:
+    real hellos fit in one."""
+    try:
+        body = hello[5 + 4 : 5 + int.from_bytes(hello[3:5], "big")]
+        pos = 2 + 32  # legacy_version, random
+        pos += 1 + body[pos]  # legacy_session_id
+        pos += 2 + int.from_bytes(body[pos : pos + 2], "big")  # cipher_suites
+        pos += 1 + body[pos]  # legacy_compression_methods
+        end = pos + 2 + int.from_bytes(body[pos : pos + 2], "big")
+        pos += 2
+        while pos + 4 <= min(end, len(body)):
+            kind = int.from_bytes(body[pos : pos + 2], "big")
+            size = int.from_bytes(body[pos + 2 : pos + 4], "big")
+            if kind == 16:  # application_layer_protocol_negotiation
+                names, at = [], pos + 6
+                while at < pos + 4 + size:
+                    names.append(body[at + 1 : at + 1 + body[at]])
+                    at += 1 + body[at]
+                return names
+            pos += 4 + size
+    except IndexError:
+        pass
+    return []
+
+
+def lane_of(hello: bytes) -> str:
+    return AGENTS if AGENT_ALPN in offered_alpn(hello) else OTHERS
 
 
 def hello_bytes_needed(peeked: bytes) -> int:
@@ -252,11 +321,13 @@ def _source(sock: socket.socket) -> str:
 
 
 class Gate:
-    """The control port's admission, for one HTTPServer: the decisions and the slots."""
+    """The control port's admission, for one HTTPServer: the decisions, the CPU slots
+    and the lanes' places."""
 
     def __init__(self, limits: AdmissionLimits | None = None) -> None:
         self.core = TLSAdmission(limits or AdmissionLimits())
         self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
+        self.places = {name: trio.Semaphore(lane.places) for name, lane in self.core.lanes.items()}
         self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
 
     def admit(self, stream: trio.SocketStream) -> Ticket | None:
@@ -266,58 +337,92 @@ class Gate:
         source = _source(raw)
         why = self.core.arrive(source, age)
         if why is not None:
-            reset(stream)
-            held = self.refusals_log.allow(why, trio.current_time())
-            if held is not None:
-                more = f" ({held} more since the last such line)" if held else ""
-                log.warning("refused a TLS connection from %s: %s%s", source, why, more)
+            self._refused(stream, source, why)
             return None
         return Ticket(stream, source, self.core.deadline(trio.current_time(), age))
+
+    def _refused(self, stream: trio.SocketStream, source: str, why: str) -> None:
+        reset(stream)
+        held = self.refusals_log.allow(why, trio.current_time())
+        if held is not None:
+            more = f" ({held} more since the last such line)" if held else ""
+            log.warning("refused a TLS connection from %s: %s%s", source, why, more)
 
     def leave(self, ticket: Ticket) -> None:
         self.core.leave(ticket.source)
 
     async def handshake(
         self, ticket: Ticket, context: ssl.SSLContext
-    ) -> trio.SSLStream[_FirstFlight] | None:
-        """The whole ClientHello, a slot, the handshake: the TLS stream, or None when
-        the peer left or was shed (closed already). Raises trio's stream errors as
-        SSLStream does; the caller cancels at `ticket.deadline`."""
+    ) -> trio.SSLStream[Watched] | None:
+        """The whole ClientHello, a place in its lane, a CPU slot, the handshake: the
+        TLS stream, or None when the peer left or was shed (closed already). Raises
+        trio's stream errors as SSLStream does; the caller cancels at `ticket.deadline`
+        and calls `hold_place` with the stream it got."""
         stream = ticket.stream
         raw = _raw(stream)
-        if not await _whole_hello(raw):
+        hello = await _whole_hello(raw)
+        if hello is None:
             await trio.aclose_forcefully(stream)
             return None
-        if self.core.hello(trio.current_time()) is not None:
+        lane = lane_of(hello)
+        why = self.core.hello(lane, trio.current_time())
+        if why is not None:
+            self._refused(stream, ticket.source, why)
+            return None
+        try:
+            await self.places[lane].acquire()
+        except BaseException:
+            self.core.unqueue(lane)  # cut at its deadline while it waited
+            raise
+        if not self.core.begin(lane, trio.current_time(), ticket.deadline):
+            self.places[lane].release()
             reset(stream)
             return None
-        slot = _Slot(self.slots)
+        place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
         try:
-            await slot.acquire()
-        except BaseException:
-            self.core.unqueue()  # cut at its deadline while it waited
-            raise
-        try:
-            if not self.core.begin(trio.current_time(), ticket.deadline):
-                reset(stream)
-                return None
             if peer_left(raw):  # a client that gave up while it waited costs no handshake
                 await trio.aclose_forcefully(stream)
-                self.core.done(trio.current_time())
+                place.give_back()
                 return None
+            slot = _Slot(self.slots)
+            await slot.acquire()
             try:
-                tls = trio.SSLStream(_FirstFlight(stream, slot), context, server_side=True)
+                watched = Watched(stream, slot, place)
+                tls = trio.SSLStream(watched, context, server_side=True)
                 await tls.do_handshake()
             finally:
-                self.core.done(trio.current_time())
-        finally:
-            slot.release()
+                slot.release()
+            watched.handshaken = True
+        except BaseException:
+            place.give_back()
+            raise
         return tls
 
+    async def hold_place(self, tls: trio.SSLStream[Watched]) -> None:
+        """Give the connection's place back after `in_flight_s` at the latest."""
+        await trio.sleep(self.core.limits.in_flight_s)
+        tls.transport_stream.place.give_back()
 
-async def _whole_hello(sock: socket.socket) -> bool:
-    """Wait until the ClientHello is buffered whole (True), or the peer closed (False).
-    SO_RCVLOWAT makes the socket readable only once the bytes still missing are there."""
+
+class _Place:
+    """A connection's place in its lane, given back once (answered, closed, timed out)."""
+
+    def __init__(self, gate: Gate, lane: str, answers: int) -> None:
+        self.gate, self.lane = gate, lane
+        self.answers_left = answers  # sends after the handshake, each an answer or more
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.gate.core.done(self.lane, trio.current_time())
+            self.gate.places[self.lane].release()
+
+
+async def _whole_hello(sock: socket.socket) -> bytes | None:
+    """Wait until the ClientHello is buffered whole (its bytes, still in the kernel's
+    buffer), or the peer closed (None). SO_RCVLOWAT makes the socket readable only once
+    the bytes still missing are there."""
     try:
         while True:
             await trio.lowlevel.wait_readable(sock)
@@ -326,14 +431,14 @@ async def _whole_hello(sock: socket.socket) -> bool:
             except BlockingIOError:
                 continue
             except OSError:
-                return False
+                return None
             if not peeked:
-                return False
+                return None
             needed = hello_bytes_needed(peeked)
             if needed == -1:
-                return False
+                return None
             if needed == 0:
-                return True
+                return peeked
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
     finally:
         try:
@@ -359,20 +464,28 @@ class _Slot:
             self.slots.release()
 
 
-class _FirstFlight(trio.abc.Stream):
-    """The TCP stream under a server-side SSLStream: gives back the handshake slot once
-    the server's first flight is sent, since what follows waits on the peer."""
+class Watched(trio.abc.Stream):
+    """The TCP stream under a server-side SSLStream. It gives the CPU slot back once the
+    server's first flight is sent, since what follows waits on the peer, and the
+    connection's place once its answers are sent (each send after the handshake
+    carries one; an agent's are the 101 and the welcome) or it closes."""
 
-    def __init__(self, stream: trio.SocketStream, slot: _Slot) -> None:
+    def __init__(self, stream: trio.SocketStream, slot: _Slot, place: _Place) -> None:
         self.stream = stream
         self.socket = stream.socket  # lets the peer be named
         self._slot: _Slot | None = slot
+        self.place = place
+        self.handshaken = False
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._slot is not None:
             self._slot.release()
             self._slot = None
         await self.stream.send_all(data)
+        if self.handshaken and self.place.held:
+            self.place.answers_left -= 1
+            if self.place.answers_left <= 0:
+                self.place.give_back()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.stream.wait_send_all_might_not_block()
@@ -381,4 +494,5 @@ class _FirstFlight(trio.abc.Stream):
         return await self.stream.receive_some(max_bytes)
 
     async def aclose(self) -> None:
+        self.place.give_back()
         await self.stream.aclose()
