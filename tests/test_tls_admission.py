@@ -120,7 +120,8 @@ def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() 
     """Finding 12: connections queued 2 s for a slot and then shed, or served after their
     clients gave up; 69% of the handshakes begun produced no registration."""
     limits = AdmissionLimits(
-        agents_in_flight=4, others_in_flight=2, deadline_s=3.0, min_left_s=0.5, assumed_rate=100
+        agents_in_flight=(4, 100), others_in_flight=2, deadline_s=3.0, min_left_s=0.5,
+        assumed_rate=100,
     )
     core = TLSAdmission(limits)
     # Before any measure: the assumed 100 a second, 2.5 s of them.
@@ -137,6 +138,8 @@ def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() 
     core.hello(AGENTS, 1.0)
     assert core.lanes[AGENTS].rate == pytest.approx(20 / 1.0)
     assert core.queue_bound(AGENTS) == pytest.approx(50)
+    # And the places in flight to 3 s of it: a registration takes about that long.
+    assert core.lanes[AGENTS].places(limits) == 60
     assert core.hello(AGENTS, 1.1) == REFUSED_BUSY  # 231 queued still
     while core.lanes[AGENTS].waiting:
         core.unqueue(AGENTS)
@@ -146,7 +149,7 @@ def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() 
 
 
 def test_a_quiet_second_says_nothing_of_capacity() -> None:
-    core = TLSAdmission(AdmissionLimits(agents_in_flight=4))
+    core = TLSAdmission(AdmissionLimits(agents_in_flight=(4, 8)))
     for t in (0.0, 0.5, 1.2, 2.5, 3.9):  # one at a time: never a place short
         assert core.hello(AGENTS, t) is None
         assert core.begin(AGENTS, t, t + 3)

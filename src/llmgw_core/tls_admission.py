@@ -73,8 +73,12 @@ class AdmissionLimits:
     max_pending: int = 1024  # connections between accept and the end of their handshake
     per_source_pending: int = 64  # of those, from one source address
     min_left_s: float = 0.5  # a handshake begun with less time left would not finish
-    agents_in_flight: int = 64  # agents between their hello and their welcome
+    # Agents between their hello and their welcome: as many as the lane gives back in
+    # `in_flight_target_s` at its measured rate (Little's law: a registration then takes
+    # about that long, well within an agent's 10 s), within these bounds.
+    agents_in_flight: tuple[int, int] = (32, 1024)
     others_in_flight: int = 16  # anyone else between the hello and the first answer
+    in_flight_target_s: float = 3.0
     in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)
     # Places given back a second, assumed until measured (a cold start into a storm):
     # one core registers a few hundred agents a second; this is a busy machine's share.
@@ -96,7 +100,8 @@ REFUSED_BUSY = "more hellos queued than the server can serve in time"
 class Lane:
     """Connections of one kind between their whole hello and their answers."""
 
-    places: int
+    min_places: int
+    max_places: int
     waiting: int = 0  # whole hellos queued for a place
     in_flight: int = 0
     rate: float | None = None  # places given back a second, while every one was taken
@@ -115,6 +120,11 @@ class Lane:
             self.rate = observed if self.rate is None else (self.rate + observed) / 2
         self.bucket_start, self.bucket_done, self.bucket_busy = now, 0, False
 
+    def places(self, limits: AdmissionLimits) -> int:
+        rate = limits.assumed_rate if self.rate is None else self.rate
+        wanted = int(rate * limits.in_flight_target_s)
+        return min(self.max_places, max(self.min_places, wanted))
+
 
 @attrs.define
 class TLSAdmission:
@@ -129,8 +139,8 @@ class TLSAdmission:
 
     def __attrs_post_init__(self) -> None:
         self.lanes = {
-            AGENTS: Lane(self.limits.agents_in_flight),
-            OTHERS: Lane(self.limits.others_in_flight),
+            AGENTS: Lane(*self.limits.agents_in_flight),
+            OTHERS: Lane(self.limits.others_in_flight, self.limits.others_in_flight),
         }
 
     def arrive(self, source: str, age_s: float) -> str | None:
@@ -167,7 +177,12 @@ class TLSAdmission:
         held = self.lanes[lane]
         rate = self.limits.assumed_rate if held.rate is None else held.rate
         within = self.limits.deadline_s - self.limits.min_left_s
-        return max(float(held.places), rate * within)
+        return max(float(held.min_places), rate * within)
+
+    def has_room(self, lane: str) -> bool:
+        """A queued hello may take a place now."""
+        held = self.lanes[lane]
+        return held.in_flight < held.places(self.limits)
 
     def hello(self, lane: str, now: float) -> str | None:
         """A whole ClientHello arrived: None when it joins its lane's queue for a place
@@ -178,7 +193,7 @@ class TLSAdmission:
         if held.waiting >= self.queue_bound(lane):
             self.refused[REFUSED_BUSY] += 1
             return REFUSED_BUSY
-        if held.in_flight + held.waiting >= held.places:
+        if held.in_flight + held.waiting >= held.places(self.limits):
             held.bucket_busy = True  # the places are the limit: this second shows capacity
         held.waiting += 1
         return None
@@ -327,7 +342,8 @@ class Gate:
     def __init__(self, limits: AdmissionLimits | None = None) -> None:
         self.core = TLSAdmission(limits or AdmissionLimits())
         self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
-        self.places = {name: trio.Semaphore(lane.places) for name, lane in self.core.lanes.items()}
+        # Hellos waiting for a place in their lane, woken in order as places come back.
+        self.lots = {name: trio.lowlevel.ParkingLot() for name in self.core.lanes}
         self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
 
     def admit(self, stream: trio.SocketStream) -> Ticket | None:
@@ -351,6 +367,11 @@ class Gate:
     def leave(self, ticket: Ticket) -> None:
         self.core.leave(ticket.source)
 
+    def wake(self, lane: str) -> None:
+        """Wake as many queued hellos as there is room (the lane's places may have grown)."""
+        held = self.core.lanes[lane]
+        self.lots[lane].unpark(count=max(1, held.places(self.core.limits) - held.in_flight))
+
     async def handshake(
         self, ticket: Ticket, context: ssl.SSLContext
     ) -> trio.SSLStream[Watched] | None:
@@ -370,12 +391,13 @@ class Gate:
             self._refused(stream, ticket.source, why)
             return None
         try:
-            await self.places[lane].acquire()
+            while not self.core.has_room(lane):
+                await self.lots[lane].park()
         except BaseException:
             self.core.unqueue(lane)  # cut at its deadline while it waited
             raise
         if not self.core.begin(lane, trio.current_time(), ticket.deadline):
-            self.places[lane].release()
+            self.wake(lane)  # the room it was woken for goes to the next
             reset(stream)
             return None
         place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
@@ -416,7 +438,7 @@ class _Place:
         if self.held:
             self.held = False
             self.gate.core.done(self.lane, trio.current_time())
-            self.gate.places[self.lane].release()
+            self.gate.wake(self.lane)
 
 
 async def _whole_hello(sock: socket.socket) -> bytes | None:
