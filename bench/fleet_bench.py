@@ -21,9 +21,22 @@ Measured, in one run:
   again, from the server's start, the spread, and the connection attempts;
 - shutdown: SIGTERM with every stream open, until the process exits.
 
-Run: .venv/bin/python bench/fleet_bench.py --nodes 10000 --tls
-(development: --nodes 1000 or 3000; prints a table and writes it to
-bench/results/fleet[-tls]-N.md)
+During registration and the restart storm an operator's admin request (a new
+connection each time, GET /v1/admin/status?limit=1, as the CLI does) is made every
+second: every one must be answered. Connection attempts are given per node (the
+goal: at most 2 on average). The bench's own admin calls are retried.
+
+The simulator shares the machine's cores with the server, as agents' load shares
+a real server's machine with other work: it runs in the bench's own session (one
+scheduling autogroup with the bench), the server in another, so the kernel's
+autogroup scheduling gives neither a larger share by the number of processes; the
+server's cores used in each phase and the simulator's are reported beside the
+figures. Each run records the machine's yardstick: a fixed CPU loop's time before
+and after, and the load average (other work on the machine shows there).
+
+Run: .venv/bin/python bench/fleet_bench.py --nodes 10000 --tls --runs 3
+(development: --nodes 1000 or 2000 --runs 1; prints a table per run and a summary,
+and writes them to bench/results/fleet[-tls]-N.md)
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -96,6 +110,80 @@ def load() -> str:
     return f"{one:.1f}/{five:.1f}"
 
 
+def yardstick() -> float:
+    """Seconds for a fixed CPU loop in this process: the machine's speed right now
+    (about 0.1 s on an idle 2020s core; more when other work shares the cores)."""
+    t = time.perf_counter()
+    total = 0
+    for k in range(2_000_000):
+        total += k
+    assert total
+    return time.perf_counter() - t
+
+
+def autogroups() -> str:
+    """Whether the kernel schedules sessions as groups (then the server, in its own
+    session, gets half the cores against the bench and all its simulators together)."""
+    try:
+        enabled = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return "autogroup scheduling: unknown"
+    return "autogroup scheduling on: server in its own session, simulators in the bench's" if (
+        enabled
+    ) else "autogroup scheduling off: every process weighs the same"
+
+
+class AdminProbe:
+    """An operator during a storm: a new connection and GET status?limit=1 every second,
+    each given 10 s; how many were answered and why the others were not."""
+
+    def __init__(self, url: str, ca: Path | None) -> None:
+        self.url, self.ca = url, ca
+        self.answered = 0
+        self.failed: dict[str, int] = {}
+        self.slowest = 0.0
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                nursery.start_soon(self.once)
+                await trio.sleep(1.0)
+
+    async def once(self) -> None:
+        t = time.perf_counter()
+        try:
+            async with httpx.AsyncClient(
+                verify=str(self.ca) if self.ca else False, timeout=10
+            ) as client:
+                response = await client.get(f"{self.url}/v1/admin/status", params={"limit": 1})
+            if response.status_code == 200:
+                self.answered += 1
+                self.slowest = max(self.slowest, time.perf_counter() - t)
+                return
+            why = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            why = type(exc).__name__
+        self.failed[why] = self.failed.get(why, 0) + 1
+
+    def report(self) -> str:
+        asked = self.answered + sum(self.failed.values())
+        text = f"{self.answered} of {asked} answered (slowest {self.slowest:.1f} s)"
+        return text if not self.failed else f"{text}; failed: {describe(self.failed)}"
+
+
+async def with_retries(call: Any, what: str, tries: int = 5) -> Any:
+    """The bench's own admin calls: a storm may refuse one connection; try again."""
+    for k in range(tries):
+        try:
+            return await call()
+        except httpx.HTTPError as exc:
+            if k == tries - 1:
+                raise
+            progress(f"{what}: {type(exc).__name__}; again in {2**k} s")
+            await trio.sleep(2**k)
+    raise AssertionError("unreachable")
+
+
 class Server:
     def __init__(self, config: Path, log: Path, control: int) -> None:
         self.config, self.log, self.control = config, log, control
@@ -115,7 +203,7 @@ class Server:
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
             preexec_fn=raise_nofile,
-            start_new_session=True,
+            start_new_session=True,  # killed as a group; its own scheduling autogroup
         )
         with trio.fail_after(60):
             while True:
@@ -265,7 +353,6 @@ async def run(args: argparse.Namespace) -> None:
     raise_nofile()
     n = args.nodes
     work = Path(tempfile.mkdtemp(prefix="llmgw-fleet-bench-"))
-    control = free_port()
     certs = work / "certs" if args.tls else None
     if certs is not None:
         t = time.monotonic()
@@ -273,6 +360,69 @@ async def run(args: argparse.Namespace) -> None:
         for i in range(n):
             issue_node(certs, node_name(i))
         print(f"issued {n} node certificates in {time.monotonic() - t:.0f} s", file=sys.stderr)
+    procs_n = args.sim_procs or max(1, math.ceil(n / 2500))
+    results: list[dict[str, Any]] = []
+    try:
+        for k in range(args.runs):
+            progress(f"run {k + 1} of {args.runs}")
+            results.append(await one_run(args, work / f"run-{k + 1}", certs, procs_n))
+    finally:
+        if certs is not None:
+            shutil.rmtree(certs)  # one key per node: not left behind in /tmp
+    mode = "mutual TLS" if certs else "plaintext"
+    sources = "one source address" if args.one_address else "a source address per node"
+    lines = [
+        f"fleet bench: {n:,} nodes, {mode}, {procs_n} simulator processes ({sources}), "
+        f"{os.cpu_count()} cores shared by the server and the simulator; {autogroups()}",
+        f"command: {' '.join([Path(sys.executable).name, *sys.argv])}",
+        "",
+        "| run | register all | attempts per node | admin requests during registration "
+        "| storm: all back | attempts per node after the server's start "
+        "| admin requests during the storm "
+        "| server cores (registration / storm) | yardstick before / after | load before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, r in enumerate(results):
+        lines.append(
+            f"| {k + 1} | {r['registration']} | {r['reg_attempts']:.2f} | {r['reg_admin']} "
+            f"| {r['storm']} | {r['storm_attempts']:.2f} | {r['storm_admin']} "
+            f"| {r['reg_cores']:.2f} / {r['storm_cores']:.2f} "
+            f"| {r['yard0']:.2f} s / {r['yard1']:.2f} s | {r['load0']} / {r['load1']} |"
+        )
+    lines += [
+        "",
+        "(yardstick: a fixed CPU loop's time in the bench process; about 0.1 s on an idle "
+        "core, more while other work shares the cores)",
+    ]
+    for k, r in enumerate(results):
+        lines += [
+            "",
+            f"### run {k + 1}",
+            "",
+            "| fleet simulator | measured | simulator CPU |",
+            "|---|---|---|",
+            *[f"| {a} | {b} | {c} |" for a, b, c in r["rows"]],
+            "",
+            "README row: | nodes | first registration of all | server CPU, heartbeats every 5 s "
+            "| memory per node | restart storm | status |",
+            r["readme"],
+        ]
+    text = "\n".join(lines)
+    print(text)
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"fleet{'-tls' if certs else ''}-{n}.md").write_text(text + "\n")
+
+
+async def one_run(
+    args: argparse.Namespace, work: Path, certs: Path | None, procs_n: int
+) -> dict[str, Any]:
+    """One whole measurement: a fresh server and simulator."""
+    n = args.nodes
+    work.mkdir(parents=True)
+    result: dict[str, Any] = {"yard0": yardstick(), "load0": load()}
+    control = free_port()
+    if certs is not None:
         agents = (
             f'[agents]\nca = "{certs}/ca.crt"\ncert = "{certs}/server.crt"\n'
             f'key = "{certs}/server.key"\n'
@@ -294,7 +444,6 @@ async def run(args: argparse.Namespace) -> None:
     await trio.sleep(1.0)
     base_rss = rss_kib(server.pid)
     scheme = "wss" if certs else "ws"
-    procs_n = args.sim_procs or max(1, math.ceil(n / 2500))
     sizes = [n // procs_n + (1 if k < n % procs_n else 0) for k in range(procs_n)]
     firsts = [sum(sizes[:k]) for k in range(procs_n)]
     procs = [
@@ -302,17 +451,21 @@ async def run(args: argparse.Namespace) -> None:
             [sys.executable, str(HERE / "fleet_sim.py"),
              "--url", f"{scheme}://127.0.0.1:{control}/v1/agent",
              "--first", str(first), "--count", str(size), "--boot-s", str(args.boot),
-             *(["--certs", str(certs)] if certs else [])],
+             *(["--certs", str(certs)] if certs else []),
+             *([] if args.one_address else ["--own-addresses"])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             preexec_fn=raise_nofile,
-            start_new_session=True,
+            # Not a session of their own: each would be an autogroup weighing as much
+            # as the server, which would then get 1 / (sims + 1) of the cores.
         )
         for first, size in zip(firsts, sizes, strict=True)
     ]
     sims = Sims(procs)
     rows: list[tuple[str, str, str]] = []
     readme: dict[str, str] = {}
+    admin = f"{'https' if certs else 'http'}://127.0.0.1:{control}"
+    ca = certs / "ca.crt" if certs else None
     try:
         async with trio.open_nursery() as nursery:
             readies = [trio.Event() for _ in procs]
@@ -323,20 +476,32 @@ async def run(args: argparse.Namespace) -> None:
             # -- first registration ------------------------------------------------
             t0 = time.monotonic() + 0.2
             phase = Phase(server, sims)
-            sims.send(f"go {t0}")
-            done = await wait_for(lambda: sims.total("registered") >= n, args.cap)
+            probe = AdminProbe(admin, ca)
+            async with trio.open_nursery() as probing:
+                probing.start_soon(probe.run)
+                sims.send(f"go {t0}")
+                done = await wait_for(lambda: sims.total("registered") >= n, args.cap)
+                probing.cancel_scope.cancel()
             took = (max(sims.registrations) - t0) if done else float("inf")
             reg = phase.end()
             registered = sims.total("registered")
+            result["reg_attempts"] = sims.total("connects") / n
+            result["reg_admin"] = probe.report()
+            result["reg_cores"] = reg["server_cpu"] / reg["wall"]
+            result["registration"] = (
+                f"{took:.1f} s" if done else f"{registered:,} of {n:,} in {args.cap:g} s"
+            )
             rows.append((
                 f"first registration of all {n:,} (agents booting over {args.boot:g} s)",
-                f"{took:.1f} s" if done else f"{registered:,} of {n:,} after {args.cap:g} s",
+                f"{result['registration']}; {sims.total('connects'):,} connection attempts "
+                f"({result['reg_attempts']:.2f} per node); server {result['reg_cores']:.2f} cores",
                 sim_note(reg),
             ))
+            rows.append(("admin requests during registration (one a second)", probe.report(), ""))
             readme["registration"] = f"{took:.1f} s" if done else f"not all in {args.cap:g} s"
             failures_at_registration = sims.failure_counts()
             rows.append(("sessions that failed during registration", describe(failures_at_registration), ""))
-            progress(f"registered: {rows[-2][1]}")
+            progress(f"registered: {result['registration']}")
             # -- steady heartbeats ----------------------------------------------------
             await trio.sleep(2 * args.heartbeat)  # past registration: steady heartbeats
             progress(f"steady: {args.window:g} s window")
@@ -366,16 +531,15 @@ async def run(args: argparse.Namespace) -> None:
             readme["cpu"] = f"{cores:.3f} cores"
             readme["memory"] = f"{(rss - base_rss) / n:.1f} KiB"
             # -- admin status ---------------------------------------------------------
-            admin = f"{'https' if certs else 'http'}://127.0.0.1:{control}"
             progress("status")
-            whole, page, size = await time_status(admin, certs / "ca.crt" if certs else None)
+            whole, page, size = await with_retries(lambda: time_status(admin, ca), "status")
             rows.append((
                 f"GET /v1/admin/status with {n:,} nodes: whole / ?limit=100",
                 f"{whole * 1e3:.0f} ms ({size / 1e6:.1f} MB) / {page * 1e3:.0f} ms",
                 "",
             ))
             readme["status"] = f"{whole * 1e3:.0f} ms"
-            steps, (p50, p99) = await reconcile_times(admin, certs / "ca.crt" if certs else None)
+            steps, (p50, p99) = await with_retries(lambda: reconcile_times(admin, ca), "metrics")
             rows.append((
                 "reconcile steps since the start (registration, then heartbeats): p50 / p99",
                 f"{steps:,} steps; p50 <= {p50 * 1e3:g} ms, p99 <= {p99 * 1e3:g} ms "
@@ -390,28 +554,43 @@ async def run(args: argparse.Namespace) -> None:
             sims.send(f"epoch {time.monotonic()}")
             await trio.sleep(1.0)  # the reports carry the epoch
             restart = await server.start()
+            connects_at_start = sims.total("connects")  # those before were refused: no server
             phase = Phase(server, sims)
-            done = await wait_for(lambda: sims.total("since_epoch") >= n, args.cap)
+            probe = AdminProbe(admin, ca)
+            async with trio.open_nursery() as probing:
+                probing.start_soon(probe.run)
+                done = await wait_for(lambda: sims.total("since_epoch") >= n, args.cap)
+                probing.cancel_scope.cancel()
             storm = phase.end()
             attempts = sims.total("connects") - connects
+            since_start = sims.total("connects") - connects_at_start
+            result["storm_attempts"] = since_start / n
+            result["storm_admin"] = probe.report()
+            result["storm_cores"] = storm["server_cpu"] / storm["wall"]
             if done:
                 firsts_back = [t - restart for t in sims.firsts]  # each node's first, once
                 took = max(firsts_back)
+                result["storm"] = f"{took:.1f} s"
                 rows.append((
                     "restart storm: every node back, from the server's start",
                     f"{took:.1f} s (p10 / p50 / p90 {quantiles(firsts_back)}); "
-                    f"{attempts:,} connection attempts",
+                    f"{attempts:,} connection attempts, {since_start:,} of them after the "
+                    f"server's start ({since_start / n:.2f} per node); "
+                    f"server {result['storm_cores']:.2f} cores",
                     sim_note(storm),
                 ))
                 readme["storm"] = f"all back in {took:.1f} s, {attempts:,} connection attempts"
             else:
+                result["storm"] = f"{sims.total('since_epoch'):,} of {n:,} in {args.cap:g} s"
                 rows.append((
                     "restart storm",
-                    f"{sims.total('since_epoch'):,} of {n:,} back after {args.cap:g} s; "
-                    f"{attempts:,} connection attempts",
+                    f"{result['storm']}; {attempts:,} connection attempts, {since_start:,} of "
+                    f"them after the server's start ({since_start / n:.2f} per node); "
+                    f"server {result['storm_cores']:.2f} cores",
                     sim_note(storm),
                 ))
                 readme["storm"] = f"not all back in {args.cap:g} s"
+            rows.append(("admin requests during the storm (one a second)", probe.report(), ""))
             rows.append((
                 "sessions that failed (registration and storm)",
                 describe(sims.failure_counts()),
@@ -442,42 +621,33 @@ async def run(args: argparse.Namespace) -> None:
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+                p.terminate()
             p.wait()
         if server.proc is not None and server.proc.poll() is None:
             server.kill()
-        if certs is not None:
-            shutil.rmtree(certs)  # one key per node: not left behind in /tmp
-    mode = "mutual TLS" if certs else "plaintext"
-    lines = [
-        f"fleet bench: {n:,} nodes, {mode}, {procs_n} simulator processes, "
-        f"{os.cpu_count()} cores, load average {load()} at the end",
-        "",
-        "| fleet simulator | measured | simulator CPU |",
-        "|---|---|---|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
-        "",
-        "README row: | nodes | first registration of all | server CPU, heartbeats every 5 s "
-        "| memory per node | restart storm | status |",
+    result["yard1"], result["load1"] = yardstick(), load()
+    result["rows"] = rows
+    result["readme"] = (
         f"| {n:,}{', mutual TLS' if certs else ''} | {readme['registration']} | {readme['cpu']} "
-        f"| {readme['memory']} | {readme['storm']} | {readme['status']} |",
-    ]
-    text = "\n".join(lines)
-    print(text)
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    (out / f"fleet{'-tls' if certs else ''}-{n}.md").write_text(text + "\n")
+        f"| {readme['memory']} | {readme['storm']} | {readme['status']} |"
+    )
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--tls", action="store_true", help="mutual TLS, as in production")
+    parser.add_argument("--runs", type=int, default=3, help="whole measurements, one after another")
     parser.add_argument("--heartbeat", type=float, default=5.0)
     parser.add_argument("--boot", type=float, default=10.0, help="agents boot over this long")
     parser.add_argument("--window", type=float, default=30.0, help="steady-state window, s")
     parser.add_argument("--cap", type=float, default=180.0, help="give up on a phase after, s")
     parser.add_argument("--sim-procs", type=int, default=0, help="0: one per 2,500 nodes")
+    parser.add_argument(
+        "--one-address", action="store_true",
+        help="every simulated node dials from 127.0.0.1 (as behind one NAT) instead of its own",
+    )
     trio.run(run, parser.parse_args())
 
 

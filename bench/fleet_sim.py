@@ -26,12 +26,14 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import trio
 import trio_websocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llmgw_agent.agent import Session, backoff_delay, next_attempt
+from llmgw_agent.config import AgentConfig
 from llmgw_agent.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import (
@@ -47,6 +49,15 @@ from llmgw_core.wire import (
 from llmgw_core.ws_frames import Heard, silence_bound
 
 H100 = "NVIDIA H100 80GB HBM3"
+# The real agent's reconnect backoff, as its config has it by default.
+BASE_S = attrs.fields(AgentConfig).reconnect_base_s.default
+CAP_S = attrs.fields(AgentConfig).reconnect_cap_s.default
+
+
+def source_address(i: int) -> str:
+    """Each node dials from its own loopback address, as real nodes have their own: the
+    control port's per-address limits see a fleet, not one peer."""
+    return f"127.{1 + i // 62500}.{i // 250 % 250}.{i % 250 + 1}"
 
 
 def node_name(i: int) -> str:
@@ -113,7 +124,7 @@ class Worker:
                 self.failed(group.exceptions[0], session)
             self.registered.discard(i)
             attempt = next_attempt(attempt, session)
-            await trio.sleep(backoff_delay(attempt, 0.5, 30.0, self.rng))
+            await trio.sleep(backoff_delay(attempt, BASE_S, CAP_S, self.rng))
 
     def failed(self, exc: BaseException, session: Session) -> None:
         """Count why a session ended, in a few words (before or after its welcome)."""
@@ -121,7 +132,12 @@ class Worker:
             exc = exc.exceptions[0]
         if isinstance(exc, ConnectFailed):
             text = str(exc)
-            why = "refused" if "refused" in text else "no answer" if "no answer" in text else text
+            if "refused" in text:
+                why = "refused"
+            elif "no answer" in text:  # and during which step
+                why = "no answer " + text[text.rfind("(") :]
+            else:
+                why = text
         else:
             why = type(exc).__name__
         when = "after welcome" if session.welcomed_at is not None else "before welcome"
@@ -138,6 +154,7 @@ class Worker:
             disconnect_timeout_s=1.0,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,
+            local_address=source_address(i) if self.args.own_addresses else None,
         ) as ws:
             await ws.send_message(register)
             with trio.fail_after(10):
@@ -228,6 +245,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--boot-s", type=float, default=10.0)
     parser.add_argument("--certs", default=None)
+    parser.add_argument("--own-addresses", action="store_true", help="a source address per node")
     args = parser.parse_args()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import attrs
+from hypothesis import given
+from hypothesis import strategies as st
 
 from llmgw_agent.agent import Session, backoff_delay, next_attempt
 from llmgw_agent.config import AgentConfig
@@ -19,6 +21,50 @@ def test_full_jitter_stays_under_the_exponential_cap_and_spreads() -> None:
         assert all(0 <= d <= ceiling for d in delays)
         # Spread over the whole window, so a fleet does not come back in lockstep.
         assert min(delays) < ceiling * 0.05 and max(delays) > ceiling * 0.95
+
+
+DEFAULT_BASE = attrs.fields(AgentConfig).reconnect_base_s.default
+DEFAULT_CAP = attrs.fields(AgentConfig).reconnect_cap_s.default
+
+
+@given(
+    attempt=st.integers(min_value=0, max_value=10_000),
+    base=st.floats(min_value=0.01, max_value=100),
+    extra=st.floats(min_value=0, max_value=1000),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_a_delay_is_never_negative_nor_past_the_window(
+    attempt: int, base: float, extra: float, seed: int
+) -> None:
+    cap = base + extra
+    delay = backoff_delay(attempt, base, cap, random.Random(seed))
+    assert 0 <= delay <= min(cap, base * 2 ** min(attempt, 30))
+
+
+def test_by_default_a_refused_fleet_comes_back_slower_than_a_busy_control_plane_admits() -> None:
+    """Finding 12: with a 0.5 s base, 10,000 agents refused at once came back at 10,000 a
+    second, each retry before the queue drained (9.5 attempts a node). The defaults
+    spread a refused fleet over 2 * base seconds, twice as long after each refusal, and
+    agents refused together never fall into step: no second of any round is crowded."""
+    assert (DEFAULT_BASE, DEFAULT_CAP) == (2.0, 60.0)
+    n = 10_000
+    agents = [random.Random(k) for k in range(n)]  # each agent its own generator
+    at = [0.0] * n  # all refused at the same instant
+    for failures in range(1, 6):
+        at = [t + backoff_delay(failures, DEFAULT_BASE, DEFAULT_CAP, rng) for t, rng in zip(at, agents, strict=True)]
+        busiest = max(_per_second(at).values())
+        # The mean rate of this round is n / (base * 2^failures), halved each round;
+        # no second sees a crowd far above it, and the first round's stays at 2,500/s.
+        mean = n / min(DEFAULT_CAP, DEFAULT_BASE * 2**failures)
+        assert busiest <= 1.15 * mean, (failures, busiest, mean)
+        assert busiest <= 2_750
+
+
+def _per_second(times: list[float]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in times:
+        counts[int(t)] = counts.get(int(t), 0) + 1
+    return counts
 
 
 # -- when the backoff starts over --------------------------------------------------

@@ -129,11 +129,13 @@ class AgentConfig:
     )
     port_min: int = attrs.field(default=20000, metadata=rules(key="ports.min", min=1024))
     port_max: int = attrs.field(default=20999, metadata=rules(key="ports.max", min=1024))
+    # Full jitter between 0 and base * 2^failures (at most cap): a fleet refused by a busy
+    # control plane comes back at no more than N / (2 * base) a second, then slower.
     reconnect_base_s: float = attrs.field(
-        default=0.5, metadata=rules(key="reconnect.base_s", min=0.01)
+        default=2.0, metadata=rules(key="reconnect.base_s", min=0.01)
     )
     reconnect_cap_s: float = attrs.field(
-        default=30.0, metadata=rules(key="reconnect.cap_s", min=0.01)
+        default=60.0, metadata=rules(key="reconnect.cap_s", min=0.01)
     )
     state_dir: Path = Path("/var/lib/llmgw-agent")
     # How the router and other nodes reach engines on this node.

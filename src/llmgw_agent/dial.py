@@ -23,6 +23,7 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.tls_admission import AGENT_ALPN
 from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
 
@@ -112,17 +113,28 @@ def describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
 
 
 async def dial(
-    where: Target, ssl_context: ssl.SSLContext | None, ca: Path | None = None
+    where: Target,
+    ssl_context: ssl.SSLContext | None,
+    ca: Path | None = None,
+    local_address: str | None = None,
+    stage: list[str] | None = None,
 ) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
-    """A TCP connection, with the TLS handshake done when `ssl_context` is given.
-    Raises ConnectFailed; the caller bounds the time."""
+    """A TCP connection (from `local_address` when given), with the TLS handshake done
+    when `ssl_context` is given. Raises ConnectFailed; the caller bounds the time, and
+    learns from `stage` (appended to) how far it got."""
+    stage = [] if stage is None else stage
+    stage.append("the TCP connect")
     try:
-        tcp = await trio.open_tcp_stream(where.host, where.port)
+        tcp = await trio.open_tcp_stream(where.host, where.port, local_address=local_address)
     except OSError as exc:
         raise ConnectFailed(describe_os_error(exc, where.where)) from None
     if ssl_context is None:
         return tcp
+    # Named in the ClientHello, so that the control port admits agents in their own lane
+    # (a storm of them cannot crowd operators out); the server selects no ALPN.
+    ssl_context.set_alpn_protocols([AGENT_ALPN.decode()])
     tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
+    stage.append("the TLS handshake")
     try:
         await tls.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -201,20 +213,24 @@ async def open_agent_stream(
     disconnect_timeout_s: float,
     max_message_size: int,
     heard: Heard | None = None,
+    local_address: str | None = None,
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
     whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
-    exception group, when it cannot be opened."""
+    exception group, when it cannot be opened. `local_address`: the source address
+    (the fleet bench gives each simulated node its own, as real nodes have)."""
     where = target(url)
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
     stream: _Watched | None = None
+    stage: list[str] = []  # how far the dial got, for a timeout's words
     ws: trio_websocket.WebSocketConnection | None = None
     rejected: trio_websocket.ConnectionRejected | None = None
     try:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(connect_timeout_s) as connecting:
-                stream = _Watched(await dial(where, ssl_context, ca), heard)
+                stream = _Watched(await dial(where, ssl_context, ca, local_address, stage), heard)
+                stage.append("the websocket handshake")
                 async with trio.open_nursery() as handshake:
                     handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)
                     ws = await trio_websocket.wrap_client_stream(
@@ -229,9 +245,10 @@ async def open_agent_stream(
                 if stream is not None:
                     await trio.aclose_forcefully(stream.stream)
                 if connecting.cancelled_caught:
+                    during = stage[-1] if stage else "the TCP connect"
                     raise ConnectFailed(
                         f"no answer from the control plane at {where.where} within "
-                        f"{connect_timeout_s:g} s (timeout)"
+                        f"{connect_timeout_s:g} s (timeout, during {during})"
                     )
                 assert stream is not None
                 raise ConnectFailed(_closed_early(where, stream.broken, ca))

@@ -24,13 +24,11 @@ import trio
 from llmgw_core import coarse_timeouts, sockio
 from llmgw_core.openai_errors import error_body
 from llmgw_core.ratelog import RateLimit
+from llmgw_core.tls_admission import Gate, Ticket
 
 log = logging.getLogger(__name__)
 
 _RECV = 65536
-TLS_HANDSHAKES_AT_ONCE = 32
-TLS_QUEUE_S = 2.0  # the longest a connection waits for its handshake to begin
-_TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 JSON = [(b"content-type", b"application/json")]
 # A request body's first seconds are not held to `min_body_rate` (a client's first write
@@ -346,8 +344,8 @@ class HTTPServer:
         self._accepting = trio.CancelScope()
         self.tls_failures = 0  # failed TLS handshakes, for metrics
         self.tls_abandoned = 0  # closed before a handshake: the client left, or it waited too long
-        self._handshakes = trio.CapacityLimiter(TLS_HANDSHAKES_AT_ONCE)
         self.plain_connections = 0  # served now on plain listeners (limits.max_connections)
+        self.tls_admission = Gate()  # who may begin a TLS handshake (tls_admission.py)
         self.tls_failures_log = RateLimit(60.0)
 
     async def serve(
@@ -384,8 +382,10 @@ class HTTPServer:
                 self.plain_connections += 1
                 connections.start_soon(self._serve_plain, stream)
             else:
-                tls = trio.SSLStream(stream, self.ssl_context, server_side=True)
-                connections.start_soon(self._serve_tls, tls)
+                # Refused here (reset, before any SSL object) when it cannot be served.
+                ticket = self.tls_admission.admit(stream)
+                if ticket is not None:
+                    connections.start_soon(self._serve_tls, ticket, self.ssl_context)
 
     def _turn_away(self, stream: trio.SocketStream) -> None:
         """A connection past max_connections: a fixed 503 written if the socket takes it
@@ -406,35 +406,35 @@ class HTTPServer:
         finally:
             self.plain_connections -= 1
 
-    async def _serve_tls(self, tls: trio.SSLStream[trio.SocketStream]) -> None:
-        """The TLS handshake first, so that a failed one is logged with the peer's address
+    async def _serve_tls(self, ticket: Ticket, context: ssl.SSLContext) -> None:
+        """The TLS handshake first, within the connection's deadline (3 s from its arrival,
+        see tls_admission), so that a failed one is logged with the peer's address
         (rate-limited per peer host and reason: a fleet with the wrong CA must not flood
         the log)."""
         failure: BaseException | None = None
-        with trio.move_on_after(self.limits.header_timeout_s) as handshake:
-            try:
-                # A few handshakes at a time (each costs ~1 ms of CPU): in a storm of
-                # thousands, those let in finish within their clients' connect timeout
-                # instead of all finishing late. One that waited too long is closed
-                # unanswered (its client, about to give up, dials again after its
-                # backoff), as is one whose client left: neither costs a handshake.
-                accepted_at = trio.current_time()
-                async with self._handshakes:
-                    waited = trio.current_time() - accepted_at
-                    if waited > TLS_QUEUE_S or _peer_left(tls.transport_stream):
-                        await trio.aclose_forcefully(tls.transport_stream)
-                        self.tls_abandoned += 1
-                        return
-                    await tls.do_handshake()
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                failure = exc.__cause__ or exc
+        tls: trio.SSLStream[Any] | None = None
+        try:
+            with trio.move_on_at(ticket.deadline) as handshake:
+                try:
+                    tls = await self.tls_admission.handshake(ticket, context)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    failure = exc.__cause__ or exc
+        finally:
+            self.tls_admission.leave(ticket)
         if failure is None and not handshake.cancelled_caught:
-            await self.serve_connection(tls)
+            if tls is None:  # the client left, or was shed: closed, no handshake spent
+                self.tls_abandoned += 1
+                return
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.tls_admission.hold_place, tls)
+                await self.serve_connection(tls)
+                nursery.cancel_scope.cancel()
             return
-        host, peer = _peer_address(tls.transport_stream)
-        await trio.aclose_forcefully(tls.transport_stream)
+        host, peer = _peer_address(ticket.stream)
+        await trio.aclose_forcefully(ticket.stream)
         if failure is None:
-            level, why = logging.INFO, f"no handshake within {self.limits.header_timeout_s:g} s"
+            deadline_s = self.tls_admission.core.limits.deadline_s
+            level, why = logging.INFO, f"no handshake within {deadline_s:g} s"
         elif isinstance(failure, ssl.SSLCertVerificationError):
             level = logging.WARNING
             why = f"the client's certificate is not trusted ({failure.verify_message})"
@@ -484,15 +484,6 @@ class HTTPServer:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
-
-
-def _peer_left(stream: trio.SocketStream) -> bool:
-    """The client closed or reset the connection (while it waited to be served)."""
-    try:
-        info = stream.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
-    except (OSError, AttributeError):
-        return False
-    return info[0] in _TCP_GONE
 
 
 def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
@@ -630,7 +621,7 @@ class _Connection:
         if not isinstance(transport, trio.SocketStream):
             return
         while self._handler_scope is not None and not self._may_read.is_set():
-            if _peer_left(transport):
+            if sockio.peer_left(transport.socket):
                 self._handler_scope.cancel()
                 return
             with trio.move_on_after(coarse_timeouts.TICK_S):
@@ -988,7 +979,7 @@ class _PlainConnection:
                 if self.buf:
                     # Pipelined bytes are kept and no more read: the client's leaving is
                     # seen in its socket's TCP state instead, once a tick.
-                    if _peer_left(self.stream):
+                    if sockio.peer_left(self.stream.socket):
                         self._scope.cancel()
                     else:
                         now = trio.current_time()

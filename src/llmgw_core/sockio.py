@@ -26,6 +26,19 @@ def raw_socket(stream: trio.abc.Stream) -> socket.socket | None:
     return None
 
 
+_TCP_GONE = {7, 8}  # Linux tcpi_state: TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
+
+
+def peer_left(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """The peer closed or reset the connection (seen in the kernel's TCP state, without
+    reading: bytes it sent before leaving stay unread)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+    except (OSError, AttributeError):
+        return False
+    return info[0] in _TCP_GONE
+
+
 def _stream_error(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
     if exc.errno == errno.EBADF:
         return trio.ClosedResourceError("the socket was closed")

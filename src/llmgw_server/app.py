@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -116,8 +117,22 @@ def _raise_open_file_limit() -> None:
         pass
 
 
+# Start-up's objects (modules, the config, the catalog) never become garbage: frozen,
+# no collection scans them again. A young generation of 50,000 objects instead of 700:
+# with thousands of agent streams, the collector ran every few messages and took 42-48 %
+# of the server's CPU in a registration storm, full collections up to 1.2 s (issue 17).
+GC_THRESHOLDS = (50_000, 20, 10)
+
+
+def _tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run(config: Config) -> int:
     _raise_open_file_limit()
+    _tune_gc()
     failed: BaseException | None = None
     try:
         try:

@@ -1,0 +1,513 @@
+"""Admission of TLS handshakes on the control port: no anonymous peer can hold it, and
+a storm of agents is refused cheaply, before any SSL object, when it cannot be served.
+
+The port faces every node and every operator, before any credential is seen. What a
+connection may hold, and for how long:
+
+- Every connection has one deadline, `deadline_s` (3 s) from its arrival in the
+  kernel (its age there read from TCP_INFO, so time spent in the accept queue
+  counts): a silent, trickling or stalled handshake is cut then.
+- A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
+  is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
+  costs no wake-ups), and given back as soon as the server has sent its first
+  flight: a slot covers the server's own CPU (the signature, ~1 ms), never a wait
+  for the peer. A silent or slow peer therefore holds no slot at all, whatever it
+  does, and slots pace CPU instead of being held by slow clients.
+- A connection is counted as pending from accept to the end of its handshake; past
+  `max_pending` in all, or `per_source_pending` from one source address, a new
+  connection is reset at once (SO_LINGER 0): it costs an accept and a close, no
+  SSL object. A client that reached the accept queue too late to finish within its
+  deadline (`min_left_s`) is reset the same way, as is one whose deadline is too
+  near once its slot comes: the server serves only clients that will still be
+  there, and the agents back off on a reset.
+- Work past the handshake is bounded too: a whole hello takes an in-flight place
+  in its lane before its handshake, held until the connection has had its
+  answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
+  closes, or `in_flight_s` has passed. Two lanes, told apart by the ClientHello
+  alone: agents offer the ALPN name `llmgw-agent` (AGENT_ALPN), everyone else
+  (operators' CLI, browsers, curl) is in the other lane, so a registration storm
+  cannot crowd operators out, nor operators agents. A hello waits for a place in
+  FIFO order while the lane's queue holds no more than the lane serves within a
+  deadline (its measured rate of places given back, in seconds when every place was
+  taken); past that it is reset before any SSL object. Without this bound a storm
+  on a starved server completed thousands of TLS handshakes whose clients then
+  gave up during the websocket handshake (measured at 2,000 nodes: 3,463 of 6,381
+  dials).
+
+An attacker from one address can hold `per_source_pending` sockets for 3 s each and
+nothing else; holding every pending place takes max_pending / per_source_pending
+addresses (16 with the defaults), each redialling 340 times a second.
+
+The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
+source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
+the socket and carries them out.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import struct
+from collections import Counter
+
+import attrs
+import trio
+
+from llmgw_core import sockio
+from llmgw_core.ratelog import RateLimit
+from llmgw_core.sockio import peer_left
+
+log = logging.getLogger(__name__)
+
+_TLS_HANDSHAKE_RECORD = 0x16
+HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum shares included
+_TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, milliseconds)
+_TCP_INFO_BYTES = 104
+
+
+@attrs.frozen
+class AdmissionLimits:
+    handshakes_at_once: int = 32  # server flights being computed at once (CPU, not peers)
+    deadline_s: float = 3.0  # from the connection's arrival in the kernel to its handshake's end
+    max_pending: int = 1024  # connections between accept and the end of their handshake
+    per_source_pending: int = 64  # of those, from one source address
+    min_left_s: float = 0.5  # a handshake begun with less time left would not finish
+    # Agents between their hello and their welcome: as many as the lane gives back in
+    # `in_flight_target_s` at its measured rate (Little's law: a registration then takes
+    # about that long, well within an agent's 10 s), within these bounds.
+    agents_in_flight: tuple[int, int] = (32, 1024)
+    others_in_flight: int = 16  # anyone else between the hello and the first answer
+    in_flight_target_s: float = 3.0
+    in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)
+    # Places given back a second, assumed until measured (a cold start into a storm):
+    # one core registers a few hundred agents a second; this is a busy machine's share.
+    assumed_rate: float = 50.0
+
+
+AGENT_ALPN = b"llmgw-agent"  # offered by agents in their ClientHello: the agents' lane
+AGENTS, OTHERS = "agents", "others"
+
+
+REFUSED_FULL = "too many handshakes pending"
+REFUSED_SOURCE = "too many handshakes pending from this address"
+REFUSED_LATE = "waited too long in the accept queue"
+SHED_LATE = "waited too long for a handshake slot"
+REFUSED_BUSY = "more hellos queued than the server can serve in time"
+
+
+@attrs.define
+class Lane:
+    """Connections of one kind between their whole hello and their answers."""
+
+    min_places: int
+    max_places: int
+    waiting: int = 0  # whole hellos queued for a place
+    in_flight: int = 0
+    rate: float | None = None  # places given back a second, while every one was taken
+    bucket_start: float = 0.0
+    bucket_done: int = 0
+    bucket_busy: bool = False
+
+    def roll(self, now: float) -> None:
+        """After each second in which every place was taken, the rate moves halfway to
+        what that second did (a quiet second says nothing of capacity)."""
+        elapsed = now - self.bucket_start
+        if elapsed < 1.0:
+            return
+        if self.bucket_busy and elapsed < 2.0:  # (a longer gap had no events: no measure)
+            observed = self.bucket_done / elapsed
+            self.rate = observed if self.rate is None else (self.rate + observed) / 2
+        self.bucket_start, self.bucket_done, self.bucket_busy = now, 0, False
+
+    def places(self, limits: AdmissionLimits) -> int:
+        rate = limits.assumed_rate if self.rate is None else self.rate
+        wanted = int(rate * limits.in_flight_target_s)
+        return min(self.max_places, max(self.min_places, wanted))
+
+
+@attrs.define
+class TLSAdmission:
+    """Who may begin a handshake: counts of pending connections per source, the lanes,
+    and how many connections were turned away, per reason (for metrics and tests)."""
+
+    limits: AdmissionLimits = attrs.field(factory=AdmissionLimits)
+    pending: Counter[str] = attrs.field(factory=Counter)
+    refused: Counter[str] = attrs.field(factory=Counter)
+    total_pending: int = 0
+    lanes: dict[str, Lane] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.lanes = {
+            AGENTS: Lane(*self.limits.agents_in_flight),
+            OTHERS: Lane(self.limits.others_in_flight, self.limits.others_in_flight),
+        }
+
+    def arrive(self, source: str, age_s: float) -> str | None:
+        """A connection accepted from `source` after `age_s` in the kernel's queue:
+        None when it is admitted (pending until `leave`), else why it is refused."""
+        why: str | None = None
+        if age_s > self.limits.deadline_s - self.limits.min_left_s:
+            why = REFUSED_LATE
+        elif self.total_pending >= self.limits.max_pending:
+            why = REFUSED_FULL
+        elif self.pending[source] >= self.limits.per_source_pending:
+            why = REFUSED_SOURCE
+        if why is not None:
+            self.refused[why] += 1
+            return why
+        self.pending[source] += 1
+        self.total_pending += 1
+        return None
+
+    def leave(self, source: str) -> None:
+        """An admitted connection's handshake ended (done, failed or cut)."""
+        self.total_pending -= 1
+        self.pending[source] -= 1
+        if self.pending[source] <= 0:
+            del self.pending[source]
+
+    def deadline(self, accepted_at: float, age_s: float) -> float:
+        """When an admitted connection's handshake must be over (trio's clock)."""
+        return accepted_at - age_s + self.limits.deadline_s
+
+    def queue_bound(self, lane: str) -> float:
+        """The hellos that may wait for a place: as many as the lane gives back (at its
+        measured rate) within a deadline, less the time a handshake takes."""
+        held = self.lanes[lane]
+        rate = self.limits.assumed_rate if held.rate is None else held.rate
+        within = self.limits.deadline_s - self.limits.min_left_s
+        return max(float(held.min_places), rate * within)
+
+    def has_room(self, lane: str) -> bool:
+        """A queued hello may take a place now."""
+        held = self.lanes[lane]
+        return held.in_flight < held.places(self.limits)
+
+    def hello(self, lane: str, now: float) -> str | None:
+        """A whole ClientHello arrived: None when it joins its lane's queue for a place
+        (until `begin` or `unqueue`), else why it is refused, before any SSL object: it
+        would wait past its deadline, its handshake work thrown away."""
+        held = self.lanes[lane]
+        held.roll(now)
+        if held.waiting >= self.queue_bound(lane):
+            self.refused[REFUSED_BUSY] += 1
+            return REFUSED_BUSY
+        if held.in_flight + held.waiting >= held.places(self.limits):
+            held.bucket_busy = True  # the places are the limit: this second shows capacity
+        held.waiting += 1
+        return None
+
+    def unqueue(self, lane: str) -> None:
+        """A queued hello left the queue without a place (cut at its deadline)."""
+        self.lanes[lane].waiting -= 1
+
+    def begin(self, lane: str, now: float, deadline: float) -> bool:
+        """A place came: begin the handshake (the place held until `done`) only if it
+        can still finish in time; either way the hello has left the queue."""
+        held = self.lanes[lane]
+        held.waiting -= 1
+        if deadline - now >= self.limits.min_left_s:
+            held.in_flight += 1
+            return True
+        self.refused[SHED_LATE] += 1
+        return False
+
+    def done(self, lane: str, now: float) -> None:
+        """A place given back (answered, closed, failed or timed out): counts for the rate."""
+        held = self.lanes[lane]
+        held.roll(now)
+        held.in_flight -= 1
+        held.bucket_done += 1
+
+
+def offered_alpn(hello: bytes) -> list[bytes]:
+    """The ALPN names a whole ClientHello offers (RFC 7301); [] when it offers none or
+    cannot be read (then OpenSSL judges it). Reads the first record's fragment only:
+    real hellos fit in one."""
+    try:
+        body = hello[5 + 4 : 5 + int.from_bytes(hello[3:5], "big")]
+        pos = 2 + 32  # legacy_version, random
+        pos += 1 + body[pos]  # legacy_session_id
+        pos += 2 + int.from_bytes(body[pos : pos + 2], "big")  # cipher_suites
+        pos += 1 + body[pos]  # legacy_compression_methods
+        end = pos + 2 + int.from_bytes(body[pos : pos + 2], "big")
+        pos += 2
+        while pos + 4 <= min(end, len(body)):
+            kind = int.from_bytes(body[pos : pos + 2], "big")
+            size = int.from_bytes(body[pos + 2 : pos + 4], "big")
+            if kind == 16:  # application_layer_protocol_negotiation
+                names, at = [], pos + 6
+                while at < pos + 4 + size:
+                    names.append(body[at + 1 : at + 1 + body[at]])
+                    at += 1 + body[at]
+                return names
+            pos += 4 + size
+    except IndexError:
+        pass
+    return []
+
+
+def lane_of(hello: bytes) -> str:
+    return AGENTS if AGENT_ALPN in offered_alpn(hello) else OTHERS
+
+
+def hello_bytes_needed(peeked: bytes) -> int:
+    """How many bytes must be buffered before the ClientHello is whole (0: it is, or the
+    bytes are no TLS handshake and OpenSSL may refuse them at once; -1: it would be over
+    HELLO_MAX_BYTES, which no real client sends). The hello may span several records."""
+    pos = 0
+    head = b""  # the handshake message's 4-byte header (type, 24-bit length)
+    body = 0  # handshake bytes in the whole records so far
+    while True:
+        if len(peeked) < pos + 5:
+            return pos + 5
+        record = int.from_bytes(peeked[pos + 3 : pos + 5], "big")
+        if peeked[pos] != _TLS_HANDSHAKE_RECORD or record == 0:
+            return 0  # not a handshake record (RFC 8446 5.1 forbids empty ones)
+        end = pos + 5 + record
+        if end > HELLO_MAX_BYTES:
+            return -1
+        if len(peeked) < end:
+            return end
+        head += peeked[pos + 5 : pos + 5 + min(record, 4 - len(head))]
+        body += record
+        pos = end
+        if len(head) == 4 and body >= 4 + int.from_bytes(head[1:4], "big"):
+            return 0
+
+
+# -- the trio shell ------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """An admitted connection, before its handshake."""
+
+    stream: trio.SocketStream
+    source: str
+    deadline: float  # trio's clock
+
+
+def kernel_age_s(sock: socket.socket) -> float:
+    """How long an accepted connection has existed (its wait in the accept queue): the
+    time since it last sent data, which it never has yet. 0 where TCP_INFO is missing."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, AttributeError):
+        return 0.0
+    if len(info) < _TCPI_LAST_DATA_SENT + 4:
+        return 0.0
+    (ms,) = struct.unpack_from("I", info, _TCPI_LAST_DATA_SENT)
+    return float(ms) / 1000.0
+
+
+def reset(stream: trio.SocketStream) -> None:
+    """Close with a reset (SO_LINGER 0): nothing kept in TIME_WAIT, and the client
+    learns at once, as a refused connection, that it must come back later."""
+    try:
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    stream.socket.close()
+
+
+
+
+def _raw(stream: trio.SocketStream) -> socket.socket:
+    sock = sockio.raw_socket(stream)
+    if sock is None:
+        raise TypeError(f"a TCP socket stream expected, not {type(stream).__name__}")
+    return sock
+
+
+def _source(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError):
+        return "?"
+
+
+class Gate:
+    """The control port's admission, for one HTTPServer: the decisions, the CPU slots
+    and the lanes' places."""
+
+    def __init__(self, limits: AdmissionLimits | None = None) -> None:
+        self.core = TLSAdmission(limits or AdmissionLimits())
+        self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
+        # Hellos waiting for a place in their lane, woken in order as places come back.
+        self.lots = {name: trio.lowlevel.ParkingLot() for name in self.core.lanes}
+        self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
+
+    def admit(self, stream: trio.SocketStream) -> Ticket | None:
+        """At accept: a ticket, or None when the connection was refused (reset)."""
+        raw = _raw(stream)
+        age = kernel_age_s(raw)
+        source = _source(raw)
+        why = self.core.arrive(source, age)
+        if why is not None:
+            self._refused(stream, source, why)
+            return None
+        return Ticket(stream, source, self.core.deadline(trio.current_time(), age))
+
+    def _refused(self, stream: trio.SocketStream, source: str, why: str) -> None:
+        reset(stream)
+        held = self.refusals_log.allow(why, trio.current_time())
+        if held is not None:
+            more = f" ({held} more since the last such line)" if held else ""
+            log.warning("refused a TLS connection from %s: %s%s", source, why, more)
+
+    def leave(self, ticket: Ticket) -> None:
+        self.core.leave(ticket.source)
+
+    def wake(self, lane: str) -> None:
+        """Wake as many queued hellos as there is room (the lane's places may have grown)."""
+        held = self.core.lanes[lane]
+        self.lots[lane].unpark(count=max(1, held.places(self.core.limits) - held.in_flight))
+
+    async def handshake(
+        self, ticket: Ticket, context: ssl.SSLContext
+    ) -> trio.SSLStream[Watched] | None:
+        """The whole ClientHello, a place in its lane, a CPU slot, the handshake: the
+        TLS stream, or None when the peer left or was shed (closed already). Raises
+        trio's stream errors as SSLStream does; the caller cancels at `ticket.deadline`
+        and calls `hold_place` with the stream it got."""
+        stream = ticket.stream
+        raw = _raw(stream)
+        hello = await _whole_hello(raw)
+        if hello is None:
+            await trio.aclose_forcefully(stream)
+            return None
+        lane = lane_of(hello)
+        why = self.core.hello(lane, trio.current_time())
+        if why is not None:
+            self._refused(stream, ticket.source, why)
+            return None
+        try:
+            while not self.core.has_room(lane):
+                await self.lots[lane].park()
+        except BaseException:
+            self.core.unqueue(lane)  # cut at its deadline while it waited
+            raise
+        if not self.core.begin(lane, trio.current_time(), ticket.deadline):
+            self.wake(lane)  # the room it was woken for goes to the next
+            reset(stream)
+            return None
+        place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
+        try:
+            if peer_left(raw):  # a client that gave up while it waited costs no handshake
+                await trio.aclose_forcefully(stream)
+                place.give_back()
+                return None
+            slot = _Slot(self.slots)
+            await slot.acquire()
+            try:
+                watched = Watched(stream, slot, place)
+                tls = trio.SSLStream(watched, context, server_side=True)
+                await tls.do_handshake()
+            finally:
+                slot.release()
+            watched.handshaken = True
+        except BaseException:
+            place.give_back()
+            raise
+        return tls
+
+    async def hold_place(self, tls: trio.SSLStream[Watched]) -> None:
+        """Give the connection's place back after `in_flight_s` at the latest."""
+        await trio.sleep(self.core.limits.in_flight_s)
+        tls.transport_stream.place.give_back()
+
+
+class _Place:
+    """A connection's place in its lane, given back once (answered, closed, timed out)."""
+
+    def __init__(self, gate: Gate, lane: str, answers: int) -> None:
+        self.gate, self.lane = gate, lane
+        self.answers_left = answers  # sends after the handshake, each an answer or more
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self.gate.core.done(self.lane, trio.current_time())
+            self.gate.wake(self.lane)
+
+
+async def _whole_hello(sock: socket.socket) -> bytes | None:
+    """Wait until the ClientHello is buffered whole (its bytes, still in the kernel's
+    buffer), or the peer closed (None). SO_RCVLOWAT makes the socket readable only once
+    the bytes still missing are there."""
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(sock)
+            try:
+                peeked = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return None
+            if not peeked:
+                return None
+            needed = hello_bytes_needed(peeked)
+            if needed == -1:
+                return None
+            if needed == 0:
+                return peeked
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+    finally:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        except OSError:
+            pass
+
+
+class _Slot:
+    """A handshake slot, given back early by `release` (the first flight was sent)."""
+
+    def __init__(self, slots: trio.Semaphore) -> None:
+        self.slots = slots
+        self.held = False
+
+    async def acquire(self) -> None:
+        await self.slots.acquire()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.release()
+
+
+class Watched(trio.abc.Stream):
+    """The TCP stream under a server-side SSLStream. It gives the CPU slot back once the
+    server's first flight is sent, since what follows waits on the peer, and the
+    connection's place once its answers are sent (each send after the handshake
+    carries one; an agent's are the 101 and the welcome) or it closes."""
+
+    def __init__(self, stream: trio.SocketStream, slot: _Slot, place: _Place) -> None:
+        self.stream = stream
+        self.socket = stream.socket  # lets the peer be named
+        self._slot: _Slot | None = slot
+        self.place = place
+        self.handshaken = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+        await self.stream.send_all(data)
+        if self.handshaken and self.place.held:
+            self.place.answers_left -= 1
+            if self.place.answers_left <= 0:
+                self.place.give_back()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.stream.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        self.place.give_back()
+        await self.stream.aclose()
