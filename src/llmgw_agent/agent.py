@@ -50,6 +50,7 @@ from llmgw_agent.supervisor import (
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import client_context
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
@@ -496,9 +497,10 @@ class Agent:
         shard.state, shard.detail = state, detail
         spec = shard.spec
         if state is ShardState.FAILED:
-            log.warning("%s rank %d failed: %s", spec.replica_id, spec.rank, detail)
+            # The engine's words, escaped: its output must not forge the agent's log lines.
+            log.warning("%s rank %d failed: %s", spec.replica_id, spec.rank, escaped(detail))
             for line in tail[-10:]:
-                log.warning("    %s", line)
+                log.warning("    %s", escaped(line))
         else:
             # A detail may begin with the state ("draining on request"): say it once.
             words = detail if detail.startswith(str(state)) else f"{state} {detail}".rstrip()

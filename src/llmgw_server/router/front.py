@@ -15,6 +15,7 @@ import trio
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection, digest_of
 from llmgw_core.http_server import JSON, Request, Responder, ServerLimits
+from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
 from llmgw_server.router.access_log import (
@@ -475,7 +476,8 @@ class Router:
         if suppressed is None:
             return
         more = f" ({suppressed} more since the last line)" if suppressed else ""
-        log.warning("%d for %s from replica %s: %s%s", status, model, where, why, more)
+        # `why` may quote the engine's own answer: escaped, one line whatever it sent.
+        log.warning("%d for %s from replica %s: %s%s", status, model, where, escaped(why), more)
 
     def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
         if balancer.failed(replica, trio.current_time()):
