@@ -2,7 +2,7 @@
 
 Run by bench/fleet_bench.py, several at once, so that the simulator is never the
 bottleneck it measures. Each simulated node does what the real agent's stream
-does (llmgw_agent.dial for the TCP and TLS dial, with its own certificate from
+does (llmgw_core.dial for the TCP and TLS dial, with its own certificate from
 the fleet CA; register; a heartbeat every interval; the agent's silence bound
 and full-jitter reconnect backoff), and nothing else: no engines.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llmgw_agent.agent import Session, backoff_delay, next_attempt
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.dial import ConnectFailed, open_agent_stream
+from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,

@@ -211,7 +211,7 @@ class Proc:
 def start_mock(name: str, *extra: str) -> Proc:
     proc = Proc(
         name,
-        [sys.executable, "-m", "llmgw_core.mock_engine", "serve", MODEL,
+        [sys.executable, "-m", "llmgw_mock_engine", "serve", MODEL,
          "--host", "127.0.0.1", "--port", "0", *extra],
         r"mock engine serving .* on (http://127\.0\.0\.1:\d+)",
     )

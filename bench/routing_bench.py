@@ -8,7 +8,7 @@ Run it from the repository root with the project's virtualenv:
     .venv/bin/python bench/routing_bench.py --help
 
 It starts real processes on free loopback ports: 8 mock engines with their
-scheduler model on (llmgw_core.mock_scheduler: a paged prefix cache, a shared
+scheduler model on (llmgw_mock_engine.scheduler: a paged prefix cache, a shared
 prefill rate, a decode rate per sequence, a limit on running sequences with a FIFO
 queue), and for every run a fresh router in front of them with
 `[router] balancing` set to the policy measured. Before every run each engine's
@@ -73,7 +73,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from llmgw_core.mock_engine import answer_text  # noqa: E402  (the engines' own answers)
+from llmgw_mock_engine.engine import answer_text  # noqa: E402  (the engines' own answers)
 
 RESULTS_DIR = ROOT / "bench" / "results"
 LOG_DIR = RESULTS_DIR / "routing-logs"
@@ -208,7 +208,7 @@ def start_engines(params: EngineParams) -> list[Proc]:
     engines = [
         Proc(
             f"engine-{i}",
-            [sys.executable, "-m", "llmgw_core.mock_engine", "serve", MODEL, "--host", "127.0.0.1",
+            [sys.executable, "-m", "llmgw_mock_engine", "serve", MODEL, "--host", "127.0.0.1",
              "--port", "0", *params.argv()],
             r"mock engine serving .* on (http://127\.0\.0\.1:\d+)",
         )

@@ -19,7 +19,7 @@ from llmgw_core.certs import init_ca, issue_node
 from procs import Proc, Procs, free_port
 
 SIM = Path(__file__).parent.parent / "conf" / "sim"
-MOCK = [sys.executable, "-m", "llmgw_core.mock_engine"]
+MOCK = [sys.executable, "-m", "llmgw_mock_engine"]
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:

@@ -95,7 +95,7 @@ class Procs:
             [
                 sys.executable,
                 "-m",
-                "llmgw_core.mock_engine",
+                "llmgw_mock_engine",
                 "serve",
                 model,
                 "--port",

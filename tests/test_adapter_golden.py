@@ -110,7 +110,7 @@ def test_vllm_key_never_on_the_command_line() -> None:
 
 
 def test_mock_takes_vllms_line_and_key() -> None:
-    prefix = ("python", "-m", "llmgw_core.mock_engine")
+    prefix = ("python", "-m", "llmgw_mock_engine")
     mock = build_command(prefix, launch("mock", api_key="k1", env=(("LLMGW_MOCK_TOKENS", "3"),)))
     vllm = build_command(prefix, launch("vllm", api_key="k1", env=(("LLMGW_MOCK_TOKENS", "3"),)))
     assert mock == vllm

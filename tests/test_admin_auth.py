@@ -18,11 +18,11 @@ import pytest
 import trio
 
 from llmgw_core.config import Config, parse_config
-from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tomlshape import ConfigError
+from llmgw_http.server import HTTPServer, ServerLimits
 from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
-from llmgw_server.plane.admin import AdminAPI
+from llmgw_server.control_shell.admin import AdminAPI
 
 TOKEN = "adm-secret-token"
 DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()

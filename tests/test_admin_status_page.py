@@ -8,7 +8,7 @@ import pytest
 from llmgw_core.config import parse_config
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_server.control.reconciler import Reconciler, random_engine_key
-from llmgw_server.plane.admin import status_page
+from llmgw_server.control_shell.admin import status_page
 
 CONFIG: dict[str, object] = {
     "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},

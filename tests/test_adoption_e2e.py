@@ -28,7 +28,7 @@ def forking_wrapper(directory: Path) -> list[str]:
     """A shell script that runs the engine as its child (no exec): the recorded PID is
     the shell's."""
     script = directory / "engine.sh"
-    script.write_text(f'#!/bin/sh\n"{sys.executable}" -m llmgw_core.mock_engine "$@"\n')
+    script.write_text(f'#!/bin/sh\n"{sys.executable}" -m llmgw_mock_engine "$@"\n')
     script.chmod(0o755)
     return [str(script)]
 
@@ -56,7 +56,7 @@ def children(pid: int) -> list[int]:
 
 
 # `sh -c 'exec ...'`: the shell becomes the engine, whose command line is not the argv run.
-EXEC_WRAPPER = ["sh", "-c", 'exec "$0" -m llmgw_core.mock_engine "$@"', sys.executable]
+EXEC_WRAPPER = ["sh", "-c", 'exec "$0" -m llmgw_mock_engine "$@"', sys.executable]
 
 
 @pytest.mark.parametrize(

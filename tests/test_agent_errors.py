@@ -18,11 +18,11 @@ import trio_websocket
 
 from fleet import SIM, Fleet, wait_until
 from llmgw_agent.config import parse_agent_config
-from llmgw_agent.dial import ConnectFailed, open_agent_stream
 from llmgw_core.certs import init_ca, issue_node
-from llmgw_core.http_server import HTTPServer, ReplayStream, Request, Responder, ServerLimits
+from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.tls_config import AgentsTLS, AgentTLS, client_context, server_context
 from llmgw_core.tomlshape import ConfigError
+from llmgw_http.server import HTTPServer, ReplayStream, Request, Responder, ServerLimits
 from procs import Proc, free_port
 
 # --- in process -------------------------------------------------------------------------
@@ -142,7 +142,7 @@ async def test_each_failure_is_said_in_words(
 async def test_a_certificate_from_another_ca_is_named_on_both_ends(
     cas: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, "llmgw_core.http_server")
+    caplog.set_level(logging.DEBUG, "llmgw_http.server")
     with trio.fail_after(20):
         async with servers(cas["fleet"]) as ports:
             url = f"wss://127.0.0.1:{ports['tls']}/v1/agent"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_core.chunked import ChunkDecoder, ChunkedError
+from llmgw_http.chunked import ChunkDecoder, ChunkedError
 from test_chunked import encode
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_core.chunked import ChunkDecoder, ChunkedError, ChunkScanner
+from llmgw_http.chunked import ChunkDecoder, ChunkedError, ChunkScanner
 
 
 def encode(chunks: list[bytes]) -> bytes:

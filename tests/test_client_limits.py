@@ -21,9 +21,9 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw_core import http_server
 from llmgw_core.config import parse_config
-from llmgw_core.http_server import (
+from llmgw_http import server as http_server
+from llmgw_http.server import (
     BODY_RATE_GRACE_S,
     HTTPServer,
     Request,

@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw_core import coarse_timeouts
-from llmgw_core.coarse_timeouts import TICK_S
+from llmgw_http import coarse_timeouts
+from llmgw_http.coarse_timeouts import TICK_S
 
 
 async def test_move_on_after_cancels_within_a_tick_and_never_early(

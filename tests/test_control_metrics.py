@@ -24,13 +24,13 @@ from fleet import Fleet, wait_until
 from llmgw_core.catalog import Profile
 from llmgw_core.config import Config, parse_config
 from llmgw_core.control_config import ControlSection
-from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Ack, Heartbeat, Welcome
+from llmgw_http.server import HTTPServer, ServerLimits
 from llmgw_server.control import explanation
 from llmgw_server.control.reconciler import Reconciler
-from llmgw_server.plane.admin import AdminAPI
-from llmgw_server.plane.metrics import (
+from llmgw_server.control_shell.admin import AdminAPI
+from llmgw_server.control_shell.metrics import (
     PLACEMENT_REASONS,
     ControlMetrics,
     message_type,

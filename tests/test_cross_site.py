@@ -26,12 +26,12 @@ from selenium.webdriver.chrome.service import Service
 
 from llmgw_core.certs import init_ca
 from llmgw_core.config import ListenAddress, ServerSection, parse_config
-from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tomlshape import ConfigError
 from llmgw_core.wire import PROTOCOL, Register, Welcome, decode_down, encode
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_server.app import Running, main
-from llmgw_server.plane.cross_site import (
+from llmgw_server.control_shell.cross_site import (
     ControlNames,
     certificate_names,
     control_names,

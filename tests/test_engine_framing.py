@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from llmgw_core.config import parse_config
-from llmgw_core.http_server import HTTPServer
+from llmgw_http.server import HTTPServer
 from llmgw_server.router.front import Router, server_limits
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()

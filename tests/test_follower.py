@@ -22,14 +22,14 @@ import pytest
 import trio
 
 from fleet import Fleet, wait_until
-from llmgw_agent.dial import Target
 from llmgw_core.catalog import Endpoint
 from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
-from llmgw_core.route_feed import PROTOCOL, FeedError, Hello, InFlight, encode
+from llmgw_core.dial import Target
 from llmgw_server.__main__ import run_cli
-from llmgw_server.plane.routes import RouteHub, refusal
-from llmgw_server.router.follower import Follower, local_pair
+from llmgw_server.route_feed.follower import Follower, local_pair
+from llmgw_server.route_feed.hub import RouteHub, refusal
+from llmgw_server.route_feed.messages import PROTOCOL, FeedError, Hello, InFlight, encode
 from llmgw_server.router.front import Router
 from llmgw_server.router.standalone import feed_target
 from procs import Proc, free_port, metric

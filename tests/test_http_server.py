@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 import trio_websocket
 
-from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 
 
 async def hello(request: Request, responder: Responder) -> None:

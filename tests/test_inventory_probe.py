@@ -102,7 +102,7 @@ def test_simulated_inventory_errors_name_the_key(tmp_path: Path) -> None:
 
 
 def test_engine_info() -> None:
-    mock = engine_info("mock", [sys.executable, "-m", "llmgw_core.mock_engine"])
+    mock = engine_info("mock", [sys.executable, "-m", "llmgw_mock_engine"])
     assert mock.found and mock.version.startswith("llmgw-mock-engine")
     missing = engine_info("vllm", ["/nonexistent/vllm"])
     assert not missing.found and "not found" in missing.version

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import trio
 
-from llmgw_core.mock_engine import parse_args
-from llmgw_core.mock_scheduler import EngineModel
+from llmgw_mock_engine.engine import parse_args
+from llmgw_mock_engine.scheduler import EngineModel
 from procs import Procs, metric
 
 

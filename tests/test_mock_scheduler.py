@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from llmgw_core.mock_scheduler import (
+from llmgw_mock_engine.scheduler import (
     BlockCache,
     EngineModel,
     PromptTooLong,

@@ -14,8 +14,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_core import http_server
-from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_http import server as http_server
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 
 
 async def handler(request: Request, responder: Responder) -> None:

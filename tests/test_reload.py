@@ -18,7 +18,7 @@ from fleet import Fleet, wait_until
 from llmgw_core.catalog import parse_endpoint
 from llmgw_core.config import Config, parse_config
 from llmgw_core.tomlshape import load_toml
-from llmgw_server.router.reload import plan_reload, reloaded_config
+from llmgw_server.reload import plan_reload, reloaded_config
 from procs import Proc, Procs, free_port, models_toml
 
 CHAT = [{"role": "user", "content": "hello reload"}]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.route_feed import (
+from llmgw_server.route_feed.messages import (
     PROTOCOL,
     FeedError,
     Hello,

@@ -23,10 +23,10 @@ import trio
 from fleet import Fleet, wait_until
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import digest_of, parse_config
-from llmgw_core.route_feed import RouteTable
 from llmgw_core.tomlshape import ConfigError
 from llmgw_server.__main__ import run_cli
-from llmgw_server.router.follower import Follower
+from llmgw_server.route_feed.follower import Follower
+from llmgw_server.route_feed.messages import RouteTable
 from llmgw_server.router.front import Router
 from procs import Proc, free_port
 from test_fleet_e2e import CHAT, model

@@ -54,7 +54,7 @@ from llmgw_core.ws_frames import (
 )
 from llmgw_server.app import Running, main
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
-from llmgw_server.plane.agents import silent_streams
+from llmgw_server.control_shell.agents import silent_streams
 from procs import Proc, free_port
 from tcp_relay import Relay
 

@@ -48,7 +48,7 @@ def recorder() -> tuple[list[Transition], object]:
 async def test_ready_then_stopped_on_cancel() -> None:
     seen, report = recorder()
     port = free_port()
-    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port)]
+    argv = [sys.executable, "-m", "llmgw_mock_engine", "serve", "m", "--port", str(port)]
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client, trio.open_nursery() as nursery:
             engine = EngineProcess(
@@ -125,7 +125,7 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
     """An agent that shuts down leaves its engines serving; a later agent adopts them."""
     seen, report = recorder()
     port = free_port()
-    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port)]
+    argv = [sys.executable, "-m", "llmgw_mock_engine", "serve", "m", "--port", str(port)]
     url = f"http://127.0.0.1:{port}/health"
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
@@ -152,7 +152,7 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
 async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() -> None:
     seen, report = recorder()
     port = free_port()
-    argv = [sys.executable, "-m", "llmgw_core.mock_engine", "serve", "m", "--port", str(port), "--mock-startup-delay", "60"]
+    argv = [sys.executable, "-m", "llmgw_mock_engine", "serve", "m", "--port", str(port), "--mock-startup-delay", "60"]
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             engine = EngineProcess(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_core.timer_wheel import TimerWheel
+from llmgw_http.timer_wheel import TimerWheel
 
 TICK = 0.05
 times = st.floats(min_value=0, max_value=100, allow_nan=False)

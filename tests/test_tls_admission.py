@@ -13,14 +13,15 @@ import httpx
 import pytest
 import trio
 
-from llmgw_agent.dial import open_agent_stream
-from llmgw_core import sockio
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.config import parse_config
-from llmgw_core.http_server import JSON, HTTPServer, Request, Responder, ServerLimits
+from llmgw_core.dial import AGENT_ALPN, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
-from llmgw_core.tls_admission import (
-    AGENT_ALPN,
+from llmgw_core.tls_config import AgentsTLS, server_context
+from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
+from llmgw_http import sockio
+from llmgw_http.server import JSON, HTTPServer, Request, Responder, ServerLimits
+from llmgw_http.tls_admission import (
     AGENTS,
     HELLO_MAX_BYTES,
     OTHERS,
@@ -37,8 +38,6 @@ from llmgw_core.tls_admission import (
     offered_alpn,
     peer_left,
 )
-from llmgw_core.tls_config import AgentsTLS, server_context
-from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
 from llmgw_server.app import Running, main
 
 # -- the pure parts ----------------------------------------------------------------

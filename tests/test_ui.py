@@ -31,8 +31,8 @@ from selenium.webdriver.common.by import By
 
 from fleet import Fleet, wait_until
 from llmgw_server.control.reconciler import Step
-from llmgw_server.plane import ui_server
-from llmgw_server.plane.fleet_feed import FleetFeed
+from llmgw_server.control_shell import ui_server
+from llmgw_server.control_shell.fleet_feed import FleetFeed
 from test_demo import _alive as engine_alive
 from test_demo import free_pair, read_banner, start_demo
 

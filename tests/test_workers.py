@@ -470,8 +470,8 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
 
     from llmgw_core.catalog import Endpoint
     from llmgw_core.config import parse_config
-    from llmgw_server.plane.routes import RouteHub
-    from llmgw_server.router.follower import Follower, local_pair
+    from llmgw_server.route_feed.follower import Follower, local_pair
+    from llmgw_server.route_feed.hub import RouteHub
     from llmgw_server.router.front import Router
     from llmgw_server.router.workers import TableRelay
 

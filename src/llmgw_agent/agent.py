@@ -39,7 +39,6 @@ from llmgw_agent import shard_records as records
 from llmgw_agent.adapters import EngineLaunch, build_command
 from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.dial import ConnectFailed, open_agent_stream
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
     EngineProcess,
@@ -49,6 +48,7 @@ from llmgw_agent.supervisor import (
 )
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
+from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import client_context

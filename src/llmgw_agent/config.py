@@ -33,7 +33,7 @@ DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),
     "sglang": ("python3", "-m", "sglang.launch_server"),
     "llamacpp": ("llama-server",),
-    "mock": (sys.executable, "-m", "llmgw_core.mock_engine"),
+    "mock": (sys.executable, "-m", "llmgw_mock_engine"),
 }
 
 

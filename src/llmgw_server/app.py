@@ -13,14 +13,14 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer
-from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
-from llmgw_server.plane.port import ControlListenFailed, serve_control_port
-from llmgw_server.plane.routes import RouteHub
-from llmgw_server.router.follower import Follower, local_pair
+from llmgw_http.server import HTTPServer
+from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.control_shell.port import ControlListenFailed, serve_control_port
+from llmgw_server.reload import reload_on_sighup, router_reloader, with_control_plane
+from llmgw_server.route_feed.follower import Follower, local_pair
+from llmgw_server.route_feed.hub import RouteHub
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever
-from llmgw_server.router.reload import reload_on_sighup, router_reloader, with_control_plane
 
 log = logging.getLogger("llmgw.server")
 

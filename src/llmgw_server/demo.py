@@ -32,7 +32,7 @@ import httpx
 from llmgw_core.certs import init_ca, issue_node
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-MOCK = f'["{sys.executable}", "-m", "llmgw_core.mock_engine"]'
+MOCK = f'["{sys.executable}", "-m", "llmgw_mock_engine"]'
 PORT_ENV = "LLMGW_DEMO_PORT"
 NODES = (("sim-node-1", "node-2xl4.toml"), ("sim-node-2", "node-8xh100.toml"))
 READY_TIMEOUT_S = 60.0

@@ -16,7 +16,7 @@ from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, Stop
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 from llmgw_server.control.shards import Phase
-from llmgw_server.plane.admin import status
+from llmgw_server.control_shell.admin import status
 
 READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
 POD_A = {"ib_domain": "pod-a"}

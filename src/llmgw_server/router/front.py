@@ -14,10 +14,11 @@ import trio
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection, digest_of
-from llmgw_core.http_server import JSON, Request, Responder, ServerLimits
 from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
+from llmgw_http.server import JSON, Request, Responder, ServerLimits
+from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.access_log import (
     FORMATTERS,
     AccessRecord,
@@ -29,7 +30,6 @@ from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.prefix import PromptKey, prompt_key
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
-from llmgw_server.router.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")

@@ -16,8 +16,8 @@ import httpx
 import trio
 
 from llmgw_core.catalog import Endpoint
+from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.balancer import Balancer, Replica
-from llmgw_server.router.follower import Follower
 from llmgw_server.router.front import Router
 from llmgw_server.router.load_signals import parse_load
 

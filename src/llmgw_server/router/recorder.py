@@ -12,8 +12,8 @@ from typing import BinaryIO
 
 import trio
 
-from llmgw_core.http_server import JSON, Responder
 from llmgw_core.openai_errors import error_body
+from llmgw_http.server import JSON, Responder
 from llmgw_server.router.access_log import AccessRecord, usage_in
 
 log = logging.getLogger("llmgw.router")

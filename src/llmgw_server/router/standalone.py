@@ -33,16 +33,16 @@ import httpx
 import trio
 import trio_websocket
 
-from llmgw_agent.dial import ConnectFailed, Target, describe_os_error, describe_rejection
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer
-from llmgw_core.route_feed import MAX_FRAME_BYTES, FeedError, RouteTable
-from llmgw_core.route_feed_ws import WebSocketFeed
+from llmgw_core.dial import ConnectFailed, Target, describe_os_error, describe_rejection
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
-from llmgw_server.router.follower import Connection, Follower
+from llmgw_http.server import HTTPServer
+from llmgw_server.reload import reload_on_sighup, router_reloader
+from llmgw_server.route_feed.follower import Connection, Follower
+from llmgw_server.route_feed.messages import MAX_FRAME_BYTES, FeedError, RouteTable
+from llmgw_server.route_feed.ws import WebSocketFeed
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_once_followed
-from llmgw_server.router.reload import reload_on_sighup, router_reloader
 
 log = logging.getLogger("llmgw.router")
 

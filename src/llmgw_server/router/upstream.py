@@ -30,9 +30,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
-from llmgw_core import coarse_timeouts, sockio
 from llmgw_core.catalog import Endpoint
-from llmgw_core.chunked import ChunkDecoder, ChunkedError, ChunkScanner
+from llmgw_http import coarse_timeouts, sockio
+from llmgw_http.chunked import ChunkDecoder, ChunkedError, ChunkScanner
 
 _RECV = 65536
 _MAX_IDLE = 256

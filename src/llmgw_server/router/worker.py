@@ -35,8 +35,8 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.http_server import HTTPServer
-from llmgw_server.router.follower import Follower
+from llmgw_http.server import HTTPServer
+from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever, probe_once_followed
 from llmgw_server.router.metrics_merge import merge_pages

@@ -33,13 +33,20 @@ import attrs
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.route_feed import PROTOCOL, Hello, InFlight, RouteTable, decode_down, encode
-from llmgw_server.plane.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
-from llmgw_server.plane.port import serve_control_port
-from llmgw_server.plane.routes import RouteHub
-from llmgw_server.router.follower import Connection
+from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.control_shell.port import serve_control_port
+from llmgw_server.reload import Reloader, ReloadPlan, reload_on_sighup, with_control_plane
+from llmgw_server.route_feed.follower import Connection
+from llmgw_server.route_feed.hub import RouteHub
+from llmgw_server.route_feed.messages import (
+    PROTOCOL,
+    Hello,
+    InFlight,
+    RouteTable,
+    decode_down,
+    encode,
+)
 from llmgw_server.router.metrics_merge import merge_pages
-from llmgw_server.router.reload import Reloader, ReloadPlan, reload_on_sighup, with_control_plane
 from llmgw_server.router.worker import (
     APPLIED,
     CONFIG,

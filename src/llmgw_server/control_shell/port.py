@@ -8,12 +8,12 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from llmgw_core.http_server import HTTPServer, ServerLimits
 from llmgw_core.tls_config import server_context
-from llmgw_server.plane.admin import AdminAPI
-from llmgw_server.plane.controlplane import ControlPlane
-from llmgw_server.plane.cross_site import ControlPortGate, port_names
-from llmgw_server.router.reload import ReloadPlan
+from llmgw_http.server import HTTPServer, ServerLimits
+from llmgw_server.control_shell.admin import AdminAPI
+from llmgw_server.control_shell.controlplane import ControlPlane
+from llmgw_server.control_shell.cross_site import ControlPortGate, port_names
+from llmgw_server.reload import ReloadPlan
 
 log = logging.getLogger("llmgw.server")
 

@@ -54,9 +54,10 @@ from collections import Counter
 import attrs
 import trio
 
-from llmgw_core import sockio
+from llmgw_core.dial import AGENT_ALPN
 from llmgw_core.ratelog import RateLimit
-from llmgw_core.sockio import peer_left
+from llmgw_http import sockio
+from llmgw_http.sockio import peer_left
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,6 @@ class AdmissionLimits:
     assumed_rate: float = 50.0
 
 
-AGENT_ALPN = b"llmgw-agent"  # offered by agents in their ClientHello: the agents' lane
 AGENTS, OTHERS = "agents", "others"
 
 

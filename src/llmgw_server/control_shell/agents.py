@@ -28,7 +28,6 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
-from llmgw_core.http_server import ReplayStream, Request
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
@@ -46,7 +45,8 @@ from llmgw_core.wire import (
     decode_up,
     encode,
 )
-from llmgw_core.ws_server import (
+from llmgw_http.server import ReplayStream, Request
+from llmgw_http.ws_server import (
     PeerClosed,
     ServerWebSocket,
     accept_response,
@@ -55,7 +55,7 @@ from llmgw_core.ws_server import (
     refusal,
 )
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
-from llmgw_server.plane.metrics import ControlMetrics
+from llmgw_server.control_shell.metrics import ControlMetrics
 
 log = logging.getLogger("llmgw.agentsvc")
 

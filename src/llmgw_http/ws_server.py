@@ -21,7 +21,7 @@ from wsproto.events import BytesMessage, CloseConnection, Event, Message, Ping, 
 from wsproto.frame_protocol import CloseReason
 from wsproto.utilities import LocalProtocolError
 
-from llmgw_core.http_server import Request
+from llmgw_http.server import Request
 
 # Bytes asked of the socket per read. An agent's frames are small (a heartbeat is
 # ~40 bytes; a registration a few KiB), and the buffer a read allocates is

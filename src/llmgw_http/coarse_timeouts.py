@@ -24,7 +24,7 @@ from typing import Protocol
 
 import trio
 
-from llmgw_core.timer_wheel import TimerWheel
+from llmgw_http.timer_wheel import TimerWheel
 
 TICK_S = 0.05
 

@@ -21,10 +21,10 @@ import attrs
 import h11
 import trio
 
-from llmgw_core import coarse_timeouts, sockio
 from llmgw_core.openai_errors import error_body
 from llmgw_core.ratelog import RateLimit
-from llmgw_core.tls_admission import Gate, Ticket
+from llmgw_http import coarse_timeouts, sockio
+from llmgw_http.tls_admission import Gate, Ticket
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Flags (or LLMGW_MOCK_* environment variables) set its pace and failure modes;
 `POST /mock/control` changes them while it runs, for tests.
 
 With `--mock-kv-blocks N` (N > 0) it also models an engine's scheduler
-(llmgw_core.mock_scheduler): a paged prefix cache, a shared prefill rate, a decode
+(llmgw_mock_engine.scheduler): a paged prefix cache, a shared prefill rate, a decode
 rate per sequence and a limit on running sequences with a FIFO queue. It sleeps for
 those costs, reports each request's time to first token (the `x-mock-ttft-ms`
 response header, `GET /mock/stats`, and vLLM's TTFT histogram on /metrics) and
@@ -32,15 +32,15 @@ from typing import Any
 import attrs
 import trio
 
-from llmgw_core.http_server import HTTPServer, Request, Responder, ServerLimits
-from llmgw_core.mock_scheduler import (
+from llmgw_core.openai_errors import error_body
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_mock_engine.scheduler import (
     Admission,
     EngineModel,
     PromptTooLong,
     Scheduler,
     prompt_tokens,
 )
-from llmgw_core.openai_errors import error_body
 
 log = logging.getLogger("llmgw.mock_engine")
 
@@ -75,7 +75,7 @@ class MockSettings:
     close_after_stream: bool = False  # close the connection after each stream (llama-server)
     unsupported: tuple[str, ...] = ()  # endpoints answered 501 (llama-server without a flag)
     api_key: str = ""  # required as a bearer token on /v1 (vLLM's --api-key / VLLM_API_KEY)
-    # The scheduler model (llmgw_core.mock_scheduler), on when kv_blocks > 0.
+    # The scheduler model (llmgw_mock_engine.scheduler), on when kv_blocks > 0.
     kv_blocks: int = 0
     block_size: int = 16
     prefill_tps: float = 8000.0

@@ -21,16 +21,16 @@ import trio
 
 from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
-from llmgw_core.http_server import Request
 from llmgw_core.inventory import ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
+from llmgw_http.server import Request
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
-from llmgw_server.plane.agents import AgentService
-from llmgw_server.plane.fleet_feed import FleetFeed
-from llmgw_server.plane.metrics import ControlMetrics
-from llmgw_server.plane.routes import ROUTES_PATH, RouteHub, serve_websocket
+from llmgw_server.control_shell.agents import AgentService
+from llmgw_server.control_shell.fleet_feed import FleetFeed
+from llmgw_server.control_shell.metrics import ControlMetrics
+from llmgw_server.route_feed.hub import ROUTES_PATH, RouteHub, serve_websocket
 
 log = logging.getLogger("llmgw.control")
 

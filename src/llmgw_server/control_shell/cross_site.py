@@ -39,13 +39,13 @@ import trio
 from cryptography import x509
 
 from llmgw_core.config import ServerSection, is_loopback
-from llmgw_core.http_server import Handler, Request, Responder, UpgradeHandler
 from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import error_body
 from llmgw_core.tls_config import AgentsTLS
-from llmgw_core.ws_server import refusal as upgrade_refusal
-from llmgw_server.plane.agents import AGENT_PATH
-from llmgw_server.plane.routes import ROUTES_PATH
+from llmgw_http.server import Handler, Request, Responder, UpgradeHandler
+from llmgw_http.ws_server import refusal as upgrade_refusal
+from llmgw_server.control_shell.agents import AGENT_PATH
+from llmgw_server.route_feed.hub import ROUTES_PATH
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARD_LISTEN = frozenset({"", "0.0.0.0", "::"})

@@ -23,9 +23,12 @@ import attrs
 import trio
 import trio_websocket
 
-from llmgw_core.tls_admission import AGENT_ALPN
 from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
+
+# Offered by agents in their ClientHello: the control port admits them on a lane of their
+# own (llmgw_http.tls_admission).
+AGENT_ALPN = b"llmgw-agent"
 
 # What OpenSSL says when the peer's first bytes are not TLS (a plaintext server).
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}

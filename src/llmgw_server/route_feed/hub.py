@@ -28,9 +28,10 @@ import trio_websocket
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import digest_of
-from llmgw_core.http_server import Request
 from llmgw_core.logsafe import escaped
-from llmgw_core.route_feed import (
+from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
+from llmgw_http.server import Request
+from llmgw_server.route_feed.messages import (
     MAX_FRAME_BYTES,
     FeedError,
     Hello,
@@ -40,8 +41,7 @@ from llmgw_core.route_feed import (
     decode_up,
     encode,
 )
-from llmgw_core.route_feed_ws import WebSocketFeed
-from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
+from llmgw_server.route_feed.ws import WebSocketFeed
 
 log = logging.getLogger("llmgw.routes")
 

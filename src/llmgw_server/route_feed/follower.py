@@ -41,7 +41,14 @@ import attrs
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.route_feed import PROTOCOL, Hello, InFlight, RouteTable, decode_down, encode
+from llmgw_server.route_feed.messages import (
+    PROTOCOL,
+    Hello,
+    InFlight,
+    RouteTable,
+    decode_down,
+    encode,
+)
 from llmgw_server.router.front import Router
 
 log = logging.getLogger("llmgw.follower")

@@ -18,8 +18,8 @@ from typing import Any
 
 import trio
 
-from llmgw_core.http_server import Request, Responder
-from llmgw_server.plane.fleet_feed import FleetFeed
+from llmgw_http.server import Request, Responder
+from llmgw_server.control_shell.fleet_feed import FleetFeed
 
 COALESCE_S = 0.5
 KEEPALIVE_S = 15.0

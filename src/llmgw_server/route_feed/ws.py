@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio_websocket
 
-from llmgw_core.route_feed import FeedError
+from llmgw_server.route_feed.messages import FeedError
 
 
 class WebSocketFeed:

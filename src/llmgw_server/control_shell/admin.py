@@ -31,16 +31,16 @@ import attrs
 import trio
 
 from llmgw_core.config import AdminSection, digest_of
-from llmgw_core.http_server import Request, Responder
 from llmgw_core.openai_errors import error_body
 from llmgw_core.tomlshape import ConfigError
+from llmgw_http.server import Request, Responder
 from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
-from llmgw_server.plane import ui_server
+from llmgw_server.control_shell import ui_server
 
 if TYPE_CHECKING:
-    from llmgw_server.plane.controlplane import ControlPlane
-    from llmgw_server.router.reload import ReloadPlan
+    from llmgw_server.control_shell.controlplane import ControlPlane
+    from llmgw_server.reload import ReloadPlan
 
 _ACTIONS = {
     "cordon": (True, True),

@@ -1,7 +1,7 @@
 """The mock engine's model of an engine scheduler: a paged prefix cache and FIFO admission.
 
 Pure: no trio, no sockets, no clock of its own (times are passed in), so that the
-decisions can be tested exhaustively. The mock engine (llmgw_core.mock_engine) sleeps
+decisions can be tested exhaustively. The mock engine (llmgw_mock_engine.engine) sleeps
 for the times decided here.
 
 The model, and where it follows vLLM (v1, automatic prefix caching):

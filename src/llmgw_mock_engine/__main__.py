@@ -1,0 +1,3 @@
+from llmgw_mock_engine.engine import cli
+
+cli()
