@@ -28,7 +28,9 @@ CHATTY = [
     sys.executable,
     "-u",
     "-c",
-    "import time\nfor i in range(10**9):\n    print(f'line {i:09d} ' + 'x' * 80)\n"
+    # One write per line, as a logger does: print() writes the text and its newline
+    # separately, and a copy taken between the two would end mid-line.
+    "import sys, time\nfor i in range(10**9):\n    sys.stdout.write(f'line {i:09d} ' + 'x' * 80 + '\\n')\n"
     "    time.sleep(0.001)",
 ]
 
