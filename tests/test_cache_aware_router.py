@@ -147,7 +147,12 @@ def test_round_robin_and_least_outstanding_are_still_there(procs: Procs) -> None
 
 
 def test_least_outstanding_sends_past_a_replica_holding_a_stream(procs: Procs) -> None:
-    mocks = [procs.mock("m", "--mock-tokens-per-second", "50") for _ in range(2)]
+    # 1000 tokens at 50 a second: the stream outlasts the asks however busy the machine
+    # (with the default 16 it ended after 0.4 s, and the test raced it).
+    mocks = [
+        procs.mock("m", "--mock-tokens", "1000", "--mock-tokens-per-second", "50")
+        for _ in range(2)
+    ]
     least = procs.router(
         models_toml({"m": [e.url for e in mocks]}) + '\n[router]\nbalancing = "least_outstanding"\n'
     )
