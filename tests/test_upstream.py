@@ -7,7 +7,8 @@ import pytest
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.router.upstream import Pool, UpstreamError, keep_alive_timeout
+from llmgw_http.h1 import keep_alive_timeout
+from llmgw_server.router.upstream import Pool, UpstreamError
 
 
 class Engine:

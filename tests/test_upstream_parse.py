@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn, _framing, _Garbage
+from llmgw_http.h1 import BadHead, response_framing
+from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn
 
 
 def h11_answer(
@@ -159,8 +160,8 @@ def test_how_an_answer_is_framed(
     headers: list[tuple[bytes, bytes]], expected: tuple[str, int, bool] | None
 ) -> None:
     if expected is None:
-        with pytest.raises(_Garbage):
-            _framing(200, headers, head_only=False)
+        with pytest.raises(BadHead):
+            response_framing(200, headers, head_only=False)
     else:
-        assert _framing(200, headers, head_only=False) == expected
-    assert _framing(204, headers, head_only=False) == ("length", 0, True)  # never a body
+        assert response_framing(200, headers, head_only=False) == expected
+    assert response_framing(204, headers, head_only=False) == ("length", 0, True)  # never a body

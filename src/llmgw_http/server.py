@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import re
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -24,13 +23,35 @@ import trio
 from llmgw_core.openai_errors import error_body
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import coarse_timeouts, sockio
+from llmgw_http.h1 import (
+    JSON,
+    REQUEST_HEAD_END,
+    has_body_length,
+    plain_request,
+    refusal,
+    response_head,
+)
+from llmgw_http.request import Request, RequestRejected
 from llmgw_http.tls_admission import Gate, Ticket
+
+# What handlers and the processes that serve them import from here.
+__all__ = [
+    "JSON",
+    "HTTPServer",
+    "Handler",
+    "HeadCheck",
+    "ReplayStream",
+    "Request",
+    "RequestRejected",
+    "Responder",
+    "ServerLimits",
+    "UpgradeHandler",
+]
 
 log = logging.getLogger(__name__)
 
 _RECV = 65536
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
-JSON = [(b"content-type", b"application/json")]
 # A request body's first seconds are not held to `min_body_rate` (a client's first write
 # may wait on its own start); from then on it is checked this often.
 BODY_RATE_GRACE_S = 5.0
@@ -40,8 +61,6 @@ BODY_RATE_CHECK_S = 1.0
 # spend most of a core on a body that meets any byte rate.
 BODY_FREE_PIECES = 1024
 BODY_PIECE_MIN_AVERAGE = 64
-# Where h11 ends a request head (it also takes bare LF line ends).
-_HEAD_END = re.compile(rb"\n\r?\n")
 
 
 @attrs.frozen
@@ -57,38 +76,6 @@ class ServerLimits:
     # A request body must average at least this many bytes/s since its start, from
     # BODY_RATE_GRACE_S on (408 otherwise); 0: no minimum.
     min_body_rate: int = 1024
-
-
-@attrs.define(slots=True)
-class Request:
-    method: bytes
-    target: bytes
-    headers: list[tuple[bytes, bytes]]  # names lower-cased by h11
-    body: bytes = b""
-    http_version: bytes = b"1.1"
-    # Set by the server's head check (HTTPServer's check_head), for the handler: the
-    # digest of the client's credential (the router's: its API key), None if it sent none.
-    credential: str | None = None
-    head_checked: bool = False
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-    @property
-    def path(self) -> bytes:
-        return self.target.partition(b"?")[0]
-
-
-class RequestRejected(Exception):
-    """Raised by the server itself for a request it will not hand to the handler."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class _Upgrade(Exception):
@@ -158,10 +145,10 @@ class Responder:
             return
         # As h11 frames it: a body of unknown length goes chunked (a HEAD answer's
         # headers are those of a GET), one with a content-length as it is.
-        if not _has_body_length(status, headers):
+        if not has_body_length(status, headers):
             headers = [*headers, (b"Transfer-Encoding", b"chunked")]
             self._chunking = True
-        await self._write(_response_head(status, headers, self.peer_closing))
+        await self._write(response_head(status, headers, self.peer_closing))
 
     async def send(self, data: bytes) -> None:
         if not data or self.head:
@@ -190,7 +177,7 @@ class Responder:
         headers = [*headers, (b"content-length", str(len(body)).encode())]
         conn = self._conn
         if conn is None:
-            head = _response_head(status, headers, self.peer_closing)
+            head = response_head(status, headers, self.peer_closing)
             self.done = True
             await self._write(head if self.head else head + body)
             return
@@ -234,44 +221,8 @@ class Responder:
         await self._stream.send_all(data)
 
 
-def _has_body_length(status: int, headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether an answer's end is known without chunked framing (h11's _body_framing)."""
-    if status < 200 or status in (204, 304):
-        return True
-    return any(name == b"content-length" for name, _ in headers)
-
-
-def _response_head(
-    status: int, headers: list[tuple[bytes, bytes]], peer_closing: bool = False
-) -> bytes:
-    """The status line and headers, written as h11 writes them (no reason phrase; to a
-    client that asked to close, its Connection header values, close among them, last)."""
-    if peer_closing:
-        tokens = {b"close"}
-        kept = []
-        for name, value in headers:
-            if name.lower() == b"connection":
-                tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
-            else:
-                kept.append((name, value))
-        tokens.discard(b"keep-alive")
-        headers = [*kept, *((b"Connection", t) for t in sorted(tokens))]
-    lines = [b"HTTP/1.1 %d \r\n" % status]
-    for name, value in headers:
-        lines += (name, b": ", value, b"\r\n")
-    lines.append(b"\r\n")
-    return b"".join(lines)
-
-
-def _refusal(status: int, message: str, headers: list[tuple[bytes, bytes]] = JSON) -> bytes:
-    """A whole answer that closes the connection, as the server writes its own refusals."""
-    body = error_body(status, message)
-    length = (b"content-length", str(len(body)).encode())
-    return _response_head(status, [*headers, length, (b"connection", b"close")]) + body
-
-
 _TOO_MANY_MESSAGE = "the server has as many connections as it may serve (max_connections)"
-_TOO_MANY = _refusal(503, _TOO_MANY_MESSAGE, [*JSON, (b"retry-after", b"1")])
+_TOO_MANY = refusal(503, _TOO_MANY_MESSAGE, [*JSON, (b"retry-after", b"1")])
 
 Handler = Callable[[Request, Responder], Awaitable[None]]
 # Called with a request's head before its body is read: True to read the body; False
@@ -828,53 +779,6 @@ class _Connection:
             await self.stream.send_all(out)
 
 
-_REQUEST_LINE = re.compile(rb"([-!#$%&'*+.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/1\.1")
-_DIGITS = re.compile(rb"[0-9]{1,18}")
-# Requests the plain parser leaves to h11: their framing or semantics need its state machine.
-_TO_H11 = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
-# Every field line at once (one match instead of two per line): a name, a colon, a value
-# with nothing h11 would refuse. A head it does not match goes to h11 whole.
-_FIELDS = re.compile(rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*(?:\r\n|\Z))+")
-_SPECIAL = frozenset({b"content-length", b"host", b"connection", *_TO_H11})
-
-
-def _plain_request(head: bytes) -> tuple[Request, int, bool] | None:
-    """(request, content length, whether the client asked to close) of a request head
-    that the plain parser serves: HTTP/1.1, one Host, at most one Content-Length, no
-    Transfer-Encoding, Expect or Upgrade, nothing h11 would refuse or read otherwise.
-    None: h11 reads it (and refuses it with its own words where it is malformed)."""
-    line_end = head.find(b"\r\n")
-    if line_end < 0:
-        return None  # no Host
-    match = _REQUEST_LINE.fullmatch(head, 0, line_end)
-    if match is None or not _FIELDS.fullmatch(head, line_end + 2):
-        return None  # also an obsolete folded line (it starts with a space)
-    headers: list[tuple[bytes, bytes]] = []
-    length = -1
-    hosts = 0
-    close = False
-    for line in head[line_end + 2 :].split(b"\r\n"):
-        name, _, value = line.partition(b":")
-        name = name.lower()
-        value = value.strip(b" \t")
-        if name in _SPECIAL:
-            if name in _TO_H11:
-                return None
-            if name == b"content-length":
-                if length >= 0 or not _DIGITS.fullmatch(value):
-                    return None
-                length = int(value)
-            elif name == b"host":
-                hosts += 1
-            else:
-                close = close or any(t.strip().lower() == b"close" for t in value.split(b","))
-        headers.append((name, value))
-    if hosts != 1:
-        return None
-    request = Request(method=match.group(1), target=match.group(2), headers=headers)
-    return request, max(length, 0), close
-
-
 class _SetWhenDue:
     """What coarse_timeouts calls when a handler has run for a tick: wake the watcher."""
 
@@ -1017,10 +921,10 @@ class _PlainConnection:
                 if not self.buf:
                     return None
             end = self.buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
-            parsed = _plain_request(self.buf[:end]) if end >= 0 else None
+            parsed = plain_request(self.buf[:end]) if end >= 0 else None
             if parsed is None:
                 too_large = end < 0 and len(self.buf) >= limits.max_header_bytes
-                if too_large and not _HEAD_END.search(self.buf, 0, limits.max_header_bytes):
+                if too_large and not REQUEST_HEAD_END.search(self.buf, 0, limits.max_header_bytes):
                     coarse_timeouts.disarm(scope)
                     await self._reject(431, _head_too_large(limits))
                     return None
@@ -1129,6 +1033,6 @@ class _PlainConnection:
         headers = [*JSON, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
         with trio.move_on_after(2):
             try:
-                await sockio.send_all(self.sock, _response_head(status, headers) + body)
+                await sockio.send_all(self.sock, response_head(status, headers) + body)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass

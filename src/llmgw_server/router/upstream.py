@@ -12,7 +12,7 @@ and a request that fails on a reused connection before a single byte of the
 answer is sent again on a fresh one: that is the pool's race, not a failure of
 the engine. Only what fails on a fresh connection reaches the caller.
 
-The requests are written and the answers parsed here, not by h11: the router sends
+The requests are written and the answers parsed by `llmgw_http.h1`, not by h11: the router sends
 only requests it built itself, and reads only what it relays (status, headers,
 framing), so a small parser of its own in front of the engines costs a fraction of
 h11's per-event validation on every request and every chunk. It is stricter than h11
@@ -23,7 +23,6 @@ refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 from __future__ import annotations
 
 import math
-import re
 import select
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,25 +32,21 @@ import trio
 from llmgw_core.catalog import Endpoint
 from llmgw_http import coarse_timeouts, sockio
 from llmgw_http.chunked import ChunkDecoder, ChunkedError, ChunkScanner
+from llmgw_http.h1 import (
+    MAX_RESPONSE_HEAD,
+    RESPONSE_HEAD_END,
+    BadHead,
+    keep_alive_timeout,
+    parse_response_head,
+    request_bytes,
+    response_framing,
+)
 
 _RECV = 65536
 _MAX_IDLE = 256
-_MAX_HEAD = 16 * 1024  # a response head longer than this is garbage (h11's limit too)
 # How soon after the request a silent close must come to be taken for a stale connection.
 _STALE_WITHIN_S = 1.0
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: [^\r\n]*)?")  # 100 to 599
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-# One length, 18 digits at most (below 2**63, and far beyond any answer): no list
-# ("107, 107"), sign, space or 5,000-digit number.
-_CONTENT_LENGTH = re.compile(rb"[0-9]{1,18}")
 _MAX_INTERIM = 5  # 1xx answers before the final one; an engine sending more is broken
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-# Every header line at once, as engines write them: a token, a colon, a value with no
-# control character but tab; CRLF or LF between lines. Anything else is read line by line.
-_FIELD_LINES = re.compile(
-    rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*(?:\r?\n|\Z))*"
-)
 
 
 class UpstreamError(Exception):
@@ -71,10 +66,6 @@ class UpstreamError(Exception):
         self.silent = silent  # the connection closed before the engine sent a byte
         self.timed_out = timed_out  # no answer's head within the first-byte limit
         self.broken = broken  # the engine's bytes break HTTP's framing: never relayed on
-
-
-class _Garbage(Exception):
-    """What makes a response head unreadable, in words."""
 
 
 class _Conn:
@@ -103,21 +94,6 @@ class _Conn:
 
     def close(self) -> None:
         self.stream.socket.close()
-
-
-def keep_alive_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """The `timeout=N` of a `Keep-Alive` response header, if the engine sent one."""
-    for key, value in headers:
-        if key == b"keep-alive":
-            for part in value.split(b","):
-                name, _, number = part.strip().partition(b"=")
-                if name.strip().lower() == b"timeout":
-                    try:
-                        timeout = float(number.strip())
-                    except ValueError:
-                        return None
-                    return timeout if timeout >= 0 else None
-    return None
 
 
 class Pool:
@@ -271,11 +247,7 @@ class Pool:
     ) -> memoryview | None:
         """Writes what the kernel takes at once; the rest (None: nothing) is sent while
         the answer is read (Exchange.read_head)."""
-        lines = [method, b" ", target, b" HTTP/1.1\r\n"]
-        for name, value in head:
-            lines += (name, b": ", value, b"\r\n")
-        lines += (b"\r\n", body)
-        wire = b"".join(lines)
+        wire = request_bytes(method, target, head, body)
         sent = sockio.send_now(conn.sock, wire)
         return None if sent == len(wire) else memoryview(wire)[sent:]
 
@@ -284,8 +256,6 @@ class Pool:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
-
-
 
 
 class Exchange:
@@ -391,9 +361,9 @@ class Exchange:
         searched = 0  # where the search for the blank line goes on
         interim = 0
         while True:
-            end = _HEAD_END.search(buf, searched)
+            end = RESPONSE_HEAD_END.search(buf, searched)
             if end is None:
-                if len(buf) > _MAX_HEAD:
+                if len(buf) > MAX_RESPONSE_HEAD:
                     raise UpstreamError(
                         f"{endpoint} answered garbage: the head is too long", broken=True
                     )
@@ -419,8 +389,8 @@ class Exchange:
             buf = bytes(buf[end.end() :])
             searched = 0
             try:
-                status, http11, headers = _parse_head(head)
-            except _Garbage as exc:
+                status, http11, headers = parse_response_head(head)
+            except BadHead as exc:
                 raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
             if 100 <= status < 200:  # informational (100 Continue): the answer follows
                 if status == 101:
@@ -445,8 +415,9 @@ class Exchange:
         if timeout is not None:
             self._pool.engine_keep_alive(timeout)
         try:
-            self._framing, self._length, reusable = _framing(status, headers, self._head_only)
-        except _Garbage as exc:
+            framing = response_framing(status, headers, self._head_only)
+            self._framing, self._length, reusable = framing
+        except BadHead as exc:
             raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
         if not reusable:
             self.keep_alive = False
@@ -597,69 +568,3 @@ class Exchange:
             self._pool._give_back(self._conn)
         else:
             self._conn.close()
-
-
-def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
-    """(status, whether HTTP/1.1, headers with lower-case names) of a response head."""
-    lines = head.split(b"\n")
-    status_line = lines[0].rstrip(b"\r")
-    match = _STATUS_LINE.fullmatch(status_line)
-    if match is None:
-        raise _Garbage(f"bad status line {status_line[:40]!r} (the status must be 100 to 599)")
-    status, http11 = int(match.group(2)), match.group(1) == b"1"
-    if _FIELD_LINES.fullmatch(head, len(lines[0]) + 1):  # as engines write heads
-        return status, http11, [_field(line) for line in lines[1:]]
-    headers: list[tuple[bytes, bytes]] = []
-    for raw in lines[1:]:
-        line = raw.rstrip(b"\r")
-        if line[:1] in (b" ", b"\t"):  # an obsolete folded line continues the last header
-            if not headers:
-                raise _Garbage("a continuation line with no header before it")
-            name, value = headers[-1]
-            headers[-1] = (name, value + b" " + line.strip(b" \t"))
-            continue
-        name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
-            raise _Garbage(f"bad header line {line[:40]!r}")
-        value = value.strip(b" \t")
-        if _BAD_VALUE.search(value):
-            raise _Garbage(f"bad value of the header {name[:40]!r}")
-        headers.append((name.lower(), value))
-    return status, http11, headers
-
-
-def _field(line: bytes) -> tuple[bytes, bytes]:
-    name, _, value = line.partition(b":")
-    return name.lower(), value.strip(b" \t\r")
-
-
-def _framing(
-    status: int, headers: list[tuple[bytes, bytes]], head_only: bool
-) -> tuple[str, int, bool]:
-    """How the body is delimited (RFC 9112 section 6.3): ("length", n), ("chunked", 0) or
-    ("close", 0), and whether the connection may be reused after it.
-
-    With Transfer-Encoding, a Content-Length is ignored (and the connection not reused:
-    the answer may be an attempt at smuggling). More than one Content-Length, even
-    identical ones, is garbage, as is a value that is not 1 to 18 digits.
-    """
-    if head_only or status in (204, 304):
-        return "length", 0, True
-    length = -1
-    chunked = False
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            if value.lower() != b"chunked" or chunked:
-                raise _Garbage(f"unsupported transfer-encoding {value[:40]!r}")
-            chunked = True
-        elif name == b"content-length":
-            if length >= 0:
-                raise _Garbage("more than one content-length")
-            if not _CONTENT_LENGTH.fullmatch(value):
-                raise _Garbage(f"bad content-length {value[:40]!r}")
-            length = int(value)
-    if chunked:
-        return "chunked", 0, length < 0
-    if length >= 0:
-        return "length", length, True
-    return "close", 0, True
