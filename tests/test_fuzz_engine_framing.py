@@ -17,8 +17,6 @@ last chunk; the decoded body otherwise), and h11's client reads the same bytes:
 
 from __future__ import annotations
 
-import socket
-
 import attrs
 import h11
 import trio
@@ -27,6 +25,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
+from llmgw_http.transport import memory_pair
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn
 
 
@@ -62,9 +61,9 @@ def h11_reads(wire: bytes) -> Read | None:
 
 async def exchange_reads(pieces: list[bytes]) -> Read | None:
     """What the router's Exchange relays; None where it refuses the answer."""
-    engine, ours = trio.socket.socketpair()
+    ours, engine = memory_pair()
     pool = Pool(Endpoint("127.0.0.1", 1), 1.0)
-    exchange = Exchange(pool, _Conn(trio.SocketStream(ours)))
+    exchange = Exchange(pool, _Conn(ours))
     relayed: list[bytes] = []
     result: list[Read | None] = []
 
@@ -92,11 +91,11 @@ async def exchange_reads(pieces: list[bytes]) -> Read | None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
             for piece in pieces:
-                await engine.send(piece)
+                await engine.send_all(piece)
                 await trio.testing.wait_all_tasks_blocked()
-            engine.shutdown(socket.SHUT_WR)
+            await engine.send_eof()
     exchange.release()
-    engine.close()
+    await engine.aclose()
     pool.close()
     return result[0]
 

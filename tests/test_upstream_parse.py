@@ -1,7 +1,7 @@
 """The router's own parser of an engine's answer reads what h11 reads, however it is cut.
 
 Answers written by h11 (content-length, chunked, or delimited by the close; 1xx first;
-folded and odd headers) are fed to an Exchange over a socket pair in random pieces;
+folded and odd headers) are fed to an Exchange over memory streams (the pool's connect seam) in random pieces;
 status, headers and body must be those an h11 client reads from the same bytes, and the
 connection goes back to the pool exactly when h11 would keep it alive.
 """
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
 from llmgw_http.h1 import BadHead, response_framing
+from llmgw_http.transport import memory_pair
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn
 
 
@@ -54,9 +55,9 @@ def h11_read(wire: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
 async def exchange_read(
     pieces: list[bytes], close: bool
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
-    engine, ours = trio.socket.socketpair()
+    ours, engine = memory_pair()
     pool = Pool(Endpoint("127.0.0.1", 1), 1.0)
-    exchange = Exchange(pool, _Conn(trio.SocketStream(ours)))
+    exchange = Exchange(pool, _Conn(ours))
     result: list[tuple[int, list[tuple[bytes, bytes]], bytes]] = []
 
     async def read() -> None:
@@ -67,13 +68,13 @@ async def exchange_read(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
             for piece in pieces:
-                await engine.send(piece)
+                await engine.send_all(piece)
                 await trio.testing.wait_all_tasks_blocked()
             if close:
-                engine.close()
+                await engine.aclose()
     exchange.release()
     reused = len(pool._idle) == 1
-    engine.close()
+    await engine.aclose()
     pool.close()
     return (*result[0], reused)
 

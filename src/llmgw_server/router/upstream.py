@@ -1,4 +1,7 @@
-"""HTTP/1.1 to the engines on trio sockets, with keep-alive pools.
+"""HTTP/1.1 to the engines, with keep-alive pools.
+
+A pool opens its connections through a connector (llmgw_http.transport): real TCP,
+read and written on the socket directly, unless a test gives it memory streams.
 
 An `Exchange` is one request to one engine. The caller reads the response
 head, then the body piece by piece as the engine writes it, and releases the
@@ -12,10 +15,10 @@ and a request that fails on a reused connection before a single byte of the
 answer is sent again on a fresh one: that is the pool's race, not a failure of
 the engine. Only what fails on a fresh connection reaches the caller.
 
-The requests are written and the answers parsed by `llmgw_http.h1`, not by h11: the router sends
-only requests it built itself, and reads only what it relays (status, headers,
-framing), so a small parser of its own in front of the engines costs a fraction of
-h11's per-event validation on every request and every chunk. It is stricter than h11
+The requests are written and the answers parsed by `llmgw_http.h1`, not by h11: the
+router sends only requests it built itself, and reads only what it relays (status,
+headers, framing), so a small parser of its own in front of the engines costs a fraction
+of h11's per-event validation on every request and every chunk. It is stricter than h11
 where the framing is concerned (an engine may be buggy or taken over): an answer h11
 refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 """
@@ -23,14 +26,12 @@ refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 from __future__ import annotations
 
 import math
-import select
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_http import coarse_timeouts, sockio
+from llmgw_http import coarse_timeouts
 from llmgw_http.chunked import ChunkDecoder, ChunkedError, ChunkScanner
 from llmgw_http.h1 import (
     MAX_RESPONSE_HEAD,
@@ -41,6 +42,7 @@ from llmgw_http.h1 import (
     request_bytes,
     response_framing,
 )
+from llmgw_http.transport import Connector, Transport, tcp_connect
 
 _RECV = 65536
 _MAX_IDLE = 256
@@ -69,31 +71,25 @@ class UpstreamError(Exception):
 
 
 class _Conn:
-    __slots__ = ("buf", "expired", "idle_since", "sock", "stream")
+    __slots__ = ("buf", "expired", "idle_since", "transport")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        sock = sockio.raw_socket(stream)
-        assert sock is not None
-        self.sock: socket.socket = sock
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
         self.buf = b""  # received and not yet parsed
         self.idle_since = 0.0
         self.expired = False  # closed by its first-byte limit
 
     def cancel(self) -> None:
-        """The first-byte limit is up (coarse_timeouts): closing the socket wakes the
+        """The first-byte limit is up (coarse_timeouts): closing the connection wakes the
         read or write waiting on it at once, with no cancel scope per request."""
         self.expired = True
         self.close()
 
     def closed_by_peer(self) -> bool:
-        """An idle connection has nothing to read unless the engine closed it (or broke)."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        return self.transport.closed_by_peer()
 
     def close(self) -> None:
-        self.stream.socket.close()
+        self.transport.close()
 
 
 class Pool:
@@ -105,8 +101,10 @@ class Pool:
         connect_timeout_s: float,
         idle_timeout_s: float = 300.0,
         reuse_idle_s: float = 4.0,
+        connect: Connector = tcp_connect,
     ) -> None:
         self.endpoint = endpoint
+        self._connect_to = connect  # the seam: tests connect through memory streams
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s  # between reads, once the head has come
         # A connection idle longer than this is not reused; an engine's Keep-Alive
@@ -128,14 +126,14 @@ class Pool:
     async def _connect(self) -> _Conn:
         with trio.move_on_after(self.connect_timeout_s) as scope:
             try:
-                stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
+                transport = await self._connect_to(self.endpoint.host, self.endpoint.port)
             except OSError as exc:
                 raise UpstreamError(
                     f"cannot connect to {self.endpoint}: {exc}", connect=True
                 ) from None
         if scope.cancelled_caught:
             raise UpstreamError(f"connecting to {self.endpoint} timed out", connect=True)
-        return _Conn(stream)
+        return _Conn(transport)
 
     def _give_back(self, conn: _Conn) -> None:
         if not self.closed and len(self._idle) < _MAX_IDLE and self.reuse_idle_s > 0:
@@ -248,7 +246,7 @@ class Pool:
         """Writes what the kernel takes at once; the rest (None: nothing) is sent while
         the answer is read (Exchange.read_head)."""
         wire = request_bytes(method, target, head, body)
-        sent = sockio.send_now(conn.sock, wire)
+        sent = conn.transport.send_now(wire)
         return None if sent == len(wire) else memoryview(wire)[sent:]
 
     def close(self) -> None:
@@ -294,19 +292,19 @@ class Exchange:
 
     async def _receive(self) -> bytes:
         """One read; after the head, an engine that stays silent too long has stalled."""
-        sock = self._conn.sock
+        transport = self._conn.transport
         try:
             if not self.status:  # the head: the router's first-byte timeout applies
                 # Just sent (or the head came in part): the engine's answer cannot be
                 # there yet, so the wait comes first, not a read bound to fail.
-                data = await sockio.receive_some(sock, _RECV, wait_first=True)
+                data = await transport.receive_some(_RECV, wait_first=True)
             else:
                 try:  # a cancel scope only where a wait is due
-                    data = sock.recv(_RECV)
+                    data = transport.receive_now(_RECV)
                 except BlockingIOError:
                     idle = self._pool.idle_timeout_s
                     with coarse_timeouts.move_on_after(idle):
-                        data = await sockio.receive_some(sock, _RECV, wait_first=True)
+                        data = await transport.receive_some(_RECV, wait_first=True)
                         self._received += len(data)
                         return data
                     raise UpstreamError(
@@ -337,7 +335,7 @@ class Exchange:
         async def send_rest() -> None:
             nonlocal sent_whole
             try:
-                await sockio.send_all(self._conn.sock, unsent)
+                await self._conn.transport.send_all(unsent)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             sent_whole = True  # before any answer to it can be read: no checkpoint between
@@ -505,7 +503,7 @@ class Exchange:
         """
         scanner = self._scanner = ChunkScanner()
         conn = self._conn
-        sock = conn.sock
+        receive = conn.transport.receive_some
         data, conn.buf = conn.buf, b""
         endpoint = self._pool.endpoint
         idle = self._pool.idle_timeout_s
@@ -536,7 +534,7 @@ class Exchange:
                     coarse_timeouts.arm(silence, now + idle + tick)
                     armed_at = now
                 try:
-                    data = await sockio.receive_some(sock, _RECV, wait_first=drained)
+                    data = await receive(_RECV, wait_first=drained)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
                 if not data:
