@@ -6,8 +6,8 @@ import pytest
 import trio
 import trio_websocket
 
-from llmgw_http import server as http_server
 from llmgw_http import sockio
+from llmgw_http.h11_connection import H11Connection
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 
 
@@ -60,7 +60,7 @@ async def test_a_tcp_connection_is_served_by_the_plain_parser(
     async def refuse(self: object) -> None:
         raise AssertionError("a plain TCP connection was handed to h11")
 
-    monkeypatch.setattr(http_server._Connection, "run", refuse)
+    monkeypatch.setattr(H11Connection, "run", refuse)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             port = await start(nursery)
