@@ -311,7 +311,7 @@ async def test_a_head_over_the_limit_gets_431(how: str) -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 head = head[100:]
             await client.send(head)
-            return await client.recv(65536)
+            return bytes(await client.recv(65536))
 
     with trio.fail_after(5):
         fits = await exchange(4096 - 36)  # a head of 4096 bytes

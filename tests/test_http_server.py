@@ -21,6 +21,7 @@ async def echo_upgrade(request: Request, stream: trio.abc.Stream) -> None:
         try:
             while True:
                 message = await ws.get_message()
+                assert isinstance(message, str)
                 await ws.send_message(f"{request.path.decode()} {message}")
         except trio_websocket.ConnectionClosed:
             pass

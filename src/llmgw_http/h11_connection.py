@@ -111,7 +111,6 @@ class H11Connection:
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
-            self._reader_scope = trio.CancelScope()
             nursery.start_soon(self._reader, self._reader_scope)
             try:
                 await serve_requests(self.server, self)
