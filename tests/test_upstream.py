@@ -123,7 +123,9 @@ async def test_a_failure_on_a_fresh_connection_reaches_the_caller() -> None:
             nursery.cancel_scope.cancel()
 
 
-async def test_a_connection_idle_past_the_limit_is_not_reused() -> None:
+async def test_a_connection_idle_past_the_limit_is_not_reused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     engine = Engine(plan=[])
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
@@ -131,7 +133,7 @@ async def test_a_connection_idle_past_the_limit_is_not_reused() -> None:
             await get(pool)
             await get(pool)
             assert engine.connections == 1  # reused while fresh
-            pool._idle[0].idle_since -= 5.0  # as if idle for 5 s more
+            await trio.sleep(5.0)  # idle past reuse_idle_s
             await get(pool)
             assert (engine.connections, pool.stale_retries) == (2, 0)
             pool.close()
@@ -205,11 +207,11 @@ async def test_after_one_stale_connection_the_request_goes_to_a_fresh_one() -> N
             for exchange in first:
                 await exchange.read_body(1024)
                 exchange.release()
-            assert len(pool._idle) == 3 and engine.connections == 3
+            assert pool.idle_connections == 3 and engine.connections == 3
             # The newest pooled connection vanishes under the next request; the older
             # ones are given up with it, and the request is sent on a new connection.
             assert await get(pool) == b"ok"
-            assert (engine.connections, pool.stale_retries, len(pool._idle)) == (4, 1, 1)
+            assert (engine.connections, pool.stale_retries, pool.idle_connections) == (4, 1, 1)
             pool.close()
             nursery.cancel_scope.cancel()
 
@@ -245,7 +247,7 @@ async def test_an_engine_silent_past_the_first_byte_limit_times_out(
             assert caught.value.timed_out and not caught.value.silent
             assert 0.3 <= waited <= 0.3 + 2 * TICK_S, waited  # never early; late by a tick
             assert (engine.connections, pool.stale_retries) == (1, 0)  # not sent again
-            assert not pool._idle  # the timed-out connection is closed, not pooled
+            assert not pool.idle_connections  # the timed-out connection is closed, not pooled
             engine.plan = []  # answers from now on
             assert await get(pool) == b"ok"  # the pool goes on with a new connection
             assert engine.connections == 2

@@ -119,6 +119,11 @@ class Pool:
         self.closed = False
         self.stale_retries = 0  # requests sent again after a reused connection failed
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept for reuse now."""
+        return len(self._idle)
+
     def engine_keep_alive(self, timeout_s: float) -> None:
         """The engine announced its idle limit: stay a second inside it."""
         self.reuse_idle_s = min(self.reuse_idle_s, max(0.0, timeout_s - 1.0))
