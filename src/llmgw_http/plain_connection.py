@@ -5,7 +5,7 @@ tests/test_plain_http.py and tests/test_fuzz_http.py)."""
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import trio
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from llmgw_http.server import HTTPServer
 
 _RECV = 65536
+_Wait = Literal["", "idle", "head", "body"]
 
 
 class _SetWhenDue:
@@ -66,7 +67,7 @@ class PlainConnection:
         self._watch_due = _SetWhenDue(self)
         self._watching: trio.CancelScope | None = None  # the watcher's wait on the socket
         self._scope = trio.CancelScope()
-        self._waiting_for = ""  # what the timer would cut: "idle", "head" or "body"
+        self._waiting_for: _Wait = ""  # what the timer would cut ("": nothing)
         self._pace: BodyPace | None = None  # the last body's pace, if it was waited for
         self._served = 0
         self._answering: PlainResponder | None = None  # the answer to the request in hand

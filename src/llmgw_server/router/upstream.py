@@ -37,6 +37,7 @@ from llmgw_http.h1 import (
     MAX_RESPONSE_HEAD,
     RESPONSE_HEAD_END,
     BadHead,
+    Framing,
     keep_alive_timeout,
     parse_response_head,
     request_bytes,
@@ -284,7 +285,7 @@ class Exchange:
         self._conn = conn
         self._head_only = method == b"HEAD"
         self._done = False  # the whole answer was read, and nothing after it
-        self._framing = ""  # "length", "chunked" or "close" (until the engine closes)
+        self._framing: Framing | None = None  # known once the head is read
         self._length = 0
         self.keep_alive = False
         self._received = 0
