@@ -22,16 +22,9 @@ import trio
 import trio.testing
 
 from llmgw_core.config import parse_config
-from llmgw_http import server as http_server
-from llmgw_http.server import (
-    BODY_RATE_GRACE_S,
-    HTTPServer,
-    Request,
-    Responder,
-    ServerLimits,
-    body_too_slow,
-    pieces_too_small,
-)
+from llmgw_http.h11_connection import H11Connection
+from llmgw_http.limits import BODY_RATE_GRACE_S, body_too_slow, pieces_too_small
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_server.router import front
 from llmgw_server.router.front import Router
 from procs import Procs, models_toml
@@ -57,7 +50,7 @@ async def serving(server: HTTPServer, *, h11_only: bool = False) -> AsyncIterato
     async def serve() -> None:
         if h11_only:
             try:
-                await http_server._Connection(server, stream).run()
+                await H11Connection(server, stream).run()
             finally:
                 await stream.aclose()
         else:
@@ -318,7 +311,7 @@ async def test_a_head_over_the_limit_gets_431(how: str) -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 head = head[100:]
             await client.send(head)
-            return await client.recv(65536)
+            return bytes(await client.recv(65536))
 
     with trio.fail_after(5):
         fits = await exchange(4096 - 36)  # a head of 4096 bytes

@@ -17,8 +17,6 @@ last chunk; the decoded body otherwise), and h11's client reads the same bytes:
 
 from __future__ import annotations
 
-import socket
-
 import attrs
 import h11
 import trio
@@ -27,7 +25,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn
+from llmgw_http.transport import Transport, memory_pair
+from llmgw_server.router.upstream import Pool, UpstreamError
 
 
 @attrs.frozen
@@ -62,9 +61,12 @@ def h11_reads(wire: bytes) -> Read | None:
 
 async def exchange_reads(pieces: list[bytes]) -> Read | None:
     """What the router's Exchange relays; None where it refuses the answer."""
-    engine, ours = trio.socket.socketpair()
-    pool = Pool(Endpoint("127.0.0.1", 1), 1.0)
-    exchange = Exchange(pool, _Conn(trio.SocketStream(ours)))
+    ours, engine = memory_pair()
+
+    async def connect(host: str, port: int) -> Transport:
+        return ours
+
+    pool = Pool(Endpoint("127.0.0.1", 1), 1.0, connect=connect)
     relayed: list[bytes] = []
     result: list[Read | None] = []
 
@@ -73,7 +75,11 @@ async def exchange_reads(pieces: list[bytes]) -> Read | None:
 
     async def read() -> None:
         try:
-            await exchange.read_head()
+            exchange = await pool.open(b"POST", b"/", [], b"")
+        except UpstreamError:
+            result.append(None)
+            return
+        try:
             if exchange.chunked:
                 await exchange.relay_chunks(send)
                 framed = b"".join(relayed) + b"0\r\n\r\n"
@@ -86,17 +92,21 @@ async def exchange_reads(pieces: list[bytes]) -> Read | None:
         except UpstreamError:
             result.append(None)
             return
+        finally:
+            exchange.release()
         result.append(Read(exchange.status, body, exchange.content_length))
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
-            for piece in pieces:
-                await engine.send(piece)
-                await trio.testing.wait_all_tasks_blocked()
-            engine.shutdown(socket.SHUT_WR)
-    exchange.release()
-    engine.close()
+            try:
+                for piece in pieces:
+                    await engine.send_all(piece)
+                    await trio.testing.wait_all_tasks_blocked()
+                await engine.send_eof()
+            except trio.BrokenResourceError:
+                pass  # the router refused the answer and closed the connection
+    await engine.aclose()
     pool.close()
     return result[0]
 

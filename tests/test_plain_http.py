@@ -14,7 +14,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw_http import server as http_server
+from llmgw_http.h11_connection import H11Connection
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 
 
@@ -57,7 +57,7 @@ async def _exchange(pieces: list[bytes], h11_only: bool) -> bytes:
 
                 async def serve_with_h11() -> None:
                     try:
-                        await http_server._Connection(server, stream).run()
+                        await H11Connection(server, stream).run()
                     finally:
                         await stream.aclose()
 
@@ -134,7 +134,7 @@ def test_requests_as_clients_send_them_never_reach_h11(monkeypatch: pytest.Monke
     async def refuse(self: object) -> None:
         raise AssertionError("handed to h11")
 
-    monkeypatch.setattr(http_server._Connection, "run", refuse)
+    monkeypatch.setattr(H11Connection, "run", refuse)
     wire = _request(b"POST", b"/stream", b"hi", [], False) + _request(
         b"GET", b"/whole", b"", [b"connection: keep-alive"], True
     )

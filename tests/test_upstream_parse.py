@@ -1,7 +1,7 @@
 """The router's own parser of an engine's answer reads what h11 reads, however it is cut.
 
 Answers written by h11 (content-length, chunked, or delimited by the close; 1xx first;
-folded and odd headers) are fed to an Exchange over a socket pair in random pieces;
+folded and odd headers) are fed to an Exchange over memory streams (the pool's connect seam) in random pieces;
 status, headers and body must be those an h11 client reads from the same bytes, and the
 connection goes back to the pool exactly when h11 would keep it alive.
 """
@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn, _framing, _Garbage
+from llmgw_http.h1 import BadHead, response_framing
+from llmgw_http.transport import Transport, memory_pair
+from llmgw_server.router.upstream import Pool, UpstreamError
 
 
 def h11_answer(
@@ -53,26 +55,35 @@ def h11_read(wire: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
 async def exchange_read(
     pieces: list[bytes], close: bool
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
-    engine, ours = trio.socket.socketpair()
-    pool = Pool(Endpoint("127.0.0.1", 1), 1.0)
-    exchange = Exchange(pool, _Conn(trio.SocketStream(ours)))
+    ours, engine = memory_pair()
+
+    async def connect(host: str, port: int) -> Transport:
+        return ours
+
+    pool = Pool(Endpoint("127.0.0.1", 1), 1.0, connect=connect)
     result: list[tuple[int, list[tuple[bytes, bytes]], bytes]] = []
 
     async def read() -> None:
-        await exchange.read_head()
-        result.append((exchange.status, exchange.headers, await exchange.read_body(1 << 20)))
+        exchange = await pool.open(b"POST", b"/", [], b"")
+        try:
+            body = await exchange.read_body(1 << 20)
+            result.append((exchange.status, exchange.headers, body))
+        finally:
+            exchange.release()
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
-            for piece in pieces:
-                await engine.send(piece)
-                await trio.testing.wait_all_tasks_blocked()
+            try:
+                for piece in pieces:
+                    await engine.send_all(piece)
+                    await trio.testing.wait_all_tasks_blocked()
+            except trio.BrokenResourceError:
+                pass  # the router refused the answer and closed the connection
             if close:
-                engine.close()
-    exchange.release()
-    reused = len(pool._idle) == 1
-    engine.close()
+                await engine.aclose()
+    reused = pool.idle_connections == 1
+    await engine.aclose()
     pool.close()
     return (*result[0], reused)
 
@@ -159,8 +170,8 @@ def test_how_an_answer_is_framed(
     headers: list[tuple[bytes, bytes]], expected: tuple[str, int, bool] | None
 ) -> None:
     if expected is None:
-        with pytest.raises(_Garbage):
-            _framing(200, headers, head_only=False)
+        with pytest.raises(BadHead):
+            response_framing(200, headers, head_only=False)
     else:
-        assert _framing(200, headers, head_only=False) == expected
-    assert _framing(204, headers, head_only=False) == ("length", 0, True)  # never a body
+        assert response_framing(200, headers, head_only=False) == expected
+    assert response_framing(204, headers, head_only=False) == ("length", 0, True)  # never a body

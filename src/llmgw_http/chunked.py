@@ -6,13 +6,14 @@ only has to check the framing and know where the body ends. Everything relayed
 has been checked first, and a chunk's data goes out as it arrives (a 300 MiB
 chunk is never held whole).
 
-The framing is read strictly (RFC 9112 section 7.1): a chunk-size line is 1 to 16 hex
-digits, then extensions `;name` or `;name=value` (a token, or a quoted-string), then
-CRLF. No whitespace anywhere in it (the grammar's BWS is for historical senders, and
-RFC 9112 forbids generating it), no bare LF, no other control character. Trailer lines
-are `name:value` with no control character but tab, each ending in CRLF; they are read
-and dropped. Anything else is a ChunkedError: a client behind the router must never
-read framing that h11, llhttp and Python's http.client could each split differently.
+The framing is read strictly (RFC 9112 section 7.1; the lines' grammar is in `h1`): a
+chunk-size line is 1 to 16 hex digits, then extensions `;name` or `;name=value` (a
+token, or a quoted-string), then CRLF. No whitespace anywhere in it (the grammar's BWS
+is for historical senders, and RFC 9112 forbids generating it), no bare LF, no other
+control character. Trailer lines are `name:value` with no control character but tab,
+each ending in CRLF; they are read and dropped. Anything else is a ChunkedError: a
+client behind the router must never read framing that h11, llhttp and Python's
+http.client could each split differently.
 
 Bytes are copied only where a line began in one read and ends in the next: an
 unfinished line is held (at most _MAX_LINE bytes, appended to, never re-joined), and
@@ -21,16 +22,10 @@ a read that holds nothing back is given on as it is.
 
 from __future__ import annotations
 
-import re
+from llmgw_http.h1 import CHUNK_SIZE_LINE as _SIZE_LINE
+from llmgw_http.h1 import TRAILER_LINE as _TRAILER_LINE
 
 _MAX_LINE = 4096  # a chunk-size line, or all the trailers together
-_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
-_QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t -~\x80-\xff])*"'
-# 16 hex digits at most: no 0x, _, signs or spaces (int() would take some of those).
-_SIZE_LINE = re.compile(
-    rb"([0-9A-Fa-f]{1,16})(?:;%b(?:=(?:%b|%b))?)*\r\n" % (_TOKEN, _TOKEN, _QUOTED)
-)
-_TRAILER_LINE = re.compile(rb"%b:[^\x00-\x08\x0a-\x1f\x7f]*\r\n" % _TOKEN)
 
 _SIZE, _DATA, _TRAILERS = 0, 1, 2
 

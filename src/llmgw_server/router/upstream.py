@@ -1,4 +1,7 @@
-"""HTTP/1.1 to the engines on trio sockets, with keep-alive pools.
+"""HTTP/1.1 to the engines, with keep-alive pools.
+
+A pool opens its connections through a connector (llmgw_http.transport): real TCP,
+read and written on the socket directly, unless a test gives it memory streams.
 
 An `Exchange` is one request to one engine. The caller reads the response
 head, then the body piece by piece as the engine writes it, and releases the
@@ -12,10 +15,10 @@ and a request that fails on a reused connection before a single byte of the
 answer is sent again on a fresh one: that is the pool's race, not a failure of
 the engine. Only what fails on a fresh connection reaches the caller.
 
-The requests are written and the answers parsed here, not by h11: the router sends
-only requests it built itself, and reads only what it relays (status, headers,
-framing), so a small parser of its own in front of the engines costs a fraction of
-h11's per-event validation on every request and every chunk. It is stricter than h11
+The requests are written and the answers parsed by `llmgw_http.h1`, not by h11: the
+router sends only requests it built itself, and reads only what it relays (status,
+headers, framing), so a small parser of its own in front of the engines costs a fraction
+of h11's per-event validation on every request and every chunk. It is stricter than h11
 where the framing is concerned (an engine may be buggy or taken over): an answer h11
 refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 """
@@ -23,35 +26,30 @@ refuses is never relayed (tests/test_fuzz_engine_framing.py holds it to that).
 from __future__ import annotations
 
 import math
-import re
-import select
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
 from llmgw_core.catalog import Endpoint
-from llmgw_http import coarse_timeouts, sockio
+from llmgw_http import coarse_timeouts
 from llmgw_http.chunked import ChunkDecoder, ChunkedError, ChunkScanner
+from llmgw_http.h1 import (
+    MAX_RESPONSE_HEAD,
+    RESPONSE_HEAD_END,
+    BadHead,
+    Framing,
+    keep_alive_timeout,
+    parse_response_head,
+    request_bytes,
+    response_framing,
+)
+from llmgw_http.transport import Connector, Transport, tcp_connect
 
 _RECV = 65536
 _MAX_IDLE = 256
-_MAX_HEAD = 16 * 1024  # a response head longer than this is garbage (h11's limit too)
 # How soon after the request a silent close must come to be taken for a stale connection.
 _STALE_WITHIN_S = 1.0
-_HEAD_END = re.compile(rb"\r?\n\r?\n")
-_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([1-5][0-9]{2})(?: [^\r\n]*)?")  # 100 to 599
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-# One length, 18 digits at most (below 2**63, and far beyond any answer): no list
-# ("107, 107"), sign, space or 5,000-digit number.
-_CONTENT_LENGTH = re.compile(rb"[0-9]{1,18}")
 _MAX_INTERIM = 5  # 1xx answers before the final one; an engine sending more is broken
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-# Every header line at once, as engines write them: a token, a colon, a value with no
-# control character but tab; CRLF or LF between lines. Anything else is read line by line.
-_FIELD_LINES = re.compile(
-    rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*(?:\r?\n|\Z))*"
-)
 
 
 class UpstreamError(Exception):
@@ -73,51 +71,26 @@ class UpstreamError(Exception):
         self.broken = broken  # the engine's bytes break HTTP's framing: never relayed on
 
 
-class _Garbage(Exception):
-    """What makes a response head unreadable, in words."""
-
-
 class _Conn:
-    __slots__ = ("buf", "expired", "idle_since", "sock", "stream")
+    __slots__ = ("buf", "expired", "idle_since", "transport")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        sock = sockio.raw_socket(stream)
-        assert sock is not None
-        self.sock: socket.socket = sock
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
         self.buf = b""  # received and not yet parsed
         self.idle_since = 0.0
         self.expired = False  # closed by its first-byte limit
 
     def cancel(self) -> None:
-        """The first-byte limit is up (coarse_timeouts): closing the socket wakes the
+        """The first-byte limit is up (coarse_timeouts): closing the connection wakes the
         read or write waiting on it at once, with no cancel scope per request."""
         self.expired = True
         self.close()
 
     def closed_by_peer(self) -> bool:
-        """An idle connection has nothing to read unless the engine closed it (or broke)."""
-        poller = select.poll()
-        poller.register(self.sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        return self.transport.closed_by_peer()
 
     def close(self) -> None:
-        self.stream.socket.close()
-
-
-def keep_alive_timeout(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """The `timeout=N` of a `Keep-Alive` response header, if the engine sent one."""
-    for key, value in headers:
-        if key == b"keep-alive":
-            for part in value.split(b","):
-                name, _, number = part.strip().partition(b"=")
-                if name.strip().lower() == b"timeout":
-                    try:
-                        timeout = float(number.strip())
-                    except ValueError:
-                        return None
-                    return timeout if timeout >= 0 else None
-    return None
+        self.transport.close()
 
 
 class Pool:
@@ -129,8 +102,10 @@ class Pool:
         connect_timeout_s: float,
         idle_timeout_s: float = 300.0,
         reuse_idle_s: float = 4.0,
+        connect: Connector = tcp_connect,
     ) -> None:
         self.endpoint = endpoint
+        self._connect_to = connect  # the seam: tests connect through memory streams
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s  # between reads, once the head has come
         # A connection idle longer than this is not reused; an engine's Keep-Alive
@@ -145,6 +120,11 @@ class Pool:
         self.closed = False
         self.stale_retries = 0  # requests sent again after a reused connection failed
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept for reuse now."""
+        return len(self._idle)
+
     def engine_keep_alive(self, timeout_s: float) -> None:
         """The engine announced its idle limit: stay a second inside it."""
         self.reuse_idle_s = min(self.reuse_idle_s, max(0.0, timeout_s - 1.0))
@@ -152,14 +132,14 @@ class Pool:
     async def _connect(self) -> _Conn:
         with trio.move_on_after(self.connect_timeout_s) as scope:
             try:
-                stream = await trio.open_tcp_stream(self.endpoint.host, self.endpoint.port)
+                transport = await self._connect_to(self.endpoint.host, self.endpoint.port)
             except OSError as exc:
                 raise UpstreamError(
                     f"cannot connect to {self.endpoint}: {exc}", connect=True
                 ) from None
         if scope.cancelled_caught:
             raise UpstreamError(f"connecting to {self.endpoint} timed out", connect=True)
-        return _Conn(stream)
+        return _Conn(transport)
 
     def _give_back(self, conn: _Conn) -> None:
         if not self.closed and len(self._idle) < _MAX_IDLE and self.reuse_idle_s > 0:
@@ -271,12 +251,8 @@ class Pool:
     ) -> memoryview | None:
         """Writes what the kernel takes at once; the rest (None: nothing) is sent while
         the answer is read (Exchange.read_head)."""
-        lines = [method, b" ", target, b" HTTP/1.1\r\n"]
-        for name, value in head:
-            lines += (name, b": ", value, b"\r\n")
-        lines += (b"\r\n", body)
-        wire = b"".join(lines)
-        sent = sockio.send_now(conn.sock, wire)
+        wire = request_bytes(method, target, head, body)
+        sent = conn.transport.send_now(wire)
         return None if sent == len(wire) else memoryview(wire)[sent:]
 
     def close(self) -> None:
@@ -284,8 +260,6 @@ class Pool:
         for conn in self._idle:
             conn.close()
         self._idle.clear()
-
-
 
 
 class Exchange:
@@ -311,7 +285,7 @@ class Exchange:
         self._conn = conn
         self._head_only = method == b"HEAD"
         self._done = False  # the whole answer was read, and nothing after it
-        self._framing = ""  # "length", "chunked" or "close" (until the engine closes)
+        self._framing: Framing | None = None  # known once the head is read
         self._length = 0
         self.keep_alive = False
         self._received = 0
@@ -324,19 +298,19 @@ class Exchange:
 
     async def _receive(self) -> bytes:
         """One read; after the head, an engine that stays silent too long has stalled."""
-        sock = self._conn.sock
+        transport = self._conn.transport
         try:
             if not self.status:  # the head: the router's first-byte timeout applies
                 # Just sent (or the head came in part): the engine's answer cannot be
                 # there yet, so the wait comes first, not a read bound to fail.
-                data = await sockio.receive_some(sock, _RECV, wait_first=True)
+                data = await transport.receive_some(_RECV, wait_first=True)
             else:
                 try:  # a cancel scope only where a wait is due
-                    data = sock.recv(_RECV)
+                    data = transport.receive_now(_RECV)
                 except BlockingIOError:
                     idle = self._pool.idle_timeout_s
                     with coarse_timeouts.move_on_after(idle):
-                        data = await sockio.receive_some(sock, _RECV, wait_first=True)
+                        data = await transport.receive_some(_RECV, wait_first=True)
                         self._received += len(data)
                         return data
                     raise UpstreamError(
@@ -367,7 +341,7 @@ class Exchange:
         async def send_rest() -> None:
             nonlocal sent_whole
             try:
-                await sockio.send_all(self._conn.sock, unsent)
+                await self._conn.transport.send_all(unsent)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             sent_whole = True  # before any answer to it can be read: no checkpoint between
@@ -391,9 +365,9 @@ class Exchange:
         searched = 0  # where the search for the blank line goes on
         interim = 0
         while True:
-            end = _HEAD_END.search(buf, searched)
+            end = RESPONSE_HEAD_END.search(buf, searched)
             if end is None:
-                if len(buf) > _MAX_HEAD:
+                if len(buf) > MAX_RESPONSE_HEAD:
                     raise UpstreamError(
                         f"{endpoint} answered garbage: the head is too long", broken=True
                     )
@@ -419,8 +393,8 @@ class Exchange:
             buf = bytes(buf[end.end() :])
             searched = 0
             try:
-                status, http11, headers = _parse_head(head)
-            except _Garbage as exc:
+                status, http11, headers = parse_response_head(head)
+            except BadHead as exc:
                 raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
             if 100 <= status < 200:  # informational (100 Continue): the answer follows
                 if status == 101:
@@ -445,8 +419,9 @@ class Exchange:
         if timeout is not None:
             self._pool.engine_keep_alive(timeout)
         try:
-            self._framing, self._length, reusable = _framing(status, headers, self._head_only)
-        except _Garbage as exc:
+            framing = response_framing(status, headers, self._head_only)
+            self._framing, self._length, reusable = framing
+        except BadHead as exc:
             raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
         if not reusable:
             self.keep_alive = False
@@ -534,7 +509,7 @@ class Exchange:
         """
         scanner = self._scanner = ChunkScanner()
         conn = self._conn
-        sock = conn.sock
+        receive = conn.transport.receive_some
         data, conn.buf = conn.buf, b""
         endpoint = self._pool.endpoint
         idle = self._pool.idle_timeout_s
@@ -565,7 +540,7 @@ class Exchange:
                     coarse_timeouts.arm(silence, now + idle + tick)
                     armed_at = now
                 try:
-                    data = await sockio.receive_some(sock, _RECV, wait_first=drained)
+                    data = await receive(_RECV, wait_first=drained)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise UpstreamError(f"{endpoint} broke the connection: {exc}") from None
                 if not data:
@@ -597,69 +572,3 @@ class Exchange:
             self._pool._give_back(self._conn)
         else:
             self._conn.close()
-
-
-def _parse_head(head: bytes) -> tuple[int, bool, list[tuple[bytes, bytes]]]:
-    """(status, whether HTTP/1.1, headers with lower-case names) of a response head."""
-    lines = head.split(b"\n")
-    status_line = lines[0].rstrip(b"\r")
-    match = _STATUS_LINE.fullmatch(status_line)
-    if match is None:
-        raise _Garbage(f"bad status line {status_line[:40]!r} (the status must be 100 to 599)")
-    status, http11 = int(match.group(2)), match.group(1) == b"1"
-    if _FIELD_LINES.fullmatch(head, len(lines[0]) + 1):  # as engines write heads
-        return status, http11, [_field(line) for line in lines[1:]]
-    headers: list[tuple[bytes, bytes]] = []
-    for raw in lines[1:]:
-        line = raw.rstrip(b"\r")
-        if line[:1] in (b" ", b"\t"):  # an obsolete folded line continues the last header
-            if not headers:
-                raise _Garbage("a continuation line with no header before it")
-            name, value = headers[-1]
-            headers[-1] = (name, value + b" " + line.strip(b" \t"))
-            continue
-        name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
-            raise _Garbage(f"bad header line {line[:40]!r}")
-        value = value.strip(b" \t")
-        if _BAD_VALUE.search(value):
-            raise _Garbage(f"bad value of the header {name[:40]!r}")
-        headers.append((name.lower(), value))
-    return status, http11, headers
-
-
-def _field(line: bytes) -> tuple[bytes, bytes]:
-    name, _, value = line.partition(b":")
-    return name.lower(), value.strip(b" \t\r")
-
-
-def _framing(
-    status: int, headers: list[tuple[bytes, bytes]], head_only: bool
-) -> tuple[str, int, bool]:
-    """How the body is delimited (RFC 9112 section 6.3): ("length", n), ("chunked", 0) or
-    ("close", 0), and whether the connection may be reused after it.
-
-    With Transfer-Encoding, a Content-Length is ignored (and the connection not reused:
-    the answer may be an attempt at smuggling). More than one Content-Length, even
-    identical ones, is garbage, as is a value that is not 1 to 18 digits.
-    """
-    if head_only or status in (204, 304):
-        return "length", 0, True
-    length = -1
-    chunked = False
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            if value.lower() != b"chunked" or chunked:
-                raise _Garbage(f"unsupported transfer-encoding {value[:40]!r}")
-            chunked = True
-        elif name == b"content-length":
-            if length >= 0:
-                raise _Garbage("more than one content-length")
-            if not _CONTENT_LENGTH.fullmatch(value):
-                raise _Garbage(f"bad content-length {value[:40]!r}")
-            length = int(value)
-    if chunked:
-        return "chunked", 0, length < 0
-    if length >= 0:
-        return "length", length, True
-    return "close", 0, True
