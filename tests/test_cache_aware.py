@@ -309,6 +309,9 @@ def test_config_mistakes_name_the_key() -> None:
         "[router.cache_aware]\nmetrics_interval_s = 5\n": "router.cache_aware.metrics_max_age_s: "
         "must be at least metrics_interval_s (5.0)",
         "[router]\ncache_aware = 3\n": "router.cache_aware: must be a table, not an integer",
+        # A closed set now (config.Balancing), read as any text first: the same messages.
+        "[router]\nbalancing = 3\n": "router.balancing: must be a string, not an integer",
+        '[router]\nbalancing = " "\n': "router.balancing: must not be empty",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as caught:
