@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
+from llmgw_core.config import BALANCING, Balancing
 from llmgw_server.router.balancer import Balancer, Replica
 
 
@@ -65,12 +66,12 @@ def test_session_affinity_holds_while_healthy_then_moves() -> None:
     assert balancer.pick(session="s") is first
 
 
-@pytest.mark.parametrize("balancing", ["least_outstanding", "round_robin", "cache_aware"])
-def test_sessions_agree_across_router_processes_in_every_mode(balancing: str) -> None:
+@pytest.mark.parametrize("balancing", BALANCING)
+def test_sessions_agree_across_router_processes_in_every_mode(balancing: Balancing) -> None:
     """Two balancers that share nothing (two router processes) send a session to one replica."""
     mine = Balancer(replicas(5), balancing=balancing)
     theirs = Balancer(replicas(5), balancing=balancing)
-    homes = Counter()
+    homes: Counter[int] = Counter()
     for i in range(200):
         a = mine.pick(session=f"user-{i}")
         b = theirs.pick(session=f"user-{i}")
@@ -124,8 +125,11 @@ def test_set_endpoints_keeps_known_replicas_and_moves_their_sessions() -> None:
 def test_a_draining_replica_takes_no_new_requests() -> None:
     rs = replicas(2)
     balancer = Balancer(rs)
-    rs[0].draining = True
+    balancer.mark_draining({rs[0].endpoint})  # the route table's word
+    assert rs[0].draining and not rs[1].draining
     assert all(balancer.pick() is rs[1] for _ in range(4))
+    balancer.mark_draining(())  # no longer draining: it takes requests again
+    assert {balancer.pick() for _ in range(4)} == set(rs)
 
 
 def test_what_each_status_says_about_the_replica() -> None:

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
 from llmgw_server.router.balancer import Balancer, Replica
-from llmgw_server.router.cache_aware import Decision, choose, load_of
 from llmgw_server.router.load_signals import LoadSignal
+from llmgw_server.router.policies import Decision
+from llmgw_server.router.policies.cache_aware import CacheAware, load_of
 from llmgw_server.router.prefix import PromptKey, prompt_key
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
@@ -29,6 +30,12 @@ def balancer(n: int, **tuning: Any) -> Balancer:
     return Balancer(
         replicas, balancing="cache_aware", tuning=attrs.evolve(CacheAwareSection(), **tuning)
     )
+
+
+def policy(b: Balancer) -> CacheAware:
+    """The balancer's cache-aware policy, which holds what each replica was sent."""
+    assert isinstance(b.policy, CacheAware)
+    return b.policy
 
 
 def key(messages: list[dict[str, str]]) -> PromptKey:
@@ -94,38 +101,42 @@ def test_a_replica_that_fails_is_not_counted_on_for_its_cache() -> None:
     b = balancer(2)
     conversation = Conversation(rng)
     home = b.pick(prompt=conversation.key(), now=0)
-    assert home is not None and home.prefixes is not None and len(home.prefixes)
+    assert home is not None and len(policy(b).index(home))
     b.probed(home, ok=False, now=1)  # it may come back as a fresh engine
-    assert len(home.prefixes) == 0
+    assert len(policy(b).index(home)) == 0
     other = b.replicas[1] if home is b.replicas[0] else b.replicas[0]
     b.pick(prompt=conversation.key(), now=2)
-    assert other.prefixes is not None and len(other.prefixes)
+    assert len(policy(b).index(other))
     for now in (3, 4, 5):
         b.failed(other, now=now)
-    assert other.ejected and len(other.prefixes) == 0
+    assert other.ejected and len(policy(b).index(other)) == 0
 
 
 def test_the_engines_reading_counts_with_what_was_sent_since() -> None:
     tuning = CacheAwareSection(waiting_weight=1.0, kv_usage_weight=2.0, metrics_max_age_s=3.0)
     r = Replica(Endpoint("10.0.0.1", 8000))
-    r.outstanding = 2
-    assert load_of(r, tuning, now=5.0) == 2  # no reading: the router's own count
-    r.engine_load = LoadSignal("vllm", running=6, waiting=2, kv_usage=0.5)
-    r.engine_load_at, r.outstanding_at_load = 4.0, 1
+    b = Balancer([r])
+    b.sent(r)
+    assert load_of(r, tuning, now=4.0) == 1  # no reading: the router's own count
+    r.took_reading(LoadSignal("vllm", running=6, waiting=2, kv_usage=0.5), 4.0)
+    assert r.outstanding_at_load == 1
+    b.sent(r)
     # 8 requests in the engine (other routers' too) + 1 sent since, + 2 waiting, + 2 * 0.5.
     assert load_of(r, tuning, now=5.0) == 9 + 2 + 1.0
     assert load_of(r, tuning, now=7.5) == 2  # older than metrics_max_age_s: not used
-    r.engine_load = LoadSignal("llamacpp", running=0, waiting=0)
-    r.engine_load_at = 7.0
-    assert load_of(r, tuning, now=7.5) == 2  # the engine has not seen ours yet: never less
+    r.took_reading(LoadSignal("llamacpp", running=0, waiting=0), 7.0)
+    b.finished(r)
+    assert load_of(r, tuning, now=7.5) == 1  # finished since: counted out of the reading
+    b.sent(r)
+    b.sent(r)
+    assert load_of(r, tuning, now=7.5) == 3  # the engine has not seen ours yet: never less
 
 
 def test_engine_load_moves_new_conversations_away_from_a_queue() -> None:
     rng = random.Random(3)
     b = balancer(2)
     queued, idle = b.replicas
-    queued.engine_load = LoadSignal("vllm", running=16, waiting=10, kv_usage=1.0)
-    queued.engine_load_at = 10.0
+    queued.took_reading(LoadSignal("vllm", running=16, waiting=10, kv_usage=1.0), 10.0)
     for _ in range(10):
         chosen = b.pick(prompt=Conversation(rng).key(), now=10.5)
         assert chosen is idle
@@ -232,8 +243,9 @@ def test_never_an_unavailable_or_excluded_replica(
 
 def test_choose_alone_needs_a_candidate() -> None:
     b = balancer(2)
-    replica, decision, matched = choose(b.replicas, None, b.tuning, 0.0)
-    assert replica in b.replicas and decision is Decision.FALLBACK and matched == 0
+    choice = policy(b).choose(b.replicas, None, 0.0)
+    assert choice.replica in b.replicas and choice.decision is Decision.FALLBACK
+    assert choice.matched_bytes == 0
 
 
 @settings(max_examples=20, deadline=None)
@@ -251,8 +263,8 @@ def test_two_routers_that_each_saw_half_the_traffic_agree(seed: int, replicas: i
     same = 0
     for c in conversations:
         k = c.key()
-        a = choose(mine.replicas, k, mine.tuning, 10.0)[0]
-        b = choose(theirs.replicas, k, theirs.tuning, 10.0)[0]
+        a = policy(mine).choose(mine.replicas, k, 10.0).replica
+        b = policy(theirs).choose(theirs.replicas, k, 10.0).replica
         same += a.endpoint == b.endpoint
     assert same >= 0.9 * len(conversations)
 
@@ -297,6 +309,9 @@ def test_config_mistakes_name_the_key() -> None:
         "[router.cache_aware]\nmetrics_interval_s = 5\n": "router.cache_aware.metrics_max_age_s: "
         "must be at least metrics_interval_s (5.0)",
         "[router]\ncache_aware = 3\n": "router.cache_aware: must be a table, not an integer",
+        # A closed set now (config.Balancing), read as any text first: the same messages.
+        "[router]\nbalancing = 3\n": "router.balancing: must be a string, not an integer",
+        '[router]\nbalancing = " "\n': "router.balancing: must not be empty",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as caught:

@@ -147,12 +147,10 @@ def test_round_robin_and_least_outstanding_are_still_there(procs: Procs) -> None
 
 
 def test_least_outstanding_sends_past_a_replica_holding_a_stream(procs: Procs) -> None:
-    # 1000 tokens at 50 a second: the stream outlasts the asks however busy the machine
-    # (with the default 16 it ended after 0.4 s, and the test raced it).
-    mocks = [
-        procs.mock("m", "--mock-tokens", "1000", "--mock-tokens-per-second", "50")
-        for _ in range(2)
-    ]
+    # 1,000 tokens at 50 a second: the stream holds its replica for 20 s, far longer than
+    # the asks below take on a busy machine (16, the default, ended it after 0.3 s).
+    paced = ("--mock-tokens", "1000", "--mock-tokens-per-second", "50")
+    mocks = [procs.mock("m", *paced) for _ in range(2)]
     least = procs.router(
         models_toml({"m": [e.url for e in mocks]}) + '\n[router]\nbalancing = "least_outstanding"\n'
     )

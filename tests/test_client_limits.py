@@ -21,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from llmgw_core import bearer
 from llmgw_core.config import parse_config
 from llmgw_http.h11_connection import H11Connection
 from llmgw_http.limits import BODY_RATE_GRACE_S, body_too_slow, pieces_too_small
@@ -130,13 +131,13 @@ async def test_a_valid_key_is_hashed_once_and_per_model_refusals_read_the_body(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     hashed: list[bytes] = []
-    digest_of = front.digest_of
+    digest_of = bearer.digest_of
 
     def counting(token: bytes) -> str:
         hashed.append(token)
         return digest_of(token)
 
-    monkeypatch.setattr(front, "digest_of", counting)
+    monkeypatch.setattr(bearer, "digest_of", counting)
     body = b'{"model": "b", "messages": []}'
     with trio.fail_after(5):
         async with serving(_router_server(_router())) as client:

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 import attrs
 
@@ -140,10 +141,13 @@ class ServerSection:
     workers: int = attrs.field(default=1, metadata=rules(parse=_workers, min=1))
 
 
-BALANCING = ("cache_aware", "least_outstanding", "round_robin")
+Balancing = Literal["cache_aware", "least_outstanding", "round_robin"]
+BALANCING: tuple[Balancing, ...] = get_args(Balancing)
 
 
-def _balancing(text: str) -> str:
+def _balancing(value: object) -> Balancing:
+    # Read as text first, not by cattrs' Literal hook: the same messages as any text field.
+    text = read_text(value)
     if text not in BALANCING:
         close = difflib.get_close_matches(text, BALANCING, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -193,7 +197,7 @@ def _cache_aware_rules(section: CacheAwareSection) -> None:
 
 @attrs.frozen
 class RouterSection:
-    balancing: str = attrs.field(default="cache_aware", metadata=rules(check=_balancing))
+    balancing: Balancing = attrs.field(default="cache_aware", metadata=rules(parse=_balancing))
     cache_aware: CacheAwareSection = CacheAwareSection()
     # Further attempts on other replicas before the first byte.
     retries: int = attrs.field(default=2, metadata=rules(min=0))

@@ -20,7 +20,6 @@ actions from other sites' pages or without `Content-Type: application/json`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -30,7 +29,8 @@ from urllib.parse import parse_qs
 import attrs
 import trio
 
-from llmgw_core.config import AdminSection, digest_of
+from llmgw_core.bearer import bearer_matches
+from llmgw_core.config import AdminSection
 from llmgw_core.openai_errors import error_body
 from llmgw_core.tomlshape import ConfigError
 from llmgw_http.server import Request, Responder
@@ -104,13 +104,8 @@ class AdminAPI:
                 f"configured admin token: {_SET_TOKEN}",
                 "admin_closed",
             )
-        value = request.header(b"authorization")
         # Digests compared in constant time; the raw token is never compared.
-        if (
-            value is not None
-            and value[:7].lower() == b"bearer "
-            and hmac.compare_digest(digest_of(value[7:].strip()), access.token_digest)
-        ):
+        if bearer_matches(request.header(b"authorization"), access.token_digest):
             return None
         return 401, "a valid admin token is required (Authorization: Bearer)", "invalid_admin_token"
 
@@ -219,13 +214,7 @@ class AdminAPI:
     def _metrics_token(self, request: Request) -> bool:
         # getattr: [server] metrics_token is newer than this API; None where it is not set.
         digest: str | None = getattr(self.plane.config.server, "metrics_token_digest", None)
-        value = request.header(b"authorization")
-        return (
-            digest is not None
-            and value is not None
-            and value[:7].lower() == b"bearer "
-            and hmac.compare_digest(digest_of(value[7:].strip()), digest)
-        )
+        return bearer_matches(request.header(b"authorization"), digest)
 
     @staticmethod
     async def _json(responder: Responder, status_code: int, data: Any) -> None:

@@ -170,10 +170,8 @@ def apply_table(
                 log.info("%s is no longer placed by the control plane", model)
             router.set_endpoints(model, ())
     for model, balancer in router.balancers.items():
-        if model in static:
-            continue
-        for replica in balancer.replicas:
-            replica.draining = replica.endpoint in table.draining
+        if model not in static:
+            balancer.mark_draining(table.draining)
 
 
 def in_flight_counts(router: Router, draining: frozenset[Endpoint]) -> dict[str, int]:

@@ -26,8 +26,8 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import digest_of
 from llmgw_core.logsafe import escaped
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_http.server import Request
@@ -200,9 +200,9 @@ def refusal(
             "the control plane's router token is its admin token, which may not follow: "
             "give routers a token of their own ([admin] router_token_digest)"
         )
-    if authorization is None or authorization[:7].lower() != b"bearer ":
+    digest = bearer_digest(authorization)
+    if digest is None:
         return 401, "a router token is required (Authorization: Bearer <router token>)"
-    digest = digest_of(authorization[7:].strip())
     if hmac.compare_digest(digest, router_digest):
         return None
     if admin_digest is not None and hmac.compare_digest(digest, admin_digest):

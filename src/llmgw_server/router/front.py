@@ -12,8 +12,9 @@ from typing import Literal
 import attrs
 import trio
 
+from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import Config, ServerSection, digest_of
+from llmgw_core.config import Config, ServerSection
 from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import error_body, sse_error_event
 from llmgw_core.ratelog import RateLimit
@@ -28,7 +29,7 @@ from llmgw_server.router.access_log import (
 )
 from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
 from llmgw_server.router.metrics import RouterMetrics
-from llmgw_server.router.prefix import PromptKey, prompt_key
+from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
@@ -159,7 +160,10 @@ class Router:
             request_id = new_request_id()
             request.headers = [h for h in request.headers if h[0] != _REQUEST_ID]
             request.headers.append((_REQUEST_ID, request_id.encode()))
-        digest = request.credential if request.head_checked else _bearer_digest(request)
+        if request.head_checked:  # hashed by check_head: once a request
+            digest = request.credential
+        else:
+            digest = bearer_digest(request.header(b"authorization"))
         record = AccessRecord(
             time.time(),
             request_id,
@@ -231,7 +235,7 @@ class Router:
         """The HTTP server's head check: whether to read the body. An inference request
         without a valid key (where keys are set) is answered 401 from its head, and its
         connection closed unread. The key is hashed here once, for the whole request."""
-        digest = request.credential = _bearer_digest(request)
+        digest = request.credential = bearer_digest(request.header(b"authorization"))
         request.head_checked = True
         return not self.keys or digest in self.keys or request.path not in INFERENCE_PATHS
 
@@ -327,9 +331,10 @@ class Router:
         session_value = request.header(self.tuning.session_header.encode())
         session = session_value.decode("latin-1") if session_value else None
         prompt: PromptKey | None = None
-        if balancer.cache_aware and session is None and path in (_CHAT, _COMPLETIONS):
+        policy = balancer.policy
+        if policy.reads_prompt and session is None and path in (_CHAT, _COMPLETIONS):
             # Hashed once per request, and only where the policy reads it.
-            prompt = prompt_key(body, path == _CHAT, balancer.tuning.block_bytes)
+            prompt = policy.prompt_key(body, path == _CHAT)
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
@@ -365,7 +370,7 @@ class Router:
                 self.metrics.retries[model] += 1
             tried.append(replica)
             _served_by(responder, replica)
-            replica.outstanding += 1
+            balancer.sent(replica)
             try:
                 started = time.monotonic()
                 try:
@@ -406,7 +411,7 @@ class Router:
                 finally:
                     exchange.release()
             finally:
-                replica.outstanding -= 1
+                balancer.finished(replica)
         if last is None:
             message = f"no healthy replica for the model {model!r}"
             self._log_5xx(model, None, 503, message)
@@ -508,15 +513,6 @@ class _Refusal:
 def _served_by(responder: Responder, replica: Replica) -> None:
     if isinstance(responder, RecordingResponder):
         responder.record.replica = replica.endpoint.url
-
-
-def _bearer_digest(request: Request) -> str | None:
-    """The digest of the key in `Authorization: Bearer`; None when there is none."""
-    value = request.header(b"authorization")
-    if value is None or value[:7].lower() != b"bearer ":
-        return None
-    token = value[7:].strip()
-    return digest_of(token) if token else None
 
 
 def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

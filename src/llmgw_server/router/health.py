@@ -107,7 +107,7 @@ async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
     while True:
         engines: dict[Endpoint, list[Replica]] = {}
         for balancer in router.balancers.values():
-            for replica in balancer.replicas if balancer.cache_aware else ():
+            for replica in balancer.replicas if balancer.policy.reads_engine_load else ():
                 if replica.available:
                     engines.setdefault(replica.endpoint, []).append(replica)
         async with trio.open_nursery() as nursery:
@@ -145,9 +145,7 @@ async def _read_load(
         log.info("reading the load of %s again", endpoint)
     now = trio.current_time()
     for replica in replicas:
-        replica.engine_load = signal
-        replica.engine_load_at = now
-        replica.outstanding_at_load = replica.outstanding
+        replica.took_reading(signal, now)
 
 
 class _Unreadable(Exception):

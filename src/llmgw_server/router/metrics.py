@@ -213,9 +213,10 @@ class RouterMetrics:
         )
         for model, balancer in sorted(balancers.items()):
             for r in balancer.replicas:
-                if r.prefixes is not None:
+                entries = balancer.policy.remembered(r)
+                if entries is not None:
                     labels = _labels(model=model, endpoint=r.endpoint.url)
-                    out.append(f"llmgw_prefix_index_entries{labels} {len(r.prefixes)}")
+                    out.append(f"llmgw_prefix_index_entries{labels} {entries}")
         fresh = [
             (model, r)
             for model, balancer in sorted(balancers.items())

@@ -1,0 +1,68 @@
+"""What a balancing policy is: the interface the balancer drives, and what it answers."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from llmgw_server.router.prefix import PromptKey
+from llmgw_server.router.replica import Replica
+
+
+class Decision(enum.Enum):
+    """Why a replica was chosen, as counted on /metrics."""
+
+    CACHE_HIT = "cache_hit"  # it holds the conversation so far
+    LOAD_OVERRIDE = "load_override"  # another held it but was loaded beyond the bound
+    FALLBACK = "fallback"  # nobody held it: rendezvous, or load for a shared prefix
+    SESSION = "session"  # the session header's rendezvous
+    LEAST_OUTSTANDING = "least_outstanding"
+    ROUND_ROBIN = "round_robin"
+
+
+@attrs.frozen(slots=True)
+class Choice:
+    replica: Replica
+    decision: Decision
+    matched_bytes: int = 0  # how much of the prompt this router believes the replica holds
+
+
+class Policy(Protocol):
+    """How one model's balancer chooses among its available replicas, with the state it
+    needs (one instance per model). The balancer filters the candidates (available, not
+    excluded, rested) and handles sessions; the policy sees every choice made."""
+
+    # Whether it reads the prompt (the router hashes it only then) and the engines' own
+    # load (the router reads their /metrics only then).
+    reads_prompt: bool
+    reads_engine_load: bool
+
+    def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
+        """The key of a request's prompt, as this policy reads it (asked only if it does)."""
+        ...
+
+    def choose(
+        self, candidates: Sequence[Replica], prompt: PromptKey | None, now: float | None
+    ) -> Choice:
+        """One of `candidates` (never empty) and why. What it remembers of requests is
+        changed by `chosen` alone (a rotation may turn here)."""
+        ...
+
+    def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
+        """A request goes to `replica`, by this policy's choice or a session's."""
+        ...
+
+    def follow(self, replicas: Sequence[Replica]) -> None:
+        """The model's replicas are now `replicas`: known ones keep their state."""
+        ...
+
+    def forget(self, replica: Replica) -> None:
+        """It failed, and may come back as a fresh engine: what it held is not counted on."""
+        ...
+
+    def remembered(self, replica: Replica) -> int | None:
+        """How many entries it remembers for the replica, for /metrics; None: it keeps none."""
+        ...
