@@ -27,11 +27,12 @@ from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.dial import Target
 from llmgw_server.__main__ import run_cli
-from llmgw_server.route_feed.follower import Follower, local_pair
+from llmgw_server.route_feed.connection import local_pair
+from llmgw_server.route_feed.follower import Follower
 from llmgw_server.route_feed.hub import RouteHub, refusal
 from llmgw_server.route_feed.messages import PROTOCOL, FeedError, Hello, InFlight, encode
+from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
-from llmgw_server.router.standalone import feed_target
 from procs import Proc, free_port, metric
 from test_cache_aware_router import words
 from test_fleet_e2e import CHAT, model
@@ -374,10 +375,10 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     init_ca(fleet.procs.tmp / "other-ca")
     untrusting = separate_router(fleet, ROUTER_TOKEN, ca=fleet.procs.tmp / "other-ca" / "ca.crt")
     wait_until(
-        lambda: "TLS error: the control plane's certificate at 127.0.0.1:" in untrusting.output(),
+        lambda: "the control plane's certificate at 127.0.0.1:" in untrusting.output(),
         what="the router trusting another CA to say why it cannot follow",
     )
-    assert f"is not trusted by --ca {fleet.procs.tmp / 'other-ca' / 'ca.crt'}" in (
+    assert f"--ca ({fleet.procs.tmp / 'other-ca' / 'ca.crt'}) must be the fleet CA" in (
         untrusting.output()
     )
     untrusting.stop()

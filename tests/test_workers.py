@@ -8,6 +8,9 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -274,6 +277,34 @@ def worker_pids(router: Proc) -> set[int]:
     }
 
 
+def worker_pid(router: Proc, index: int) -> int:
+    """The pid of worker `index` as last started."""
+    started = f"llmgw.workers worker {index} started (pid "
+    lines = [line for line in router.output().splitlines() if started in line]
+    return int(lines[-1].rsplit("(pid ", 1)[1].rstrip(")"))
+
+
+@contextmanager
+def only_worker_accepts(router: Proc, index: int) -> Iterator[None]:
+    """Every other worker stopped (SIGSTOP) for the block: a connection made in it is
+    accepted by worker `index`, whatever order the kernel would wake them in."""
+    others = [worker_pid(router, i) for i in (0, 1) if i != index]
+    for pid in others:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(process_state(pid) == "T" for pid in others), what="a pause")
+        yield
+    finally:
+        for pid in others:
+            os.kill(pid, signal.SIGCONT)
+
+
+def process_state(pid: int) -> str:
+    """R, S, T (stopped)...: the third field of /proc/PID/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -316,14 +347,15 @@ def test_sigterm_drains_every_worker_then_leaves_no_process(procs: Procs) -> Non
     router = two_workers(procs, engine)
     pids = worker_pids(router)
     assert len(pids) == 2
-    # Connections arriving together may all go to the worker that wakes first: streams
-    # are started one by one until both workers have some in flight.
+    # One stream in flight on each worker: each started while the other worker is paused
+    # (which worker the kernel hands a connection is not this test's business).
     streams: list[Stream] = []
-    while {s.worker for s in streams} != {0, 1}:
-        assert len(streams) < 12, [s.worker for s in streams]
-        streams.append(Stream(router.url))
-        streams[-1].start()
-        assert streams[-1].first.wait(20)
+    for index in (0, 1):
+        with only_worker_accepts(router, index):
+            streams.append(Stream(router.url))
+            streams[-1].start()
+            assert streams[-1].first.wait(20)
+        assert streams[-1].worker == index
     router.signal(signal.SIGTERM)
     for s in streams:
         s.join(30)
@@ -331,7 +363,7 @@ def test_sigterm_drains_every_worker_then_leaves_no_process(procs: Procs) -> Non
     assert router.popen.wait(15) == 0
     wait_until(lambda: all(gone(pid) for pid in pids), timeout=10, what="workers to exit")
     out = router.output()
-    assert out.count("stopping: no new connections") == 2 and "requests still in" not in out
+    assert out.count("shutting down: no new connections") == 2 and "requests still in" not in out
 
 
 def test_workers_whose_parent_is_killed_drain_and_exit(procs: Procs) -> None:
@@ -470,10 +502,11 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
 
     from llmgw_core.catalog import Endpoint
     from llmgw_core.config import parse_config
-    from llmgw_server.route_feed.follower import Follower, local_pair
+    from llmgw_server.route_feed.connection import local_pair
+    from llmgw_server.route_feed.follower import Follower
     from llmgw_server.route_feed.hub import RouteHub
+    from llmgw_server.route_feed.relay import TableRelay
     from llmgw_server.router.front import Router
-    from llmgw_server.router.workers import TableRelay
 
     a, b = Endpoint("127.0.0.1", 9001, api_key="k"), Endpoint("127.0.0.1", 9002)
     config = parse_config({"models": [{"name": "static", "endpoints": ["http://s:1"]}]}, "t.toml")
@@ -516,19 +549,20 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
 
 
 # How a router apart runs its workers: the parent follows the control plane through the
-# relay (router.standalone's follow loop), its workers follow the parent.
+# relay (route_feed.remote's follow loop), its workers follow the parent.
 ROUTER_APART = """
 import functools, logging, sys
 from pathlib import Path
 import trio
 from llmgw_core.config import load_config
-from llmgw_server.router import standalone, workers
+from llmgw_server import wiring
+from llmgw_server.route_feed import remote
 logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s %(message)s")
 config = load_config(sys.argv[1])
-where, ca = standalone.feed_target(sys.argv[2]), Path(sys.argv[3])
-token, tls = standalone.read_router_token(sys.argv[4]), standalone.client_context(ca)
-follow = lambda relay: standalone.follow_forever(relay, where, token, tls, ca)
-trio.run(functools.partial(workers.main, config, follow=follow))
+where, ca = remote.feed_target(sys.argv[2]), Path(sys.argv[3])
+token, tls = remote.read_router_token(sys.argv[4]), remote.client_context(ca)
+follow = lambda relay: remote.follow_forever(relay, where, token, tls, ca)
+trio.run(functools.partial(wiring.workers_main, config, follow=follow))
 """
 
 
