@@ -12,10 +12,11 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -27,10 +28,19 @@ from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.dial import Target
 from llmgw_server.__main__ import run_cli
-from llmgw_server.route_feed.connection import local_pair
-from llmgw_server.route_feed.follower import Follower
+from llmgw_server.route_feed.connection import LocalConnection, local_pair
+from llmgw_server.route_feed.follower import COUNT_INTERVAL_S, Follower, RouteTarget
 from llmgw_server.route_feed.hub import RouteHub, refusal
-from llmgw_server.route_feed.messages import PROTOCOL, FeedError, Hello, InFlight, encode
+from llmgw_server.route_feed.messages import (
+    PROTOCOL,
+    FeedError,
+    Hello,
+    InFlight,
+    Routes,
+    RouteTable,
+    decode_up,
+    encode,
+)
 from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
 from procs import Proc, free_port, metric
@@ -78,6 +88,129 @@ async def following(hub: RouteHub, router: Router | Follower) -> AsyncIterator[F
         nursery.start_soon(follower.follow, router_end)
         yield follower
         nursery.cancel_scope.cancel()
+
+
+# -- the follower against a fake router (route_feed.follower.RouteTarget) -----------------
+
+
+@attrs.define
+class FakeTarget:
+    """What the follower sees of a router: the endpoints it sets, the drains it marks, and
+    the in-flight counts the test sets."""
+
+    static: frozenset[str] = frozenset()
+    endpoints: dict[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
+    draining: frozenset[Endpoint] = frozenset()
+    skipped: frozenset[str] = frozenset()
+    counts: dict[Endpoint, int] = attrs.field(factory=dict)
+
+    def static_models(self) -> frozenset[str]:
+        return self.static
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
+        self.endpoints[model] = tuple(endpoints)
+
+    def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        self.draining, self.skipped = draining, skip
+
+    def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
+        return {e.url: n for e, n in self.counts.items() if e in endpoints and n}
+
+
+class Peer:
+    """The hub's end of a follower's connection, read frame by frame."""
+
+    def __init__(self, end: LocalConnection) -> None:
+        self.end = end
+
+    async def table(self, table: RouteTable) -> None:
+        await self.end.send(encode(Routes(table)))
+
+    async def next_up(self) -> Hello | InFlight:
+        return decode_up(await self.end.receive())
+
+
+@asynccontextmanager
+async def fake_following(target: FakeTarget) -> AsyncIterator[tuple[Follower, Peer]]:
+    follower = Follower(target, "fake")
+    hub_end, router_end = local_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follower.follow, router_end)
+        peer = Peer(hub_end)
+        assert await peer.next_up() == Hello(PROTOCOL, "fake")
+        yield follower, peer
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_table_sets_endpoints_and_drains_and_its_version_is_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(static=frozenset({"static"}))
+    async with fake_following(target) as (follower, peer):
+        await peer.table(RouteTable(4, {"chat": (A, B), "static": (B,)}, frozenset({A}), True))
+        assert await peer.next_up() == InFlight(4, {})
+        # The config's static model is never the feed's; the drain skips it too.
+        assert target.endpoints == {"chat": (A, B)}
+        assert (target.draining, target.skipped) == (frozenset({A}), frozenset({"static"}))
+        await peer.table(RouteTable(5, {}, frozenset(), True))  # chat is placed no more
+        assert await peer.next_up() == InFlight(5, {})
+        assert target.endpoints == {"chat": ()} and target.draining == frozenset()
+        assert follower.table is not None and follower.table.version == 5
+
+
+async def test_while_an_endpoint_drains_its_count_is_reported_as_it_changes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(counts={A: 2, B: 7})
+    async with fake_following(target) as (_, peer):
+        await peer.table(RouteTable(1, {"chat": (A, B)}, frozenset({A}), True))
+        assert await peer.next_up() == InFlight(1, {A.url: 2})  # B does not drain
+        start = trio.current_time()
+        target.counts[A] = 0  # no new table: the follower looks again every 50 ms
+        assert await peer.next_up() == InFlight(1, {})
+        assert trio.current_time() - start == pytest.approx(COUNT_INTERVAL_S)
+        # Nothing drains: nothing more is said, however long (the clock jumps an hour).
+        await peer.table(RouteTable(2, {"chat": (A, B)}, frozenset(), True))
+        assert await peer.next_up() == InFlight(2, {})
+        target.counts[A] = 5
+        with trio.move_on_after(3600) as quiet:
+            await peer.next_up()
+        assert quiet.cancelled_caught
+
+
+async def test_a_frame_the_follower_cannot_use_ends_the_feed_with_why() -> None:
+    follower = Follower(FakeTarget(), "fake")
+    hub_end, router_end = local_pair()
+    await hub_end.send('{"type": "routes", "table": 3}')
+    with pytest.raises(FeedError), trio.fail_after(5):
+        await follower.follow(router_end)
+
+
+async def test_the_peer_closing_ends_the_feed_and_the_table_stays() -> None:
+    target = FakeTarget()
+    follower = Follower(target, "fake")
+    hub_end, router_end = local_pair()
+    await hub_end.send(encode(Routes(RouteTable(1, {"chat": (A,)}, frozenset(), True))))
+    hub_end.outbox.close()
+    with trio.fail_after(5):
+        await follower.follow(router_end)  # returns: the ordinary end
+    assert target.endpoints == {"chat": (A,)} and follower.complete.is_set()
+
+
+def test_the_router_is_a_route_target_summing_in_flight_over_its_models() -> None:
+    router = Router(config())
+    target: RouteTarget = router
+    assert target.static_models() == {"static"}
+    target.set_endpoints("chat", (A, STATIC))
+    target.set_draining(frozenset({A, STATIC}), skip=frozenset({"static"}))
+    assert router.replica("chat", STATIC).draining  # type: ignore[union-attr]
+    assert not router.replica("static", STATIC).draining  # type: ignore[union-attr]
+    router.replica("chat", STATIC).outstanding = 2  # type: ignore[union-attr]
+    router.replica("static", STATIC).outstanding = 1  # type: ignore[union-attr]
+    assert target.in_flight(frozenset({A, STATIC})) == {A.url: 0, STATIC.url: 3}
+
+
+# -- the follower with a Router and the hub --------------------------------------------------
 
 
 async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> None:

@@ -100,6 +100,32 @@ async def test_the_follower_says_when_a_complete_table_is_applied() -> None:
         await follower.complete.wait()
 
 
+# -- a router apart loads no control plane ----------------------------------------------
+
+# What the `router` command, a worker (`python -m llmgw_server.wiring`) and a server with
+# static models alone import before serving; then the control plane's port, which pulls
+# in the control plane (the check below sees it: it can fail).
+IMPORTS = """
+import sys
+import llmgw_server.__main__, llmgw_server.route_feed.remote, llmgw_server.wiring
+def control():
+    return sorted(n for n in sys.modules if n.split(".")[:2] in (
+        ["llmgw_server", "control"], ["llmgw_server", "control_shell"]))
+print(",".join(control()))
+import llmgw_server.control_shell.port
+print(",".join(control()))
+"""
+
+
+def test_a_router_apart_a_worker_and_a_static_server_import_no_control_plane_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert out[0] == ""
+    assert "llmgw_server.control_shell.controlplane" in out[1].split(",")
+    assert "llmgw_server.control.reconciler" in out[1].split(",")
+
+
 # -- the shipped unit, and a router started by its command line ------------------------
 
 
