@@ -24,7 +24,6 @@ import trio
 
 from fleet import Fleet, wait_until
 from llmgw_core.catalog import Endpoint
-from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.dial import Target
 from llmgw_server.__main__ import run_cli
@@ -45,7 +44,7 @@ from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
 from procs import Proc, free_port, metric
 from test_cache_aware_router import words
-from test_fleet_e2e import CHAT, model
+from test_fleet_e2e import CHAT, RequestLoop, model
 
 A = Endpoint("127.0.0.1", 9001, api_key="key-a")
 B = Endpoint("127.0.0.1", 9002, api_key="key-b")
@@ -496,25 +495,8 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
         verify=fleet.tls,
     )
     assert cordon.status_code == 401 and not fleet.node("gpu-1")["cordoned"]
-    admin_router = separate_router(fleet, ADMIN_TOKEN)
-    wait_until(
-        lambda: (
-            "refused by the control plane: HTTP 403: the admin token may not follow"
-            in admin_router.output()
-        ),
-        what="the router with the admin token to be refused",
-    )
-    admin_router.stop()
-    init_ca(fleet.procs.tmp / "other-ca")
-    untrusting = separate_router(fleet, ROUTER_TOKEN, ca=fleet.procs.tmp / "other-ca" / "ca.crt")
-    wait_until(
-        lambda: "the control plane's certificate at 127.0.0.1:" in untrusting.output(),
-        what="the router trusting another CA to say why it cannot follow",
-    )
-    assert f"--ca ({fleet.procs.tmp / 'other-ca' / 'ca.crt'}) must be the fleet CA" in (
-        untrusting.output()
-    )
-    untrusting.stop()
+    # A router with the admin token, or trusting another CA, is told why it cannot follow:
+    # test_router_apart, in one process (route_feed.remote against a control port).
 
     # The control plane goes away: the engines stay (their agents keep them), and so does
     # the separate router's table.
@@ -585,56 +567,84 @@ def test_the_router_command_says_what_it_lacks(
     assert feed_target("http://[::1]") == Target("::1", 80, "/v1/routes", False)
 
 
-def test_a_separate_router_with_workers_follows_and_reloads_on_sighup(fleet: Fleet) -> None:
+def test_a_separate_router_with_workers_follows_keeps_sessions_reloads_and_loses_nothing_in_a_drain(
+    fleet: Fleet,
+) -> None:
+    """The one end-to-end thread of a router apart with workers: the parent follows the
+    control plane through its relay (tested alone in test_workers), its workers follow
+    the parent. Which worker takes a connection is chosen by pausing the other one."""
+    from test_workers import fresh_client, only_worker_accepts
+
     fleet.server(model("chat", replicas=2), control=ADMIN)
     fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW)
-    serving = wait_until(
+    old = wait_until(
         lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
         what="both replicas on gpu-1",
     )
     router = separate_router(fleet, ROUTER_TOKEN, workers=2)
-    apart = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-    wait_until(lambda: [m.id for m in apart.models.list()] == ["chat"], what="the router to follow")
-    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in serving}
+    inside = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
 
-    def answered_by() -> tuple[str, str]:
+    def answered_by(session: str) -> tuple[str, str]:
         response = httpx.post(
             router.url + "/v1/chat/completions",
             json={"model": "chat", "messages": CHAT, "max_tokens": 3},
-            headers={"connection": "close"},  # a new connection each: either worker takes it
+            headers={"connection": "close", "x-session-id": session},
             timeout=20,
         )
         assert response.status_code == 200, response.text
         worker = response.headers["x-llmgw-worker"].split(";")[0]
         return worker, str(response.json()["system_fingerprint"])
 
-    seen: set[str] = set()
+    def listed() -> set[str]:
+        response = httpx.get(router.url + "/v1/models", headers={"connection": "close"})
+        return {m["id"] for m in response.json()["data"]}
 
-    def both_workers_serve() -> bool:
-        worker, fingerprint_ = answered_by()
-        assert fingerprint_ in ports
-        seen.add(worker)
-        return seen == {"0", "1"}
+    # Each worker follows, and sends each session where the server's own router does
+    # (rendezvous hashing over the same table).
+    sessions = [f"s{n}" for n in range(8)]
+    homes = {s: fingerprint(inside, s) for s in sessions}
+    assert set(homes.values()) == {"mock:" + r["url"].rsplit(":", 1)[1] for r in old}
+    for index in ("0", "1"):
+        with only_worker_accepts(router, int(index)):
+            wait_until(lambda: listed() == {"chat"}, what=f"worker {index} to follow")
+            assert {s: answered_by(s) for s in sessions} == {
+                s: (index, home) for s, home in homes.items()
+            }
 
-    wait_until(both_workers_serve, what="both workers to answer from the followed replicas")
     # SIGHUP reloads every worker: a static model added to the file (one of the engines,
     # which answers health probes) is served by both.
     path = fleet.procs.tmp / f"router-{router.port}.toml"
-    added = f'[[models]]\nname = "added"\nendpoints = ["{serving[0]["url"]}"]\n'
+    added = f'[[models]]\nname = "added"\nendpoints = ["{old[0]["url"]}"]\n'
     path.write_text(path.read_text() + "\n" + added)
     router.popen.send_signal(signal.SIGHUP)
+    for index in ("0", "1"):
+        with only_worker_accepts(router, int(index)):
+            wait_until(lambda: listed() == {"chat", "added"}, what=f"worker {index} to reload")
 
-    def every_worker_lists_added() -> bool:
-        listed = set()
-        for _ in range(12):
-            response = httpx.get(
-                router.url + "/v1/models", headers={"connection": "close"}, timeout=10
-            )
-            if "added" not in {m["id"] for m in response.json()["data"]}:
-                return False
-            listed.add(response.headers["x-llmgw-worker"].split(";")[0])
-        return listed == {"0", "1"}
-
-    wait_until(every_worker_lists_added, what="both workers to serve the reloaded file")
-    assert {m.id for m in apart.models.list()} == {"chat", "added"}
+    # A second node joins and the first is drained, under load through both workers: the
+    # replicas move and no request fails.
+    fleet.agent("gpu-2", "node-2xl4.toml", env=SLOW)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    loops = [RequestLoop(fresh_client(router.url)) for _ in range(3)]
+    for loop in loops:
+        loop.__enter__()
+    try:
+        wait_until(lambda: all(loop.done >= 4 for loop in loops), what="requests before")
+        admin = secret_file(fleet, "admin-token", ADMIN_TOKEN)
+        drain = fleet.cli("--token-file", str(admin), "drain", "gpu-1", timeout=60)
+        after = [loop.done for loop in loops]
+        wait_until(
+            lambda: all(loop.done >= n + 4 for loop, n in zip(loops, after, strict=True)),
+            what="requests after the drain",
+        )
+    finally:
+        for loop in loops:
+            loop.__exit__()
+    assert drain.returncode == 0, drain.stderr
+    assert [loop.errors for loop in loops] == [[], [], []]
+    new = fleet.serving("chat")
+    assert [r["shards"][0]["node"] for r in new] == ["gpu-2", "gpu-2"]
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old + new}
+    assert set().union(*(loop.served_by for loop in loops)) == ports
     assert router.popen.poll() is None
+
