@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -73,6 +73,32 @@ class RouteTarget(Protocol):
         ...
 
 
+Reporter = Callable[[Connection, trio.CancelScope], Awaitable[None]]
+
+
+async def run_feed(
+    connection: Connection, name: str, take: Callable[[RouteTable], None], report: Reporter
+) -> None:
+    """One feed, as every follower runs it: `Hello` as `name`, then each table received
+    to `take` while `report` (given the scope to cancel when the peer is gone) sends the
+    reports, until the peer closes the connection. What the connection raises, or a
+    frame that cannot be used (FeedError), is raised as it is, not in a group."""
+    await connection.send(encode(Hello(PROTOCOL, name)))
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(report, connection, nursery.cancel_scope)
+        try:
+            while True:
+                take(decode_down(await connection.receive()).table)
+        except trio.EndOfChannel:
+            pass
+        except Exception as exc:
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
 class Follower:
     def __init__(self, router: RouteTarget, name: str, *, log_changes: bool = True) -> None:
         self.router = router
@@ -92,25 +118,15 @@ class Follower:
     async def follow(self, connection: Connection) -> None:
         """Follow one connection until the peer closes it (see the module's docstring)."""
         self._version = -1
-        await connection.send(encode(Hello(PROTOCOL, self.name)))
-        failure: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
-            try:
-                while True:
-                    table = decode_down(await connection.receive()).table
-                    self.apply(table)
-                    self._version = table.version
-                    self._received.set()
-            except trio.EndOfChannel:
-                pass
-            except Exception as exc:  # handed to the caller whole, not in a group
-                failure = exc
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
+        self._report_failure = None
+        await run_feed(connection, self.name, self._received_table, self._report_forever)
         if self._report_failure is not None:
             raise self._report_failure
+
+    def _received_table(self, table: RouteTable) -> None:
+        self.apply(table)
+        self._version = table.version
+        self._received.set()
 
     def apply(self, table: RouteTable) -> None:
         """Serve `table`, or only its drain intents when it is incomplete and the router
@@ -129,7 +145,6 @@ class Follower:
         return self.router.in_flight(draining) if draining else {}
 
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
-        self._report_failure = None
         sent: InFlight | None = None
         try:
             while True:

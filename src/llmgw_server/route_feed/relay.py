@@ -7,15 +7,9 @@ from __future__ import annotations
 import trio
 
 from llmgw_server.route_feed.connection import Connection
+from llmgw_server.route_feed.follower import run_feed
 from llmgw_server.route_feed.hub import RouteHub
-from llmgw_server.route_feed.messages import (
-    PROTOCOL,
-    Hello,
-    InFlight,
-    RouteTable,
-    decode_down,
-    encode,
-)
+from llmgw_server.route_feed.messages import InFlight, RouteTable, encode
 
 
 class TableRelay:
@@ -38,25 +32,13 @@ class TableRelay:
     async def follow(self, connection: Connection) -> None:
         """Follow until the peer closes the connection (see route_feed.follower)."""
         self._versions = {}
-        await connection.send(encode(Hello(PROTOCOL, self.name)))
-        failure: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
-            nursery.start_soon(self._wake_on_reports)
-            try:
-                while True:
-                    table = decode_down(await connection.receive()).table
-                    self.table = table
-                    local = self.hub.publish(table.models, table.draining, complete=table.complete)
-                    self._versions[local] = table.version
-                    self._wake.set()
-            except trio.EndOfChannel:
-                pass
-            except Exception as exc:  # handed to the caller whole, not in a group
-                failure = exc
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
+        await run_feed(connection, self.name, self._received_table, self._report_forever)
+
+    def _received_table(self, table: RouteTable) -> None:
+        self.table = table
+        local = self.hub.publish(table.models, table.draining, complete=table.complete)
+        self._versions[local] = table.version
+        self._wake.set()
 
     async def _wake_on_reports(self) -> None:
         while True:
@@ -76,14 +58,18 @@ class TableRelay:
         return InFlight(self._versions[latest], counts)
 
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
+        """Tell the control plane what the workers report, each time it changes."""
         sent: InFlight | None = None
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                report = self.report()
-                if report is not None and report != sent:
-                    await connection.send(encode(report))
-                    sent = report
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            scope.cancel()  # the peer went: the receiving side says how
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._wake_on_reports)
+            try:
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    report = self.report()
+                    if report is not None and report != sent:
+                        await connection.send(encode(report))
+                        sent = report
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                scope.cancel()  # the peer went: the receiving side says how
+            nursery.cancel_scope.cancel()
