@@ -184,34 +184,47 @@ async def serve_router(
         check_head=router.check_head,
     )
     timeout = httpx.Timeout(router.config.router.health_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            followed = await layout.start(nursery, router)
-            if sighup is None:
-                await nursery.start(_sighup_reloads_elsewhere)
-            else:
-                await nursery.start(reload_on_sighup, sighup)
-            if router.access_log is not None:
-                await nursery.start(router.access_log.run)
-            await nursery.start(http.serve, listeners)
-            if followed is None:
-                await nursery.start(probe_forever, router, client)
-            else:
-                nursery.start_soon(probe_once_followed, followed, router, client)
-            listening = layout.listening()
-            if listening is not None:
-                log.info("llmgw router listening on %s", listening)
-            task_status.started(http)
-            await _until_stopped(signals, stop)
-        log.info("shutting down: no new connections; waiting up to %s s", s.shutdown_grace_s)
-        router.draining = True
-        layout.closing()
-        if not await http.shutdown(s.shutdown_grace_s):
-            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
-        nursery.cancel_scope.cancel()
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                followed = await layout.start(nursery, router)
+                if sighup is None:
+                    await nursery.start(_sighup_reloads_elsewhere)
+                else:
+                    await nursery.start(reload_on_sighup, sighup)
+                if router.access_log is not None:
+                    await nursery.start(router.access_log.run)
+                await nursery.start(http.serve, listeners)
+                if followed is None:
+                    await nursery.start(probe_forever, router, client)
+                else:
+                    nursery.start_soon(probe_once_followed, followed, router, client)
+                listening = layout.listening()
+                if listening is not None:
+                    log.info("llmgw router listening on %s", listening)
+                task_status.started(http)
+                await _until_stopped(signals, stop)
+            await _shut_down(router, http, layout)
+            nursery.cancel_scope.cancel()
+    finally:
+        # The HTTP server closes them once its connections end, unless cancelled first:
+        # they are this service's, closed whatever happened.
+        for listener in listeners:
+            listener.socket.close()
     for pool in router.pools.values():
         pool.close()
     log.info("stopped")
+
+
+async def _shut_down(router: Router, http: HTTPServer, layout: Layout) -> None:
+    """No new connections; requests in flight finish within the grace (then the caller
+    cancels what is left)."""
+    grace_s = router.config.server.shutdown_grace_s
+    log.info("shutting down: no new connections; waiting up to %s s", grace_s)
+    router.draining = True
+    layout.closing()
+    if not await http.shutdown(grace_s):
+        log.warning("requests still in flight after %s s: cancelling them", grace_s)
 
 
 def _http_address(config: Config, port: int) -> str:
