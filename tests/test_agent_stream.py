@@ -12,7 +12,7 @@ import trio_websocket
 from llmgw_core.config import parse_config
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import PROTOCOL, Heartbeat, Register, Welcome, decode_down, encode
-from llmgw_server.app import Running, main
+from llmgw_server.wiring import Running, main
 
 CONFIG: dict[str, object] = {
     "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},

@@ -30,13 +30,13 @@ from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tomlshape import ConfigError
 from llmgw_core.wire import PROTOCOL, Register, Welcome, decode_down, encode
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
-from llmgw_server.app import Running, main
 from llmgw_server.control_shell.cross_site import (
     ControlNames,
     certificate_names,
     control_names,
     refusal,
 )
+from llmgw_server.wiring import Running, main
 
 # --- the decision ---------------------------------------------------------------------------
 

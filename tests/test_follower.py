@@ -12,10 +12,11 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -23,18 +24,27 @@ import trio
 
 from fleet import Fleet, wait_until
 from llmgw_core.catalog import Endpoint
-from llmgw_core.certs import init_ca
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.dial import Target
 from llmgw_server.__main__ import run_cli
-from llmgw_server.route_feed.follower import Follower, local_pair
+from llmgw_server.route_feed.connection import LocalConnection, local_pair
+from llmgw_server.route_feed.follower import COUNT_INTERVAL_S, Follower, RouteTarget
 from llmgw_server.route_feed.hub import RouteHub, refusal
-from llmgw_server.route_feed.messages import PROTOCOL, FeedError, Hello, InFlight, encode
+from llmgw_server.route_feed.messages import (
+    PROTOCOL,
+    FeedError,
+    Hello,
+    InFlight,
+    Routes,
+    RouteTable,
+    decode_up,
+    encode,
+)
+from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
-from llmgw_server.router.standalone import feed_target
 from procs import Proc, free_port, metric
 from test_cache_aware_router import words
-from test_fleet_e2e import CHAT, model
+from test_fleet_e2e import CHAT, RequestLoop, model
 
 A = Endpoint("127.0.0.1", 9001, api_key="key-a")
 B = Endpoint("127.0.0.1", 9002, api_key="key-b")
@@ -77,6 +87,129 @@ async def following(hub: RouteHub, router: Router | Follower) -> AsyncIterator[F
         nursery.start_soon(follower.follow, router_end)
         yield follower
         nursery.cancel_scope.cancel()
+
+
+# -- the follower against a fake router (route_feed.follower.RouteTarget) -----------------
+
+
+@attrs.define
+class FakeTarget:
+    """What the follower sees of a router: the endpoints it sets, the drains it marks, and
+    the in-flight counts the test sets."""
+
+    static: frozenset[str] = frozenset()
+    endpoints: dict[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
+    draining: frozenset[Endpoint] = frozenset()
+    skipped: frozenset[str] = frozenset()
+    counts: dict[Endpoint, int] = attrs.field(factory=dict)
+
+    def static_models(self) -> frozenset[str]:
+        return self.static
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
+        self.endpoints[model] = tuple(endpoints)
+
+    def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        self.draining, self.skipped = draining, skip
+
+    def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
+        return {e.url: n for e, n in self.counts.items() if e in endpoints and n}
+
+
+class Peer:
+    """The hub's end of a follower's connection, read frame by frame."""
+
+    def __init__(self, end: LocalConnection) -> None:
+        self.end = end
+
+    async def table(self, table: RouteTable) -> None:
+        await self.end.send(encode(Routes(table)))
+
+    async def next_up(self) -> Hello | InFlight:
+        return decode_up(await self.end.receive())
+
+
+@asynccontextmanager
+async def fake_following(target: FakeTarget) -> AsyncIterator[tuple[Follower, Peer]]:
+    follower = Follower(target, "fake")
+    hub_end, router_end = local_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(follower.follow, router_end)
+        peer = Peer(hub_end)
+        assert await peer.next_up() == Hello(PROTOCOL, "fake")
+        yield follower, peer
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_table_sets_endpoints_and_drains_and_its_version_is_reported(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(static=frozenset({"static"}))
+    async with fake_following(target) as (follower, peer):
+        await peer.table(RouteTable(4, {"chat": (A, B), "static": (B,)}, frozenset({A}), True))
+        assert await peer.next_up() == InFlight(4, {})
+        # The config's static model is never the feed's; the drain skips it too.
+        assert target.endpoints == {"chat": (A, B)}
+        assert (target.draining, target.skipped) == (frozenset({A}), frozenset({"static"}))
+        await peer.table(RouteTable(5, {}, frozenset(), True))  # chat is placed no more
+        assert await peer.next_up() == InFlight(5, {})
+        assert target.endpoints == {"chat": ()} and target.draining == frozenset()
+        assert follower.table is not None and follower.table.version == 5
+
+
+async def test_while_an_endpoint_drains_its_count_is_reported_as_it_changes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(counts={A: 2, B: 7})
+    async with fake_following(target) as (_, peer):
+        await peer.table(RouteTable(1, {"chat": (A, B)}, frozenset({A}), True))
+        assert await peer.next_up() == InFlight(1, {A.url: 2})  # B does not drain
+        start = trio.current_time()
+        target.counts[A] = 0  # no new table: the follower looks again every 50 ms
+        assert await peer.next_up() == InFlight(1, {})
+        assert trio.current_time() - start == pytest.approx(COUNT_INTERVAL_S)
+        # Nothing drains: nothing more is said, however long (the clock jumps an hour).
+        await peer.table(RouteTable(2, {"chat": (A, B)}, frozenset(), True))
+        assert await peer.next_up() == InFlight(2, {})
+        target.counts[A] = 5
+        with trio.move_on_after(3600) as quiet:
+            await peer.next_up()
+        assert quiet.cancelled_caught
+
+
+async def test_a_frame_the_follower_cannot_use_ends_the_feed_with_why() -> None:
+    follower = Follower(FakeTarget(), "fake")
+    hub_end, router_end = local_pair()
+    await hub_end.send('{"type": "routes", "table": 3}')
+    with pytest.raises(FeedError), trio.fail_after(5):
+        await follower.follow(router_end)
+
+
+async def test_the_peer_closing_ends_the_feed_and_the_table_stays() -> None:
+    target = FakeTarget()
+    follower = Follower(target, "fake")
+    hub_end, router_end = local_pair()
+    await hub_end.send(encode(Routes(RouteTable(1, {"chat": (A,)}, frozenset(), True))))
+    hub_end.outbox.close()
+    with trio.fail_after(5):
+        await follower.follow(router_end)  # returns: the ordinary end
+    assert target.endpoints == {"chat": (A,)} and follower.complete.is_set()
+
+
+def test_the_router_is_a_route_target_summing_in_flight_over_its_models() -> None:
+    router = Router(config())
+    target: RouteTarget = router
+    assert target.static_models() == {"static"}
+    target.set_endpoints("chat", (A, STATIC))
+    target.set_draining(frozenset({A, STATIC}), skip=frozenset({"static"}))
+    assert router.replica("chat", STATIC).draining  # type: ignore[union-attr]
+    assert not router.replica("static", STATIC).draining  # type: ignore[union-attr]
+    router.replica("chat", STATIC).outstanding = 2  # type: ignore[union-attr]
+    router.replica("static", STATIC).outstanding = 1  # type: ignore[union-attr]
+    assert target.in_flight(frozenset({A, STATIC})) == {A.url: 0, STATIC.url: 3}
+
+
+# -- the follower with a Router and the hub --------------------------------------------------
 
 
 async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> None:
@@ -283,9 +416,11 @@ def separate_router(
 
 
 def fingerprint(client: openai.OpenAI, session: str | None = None) -> str:
+    """Which engine answers (one token: the engines here write 20 a second)."""
     answer = client.chat.completions.create(
         model="chat",
         messages=CHAT,  # type: ignore[arg-type]
+        max_tokens=1,
         extra_headers={"x-session-id": session} if session else None,
     )
     return answer.system_fingerprint or ""
@@ -362,25 +497,8 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
         verify=fleet.tls,
     )
     assert cordon.status_code == 401 and not fleet.node("gpu-1")["cordoned"]
-    admin_router = separate_router(fleet, ADMIN_TOKEN)
-    wait_until(
-        lambda: (
-            "refused by the control plane: HTTP 403: the admin token may not follow"
-            in admin_router.output()
-        ),
-        what="the router with the admin token to be refused",
-    )
-    admin_router.stop()
-    init_ca(fleet.procs.tmp / "other-ca")
-    untrusting = separate_router(fleet, ROUTER_TOKEN, ca=fleet.procs.tmp / "other-ca" / "ca.crt")
-    wait_until(
-        lambda: "TLS error: the control plane's certificate at 127.0.0.1:" in untrusting.output(),
-        what="the router trusting another CA to say why it cannot follow",
-    )
-    assert f"is not trusted by --ca {fleet.procs.tmp / 'other-ca' / 'ca.crt'}" in (
-        untrusting.output()
-    )
-    untrusting.stop()
+    # A router with the admin token, or trusting another CA, is told why it cannot follow:
+    # test_router_apart, in one process (route_feed.remote against a control port).
 
     # The control plane goes away: the engines stay (their agents keep them), and so does
     # the separate router's table.
@@ -451,56 +569,84 @@ def test_the_router_command_says_what_it_lacks(
     assert feed_target("http://[::1]") == Target("::1", 80, "/v1/routes", False)
 
 
-def test_a_separate_router_with_workers_follows_and_reloads_on_sighup(fleet: Fleet) -> None:
+def test_a_separate_router_with_workers_follows_keeps_sessions_reloads_and_loses_nothing_in_a_drain(
+    fleet: Fleet,
+) -> None:
+    """The one end-to-end thread of a router apart with workers: the parent follows the
+    control plane through its relay (tested alone in test_workers), its workers follow
+    the parent. Which worker takes a connection is chosen by pausing the other one."""
+    from test_workers import fresh_client, only_worker_accepts
+
     fleet.server(model("chat", replicas=2), control=ADMIN)
     fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW)
-    serving = wait_until(
+    old = wait_until(
         lambda: fleet.serving("chat") if len(fleet.serving("chat")) == 2 else None,
         what="both replicas on gpu-1",
     )
     router = separate_router(fleet, ROUTER_TOKEN, workers=2)
-    apart = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
-    wait_until(lambda: [m.id for m in apart.models.list()] == ["chat"], what="the router to follow")
-    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in serving}
+    inside = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
 
-    def answered_by() -> tuple[str, str]:
+    def answered_by(session: str) -> tuple[str, str]:
         response = httpx.post(
             router.url + "/v1/chat/completions",
             json={"model": "chat", "messages": CHAT, "max_tokens": 3},
-            headers={"connection": "close"},  # a new connection each: either worker takes it
+            headers={"connection": "close", "x-session-id": session},
             timeout=20,
         )
         assert response.status_code == 200, response.text
         worker = response.headers["x-llmgw-worker"].split(";")[0]
         return worker, str(response.json()["system_fingerprint"])
 
-    seen: set[str] = set()
+    def listed() -> set[str]:
+        response = httpx.get(router.url + "/v1/models", headers={"connection": "close"})
+        return {m["id"] for m in response.json()["data"]}
 
-    def both_workers_serve() -> bool:
-        worker, fingerprint_ = answered_by()
-        assert fingerprint_ in ports
-        seen.add(worker)
-        return seen == {"0", "1"}
+    # Each worker follows, and sends each session where the server's own router does
+    # (rendezvous hashing over the same table).
+    sessions = [f"s{n}" for n in range(8)]
+    homes = {s: fingerprint(inside, s) for s in sessions}
+    assert set(homes.values()) == {"mock:" + r["url"].rsplit(":", 1)[1] for r in old}
+    for index in ("0", "1"):
+        with only_worker_accepts(router, int(index)):
+            wait_until(lambda: listed() == {"chat"}, what=f"worker {index} to follow")
+            assert {s: answered_by(s) for s in sessions} == {
+                s: (index, home) for s, home in homes.items()
+            }
 
-    wait_until(both_workers_serve, what="both workers to answer from the followed replicas")
     # SIGHUP reloads every worker: a static model added to the file (one of the engines,
     # which answers health probes) is served by both.
     path = fleet.procs.tmp / f"router-{router.port}.toml"
-    added = f'[[models]]\nname = "added"\nendpoints = ["{serving[0]["url"]}"]\n'
+    added = f'[[models]]\nname = "added"\nendpoints = ["{old[0]["url"]}"]\n'
     path.write_text(path.read_text() + "\n" + added)
     router.popen.send_signal(signal.SIGHUP)
+    for index in ("0", "1"):
+        with only_worker_accepts(router, int(index)):
+            wait_until(lambda: listed() == {"chat", "added"}, what=f"worker {index} to reload")
 
-    def every_worker_lists_added() -> bool:
-        listed = set()
-        for _ in range(12):
-            response = httpx.get(
-                router.url + "/v1/models", headers={"connection": "close"}, timeout=10
-            )
-            if "added" not in {m["id"] for m in response.json()["data"]}:
-                return False
-            listed.add(response.headers["x-llmgw-worker"].split(";")[0])
-        return listed == {"0", "1"}
-
-    wait_until(every_worker_lists_added, what="both workers to serve the reloaded file")
-    assert {m.id for m in apart.models.list()} == {"chat", "added"}
+    # A second node joins and the first is drained, under load through both workers: the
+    # replicas move and no request fails.
+    fleet.agent("gpu-2", "node-2xl4.toml", env=SLOW)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    loops = [RequestLoop(fresh_client(router.url)) for _ in range(3)]
+    for loop in loops:
+        loop.__enter__()
+    try:
+        wait_until(lambda: all(loop.done >= 4 for loop in loops), what="requests before")
+        admin = secret_file(fleet, "admin-token", ADMIN_TOKEN)
+        drain = fleet.cli("--token-file", str(admin), "drain", "gpu-1", timeout=60)
+        after = [loop.done for loop in loops]
+        wait_until(
+            lambda: all(loop.done >= n + 4 for loop, n in zip(loops, after, strict=True)),
+            what="requests after the drain",
+        )
+    finally:
+        for loop in loops:
+            loop.__exit__()
+    assert drain.returncode == 0, drain.stderr
+    assert [loop.errors for loop in loops] == [[], [], []]
+    new = fleet.serving("chat")
+    assert [r["shards"][0]["node"] for r in new] == ["gpu-2", "gpu-2"]
+    ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old + new}
+    assert set().union(*(loop.served_by for loop in loops)) == ports
     assert router.popen.poll() is None
+

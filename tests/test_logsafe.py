@@ -13,7 +13,7 @@ from llmgw_core.config import parse_config
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.wire import PROTOCOL, Ack, Register, ShardUpdate, Start, decode_down, encode
-from llmgw_server.app import Running, main
+from llmgw_server.wiring import Running, main
 
 FORGED = "boom\n2026-01-01 00:00:00,000 WARNING llmgw.admin FORGED \x1b[2J\x1b[31mred\r\x07\u2028x"
 

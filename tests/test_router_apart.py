@@ -11,10 +11,14 @@ from __future__ import annotations
 import secrets
 import shlex
 import signal
+import ssl
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -22,11 +26,16 @@ import trio
 
 from fleet import Fleet, wait_until
 from llmgw_core.catalog import Endpoint
+from llmgw_core.certs import init_ca
 from llmgw_core.config import digest_of, parse_config
+from llmgw_core.dial import Target
 from llmgw_core.tomlshape import ConfigError
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_server.__main__ import run_cli
 from llmgw_server.route_feed.follower import Follower
+from llmgw_server.route_feed.hub import RouteHub, serve_websocket
 from llmgw_server.route_feed.messages import RouteTable
+from llmgw_server.route_feed.remote import client_context, feed_target, follow_forever, follow_once
 from llmgw_server.router.front import Router
 from procs import Proc, free_port
 from test_fleet_e2e import CHAT, model
@@ -98,6 +107,143 @@ async def test_the_follower_says_when_a_complete_table_is_applied() -> None:
     assert follower.complete.is_set()
     with trio.fail_after(1):
         await follower.complete.wait()
+
+
+# -- following a control port, in one process (route_feed.remote) -------------------------
+
+ROUTER_TOKEN, ADMIN_TOKEN = "router-" + secrets.token_hex(8), "admin-" + secrets.token_hex(8)
+PLACED = Endpoint("127.0.0.1", 9001)
+
+
+@attrs.define
+class Routed:
+    """A router's side as the follower sees it: the endpoints it was given."""
+
+    endpoints: dict[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
+
+    def static_models(self) -> frozenset[str]:
+        return frozenset()
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
+        self.endpoints[model] = tuple(endpoints)
+
+    def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        pass
+
+    def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
+        return {}
+
+
+@asynccontextmanager
+async def control_port(certs: Path, hub: RouteHub) -> AsyncIterator[Target]:
+    """The route feed of a control port (TLS, the certificate of `certs`, the router and
+    admin tokens above), on a free loopback port."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certs / "server.crt", certs / "server.key")
+
+    async def upgrade(request: Request, raw: trio.abc.Stream) -> None:
+        router, admin = digest_of(ROUTER_TOKEN), digest_of(ADMIN_TOKEN)
+        await serve_websocket(hub, request, raw, router_digest=router, admin_digest=admin, peer="t")
+
+    async def nothing(request: Request, responder: Responder) -> None:
+        raise AssertionError("only websockets here")
+
+    http = HTTPServer(nothing, ServerLimits(), upgrade=upgrade, ssl_context=context)
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(http.serve, listeners)
+        yield feed_target(f"https://127.0.0.1:{port}")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_router_apart_follows_a_control_port_over_tls_with_the_router_token(
+    tmp_path: Path,
+) -> None:
+    init_ca(tmp_path / "ca")
+    ca = tmp_path / "ca" / "ca.crt"
+    hub, routed = RouteHub(), Routed()
+    hub.publish({"chat": (PLACED,)}, frozenset(), complete=True)
+    follower = Follower(routed, "apart")
+    with trio.fail_after(20):
+        async with control_port(tmp_path / "ca", hub) as where, trio.open_nursery() as nursery:
+            nursery.start_soon(follow_once, follower, where, ROUTER_TOKEN, client_context(ca), ca)
+            while not (hub.followers and hub.caught_up(1)):
+                await hub.wait_reported()
+            assert routed.endpoints == {"chat": (PLACED,)}
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_router_apart_says_why_it_cannot_follow(tmp_path: Path) -> None:
+    init_ca(tmp_path / "ca")
+    init_ca(tmp_path / "other")
+    ca, other = tmp_path / "ca" / "ca.crt", tmp_path / "other" / "ca.crt"
+    follower = Follower(Routed(), "apart")
+    with trio.fail_after(30):
+        async with control_port(tmp_path / "ca", RouteHub()) as where:
+            # The admin token may not follow: the control plane's reason, word for word.
+            outcome = await follow_once(follower, where, ADMIN_TOKEN, client_context(ca), ca)
+            assert outcome == (
+                False,
+                "refused by the control plane: HTTP 403: the admin token may not follow "
+                "routes: give the router token",
+            )
+            # Another fleet's CA: which certificate, and which setting to fix.
+            followed, why = await follow_once(
+                follower, where, ROUTER_TOKEN, client_context(other), other
+            )
+            assert not followed
+            assert f"the control plane's certificate at {where.where} is not trusted" in why
+            assert f"--ca ({other}) must be the fleet CA" in why
+        # Nobody listens there any more.
+        followed, why = await follow_once(follower, where, ROUTER_TOKEN, client_context(ca), ca)
+        assert not followed and why.startswith(f"connection refused by {where.where}")
+
+
+async def test_a_router_apart_with_no_control_plane_serves_its_last_table_and_dials_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    init_ca(tmp_path / "ca")
+    ca = tmp_path / "ca" / "ca.crt"
+    follower = Follower(Routed(), "apart")
+    follower.apply(RouteTable(3, {"chat": (PLACED,)}, frozenset(), complete=True))
+    async with control_port(tmp_path / "ca", RouteHub()) as where:
+        pass  # a port nobody listens on any more
+    with trio.move_on_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_forever, follower, where, ROUTER_TOKEN, None, ca)
+            while "dialing again in" not in caplog.text:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    line = next(r.getMessage() for r in caplog.records if "dialing again in" in r.getMessage())
+    assert line.startswith(f"route feed from {where.where}: connection refused by {where.where}")
+    assert "; serving the last route table (1 models); dialing again in " in line
+
+
+# -- a router apart loads no control plane ----------------------------------------------
+
+# What the `router` command, a worker (`python -m llmgw_server.wiring`) and a server with
+# static models alone import before serving; then the control plane's port, which pulls
+# in the control plane (the check below sees it: it can fail).
+IMPORTS = """
+import sys
+import llmgw_server.__main__, llmgw_server.route_feed.remote, llmgw_server.wiring
+def control():
+    return sorted(n for n in sys.modules if n.split(".")[:2] in (
+        ["llmgw_server", "control"], ["llmgw_server", "control_shell"]))
+print(",".join(control()))
+import llmgw_server.control_shell.port
+print(",".join(control()))
+"""
+
+
+def test_a_router_apart_a_worker_and_a_static_server_import_no_control_plane_module() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert out[0] == ""
+    assert "llmgw_server.control_shell.controlplane" in out[1].split(",")
+    assert "llmgw_server.control.reconciler" in out[1].split(",")
 
 
 # -- the shipped unit, and a router started by its command line ------------------------

@@ -52,9 +52,9 @@ from llmgw_core.ws_frames import (
     cut_when_silent,
     silence_bound,
 )
-from llmgw_server.app import Running, main
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
 from llmgw_server.control_shell.agents import silent_streams
+from llmgw_server.wiring import Running, main
 from procs import Proc, free_port
 from tcp_relay import Relay
 

@@ -13,7 +13,7 @@ from llmgw_agent.config import parse_agent_config
 from llmgw_core.config import parse_config
 from llmgw_core.inventory import Inventory
 from llmgw_core.ws_frames import silence_bound
-from llmgw_server.app import Running, main
+from llmgw_server.wiring import Running, main
 
 CONFIG: dict[str, object] = {
     "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},

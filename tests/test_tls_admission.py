@@ -38,7 +38,7 @@ from llmgw_http.tls_admission import (
     offered_alpn,
     peer_left,
 )
-from llmgw_server.app import Running, main
+from llmgw_server.wiring import Running, main
 
 # -- the pure parts ----------------------------------------------------------------
 

@@ -58,6 +58,19 @@ def target(url: str) -> Target:
     return Target(parts.hostname or "", parts.port or (443 if secure else 80), resource, secure)
 
 
+@attrs.frozen
+class Advice:
+    """How a failure's words name the dialing side's own settings: an agent's config file
+    or a router apart's command line."""
+
+    ca: str  # the setting that names the fleet CA
+    no_ca: str  # what verified the certificate when that setting is not given
+    plaintext: str  # what to dial instead when the control port speaks no TLS
+
+
+AGENT_ADVICE = Advice(ca="[tls] ca", no_ca="[tls] ca", plaintext="dial ws://")
+
+
 def describe_os_error(exc: OSError, where: str) -> str:
     """A failed TCP connect, in words."""
     if isinstance(exc, socket.gaierror):
@@ -76,9 +89,11 @@ def describe_os_error(exc: OSError, where: str) -> str:
     return f"cannot connect to {where}: {detail}"
 
 
-def describe_tls_error(exc: BaseException, where: str, ca: Path | None) -> str:
+def describe_tls_error(
+    exc: BaseException, where: str, ca: Path | None, advice: Advice = AGENT_ADVICE
+) -> str:
     """A failed TLS handshake (the `ssl` error, or what broke the connection), in words."""
-    trust = f"[tls] ca ({ca})" if ca else "[tls] ca"
+    trust = f"{advice.ca} ({ca})" if ca else advice.no_ca
     if isinstance(exc, ssl.SSLCertVerificationError):
         why = exc.verify_message or exc.reason or str(exc)
         mismatch = name_mismatch(exc)
@@ -93,8 +108,8 @@ def describe_tls_error(exc: BaseException, where: str, ca: Path | None) -> str:
         if reason in _NOT_TLS:
             return (
                 f"{where} does not speak TLS ({reason.lower().replace('_', ' ')}): the server "
-                "may run with [agents] insecure = true (then dial ws://) or this is not its "
-                "control port"
+                f"may run with [agents] insecure = true (then {advice.plaintext}) or this is "
+                "not its control port"
             )
         if "ALERT" in reason:
             return (
@@ -121,10 +136,14 @@ async def dial(
     ca: Path | None = None,
     local_address: str | None = None,
     stage: list[str] | None = None,
+    *,
+    alpn: bytes | None = AGENT_ALPN,
+    advice: Advice = AGENT_ADVICE,
 ) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
     """A TCP connection (from `local_address` when given), with the TLS handshake done
-    when `ssl_context` is given. Raises ConnectFailed; the caller bounds the time, and
-    learns from `stage` (appended to) how far it got."""
+    when `ssl_context` is given, offering `alpn`. Raises ConnectFailed, its words naming
+    the settings as `advice` says; the caller bounds the time, and learns from `stage`
+    (appended to) how far it got."""
     stage = [] if stage is None else stage
     stage.append("the TCP connect")
     try:
@@ -133,16 +152,18 @@ async def dial(
         raise ConnectFailed(describe_os_error(exc, where.where)) from None
     if ssl_context is None:
         return tcp
-    # Named in the ClientHello, so that the control port admits agents in their own lane
-    # (a storm of them cannot crowd operators out); the server selects no ALPN.
-    ssl_context.set_alpn_protocols([AGENT_ALPN.decode()])
+    if alpn is not None:
+        # Named in the ClientHello, so that the control port admits agents in their own
+        # lane (a storm of them cannot crowd operators out); the server selects no ALPN.
+        ssl_context.set_alpn_protocols([alpn.decode()])
     tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
     stage.append("the TLS handshake")
     try:
         await tls.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         await trio.aclose_forcefully(tcp)
-        raise ConnectFailed(describe_tls_error(exc.__cause__ or exc, where.where, ca)) from None
+        why = describe_tls_error(exc.__cause__ or exc, where.where, ca, advice)
+        raise ConnectFailed(why) from None
     except BaseException:
         await trio.aclose_forcefully(tcp)
         raise

@@ -185,14 +185,14 @@ def run_cli(argv: list[str]) -> int:
         return 0
     if args.command == "router":
         return _router(args, config)
-    from llmgw_server.app import run
+    from llmgw_server.wiring import run
 
     return run(config)
 
 
 def _router(args: argparse.Namespace, config: Config) -> int:
-    from llmgw_server.router.standalone import feed_target, read_router_token
-    from llmgw_server.router.standalone import run as run_router
+    from llmgw_server.route_feed.remote import feed_target, read_router_token
+    from llmgw_server.wiring import run_router_apart
 
     if not args.control:
         print("llmgw-server router: --control URL is required", file=sys.stderr)
@@ -204,7 +204,7 @@ def _router(args: argparse.Namespace, config: Config) -> int:
         print(f"llmgw-server router: {exc}", file=sys.stderr)
         return 2
     ca = Path(args.ca) if args.ca else config.agents.ca
-    return run_router(config, args.control, token, ca)
+    return run_router_apart(config, args.control, token, ca)
 
 
 def _hash_key(given: str | None) -> int:

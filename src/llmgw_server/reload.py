@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -27,9 +27,6 @@ import trio
 from llmgw_core.catalog import Catalog, Endpoint, ModelEntry
 from llmgw_core.config import Config, load_config
 from llmgw_core.tomlshape import ConfigError
-
-if TYPE_CHECKING:
-    from llmgw_server.router.front import Router
 
 log = logging.getLogger("llmgw.reload")
 
@@ -257,15 +254,6 @@ def with_control_plane(apply: Apply, set_catalog: Callable[[Catalog], None]) -> 
             set_catalog(config.catalog)
 
     return both
-
-
-def router_reloader(router: Router) -> Reloader:
-    """A Reloader for one Router in this process (`Router.reload`)."""
-
-    async def apply(config: Config, plan: ReloadPlan) -> None:
-        router.reload(config)
-
-    return Reloader(router.config, apply)
 
 
 async def reload_on_sighup(

@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from llmgw_core.prometheus import Histogram
+from llmgw_core.prometheus import family as family_header
+from llmgw_core.prometheus import labels as _labels
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.shards import Phase
 from llmgw_server.control.views import ControlView, Unplaced
-from llmgw_server.router.metrics import Histogram, _labels
 
 # Why a node could not take a replica: the explanation's reasons, as a bounded label set.
 PLACEMENT_REASONS = (
@@ -111,8 +113,7 @@ class ControlMetrics:
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
+            out.extend(family_header(name, kind, help_text))
 
         family("llmgw_control_nodes", "gauge", "Nodes known to the control plane, by status.")
         for status in NodeStatus:

@@ -4,22 +4,15 @@
 `Routes` table it receives to the router, and reports back (`InFlight`) the
 requests in flight on each draining endpoint: after every table, and whenever
 those counts change, so the control plane stops a drained replica as soon as
-no router still uses it. The same loop serves every transport:
+no router still uses it. The same loop serves every transport, any `Connection`
+(route_feed.connection): a websocket to the control port (a router apart,
+`remote`), a Unix socket between a workers' parent and a worker, memory channels in
+one process. `follow` returns when the peer closed, raises `FeedError` for a frame
+that cannot be used (or what the connection raised), and never closes the
+connection itself: its owner does.
 
-- a websocket to the control port (`router.standalone`, a router apart),
-- a pair of memory channels in the server's own process (`local_pair`),
-- a Unix socket between a supervising parent and its workers.
-
-The connection is anything with two methods (the `Connection` protocol):
-
-    async def send(self, text: str) -> None     # one frame, in order
-    async def receive(self) -> str              # the next frame
-
-`receive` raises `trio.EndOfChannel` when the peer closed the connection in the
-ordinary way; anything else it or `send` raises is an error, and ends `follow`
-with that exception (trio.BrokenResourceError from `send` once the peer is gone
-is fine). `follow` returns when the peer closed, raises `FeedError` for a frame
-that cannot be used, and never closes the connection itself: its owner does.
+The router is reached through `RouteTarget`, the little the feed needs of it (a
+router.front.Router implements it): the follower is tested against a fake.
 
 One `Follower` lives as long as its router, across connections: a router
 keeps serving the last table it applied while no control plane is reachable,
@@ -35,12 +28,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
 from llmgw_core.catalog import Endpoint
+from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
     PROTOCOL,
     Hello,
@@ -49,7 +44,6 @@ from llmgw_server.route_feed.messages import (
     decode_down,
     encode,
 )
-from llmgw_server.router.front import Router
 
 log = logging.getLogger("llmgw.follower")
 
@@ -58,13 +52,55 @@ log = logging.getLogger("llmgw.follower")
 COUNT_INTERVAL_S = 0.05
 
 
-class Connection(Protocol):
-    async def send(self, text: str) -> None: ...
-    async def receive(self) -> str: ...
+class RouteTarget(Protocol):
+    """What a follower applies tables to, and reads the in-flight counts from."""
+
+    def static_models(self) -> frozenset[str]:
+        """The models its own config serves from static endpoints: the feed's never."""
+        ...
+
+    def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
+        """Serve `model` from `endpoints` (none: the model has no replica)."""
+        ...
+
+    def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        """Mark the replicas of `draining` endpoints (and unmark the others) in every
+        model but `skip`."""
+        ...
+
+    def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
+        """Requests in flight on each of `endpoints` it holds, by URL, all models summed."""
+        ...
+
+
+Reporter = Callable[[Connection, trio.CancelScope], Awaitable[None]]
+
+
+async def run_feed(
+    connection: Connection, name: str, take: Callable[[RouteTable], None], report: Reporter
+) -> None:
+    """One feed, as every follower runs it: `Hello` as `name`, then each table received
+    to `take` while `report` (given the scope to cancel when the peer is gone) sends the
+    reports, until the peer closes the connection. What the connection raises, or a
+    frame that cannot be used (FeedError), is raised as it is, not in a group."""
+    await connection.send(encode(Hello(PROTOCOL, name)))
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(report, connection, nursery.cancel_scope)
+        try:
+            while True:
+                take(decode_down(await connection.receive()).table)
+        except trio.EndOfChannel:
+            pass
+        except Exception as exc:
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 class Follower:
-    def __init__(self, router: Router, name: str, *, log_changes: bool = True) -> None:
+    def __init__(self, router: RouteTarget, name: str, *, log_changes: bool = True) -> None:
         self.router = router
         self.name = name  # how the control plane's log calls this router
         # "<model> is served by ..." on each change (one router of a process says it).
@@ -73,7 +109,7 @@ class Follower:
         # Set once a complete table has been applied: the router then knows the fleet's
         # models (an incomplete one, from a control plane that just started, may lack some).
         self.complete = trio.Event()
-        self._static = frozenset(m.name for m in router.config.catalog.models if m.profile is None)
+        self._static = router.static_models()
         self._ignored: set[str] = set()  # feed models shadowed by static ones, logged once
         self._version = -1  # of the last table received on the current connection
         self._received = trio.Event()
@@ -82,25 +118,15 @@ class Follower:
     async def follow(self, connection: Connection) -> None:
         """Follow one connection until the peer closes it (see the module's docstring)."""
         self._version = -1
-        await connection.send(encode(Hello(PROTOCOL, self.name)))
-        failure: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
-            try:
-                while True:
-                    table = decode_down(await connection.receive()).table
-                    self.apply(table)
-                    self._version = table.version
-                    self._received.set()
-            except trio.EndOfChannel:
-                pass
-            except Exception as exc:  # handed to the caller whole, not in a group
-                failure = exc
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
+        self._report_failure = None
+        await run_feed(connection, self.name, self._received_table, self._report_forever)
         if self._report_failure is not None:
             raise self._report_failure
+
+    def _received_table(self, table: RouteTable) -> None:
+        self.apply(table)
+        self._version = table.version
+        self._received.set()
 
     def apply(self, table: RouteTable) -> None:
         """Serve `table`, or only its drain intents when it is incomplete and the router
@@ -115,10 +141,10 @@ class Follower:
 
     def in_flight(self) -> dict[str, int]:
         """Requests in flight on each draining endpoint this router holds, by URL."""
-        return in_flight_counts(self.router, self.table.draining if self.table else frozenset())
+        draining = self.table.draining if self.table else frozenset()
+        return self.router.in_flight(draining) if draining else {}
 
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
-        self._report_failure = None
         sent: InFlight | None = None
         try:
             while True:
@@ -140,7 +166,7 @@ class Follower:
 
 
 def apply_table(
-    router: Router,
+    router: RouteTarget,
     table: RouteTable,
     previous: RouteTable | None,
     static: frozenset[str] = frozenset(),
@@ -169,43 +195,4 @@ def apply_table(
             if log_changes:
                 log.info("%s is no longer placed by the control plane", model)
             router.set_endpoints(model, ())
-    for model, balancer in router.balancers.items():
-        if model not in static:
-            balancer.mark_draining(table.draining)
-
-
-def in_flight_counts(router: Router, draining: frozenset[Endpoint]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    if not draining:
-        return counts
-    for balancer in router.balancers.values():
-        for replica in balancer.replicas:
-            if replica.endpoint in draining:
-                url = replica.endpoint.url
-                counts[url] = counts.get(url, 0) + replica.outstanding
-    return counts
-
-
-@attrs.define
-class LocalConnection:
-    """One end of a connection in one process: memory channels, no socket."""
-
-    outbox: trio.MemorySendChannel[str]
-    inbox: trio.MemoryReceiveChannel[str]
-
-    async def send(self, text: str) -> None:
-        await self.outbox.send(text)
-
-    async def receive(self) -> str:
-        return await self.inbox.receive()
-
-    def close(self) -> None:
-        self.outbox.close()
-        self.inbox.close()
-
-
-def local_pair(buffer: int = 16) -> tuple[LocalConnection, LocalConnection]:
-    """Two connected ends; closing one makes the other's `receive` raise EndOfChannel."""
-    a_send, b_receive = trio.open_memory_channel[str](buffer)
-    b_send, a_receive = trio.open_memory_channel[str](buffer)
-    return LocalConnection(a_send, a_receive), LocalConnection(b_send, b_receive)
+    router.set_draining(table.draining, skip=static)

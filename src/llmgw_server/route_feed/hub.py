@@ -3,7 +3,7 @@ router that follows it (its own process's router, workers, routers apart) gets e
 new table and reports what it has in flight on draining endpoints.
 
 `RouteHub.serve(connection)` runs one follower over any connection with
-`send(text)` / `receive() -> text` (see `router.follower`); `serve_websocket` is
+`send(text)` / `receive() -> text` (`route_feed.connection`); `serve_websocket` is
 the control port's `GET /v1/routes`, for routers apart, authenticated with the
 router token (`[admin] router_token_digest`): a credential that can only follow,
 never the admin token.
@@ -20,7 +20,6 @@ import hmac
 import itertools
 import logging
 from collections.abc import Mapping
-from typing import Protocol
 
 import attrs
 import trio
@@ -31,6 +30,7 @@ from llmgw_core.catalog import Endpoint
 from llmgw_core.logsafe import escaped
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_http.server import Request
+from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
     MAX_FRAME_BYTES,
     FeedError,
@@ -50,13 +50,6 @@ HELLO_TIMEOUT_S = 10.0
 KEEPALIVE_INTERVAL_S = 5.0  # a silent follower is pinged after 10 s and cut after 20 s
 _RATE = 100.0  # reports a second, sustained: a follower sends one per table and change
 _BURST = 1000
-
-
-class Connection(Protocol):
-    """What `serve` needs of a connection (as `router.follower.Connection`)."""
-
-    async def send(self, text: str) -> None: ...
-    async def receive(self) -> str: ...
 
 
 @attrs.define

@@ -1,4 +1,4 @@
-"""The route feed over a websocket: the connection `router.follower` and `plane.routes`
+"""The route feed over a websocket: the connection `follower` and `hub`
 follow and serve (`send`/`receive` of text frames), on either end of `/v1/routes`."""
 
 from __future__ import annotations

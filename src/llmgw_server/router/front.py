@@ -144,6 +144,25 @@ class Router:
         for endpoint in [e for e in self.pools if e not in in_use]:
             self.pools.pop(endpoint).close()
 
+    # -- what the route feed needs (route_feed.follower.RouteTarget) --
+
+    def static_models(self) -> frozenset[str]:
+        return frozenset(m.name for m in self.config.catalog.models if m.profile is None)
+
+    def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        for model, balancer in self.balancers.items():
+            if model not in skip:
+                balancer.mark_draining(draining)
+
+    def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for balancer in self.balancers.values():
+            for replica in balancer.replicas:
+                if replica.endpoint in endpoints:
+                    url = replica.endpoint.url
+                    counts[url] = counts.get(url, 0) + replica.outstanding
+        return counts
+
     def replica(self, model: str, endpoint: Endpoint) -> Replica | None:
         balancer = self.balancers.get(model)
         for replica in balancer.replicas if balancer else ():

@@ -2,52 +2,20 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
+from llmgw_core.prometheus import Histogram
+from llmgw_core.prometheus import family as family_header
+from llmgw_core.prometheus import labels as _labels
 from llmgw_server.router.balancer import Balancer, Choice
 from llmgw_server.router.load_signals import LoadSignal
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.upstream import Pool
 
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _BYTE_BUCKETS = (0.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-class Histogram:
-    __slots__ = ("buckets", "counts", "sum")
-
-    def __init__(self, buckets: tuple[float, ...] = _BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def render(self, name: str, labels: str) -> Iterable[str]:
-        inner = labels[1:-1]
-        sep = "," if inner else ""
-        total = 0
-        for bound, count in zip(self.buckets, self.counts, strict=False):
-            total += count
-            yield f'{name}_bucket{{{inner}{sep}le="{bound}"}} {total}'
-        total += self.counts[-1]
-        yield f'{name}_bucket{{{inner}{sep}le="+Inf"}} {total}'
-        yield f"{name}_sum{labels} {self.sum:.6f}"
-        yield f"{name}_count{labels} {total}"
 
 
 class RouterMetrics:
@@ -83,8 +51,7 @@ class RouterMetrics:
         out: list[str] = []
 
         def family(name: str, kind: str, help_text: str) -> None:
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} {kind}")
+            out.extend(family_header(name, kind, help_text))
 
         family(
             "llmgw_requests_total",

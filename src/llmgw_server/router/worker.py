@@ -1,4 +1,5 @@
-"""One worker process of `[server] workers = N`: a whole router on the inherited port.
+"""One worker process of `[server] workers = N`: a whole router on the inherited port
+(wired by llmgw_server.wiring, `serve_worker`); here, its line to the parent.
 
 The supervising parent (router.workers) binds the listening socket once and starts each
 worker with it (`--listen-fd`) and with one end of a Unix socketpair (`--channel-fd`),
@@ -13,32 +14,24 @@ down (parent -> worker)                    up (worker -> parent)
 
 The worker owns its Router: health probes, ejection, outstanding counts and prefix
 indexes are its own. It follows the control plane's replica set through the parent
-(router.follower over FEED frames). It stops on SIGTERM/SIGINT, or when the parent is
+(route_feed.follower over FEED frames). It stops on SIGTERM/SIGINT, or when the parent is
 gone (the socketpair closes): it stops accepting and lets requests in flight finish
 within `shutdown_grace_s`.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import os
 import pickle
-import signal
 import socket
 import struct
-import sys
-from collections.abc import AsyncIterator, Sequence
 
-import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_http.server import HTTPServer
-from llmgw_server.route_feed.follower import Follower
-from llmgw_server.router.front import Router, server_limits
-from llmgw_server.router.health import probe_forever, probe_once_followed
+from llmgw_server.router.front import Router
 from llmgw_server.router.metrics_merge import merge_pages
 
 log = logging.getLogger("llmgw.worker")
@@ -126,7 +119,7 @@ def channel_from_fd(fd: int) -> Channel:
 
 
 class FeedConnection:
-    """The route feed over the channel, as router.follower's `Connection`."""
+    """The route feed over the channel, a route_feed `Connection`."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -202,7 +195,7 @@ class Worker:
                     log.info("the parent is gone: stopping")
                     return
                 for kind, payload in frames:
-                    await self._frame(kind, payload)
+                    await self.on_frame(kind, payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             log.info("the channel to the parent broke: stopping")
         except ChannelError as exc:
@@ -211,7 +204,7 @@ class Worker:
             self.feed.close()
             self.stop.set()
 
-    async def _frame(self, kind: bytes, payload: bytes) -> None:
+    async def on_frame(self, kind: bytes, payload: bytes) -> None:
         if kind == FEED:
             self.feed.deliver(payload)
         elif kind == RENDER:
@@ -229,110 +222,3 @@ class Worker:
             await self.channel.send(APPLIED, tagged(generation))
         else:
             raise ChannelError(f"a {kind!r} frame is not sent to workers")
-
-
-async def serve(
-    index: int,
-    channel_fd: int,
-    listen_fds: Sequence[int],
-    follow: bool,
-    ready_after_table: bool = False,
-) -> int:
-    """Serve until stopped; `follow`: the replica set comes from the parent's route feed;
-    `ready_after_table` (a router apart): probes, and /readyz 200, wait for a complete one."""
-    channel = channel_from_fd(channel_fd)
-    frames = await channel.receive()
-    if not frames or frames[0][0] != CONFIG:
-        log.error("the parent sent no config first: stopping")
-        return 1
-    generation, config = decode_config(frames[0][1])
-    worker = Worker(index, channel, config, generation)
-    for kind, payload in frames[1:]:
-        await worker._frame(kind, payload)
-    router = worker.router
-    s = config.server
-    http = HTTPServer(
-        router.handle,
-        server_limits(s),
-        on_reject=router.rejected,
-        check_head=router.check_head,
-    )
-    listeners = [
-        trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
-        for fd in listen_fds
-    ]
-    timeout = httpx.Timeout(config.router.health_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
-            nursery.start_soon(worker.read_channel)
-            if router.access_log is not None:
-                await nursery.start(router.access_log.run)
-            await nursery.start(http.serve, listeners)
-            if follow:
-                name = f"worker {worker.index} (pid {os.getpid()})"
-                # What serves is logged once, by worker 0: every worker serves the same.
-                follower = Follower(worker.router, name, log_changes=worker.index == 0)
-                nursery.start_soon(_follow, worker, follower)
-                if ready_after_table:
-                    nursery.start_soon(probe_once_followed, follower, router, client)
-            if not (follow and ready_after_table):
-                await nursery.start(probe_forever, router, client)
-            await channel.send(READY)
-            async with trio.open_nursery() as waiters:
-                waiters.start_soon(_signals, signals, worker.stop)
-                await worker.stop.wait()
-                waiters.cancel_scope.cancel()
-        log.info("stopping: no new connections; waiting up to %s s", s.shutdown_grace_s)
-        router.draining = True
-        if not await http.shutdown(s.shutdown_grace_s):
-            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
-        nursery.cancel_scope.cancel()
-    for pool in router.pools.values():
-        pool.close()
-    return 0
-
-
-async def _follow(worker: Worker, follower: Follower) -> None:
-    try:
-        await follower.follow(worker.feed)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass  # the parent is gone: read_channel stops the worker
-
-
-async def _signals(signals: AsyncIterator[int], stop: trio.Event) -> None:
-    async for signum in signals:
-        if signum == signal.SIGHUP:
-            log.warning("SIGHUP reloads through the parent (pid %d): ignored here", os.getppid())
-            continue
-        log.info("received %s", signal.Signals(signum).name)
-        stop.set()
-        return
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="llmgw-server worker")
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--channel-fd", type=int, required=True)
-    parser.add_argument("--listen-fd", type=int, action="append", required=True)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--follow", action="store_true", help="follow the parent's route feed")
-    parser.add_argument(
-        "--ready-after-table",
-        action="store_true",
-        help="probe, and turn ready, once a complete route table came (a router apart)",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}] %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    sys.exit(
-        trio.run(
-            serve, args.index, args.channel_fd, args.listen_fd, args.follow, args.ready_after_table
-        )
-    )
-
-
-if __name__ == "__main__":
-    cli()

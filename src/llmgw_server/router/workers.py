@@ -1,15 +1,17 @@
 """`[server] workers = N`: a supervising parent and N router processes on one port.
 
-The parent binds the listening socket once; every worker inherits it and accepts on it
-(not SO_REUSEPORT: there each worker has its own accept queue, and a killed worker's
-queued connections die with it; here they wait in the one queue for the others). The
-parent serves no request itself. It
+How the parent process is wired (its control plane, SIGHUP, shutdown): llmgw_server.wiring,
+`workers_main`. The parent binds the listening socket once; every worker inherits it and
+accepts on it (not SO_REUSEPORT: there each worker has its own accept queue, and a killed
+worker's queued connections die with it; here they wait in the one queue for the
+others). The parent serves no request itself. It
 
 - starts the workers (router.worker) and starts again one that exits, at once the first
   time and with a growing pause while it keeps exiting soon after starting
   (`restart_delay_s`), so a worker that cannot run does not spin;
-- owns the control plane when there is one, and feeds each worker the replica set over
-  its socketpair (router.follower on the worker's side);
+- feeds each worker the replica set over its socketpair from a route hub (the control
+  plane's, or a relay's for a router apart: llmgw_server.wiring gives it; the worker's
+  side is route_feed.follower);
 - answers the workers' /metrics scrapes with every live worker's page, merged
   (router.metrics_merge);
 - reloads the config on SIGHUP (and the admin API's reload) and hands it to every worker;
@@ -25,27 +27,15 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import attrs
 import trio
 
 from llmgw_core.config import Config
-from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
-from llmgw_server.control_shell.port import serve_control_port
-from llmgw_server.reload import Reloader, ReloadPlan, reload_on_sighup, with_control_plane
-from llmgw_server.route_feed.follower import Connection
-from llmgw_server.route_feed.hub import RouteHub
-from llmgw_server.route_feed.messages import (
-    PROTOCOL,
-    Hello,
-    InFlight,
-    RouteTable,
-    decode_down,
-    encode,
-)
+from llmgw_core.prometheus import family, labels
+from llmgw_server.reload import ReloadPlan
 from llmgw_server.router.metrics_merge import merge_pages
 from llmgw_server.router.worker import (
     APPLIED,
@@ -97,12 +87,17 @@ def restart_delay_s(quick_exits: int, policy: RestartPolicy) -> float:
 def own_page(live: int, restarts: Counter[int], count: int) -> str:
     """The parent's own metrics, merged into every scrape's page."""
     lines = [
-        "# HELP llmgw_workers Worker processes serving now.",
-        "# TYPE llmgw_workers gauge",
+        *family("llmgw_workers", "gauge", "Worker processes serving now."),
         f"llmgw_workers {live}",
-        "# HELP llmgw_worker_restarts_total Workers started again after theirs exited.",
-        "# TYPE llmgw_worker_restarts_total counter",
-        *(f'llmgw_worker_restarts_total{{worker="{i}"}} {restarts[i]}' for i in range(count)),
+        *family(
+            "llmgw_worker_restarts_total",
+            "counter",
+            "Workers started again after theirs exited.",
+        ),
+        *(
+            f"llmgw_worker_restarts_total{labels(worker=str(i))} {restarts[i]}"
+            for i in range(count)
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -144,6 +139,7 @@ class Workers:
         config: Config,
         listen_fds: list[int],
         *,
+        command: Sequence[str],
         feed: FeedServer | None = None,
         policy: RestartPolicy = RestartPolicy(),
         log_level: str | None = None,
@@ -152,6 +148,7 @@ class Workers:
         self.config = config
         self.count = config.server.workers
         self.listen_fds = listen_fds
+        self.command = command  # runs one worker (llmgw_server.wiring's)
         self.feed = feed  # serves one worker's route feed (the control plane's hub)
         # A router apart: each worker's /readyz waits for its first complete table.
         self.ready_after_table = ready_after_table
@@ -168,9 +165,7 @@ class Workers:
 
     def argv(self, index: int, channel_fd: int) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "llmgw_server.router.worker",
+            *self.command,
             "--index",
             str(index),
             "--channel-fd",
@@ -371,162 +366,3 @@ def _exit_text(status: int) -> str:
     if status < 0:
         return f"killed by {signal.Signals(-status).name}"
     return f"status {status}"
-
-
-# -- a router apart, with workers ----------------------------------------------------------
-
-
-class TableRelay:
-    """A parent's follower of a control plane on behalf of its workers.
-
-    It follows one connection as router.follower.Follower does (`follow`, `table`), but
-    instead of serving each table it publishes it to `hub`, which the workers follow;
-    back up go their in-flight counts, summed by the hub, under the control plane's
-    version of the latest table every worker has applied. The hub numbers its tables
-    itself: `_versions` maps its versions to the control plane's.
-    """
-
-    def __init__(self, hub: RouteHub, name: str) -> None:
-        self.hub = hub
-        self.name = name
-        self.table: RouteTable | None = None  # the last table received
-        self._versions: dict[int, int] = {}  # hub version -> the control plane's
-        self._wake = trio.Event()
-
-    async def follow(self, connection: Connection) -> None:
-        """Follow until the peer closes the connection (see router.follower)."""
-        self._versions = {}
-        await connection.send(encode(Hello(PROTOCOL, self.name)))
-        failure: BaseException | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._report_forever, connection, nursery.cancel_scope)
-            nursery.start_soon(self._wake_on_reports)
-            try:
-                while True:
-                    table = decode_down(await connection.receive()).table
-                    self.table = table
-                    local = self.hub.publish(table.models, table.draining, complete=table.complete)
-                    self._versions[local] = table.version
-                    self._wake.set()
-            except trio.EndOfChannel:
-                pass
-            except Exception as exc:  # handed to the caller whole, not in a group
-                failure = exc
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-
-    async def _wake_on_reports(self) -> None:
-        while True:
-            await self.hub.wait_reported()
-            self._wake.set()
-
-    def report(self) -> InFlight | None:
-        """What to tell the control plane now; None before every worker has a table."""
-        hub = self.hub
-        done = [local for local in self._versions if hub.caught_up(local)]
-        if not done or self.table is None:
-            return None
-        latest = max(done)
-        for local in [v for v in self._versions if v < latest]:
-            del self._versions[local]
-        counts = {e.url: n for e in self.table.draining if (n := hub.in_flight(e))}
-        return InFlight(self._versions[latest], counts)
-
-    async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
-        sent: InFlight | None = None
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake = trio.Event()
-                report = self.report()
-                if report is not None and report != sent:
-                    await connection.send(encode(report))
-                    sent = report
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            scope.cancel()  # the peer went: the receiving side says how
-
-
-# -- the parent process ------------------------------------------------------------------
-
-
-@attrs.frozen
-class Running:
-    """What `main` hands to `task_status.started` once every worker serves."""
-
-    port: int
-    workers: Workers
-    control_port: int | None = None
-
-
-async def main(
-    config: Config,
-    *,
-    follow: Callable[[TableRelay], Awaitable[None]] | None = None,
-    stop: trio.Event | None = None,
-    task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve with `config.server.workers` processes until SIGINT/SIGTERM (or `stop`).
-
-    The workers follow this process's control plane when the config has one; with
-    `follow` (a router apart), the control plane that `follow` follows through the
-    relay it is given, such as `lambda relay: standalone.follow_forever(relay, ...)`.
-    """
-    s = config.server
-    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
-    port = listeners[0].socket.getsockname()[1]
-    plane: ControlPlane | None = None
-    hub: RouteHub | None = None
-    if follow is not None:
-        hub = RouteHub()
-    elif config.runs_control_plane:
-        interval = min(HEARTBEAT_INTERVAL_S, config.control.unreachable_after_s / 3)
-        plane = ControlPlane(config, heartbeat_interval_s=interval)
-        hub = plane.routes
-    workers = Workers(
-        config,
-        [listener.socket.fileno() for listener in listeners],
-        feed=None if hub is None else hub.serve,
-        ready_after_table=follow is not None,
-    )
-    apply = workers.apply if plane is None else with_control_plane(workers.apply, plane.set_catalog)
-    reloader = Reloader(config, apply)
-    control_port = None
-    try:
-        async with trio.open_nursery() as nursery:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                if plane is not None:
-                    control_port = await serve_control_port(plane, reloader.reload, nursery)
-                await nursery.start(reload_on_sighup, reloader)
-                await nursery.start(workers.run)
-                if follow is not None:
-                    assert hub is not None
-                    nursery.start_soon(follow, TableRelay(hub, f"{socket.gethostname()}:{port}"))
-                log.info(
-                    "llmgw router listening on http://%s:%d with %d workers",
-                    s.listen.host,
-                    port,
-                    workers.count,
-                )
-                task_status.started(Running(port, workers, control_port))
-                stop = trio.Event() if stop is None else stop
-                async with trio.open_nursery() as waiters:
-                    waiters.start_soon(_first_signal, signals, stop)
-                    await stop.wait()
-                    waiters.cancel_scope.cancel()
-            log.info("shutting down: every worker drains for up to %s s", s.shutdown_grace_s)
-            if plane is not None:
-                plane.closing = True
-            await workers.stop(s.shutdown_grace_s)
-            nursery.cancel_scope.cancel()
-    finally:
-        for listener in listeners:
-            listener.socket.close()
-    log.info("stopped")
-
-
-async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
-    async for signum in signals:
-        log.info("received %s", signal.Signals(signum).name)
-        stop.set()
-        return

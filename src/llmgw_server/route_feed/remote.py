@@ -1,17 +1,9 @@
-"""A router apart from the control plane: `llmgw-server router --control URL`.
-
-It serves `[server] listen` of its own config (keys, static models, router
-tuning), with no control plane even where the config declares profiles, and
-follows the control plane's route table over the control port (`/v1/routes`,
-a websocket, TLS unless the URL says http://), authenticated with the router
-token. It dials again forever, with jittered backoff and a log line saying why
-each attempt failed; while no control plane answers it serves the last table
-it had, and it catches up on the current one when it connects again.
-
-`/readyz` answers 503 until the first complete route table is applied and one health
-round has probed its replicas (static models included): a router that does not know
-the fleet's models yet must not be given traffic by the balancer in front of it, even
-when its own config serves static models. Health probes start with that table.
+"""Following a control plane across the network: a router apart (`llmgw-server router
+--control URL`) dials the control port's route feed (`/v1/routes`, a websocket, TLS
+unless the URL says http://), authenticated with the router token, and follows it; it
+dials again forever, with jittered backoff and a log line saying why each attempt
+failed. What follows is a `Following`: a router's Follower, or a workers' parent's
+TableRelay. The dialing itself, and its words, are llmgw_core.dial's.
 """
 
 from __future__ import annotations
@@ -19,30 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
-import socket
 import ssl
-import sys
-from collections.abc import AsyncIterator
-from functools import partial
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import trio
 import trio_websocket
 
-from llmgw_core.config import Config
-from llmgw_core.dial import ConnectFailed, Target, describe_os_error, describe_rejection
+from llmgw_core.dial import Advice, ConnectFailed, Target, describe_rejection, dial
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
-from llmgw_http.server import HTTPServer
-from llmgw_server.reload import reload_on_sighup, router_reloader
-from llmgw_server.route_feed.follower import Connection, Follower
+from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import MAX_FRAME_BYTES, FeedError, RouteTable
 from llmgw_server.route_feed.ws import WebSocketFeed
-from llmgw_server.router.front import Router, server_limits
-from llmgw_server.router.health import probe_once_followed
 
 log = logging.getLogger("llmgw.router")
 
@@ -63,6 +44,12 @@ class Following(Protocol):
     def table(self) -> RouteTable | None: ...
 
     async def follow(self, connection: Connection) -> None: ...
+
+
+# A router apart is told its settings on the command line.
+ROUTER_ADVICE = Advice(
+    ca="--ca", no_ca="the system's trust store (no --ca given)", plaintext="use an http:// URL"
+)
 
 
 def feed_target(control: str) -> Target:
@@ -111,70 +98,6 @@ def client_context(ca: Path | None) -> ssl.SSLContext:
     return context
 
 
-async def main(
-    config: Config,
-    control: str,
-    token: str,
-    ca: Path | None,
-    *,
-    stop: trio.Event | None = None,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve and follow until SIGINT/SIGTERM (or `stop`), then shut down gracefully;
-    `started()` with the port it serves."""
-    where = feed_target(control)
-    ssl_context = client_context(ca) if where.secure else None
-    s = config.server
-    router = Router(config)
-    http = HTTPServer(
-        router.handle,
-        server_limits(s),
-        on_reject=router.rejected,
-        check_head=router.check_head,
-    )
-    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
-    port = listeners[0].socket.getsockname()[1]
-    follower = Follower(router, f"{socket.gethostname()}:{port}")
-    timeout = httpx.Timeout(config.router.health_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            nursery.start_soon(follow_forever, follower, where, token, ssl_context, ca)
-            await nursery.start(reload_on_sighup, router_reloader(router))
-            if router.access_log is not None:
-                await nursery.start(router.access_log.run)
-            await nursery.start(http.serve, listeners)
-            nursery.start_soon(probe_once_followed, follower, router, client)
-            log.info(
-                "llmgw router listening on http://%s:%d, following %s://%s%s",
-                s.listen.host,
-                port,
-                "wss" if where.secure else "ws",
-                where.where,
-                where.resource,
-            )
-            task_status.started(port)
-            stop = trio.Event() if stop is None else stop
-            async with trio.open_nursery() as waiters:
-                waiters.start_soon(_first_signal, signals, stop)
-                await stop.wait()
-                waiters.cancel_scope.cancel()
-        log.info("shutting down: no new connections; waiting up to %s s", s.shutdown_grace_s)
-        router.draining = True
-        if not await http.shutdown(s.shutdown_grace_s):
-            log.warning("requests still in flight after %s s: cancelling them", s.shutdown_grace_s)
-        nursery.cancel_scope.cancel()
-    for pool in router.pools.values():
-        pool.close()
-    log.info("stopped")
-
-
-async def _first_signal(signals: AsyncIterator[int], stop: trio.Event) -> None:
-    async for signum in signals:
-        log.info("received %s", signal.Signals(signum).name)
-        stop.set()
-        return
-
-
 async def follow_forever(
     follower: Following,
     where: Target,
@@ -210,9 +133,12 @@ async def follow_once(
 ) -> tuple[bool, str]:
     """Dial and follow until the feed ends: (whether it was followed, why it ended)."""
     try:
-        stream = await _dial(where, ssl_context, ca)
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            stream = await dial(where, ssl_context, ca, alpn=None, advice=ROUTER_ADVICE)
     except ConnectFailed as exc:
         return False, str(exc)
+    except trio.TooSlowError:
+        return False, f"no answer from {where.where} within {CONNECT_TIMEOUT_S:g} s"
     outcome = (False, "")
     try:
         async with trio.open_nursery() as nursery:
@@ -284,71 +210,3 @@ async def _follow_stream(
     with trio.move_on_after(1):
         await ws.aclose()
     return True, why
-
-
-async def _dial(
-    where: Target, ssl_context: ssl.SSLContext | None, ca: Path | None
-) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
-    """TCP, then TLS where the URL asks for it; raises ConnectFailed saying why."""
-    with trio.move_on_after(CONNECT_TIMEOUT_S):
-        try:
-            tcp = await trio.open_tcp_stream(where.host, where.port)
-        except OSError as exc:
-            raise ConnectFailed(describe_os_error(exc, where.where)) from None
-        if ssl_context is None:
-            return tcp
-        tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
-        try:
-            await tls.do_handshake()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            await trio.aclose_forcefully(tcp)
-            raise ConnectFailed(_tls_failure(exc.__cause__ or exc, where, ca)) from None
-        except BaseException:
-            await trio.aclose_forcefully(tcp)
-            raise
-        return tls
-    raise ConnectFailed(f"no answer from {where.where} within {CONNECT_TIMEOUT_S:g} s")
-
-
-def _tls_failure(exc: BaseException, where: Target, ca: Path | None) -> str:
-    trust = f"--ca {ca}" if ca else "the system's trust store (no --ca given)"
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        why = exc.verify_message or exc.reason or str(exc)
-        return (
-            f"TLS error: the control plane's certificate at {where.where} is not trusted by "
-            f"{trust} ({why}): give the fleet CA that signed it, and dial a name it holds"
-        )
-    if isinstance(exc, ssl.SSLError) and exc.reason in (
-        "WRONG_VERSION_NUMBER",
-        "RECORD_LAYER_FAILURE",
-        "PACKET_LENGTH_TOO_LONG",
-    ):
-        return (
-            f"TLS error: {where.where} does not speak TLS: the control plane may run with "
-            "[agents] insecure = true (then use an http:// URL)"
-        )
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS error: the handshake with {where.where} failed: {exc}"
-    return f"{where.where} closed the connection during the TLS handshake ({exc})"
-
-
-def run(config: Config, control: str, token: str, ca: Path | None) -> int:
-    """The `router` command: serve until a signal; 1 when the port cannot be had."""
-    try:
-        if config.server.workers > 1:
-            from llmgw_server.router import workers
-
-            where = feed_target(control)
-            ssl_context = client_context(ca) if where.secure else None
-            follow = partial(
-                follow_forever, where=where, token=token, ssl_context=ssl_context, ca=ca
-            )
-            trio.run(partial(workers.main, config, follow=follow))
-        else:
-            trio.run(main, config, control, token, ca)
-    except OSError as exc:
-        print(
-            f"llmgw-server router: cannot listen on {config.server.listen}: {exc}", file=sys.stderr
-        )
-        return 1
-    return 0

@@ -1,0 +1,75 @@
+"""A workers' parent's follower of a control plane, on behalf of its workers (a router
+apart with `[server] workers = N`): it follows the control plane as a router's Follower
+does, and relays each table to the workers through a hub of its own."""
+
+from __future__ import annotations
+
+import trio
+
+from llmgw_server.route_feed.connection import Connection
+from llmgw_server.route_feed.follower import run_feed
+from llmgw_server.route_feed.hub import RouteHub
+from llmgw_server.route_feed.messages import InFlight, RouteTable, encode
+
+
+class TableRelay:
+    """A parent's follower of a control plane on behalf of its workers.
+
+    It follows one connection as route_feed.follower.Follower does (`follow`, `table`), but
+    instead of serving each table it publishes it to `hub`, which the workers follow;
+    back up go their in-flight counts, summed by the hub, under the control plane's
+    version of the latest table every worker has applied. The hub numbers its tables
+    itself: `_versions` maps its versions to the control plane's.
+    """
+
+    def __init__(self, hub: RouteHub, name: str) -> None:
+        self.hub = hub
+        self.name = name
+        self.table: RouteTable | None = None  # the last table received
+        self._versions: dict[int, int] = {}  # hub version -> the control plane's
+        self._wake = trio.Event()
+
+    async def follow(self, connection: Connection) -> None:
+        """Follow until the peer closes the connection (see route_feed.follower)."""
+        self._versions = {}
+        await run_feed(connection, self.name, self._received_table, self._report_forever)
+
+    def _received_table(self, table: RouteTable) -> None:
+        self.table = table
+        local = self.hub.publish(table.models, table.draining, complete=table.complete)
+        self._versions[local] = table.version
+        self._wake.set()
+
+    async def _wake_on_reports(self) -> None:
+        while True:
+            await self.hub.wait_reported()
+            self._wake.set()
+
+    def report(self) -> InFlight | None:
+        """What to tell the control plane now; None before every worker has a table."""
+        hub = self.hub
+        done = [local for local in self._versions if hub.caught_up(local)]
+        if not done or self.table is None:
+            return None
+        latest = max(done)
+        for local in [v for v in self._versions if v < latest]:
+            del self._versions[local]
+        counts = {e.url: n for e in self.table.draining if (n := hub.in_flight(e))}
+        return InFlight(self._versions[latest], counts)
+
+    async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
+        """Tell the control plane what the workers report, each time it changes."""
+        sent: InFlight | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._wake_on_reports)
+            try:
+                while True:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    report = self.report()
+                    if report is not None and report != sent:
+                        await connection.send(encode(report))
+                        sent = report
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                scope.cancel()  # the peer went: the receiving side says how
+            nursery.cancel_scope.cancel()
