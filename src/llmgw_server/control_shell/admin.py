@@ -170,7 +170,7 @@ class AdminAPI:
                     "placeable": explanation.placeable,
                     "text": explanation.text,
                     "fitting": list(explanation.fitting),
-                    "passed_over": explanation.passed_over,
+                    "passed_over": explanation.passed_over_text(),
                 },
             )
         elif (
