@@ -231,13 +231,13 @@ class Reconciler:
     def view(self) -> ControlView:
         """O(nodes, shards and the unplaced models' explanations)."""
         d = self._decider
-        return control_view(self.known, d.status, d.kept, d.short(), self.catalog, self.explain)
+        return control_view(self.known, d.status, d.kept(), d.short(), self.catalog, self.explain)
 
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key.
         O(models): kept as each model is judged."""
         serving = self._decider.serving
-        return {m.name: serving.get(m.name, ()) for m in self.catalog.profiled}
+        return {m.name: serving(m.name) for m in self.catalog.profiled}
 
     def endpoint(self, replica_id: str) -> tuple[str, Endpoint] | None:
         """A replica's model and the endpoint of its head, carrying the engine key."""
