@@ -239,6 +239,10 @@ class Reconciler:
         serving = self._decider.serving
         return {m.name: serving(m.name) for m in self.catalog.profiled}
 
+    def knows_replica(self, replica_id: str) -> bool:
+        """Whether any shard of the replica is recorded. O(1)."""
+        return replica_id in self.known.store
+
     def endpoint(self, replica_id: str) -> tuple[str, Endpoint] | None:
         """A replica's model and the endpoint of its head, carrying the engine key."""
         spec = self.known.store.head(replica_id)
