@@ -4,9 +4,9 @@ the best `replicas` of them, restart, retire and place; it returns the commands.
 It reads what is known and writes to it only what it sends (`ShardStore.issued`),
 the records of stopped shards it drops, and the router's reported drains it has
 seen through (the replica is kept, or gone).
-What it decides per model (replicas kept, endpoints serving, when to look again) is
-kept here until the model is judged again, so that a pass costs O(replicas of the
-models it judges), plus placement (see `placing`).
+What it decides per model is one `ModelRecord`, kept until the model is judged
+again, so that a pass costs O(replicas of the models it judges), plus placement
+(see `placing`); the rules are in docs/control-plane.md, "How the control core decides".
 """
 
 from __future__ import annotations

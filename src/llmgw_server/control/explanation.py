@@ -1,19 +1,7 @@
-"""Why a replica cannot be placed, counted the way an operator reads it.
-
-Every node is named once, with the first reason it was passed over, in the
-order the checks run (status, flags, engine, labels, GPU model, free GPUs,
-memory), so that the counts add up to the fleet:
-
-  0 of 5 nodes fit: 2 unreachable (gpu-3, gpu-4); 2 have too few free GPUs
-  (gpu-1 has 2, gpu-2 has 1, need 4); 1 lacks 70 GiB free per GPU (gpu-5: 40 GiB)
-
-The checks are `fit.check`, the rule placement itself follows, so that a model
-explained as fitting is placed and one explained as not is not. For a replica
-that may span nodes, the node checks are per shard and the nodes
-that could hold a shard are counted by fabric domain:
-
-  0 of 4 nodes fit 16 GPUs on one node or as 2 shards of 8 in one fabric domain:
-  fabric domain pod-a (gpu-1) has 8 free GPUs of the 16 needed; pod-b (gpu-2, gpu-3) 12
+"""Why a replica cannot be placed, counted the way an operator reads it: every node
+named once, with the first reason it was passed over (`fit.check`, the rule placement
+follows), in the order the checks run. The format, with examples, and the tests that
+hold it are in docs/control-plane.md, "How the control core decides".
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal, assert_never, get_args
 from urllib.parse import parse_qs
 
 import attrs
@@ -56,12 +56,9 @@ if TYPE_CHECKING:
     from llmgw_server.control_shell.controlplane import ControlPlane
     from llmgw_server.reload import ReloadPlan
 
-_ACTIONS = {
-    "cordon": (True, True),
-    "uncordon": (True, False),
-    "drain": (False, True),
-    "undrain": (False, False),
-}
+# POST /v1/admin/nodes/NODE/ACTION
+AdminAction = Literal["cordon", "uncordon", "drain", "undrain"]
+_ACTIONS: Final[dict[str, AdminAction]] = {a: a for a in get_args(AdminAction)}
 
 
 log = logging.getLogger("llmgw.admin")
@@ -187,18 +184,20 @@ class AdminAPI:
             and rest[0] == "nodes"
             and rest[2] in _ACTIONS
         ):
-            node, action = rest[1], rest[2]
-            is_cordon, on = _ACTIONS[action]
+            node, action = rest[1], _ACTIONS[rest[2]]
             try:
                 force = _force(request.body, action)
             except ValueError as exc:
                 await responder.error(400, str(exc))
                 return
             try:
-                if is_cordon:
-                    self.plane.cordon(node, on)
-                else:
-                    self.plane.drain_node(node, on, force=force)
+                match action:
+                    case "cordon" | "uncordon":
+                        self.plane.cordon(node, action == "cordon")
+                    case "drain" | "undrain":
+                        self.plane.drain_node(node, action == "drain", force=force)
+                    case _:
+                        assert_never(action)
             except KeyError:
                 await responder.error(404, f"no node {node!r}")
                 return
@@ -240,7 +239,7 @@ class AdminAPI:
         await responder.whole(status_code, json.dumps(data, indent=1).encode())
 
 
-def _force(body: bytes, action: str) -> bool:
+def _force(body: bytes, action: AdminAction) -> bool:
     """The `force` of an action's optional JSON body; raises ValueError saying what is wrong."""
     if not body.strip():
         return False

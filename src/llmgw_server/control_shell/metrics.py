@@ -95,7 +95,7 @@ def placement_reasons(unplaced: Unplaced) -> set[PlacementReason]:
 
 class ControlMetrics:
     def __init__(self) -> None:
-        self.frames: defaultdict[tuple[str, str], int] = defaultdict(int)  # direction, type
+        self.frames: defaultdict[tuple[Literal["in", "out"], str], int] = defaultdict(int)
         self.engine_failures: defaultdict[str, int] = defaultdict(int)  # by model
         self.replica_restarts: defaultdict[str, int] = defaultdict(int)  # by model
         self.streams_refused: defaultdict[StreamRefusal, int] = defaultdict(int)
