@@ -27,6 +27,7 @@ from llmgw_server.control.documents import (
     GpuDoc,
     ModelDoc,
     NodeDoc,
+    RecentDoc,
     ReplicaDoc,
     ShardDoc,
     StatusDoc,
@@ -146,6 +147,7 @@ PAGE_NAMES: dict[str, type] = {
     "shard": ShardDoc,
     "m": ModelDoc,
     "status": StatusDoc,
+    "t": RecentDoc,  # render's `line.recent` (the stream's, beside the status)
 }
 # nodeRow's own `status` is a table cell, not the document.
 NOT_DOCUMENTS = {"status.append"}
@@ -171,6 +173,7 @@ def test_every_field_the_page_reads_is_in_the_documents() -> None:
     assert {
         "n.drain_forced", "n.last_seen_s_ago", "g.memory_free_mib", "r.restart_in_s",
         "s.retiring", "shard.output_tail", "m.unplaced.explanation", "status.guard",
+        "t.subject",
     } <= paths  # fmt: skip
     for path in sorted(paths):
         name, *fields = path.split(".")

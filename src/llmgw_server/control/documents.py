@@ -125,6 +125,17 @@ class StatusDoc:
 
 
 @attrs.define
+class RecentDoc:
+    """A change the fleet page lists among the recent ones (GET /v1/admin/stream's
+    `recent`): a node's transition or a shard's new state."""
+
+    at: float  # wall-clock seconds
+    subject: str  # "node NAME" or "replica ID rank N on NODE"
+    change: str  # the new status or state, or "old -> new"
+    reason: str
+
+
+@attrs.define
 class ExplainDoc:
     """GET /v1/admin/explain/MODEL: why one more replica could or could not be placed."""
 
