@@ -26,12 +26,13 @@ from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Ack, Heartbeat, Welcome
 from llmgw_http.server import HTTPServer, ServerLimits
-from llmgw_server.control.fit import KINDS
+from llmgw_server.control.fit import KINDS, MisfitKind
 from llmgw_server.control.reconciler import Reconciler
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.metrics import (
     PLACEMENT_REASONS,
     ControlMetrics,
+    PlacementReason,
     message_type,
     placement_reason,
     placement_reasons,
@@ -48,7 +49,7 @@ DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
 def test_every_reason_an_explanation_gives_has_its_own_label() -> None:
     """The label is the explanation's typed reason, mapped one to one; the words are not
     parsed (they may change freely)."""
-    expected = {
+    expected: dict[MisfitKind, PlacementReason] = {
         "lost": "lost",
         "unreachable": "unreachable",
         "cordoned": "cordoned",
@@ -63,7 +64,7 @@ def test_every_reason_an_explanation_gives_has_its_own_label() -> None:
     }
     assert set(expected) == set(KINDS)
     for kind, label in expected.items():
-        assert placement_reason(kind) == label, kind  # type: ignore[arg-type]
+        assert placement_reason(kind) == label, kind
         assert label in PLACEMENT_REASONS
     assert len(set(expected.values())) == len(expected)  # no two reasons share a label
 
