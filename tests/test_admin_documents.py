@@ -112,6 +112,10 @@ def test_a_newer_control_planes_fields_are_ignored_and_a_wrong_shape_is_named() 
     data["replicas"][0]["something_new"] = 1
     data["later"] = {"x": 1}
     assert len(from_json(data, StatusDoc).replicas) == 2
+    # An older control plane's status, before drains moved replicas: read as not moving.
+    del data["replicas"][0]["moving"], data["nodes"][0]["drain_forced"]
+    older = from_json(data, StatusDoc)
+    assert not older.replicas[0].moving and not older.nodes[0].drain_forced
     del data["replicas"][0]["phase"]
     with pytest.raises(DocumentError, match=r"StatusDoc.replicas\[0\].phase"):
         from_json(data, StatusDoc)

@@ -50,7 +50,8 @@ class NodeDoc:
     status: NodeStatus
     cordoned: bool
     draining: bool
-    drain_forced: bool
+    # Newer than the status: a control plane before it sent none (read as False).
+    drain_forced: bool = attrs.field(default=False, kw_only=True)
     last_seen_s_ago: float
     address: str  # where engines on it are reached
     labels: dict[str, str]
@@ -79,7 +80,9 @@ class ReplicaDoc:
     phase: Phase
     serving: bool  # the router sends it requests
     kept: bool  # counted toward the model's replicas
-    moving: bool  # on a draining node, serving until a replacement serves
+    # On a draining node, serving until a replacement serves. Newer than the status: a
+    # control plane before it sent none (read as False).
+    moving: bool = attrs.field(default=False, kw_only=True)
     reason: str  # why it is failed or broken
     url: str
     attempt: int

@@ -282,7 +282,6 @@ def node_doc(view: NodeView, now: float) -> NodeDoc:
         view.status,
         view.cordoned,
         view.draining,
-        view.drain_forced,
         round(now - view.last_seen, 1),
         inventory.host,
         inventory.labels,
@@ -291,6 +290,7 @@ def node_doc(view: NodeView, now: float) -> NodeDoc:
         inventory.memory_mib,
         tuple(gpus),
         tuple(engines),
+        drain_forced=view.drain_forced,
     )
 
 
