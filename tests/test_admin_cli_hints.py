@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import status_docs
 from llmgw_core.certs import init_ca
 from llmgw_server import admin_cli
 
@@ -65,8 +66,7 @@ def _node(name: str) -> dict[str, object]:
 
 
 def test_status_lists_nodes_by_name_not_by_registration() -> None:
-    data = {"nodes": [_node(n) for n in ("sim-node-2", "gpu-10", "sim-node-1", "gpu-9")],
-            "replicas": [], "models": []}  # fmt: skip
+    data = status_docs.status([status_docs.node(n) for n in ("sim-node-2", "gpu-10", "sim-node-1", "gpu-9")])
     rows = admin_cli.render_status(data).split("\n\n")[0].splitlines()[2:]
     assert [row.split()[0] for row in rows] == ["gpu-9", "gpu-10", "sim-node-1", "sim-node-2"]
 

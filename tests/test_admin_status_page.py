@@ -36,11 +36,11 @@ def test_pages_cover_the_fleet_once_in_name_order() -> None:
     after = ""
     while True:
         page_view, page = status_page(view, {"limit": ["2"], "after": [after]})
-        assert page is not None and page["of"] == 5 and len(page_view.nodes) <= 2
+        assert page is not None and page.of == 5 and len(page_view.nodes) <= 2
         seen += [n.name for n in page_view.nodes]
-        if page["next_after"] is None:
+        if page.next_after is None:
             break
-        after = page["next_after"]
+        after = page.next_after
     assert seen == ["n0", "n1", "n2", "n3", "n4"]
 
 

@@ -21,20 +21,21 @@ from fleetsim import FAST, catalog, gpu_node, model
 from fleetsim import Fleet as SimFleet
 
 from fleet import Fleet, wait_until
-from llmgw_core.catalog import Profile
 from llmgw_core.config import Config, parse_config
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import ShardState
 from llmgw_core.wire import Ack, Heartbeat, Welcome
 from llmgw_http.server import HTTPServer, ServerLimits
-from llmgw_server.control import explanation
+from llmgw_server.control.fit import KINDS, MisfitKind
 from llmgw_server.control.reconciler import Reconciler
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.metrics import (
     PLACEMENT_REASONS,
     ControlMetrics,
+    PlacementReason,
     message_type,
     placement_reason,
+    placement_reasons,
 )
 from procs import metric
 
@@ -46,12 +47,9 @@ DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
 
 
 def test_every_reason_an_explanation_gives_has_its_own_label() -> None:
-    """The labels come from the explanation's words: a change there must show here."""
-    profile = Profile(
-        engine="vllm", model="org/m", gpu_model="H100", node_selector={"zone": "a"}
-    )
-    details = {"gpu_model": "A100", "few": "1", "memory": "20", "domain": "pod-a"}
-    expected = {
+    """The label is the explanation's typed reason, mapped one to one; the words are not
+    parsed (they may change freely)."""
+    expected: dict[MisfitKind, PlacementReason] = {
         "lost": "lost",
         "unreachable": "unreachable",
         "cordoned": "cordoned",
@@ -64,14 +62,24 @@ def test_every_reason_an_explanation_gives_has_its_own_label() -> None:
         "no_fabric": "no_fabric_label",
         "domain": "fabric_domain",
     }
-    assert set(expected) == set(explanation._KINDS)
+    assert set(expected) == set(KINDS)
     for kind, label in expected.items():
-        text = explanation._node_reason(
-            kind, details.get(kind, ""), profile, 4, 8, "ib_domain", {"pod-a": 4}
-        )
-        assert placement_reason(text) == label, (kind, text)
+        assert placement_reason(kind) == label, kind
         assert label in PLACEMENT_REASONS
-    assert placement_reason("something new") == "other"
+    assert len(set(expected.values())) == len(expected)  # no two reasons share a label
+
+
+def test_the_reasons_counted_are_those_the_explanation_carries() -> None:
+    f = SimFleet(FAST, catalog(model("m", 1, node_selector={"zone": "a"}, tensor_parallel=4)))
+    f.join(gpu_node("n1", 2), gpu_node("n2", 2, labels={"zone": "a"}), gpu_node("n3", 8))
+    f.feed(f.cp.cordon("n3", True, f.now))
+    unplaced = f.cp.view().unplaced["m"]
+    assert {n: why.reason for n, why in unplaced.explanation.passed_over.items()} == {
+        "n1": "selector",
+        "n2": "few",
+        "n3": "cordoned",
+    }
+    assert placement_reasons(unplaced) == {"node_selector", "free_gpus", "cordoned"}
 
 
 def test_message_types_are_the_wire_tags() -> None:

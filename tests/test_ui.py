@@ -103,7 +103,7 @@ def test_recent_transitions_are_bounded() -> None:
     feed = FleetFeed(keep=3, wall_clock=lambda: 7.0)
     for rank in range(5):
         feed.shard("gpu-1", "r1", rank, "ready", "")
-    assert [t["subject"] for t in feed.recent] == [
+    assert [t.subject for t in feed.recent] == [
         f"replica r1 rank {rank} on gpu-1" for rank in (2, 3, 4)
     ]
     assert feed.version == 5

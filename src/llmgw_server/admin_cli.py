@@ -20,12 +20,21 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from llmgw_core.tls_advice import cert_error, name_mismatch
+from llmgw_server.control.documents import (
+    DocumentError,
+    ExplainDoc,
+    ModelDoc,
+    NodeDoc,
+    ReplicaDoc,
+    StatusDoc,
+    from_json,
+)
 from llmgw_server.control.explanation import natural
+from llmgw_server.control.shards import Phase
 
 TOKEN_ENV = "LLMGW_ADMIN_TOKEN"
 
@@ -59,81 +68,81 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def render_status(data: dict[str, Any]) -> str:
+def render_status(status: StatusDoc) -> str:
     nodes = table(
         ["NODE", "STATUS", "FLAGS", "GPUS USED", "GPU", "FABRIC", "SEEN"],
         [
             [
-                n["name"],
-                n["status"],
+                n.name,
+                n.status,
                 _flags(n),
-                f"{sum(g['used'] for g in n['gpus'])}/{len(n['gpus'])}",
-                n["gpus"][0]["name"] if n["gpus"] else "-",
-                ",".join(f"{k}={v}" for k, v in sorted(n["fabric"].items())) or "-",
-                f"{n['last_seen_s_ago']}s ago",
+                f"{sum(g.used for g in n.gpus)}/{len(n.gpus)}",
+                n.gpus[0].name if n.gpus else "-",
+                ",".join(f"{k}={v}" for k, v in sorted(n.fabric.items())) or "-",
+                f"{n.last_seen_s_ago}s ago",
             ]
-            for n in sorted(data["nodes"], key=lambda n: natural(n["name"]))
+            for n in sorted(status.nodes, key=lambda n: natural(n.name))
         ],
     )
     replicas = table(
         ["REPLICA", "MODEL", "PHASE", "SERVING", "SHARDS", "URL", "FAILURES"],
         [
             [
-                r["replica_id"],
-                r["model"],
-                r["phase"]
-                + (" (crash loop)" if r["crash_loop"] else "")
-                + (" (moving)" if r.get("moving") else ""),
-                "yes" if r["serving"] else "no",
-                " ".join(f"{s['node']}#{s['rank']}:{s['state']}" for s in r["shards"]),
-                r["url"],
-                r["failures"],
+                r.replica_id,
+                r.model,
+                r.phase
+                + (" (crash loop)" if r.crash_loop else "")
+                + (" (moving)" if r.moving else ""),
+                "yes" if r.serving else "no",
+                " ".join(f"{s.node}#{s.rank}:{s.state}" for s in r.shards),
+                r.url,
+                r.failures,
             ]
-            for r in data["replicas"]
+            for r in status.replicas
         ],
     )
     models = table(
         ["MODEL", "DESIRED", "PLACED", "SERVING", "WHY NOT"],
         [
             [
-                m["name"],
-                m["desired"],
-                m["kept"],
-                sum(r["serving"] for r in data["replicas"] if r["model"] == m["name"]),
-                "; ".join(_why_not(m, data["replicas"])) or "-",
+                m.name,
+                m.desired,
+                m.kept,
+                sum(r.serving for r in status.replicas if r.model == m.name),
+                "; ".join(_why_not(m, status.replicas)) or "-",
             ]
-            for m in data["models"]
+            for m in status.models
         ],
     )
     out = [nodes, "", replicas, "", models]
-    if data.get("guard"):
-        out += ["", f"mass-loss guard: {data['guard']}"]
+    if status.guard:
+        out += ["", f"mass-loss guard: {status.guard}"]
     return "\n".join(out)
 
 
-def _why_not(model: dict[str, Any], replicas: Sequence[dict[str, Any]]) -> list[str]:
+def _why_not(model: ModelDoc, replicas: Sequence[ReplicaDoc]) -> list[str]:
     """Why a model has fewer replicas serving than it wants: what cannot be placed, and
     each placed replica that failed (a crash loop most of all) with its reason."""
     reasons = []
-    if model["unplaced"]:
-        reasons.append(model["unplaced"]["waiting"] or model["unplaced"]["explanation"])
+    if model.unplaced:
+        reasons.append(model.unplaced.waiting or model.unplaced.explanation)
     for r in replicas:
-        failed = r["phase"] in ("failed", "broken")
-        if r["model"] != model["name"] or r["serving"] or not (r["crash_loop"] or failed):
+        failed = r.phase in (Phase.FAILED, Phase.BROKEN)
+        if r.model != model.name or r.serving or not (r.crash_loop or failed):
             continue
-        what = "crash loop" if r["crash_loop"] else r["phase"]
-        why = r["reason"] or ("restarting" if r["phase"] == "live" else "no reason given")
-        failures = r["failures"]
+        what = "crash loop" if r.crash_loop else str(r.phase)
+        why = r.reason or ("restarting" if r.phase is Phase.LIVE else "no reason given")
+        failures = r.failures
         counted = f"{failures} failure{'s' if failures != 1 else ''}" if failures else ""
-        restart = "" if r["restart_in_s"] is None else f"restart in {r['restart_in_s']:g} s"
+        restart = "" if r.restart_in_s is None else f"restart in {r.restart_in_s:g} s"
         detail = ", ".join(x for x in (counted, restart) if x)
-        reasons.append(f"{r['replica_id']} {what}: {why}" + (f" ({detail})" if detail else ""))
+        reasons.append(f"{r.replica_id} {what}: {why}" + (f" ({detail})" if detail else ""))
     return reasons
 
 
-def _flags(node: dict[str, Any]) -> str:
-    flags = [f for f in ("cordoned", "draining") if node[f]]
-    if node.get("drain_forced"):
+def _flags(node: NodeDoc) -> str:
+    flags = [f for f, on in (("cordoned", node.cordoned), ("draining", node.draining)) if on]
+    if node.drain_forced:
         flags.append("forced")
     return ",".join(flags) or "-"
 
@@ -146,68 +155,69 @@ class DrainProgress:
     that is not in it is a replacement.
     """
 
-    def __init__(self, node: str, before: dict[str, Any]) -> None:
+    def __init__(self, node: str, before: StatusDoc) -> None:
         self.node = node
-        self.existing = {r["replica_id"] for r in before.get("replicas", ())}
+        self.existing = {r.replica_id for r in before.replicas}
         self.models: set[str] = set()  # models with a replica on the node
         self.leaving: dict[str, str] = {}  # replicas seen on the node -> model
         self.said: dict[str, str] = {}  # replica id or model -> the last line about it
 
-    def update(self, data: dict[str, Any]) -> tuple[list[str], bool]:
-        here = {r["replica_id"]: r for r in data["replicas"] if self._on_node(r)}
-        self.models |= {r["model"] for r in here.values()}
-        self.leaving |= {rid: r["model"] for rid, r in here.items()}
+    def update(self, status: StatusDoc) -> tuple[list[str], bool]:
+        here = {r.replica_id: r for r in status.replicas if self._on_node(r)}
+        self.models |= {r.model for r in here.values()}
+        self.leaving |= {rid: r.model for rid, r in here.items()}
         current = {
-            rid: f"{rid} ({r['model']}): {leaving}"
+            rid: f"{rid} ({r.model}): {leaving}"
             for rid, r in here.items()
             if (leaving := self._leaving(r)) is not None
         }
-        for r in data["replicas"]:
-            rid = r["replica_id"]
-            if rid not in here and rid not in self.existing and r["model"] in self.models:
-                where = ",".join(dict.fromkeys(s["node"] for s in r["shards"]))
-                state = "serves" if r["serving"] else r["phase"] + _shard_states(r)
-                current[rid] = f"{rid} ({r['model']}): replacement on {where}: {state}"
-        node: dict[str, Any] = next((n for n in data["nodes"] if n["name"] == self.node), {})
-        for m in data["models"]:
-            if m["name"] in self.models and m["unplaced"]:
-                why = m["unplaced"]["waiting"] or m["unplaced"]["explanation"]
-                line = f"{m['name']}: no room for a replacement yet: {why}"
-                held = any(r["model"] == m["name"] and r["moving"] for r in here.values())
-                if held and not m["unplaced"]["waiting"] and not node.get("drain_forced"):
+        for r in status.replicas:
+            rid = r.replica_id
+            if rid not in here and rid not in self.existing and r.model in self.models:
+                where = ",".join(dict.fromkeys(s.node for s in r.shards))
+                state = "serves" if r.serving else r.phase + _shard_states(r)
+                current[rid] = f"{rid} ({r.model}): replacement on {where}: {state}"
+        node = next((n for n in status.nodes if n.name == self.node), None)
+        forced = node is not None and node.drain_forced
+        for m in status.models:
+            if m.name in self.models and m.unplaced:
+                why = m.unplaced.waiting or m.unplaced.explanation
+                line = f"{m.name}: no room for a replacement yet: {why}"
+                held = any(r.model == m.name and r.moving for r in here.values())
+                if held and not m.unplaced.waiting and not forced:
                     # A drain not forced waits for room, however long: say how to end it.
                     line += (
                         f"; it serves on from {self.node} meanwhile "
                         "(`drain --force` stops it without one)"
                     )
-                current[m["name"]] = line
+                current[m.name] = line
         lines = [text for key, text in current.items() if self.said.get(key) != text]
         for rid in [rid for rid in self.leaving if rid not in here]:
             lines.append(f"{rid} ({self.leaving.pop(rid)}): stopped, off {self.node}")
         self.said = current
         return lines, not here
 
-    def _on_node(self, replica: dict[str, Any]) -> bool:
-        return any(s["node"] == self.node for s in replica["shards"])
+    def _on_node(self, replica: ReplicaDoc) -> bool:
+        return any(s.node == self.node for s in replica.shards)
 
-    def _leaving(self, r: dict[str, Any]) -> str | None:
+    def _leaving(self, r: ReplicaDoc) -> str | None:
         """How a replica on the node is leaving it; None before the control plane decided."""
-        if r["moving"] and r["serving"]:
+        if r.moving and r.serving:
             return f"serves on {self.node} until its replacement serves"
-        if any(s["retiring"] for s in r["shards"]):
+        if any(s.retiring for s in r.shards):
             return f"leaving {self.node}: no new requests, stopping once those in flight end"
         return None
 
 
-def _shard_states(replica: dict[str, Any]) -> str:
-    states = sorted({s["state"] for s in replica["shards"]})
-    return f" ({', '.join(states)})" if states != [replica["phase"]] else ""
+def _shard_states(replica: ReplicaDoc) -> str:
+    states: list[str] = sorted({str(s.state) for s in replica.shards})
+    return f" ({', '.join(states)})" if states != [str(replica.phase)] else ""
 
 
 def follow_drain(
     node: str,
-    before: dict[str, Any],
-    read_status: Callable[[], dict[str, Any]],
+    before: StatusDoc,
+    read_status: Callable[[], StatusDoc],
     *,
     poll_s: float = 0.5,
     out: Callable[[str], None] = print,
@@ -215,15 +225,15 @@ def follow_drain(
     """Print the drain's progress until the node holds no replica; 1 if it is undrained."""
     progress = DrainProgress(node, before)
     while True:
-        data = read_status()
-        lines, done = progress.update(data)
+        status = read_status()
+        lines, done = progress.update(status)
         for line in lines:
             out(line)
         if done:
             out(f"{node}: drained, no replica left on it")
             return 0
-        node_view = next((n for n in data["nodes"] if n["name"] == node), None)
-        if node_view is None or not node_view["draining"]:
+        node_doc = next((n for n in status.nodes if n.name == node), None)
+        if node_doc is None or not node_doc.draining:
             out(f"{node}: no longer draining; stopped following")
             return 1
         time.sleep(poll_s)
@@ -256,11 +266,14 @@ def run(
                 response = client.get(f"{base}/status")
                 if response.status_code == 200:
                     data = response.json()
-                    print(json.dumps(data, indent=2) if as_json else render_status(data))
+                    if as_json:  # as the control plane sent it, fields this CLI lacks too
+                        print(json.dumps(data, indent=2))
+                    else:
+                        print(render_status(from_json(data, StatusDoc)))
             elif command == "explain":
                 response = client.get(f"{base}/explain/{target}")
                 if response.status_code == 200:
-                    print(response.json()["text"])
+                    print(from_json(response.json(), ExplainDoc).text)
             elif command == "drain":
                 assert target is not None
                 return _drain(client, base, target, token, force=force, wait=wait, poll_s=poll_s)
@@ -272,6 +285,13 @@ def run(
         print(
             f"llmgw-server: cannot reach the control plane at {control}: {exc}"
             + tls_hint(control, exc, ca),
+            file=sys.stderr,
+        )
+        return 1
+    except (DocumentError, ValueError) as exc:  # ValueError: not JSON at all
+        print(
+            f"llmgw-server: the control plane at {control} answered what this CLI cannot "
+            f"read ({exc}): is --control its control port?",
             file=sys.stderr,
         )
         return 1
@@ -372,19 +392,18 @@ def _drain(
     wait: bool,
     poll_s: float,
 ) -> int:
-    def read_status() -> dict[str, Any]:
+    def read_status() -> StatusDoc:
         response = client.get(f"{base}/status")
         if response.status_code != 200:
             raise _Failed(response)
-        data: dict[str, Any] = response.json()
-        return data
+        return from_json(response.json(), StatusDoc)
 
     try:
-        before = read_status() if wait else {}
+        before = read_status() if wait else None
         response = client.post(f"{base}/nodes/{node}/drain", json={"force": True} if force else {})
         if response.status_code != 200:
             raise _Failed(response)
-        if not wait:
+        if before is None:
             print(f"{node}: draining (`llmgw-server status` shows the replicas as they move)")
             return 0
         return follow_drain(node, before, read_status, poll_s=poll_s)

@@ -25,11 +25,11 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from llmgw_core.certs import init_ca, issue_node
+from llmgw_server.control.documents import StatusDoc, from_json
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MOCK = f'["{sys.executable}", "-m", "llmgw_mock_engine"]'
@@ -65,38 +65,38 @@ def ports_in_use(ports: Sequence[tuple[int, str]], host: str = "127.0.0.1") -> l
     return busy
 
 
-def placement_lines(status: Mapping[str, Any]) -> list[str]:
+def placement_lines(status: StatusDoc) -> list[str]:
     """What runs where, from the control plane's status: a line per node, then one per
     replica with the node and GPUs of each of its shards."""
     lines = []
-    for node in status["nodes"]:
-        gpus = node["gpus"]
-        kind = gpus[0]["name"] if gpus else "no GPU"
-        lines.append(f"  node {node['name']}: {len(gpus)} x {kind} (simulated), {node['status']}")
+    for node in status.nodes:
+        gpus = node.gpus
+        kind = gpus[0].name if gpus else "no GPU"
+        lines.append(f"  node {node.name}: {len(gpus)} x {kind} (simulated), {node.status}")
     rows = []
-    for r in sorted(status["replicas"], key=lambda r: (r["model"], r["replica_id"])):
-        shards = sorted(r["shards"], key=lambda s: s["rank"])
+    for r in sorted(status.replicas, key=lambda r: (r.model, r.replica_id)):
+        shards = sorted(r.shards, key=lambda s: s.rank)
         where = " + ".join(
-            f"{s['node']} GPU{'s' if len(s['gpus']) != 1 else ''} "
-            f"{','.join(str(g) for g in s['gpus'])}"
-            + (f" (rank {s['rank']})" if len(shards) > 1 else "")
+            f"{s.node} GPU{'s' if len(s.gpus) != 1 else ''} "
+            f"{','.join(str(g) for g in s.gpus)}"
+            + (f" (rank {s.rank})" if len(shards) > 1 else "")
             for s in shards
         )
-        nodes = {s["node"] for s in shards}
+        nodes = {s.node for s in shards}
         span = f"across {len(nodes)} nodes" if len(nodes) > 1 else "on one node"
-        state = "serving" if r["serving"] else r["phase"]
-        rows.append((r["model"], r["replica_id"], f"{span}: {where}, {state}"))
+        state = "serving" if r.serving else r.phase
+        rows.append((r.model, r.replica_id, f"{span}: {where}, {state}"))
     width = [max((len(row[i]) for row in rows), default=0) for i in range(2)]
     lines += [f"  {m.ljust(width[0])}  {rid.ljust(width[1])}  {text}" for m, rid, text in rows]
     return lines
 
 
-def all_serving(status: Mapping[str, Any]) -> bool:
+def all_serving(status: StatusDoc) -> bool:
     """Every model has as many replicas serving as it asks for."""
     serving: dict[str, int] = {}
-    for r in status["replicas"]:
-        serving[r["model"]] = serving.get(r["model"], 0) + bool(r["serving"])
-    return all(serving.get(m["name"], 0) >= m["desired"] for m in status["models"])
+    for r in status.replicas:
+        serving[r.model] = serving.get(r.model, 0) + r.serving
+    return all(serving.get(m.name, 0) >= m.desired for m in status.models)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -212,7 +212,7 @@ def _wait_until_serving(
     trust: ssl.SSLContext,
     procs: Mapping[str, subprocess.Popen[bytes]],
     logs: Path,
-) -> dict[str, Any] | None:
+) -> StatusDoc | None:
     """The control plane's status once every model serves and the router lists them all;
     None (after saying why) if a process exits or that takes too long."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -222,10 +222,11 @@ def _wait_until_serving(
                 if p.poll() is not None:
                     _report_exit(name, p, logs)
                     return None
+            # DocumentError is a ValueError: an answer not yet the status, asked again.
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                status: dict[str, Any] = client.get(f"{admin}/v1/admin/status").json()
+                status = from_json(client.get(f"{admin}/v1/admin/status").json(), StatusDoc)
                 listed = {m["id"] for m in client.get(f"{url}/v1/models").json()["data"]}
-                if all_serving(status) and listed >= {m["name"] for m in status["models"]}:
+                if all_serving(status) and listed >= {m.name for m in status.models}:
                     return status
             time.sleep(0.3)
     print(

@@ -140,9 +140,12 @@ def test_the_explanation_adds_up_to_the_fleet_and_agrees_with_placement(
         verdict = check(NodeFree(node), need)
         reason = why.passed_over.get(node.name)
         if isinstance(verdict, Misfit):
-            assert reason is not None, (node.name, verdict)
+            assert reason is not None and reason.reason == verdict.kind, (node.name, verdict)
         else:
-            assert reason is None or reason.startswith(("its fabric domain ", "has no ib_domain"))
+            assert reason is None or reason.reason in ("domain", "no_fabric")
+            assert reason is None or reason.text.startswith(
+                ("its fabric domain ", "has no ib_domain")
+            )
 
     # Placement does what the explanation says, on the fleet and on its parts.
     used = placed_nodes(p, fleet, spread)

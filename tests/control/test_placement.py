@@ -42,7 +42,14 @@ def test_explains_single_node_misfits_like_the_issue() -> None:
         "(gpu-1 has 2, gpu-2 has 1, need 4); 1 lacks 70 GiB free per GPU (gpu-5: 40 GiB)"
     )
     assert not why.placeable
-    assert why.passed_over == {
+    assert {n: (p.reason, p.text) for n, p in why.passed_over.items()} == {
+        "gpu-1": ("few", "has 2 free GPUs, needs 4"),
+        "gpu-2": ("few", "has 1 free GPUs, needs 4"),
+        "gpu-3": ("unreachable", "unreachable"),
+        "gpu-4": ("unreachable", "unreachable"),
+        "gpu-5": ("memory", "has 40 GiB free per GPU, needs 70 GiB"),
+    }
+    assert why.passed_over_text() == {
         "gpu-1": "has 2 free GPUs, needs 4",
         "gpu-2": "has 1 free GPUs, needs 4",
         "gpu-3": "unreachable",
@@ -68,7 +75,10 @@ def test_explains_multi_node_misfits_by_fabric_domain() -> None:
         "1 unreachable (gpu-6); fabric domain pod-a (gpu-1, gpu-2) has 8 free GPUs of the "
         "16 needed; pod-b (gpu-3, gpu-4, gpu-5) 12"
     )
-    assert why.passed_over["gpu-4"] == "its fabric domain pod-b has 12 free GPUs of the 16 needed"
+    assert why.passed_over["gpu-4"] == (
+        "domain",
+        "its fabric domain pod-b has 12 free GPUs of the 16 needed",
+    )
     assert set(why.passed_over) == {f"gpu-{i}" for i in range(1, 7)}
     assert place(requests(p, 1), nodes).unplaced
 

@@ -13,10 +13,11 @@ from llmgw_core.catalog import Endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import LaunchSpec, ShardState
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.documents import to_json
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 from llmgw_server.control.shards import Phase
-from llmgw_server.control_shell.admin import status
+from llmgw_server.control_shell.admin import status_doc
 
 READY, FAILED, STARTING = ShardState.READY, ShardState.FAILED, ShardState.STARTING
 POD_A = {"ib_domain": "pod-a"}
@@ -733,10 +734,6 @@ def test_a_restarted_control_plane_learns_the_keys_back_from_the_agents() -> Non
     assert found is not None and found[1].api_key in ("key-1", "key-2")
 
 
-class _Plane:
-    output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
-
-
 def test_engine_keys_never_show_in_views_notes_commands_or_the_status_api() -> None:
     f = fleet_with(model("a", 2, tensor_parallel=4), model("b", 1, gpu_memory_gib=99), nodes=2)
     f.ready_all()
@@ -751,7 +748,7 @@ def test_engine_keys_never_show_in_views_notes_commands_or_the_status_api() -> N
         repr(f.cp.serving()),
         " ".join(str(e) for e in f.cp.serving()["a"]),
         "\n".join(f.notes),
-        json.dumps(status(view, _Plane(), f.now)),  # type: ignore[arg-type]
+        json.dumps(to_json(status_doc(view, {}, f.now))),
         repr(f.cp.explain("b")),
     ]
     for text in shown:

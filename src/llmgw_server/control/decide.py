@@ -4,15 +4,15 @@ the best `replicas` of them, restart, retire and place; it returns the commands.
 It reads what is known and writes to it only what it sends (`ShardStore.issued`),
 the records of stopped shards it drops, and the router's reported drains it has
 seen through (the replica is kept, or gone).
-What it decides per model (replicas kept, endpoints serving, when to look again) is
-kept here until the model is judged again, so that a pass costs O(replicas of the
-models it judges), plus placement (see `placing`).
+What it decides per model is one `ModelRecord`, kept until the model is judged
+again, so that a pass costs O(replicas of the models it judges), plus placement
+(see `placing`); the rules are in docs/control-plane.md, "How the control core decides".
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
@@ -52,6 +52,26 @@ class Decided:
 
 
 @attrs.define
+class ModelRecord:
+    """What the last judgement of one model decided, kept until it is judged again.
+
+    A record with nothing to keep (all defaults) is dropped, so the records are those
+    of models with replicas, a shortfall or a roll."""
+
+    kept: int = 0  # replicas counted toward the model
+    serving: tuple[Endpoint, ...] = ()  # where its requests go (the same tuple if unchanged)
+    missing: int = 0  # replicas to place
+    rolling: int = 0  # its serving stale replicas (a roll to a changed profile)
+    # Replacements of serving stale replicas not asked of placement yet: one is placed
+    # at a time.
+    roll_held: int = 0
+    roll_said: bool = False  # the roll's wait for room was logged (once per wait)
+
+
+_EMPTY = ModelRecord()
+
+
+@attrs.define
 class _Judged:
     """One model's replicas, judged before placement."""
 
@@ -79,8 +99,9 @@ class Decider:
         self.grace_until = started_at + settings.lost_after_s
         self.shortfall = Shortfall(settings, started_at, known.work)
         self.status: dict[str, Status] = {}  # replica id -> how the last pass judged it
-        self.kept: dict[str, int] = {}  # model -> replicas counted toward it
-        self.serving: dict[str, tuple[Endpoint, ...]] = {}
+        self.models: dict[str, ModelRecord] = {}
+        # The models with replicas to place (`missing` > 0): an index of `models`, kept
+        # by `_set_missing` alone, so that placement looks at them without a pass over all.
         self._missing: dict[str, int] = {}
         self._instance = instance
         self._engine_keys = engine_keys
@@ -88,15 +109,10 @@ class Decider:
         # Replicas given up as broken in this run of the control plane (not kept across a
         # restart: then a returning replica and its replacement are alike, and one is retired).
         self.abandoned: set[str] = set()
-        # When each model asked to be judged again (backoff, drain timeout, an awaited rank).
+        # When each model asked to be judged again (backoff, drain timeout, an awaited
+        # rank): a heap by model, beside the records.
         self._due = Deadlines[str]()
         self._settle_due: float | None = None
-        # Rolls to a changed profile: model -> replacements of serving stale replicas not
-        # asked of placement yet (one is placed at a time), and the models whose roll
-        # waits for room, said once.
-        self._roll_held: dict[str, int] = {}
-        self._rolling: dict[str, int] = {}  # model -> its serving stale replicas
-        self._roll_said: set[str] = set()
 
     def next_due(self) -> float | None:
         times = (self._due.next(), self._settle_due)
@@ -126,9 +142,8 @@ class Decider:
         starts: list[Command] = []
         placements = []
         for a in placed:
-            self._missing[a.model] -= 1
-            if not self._missing[a.model]:
-                del self._missing[a.model]
+            record = self._record(a.model)
+            self._set_missing(a.model, record, record.missing - 1)
             rid, specs = self._launch(a, wanted[a.model], now)
             starts += specs
             placements.append(attrs.evolve(a, key=rid))
@@ -171,6 +186,8 @@ class Decider:
         for name in judged:
             self._serve(name)
             self._due.set(name, min((t for t in times[name] if t > now), default=None))
+            if self.models.get(name) == _EMPTY:
+                del self.models[name]
         return Decided(tuple(commands + starts), tuple(placements), tuple(notes))
 
     # -- one model ----------------------------------------------------------------
@@ -216,7 +233,8 @@ class Decider:
         )
         keep, surplus = staying[:desired], staying[desired:]
         out.retiring += [(rid, records, "surplus") for rid, records in surplus]
-        self.kept[name] = len(keep)
+        record = self._record(name)
+        record.kept = len(keep)
         ready = sum(serves(self.status[rid], records) for rid, records in keep)
         # A roll replaces serving stale replicas one at a time: a replacement is placed
         # only while no kept replica of the model is starting; replicas beyond the stale
@@ -224,15 +242,9 @@ class Decider:
         missing = desired - len(keep)
         rolling = min(len(stale), max(missing, 0))
         placed_now = 1 if rolling and len(keep) == ready else 0
-        self._missing[name] = missing - rolling + placed_now
-        if self._missing[name] <= 0:
-            del self._missing[name]
-        self._rolling[name] = len(stale)
-        if not stale:
-            del self._rolling[name]
-        self._roll_held[name] = rolling - placed_now
-        if not self._roll_held[name]:
-            del self._roll_held[name]
+        self._set_missing(name, record, missing - rolling + placed_now)
+        record.rolling = len(stale)
+        record.roll_held = rolling - placed_now
         for rid, records in keep:
             self.status[rid].kept = True
             known.drained.discard(rid)  # a drain the router reported is over
@@ -250,16 +262,17 @@ class Decider:
         replicas hold their GPUs waits for room; they keep serving."""
         notes = []
         for name in judged:
+            record = self.models.get(name, _EMPTY)
             short = self.shortfall.short.get(name)
-            if self._rolling.get(name) and short is not None and short[1] is None:
-                if name not in self._roll_said:
-                    self._roll_said.add(name)
+            if record.rolling and short is not None and short[1] is None:
+                if not record.roll_said:
+                    record.roll_said = True
                     notes.append(
                         f"the roll of {name} to its changed profile waits for room: its "
-                        f"{self._rolling[name]} replicas with the old profile keep serving"
+                        f"{record.rolling} replicas with the old profile keep serving"
                     )
-            else:
-                self._roll_said.discard(name)
+            elif record.roll_said:
+                record.roll_said = False
         return notes
 
     def _settled(self, rid: str) -> list[ShardRecord]:
@@ -306,10 +319,12 @@ class Decider:
             records = self.known.store.replica(rid)
             if status is not None and (status.kept or status.moving) and serves(status, records):
                 endpoints.append(endpoint(min(records, key=lambda r: r.spec.rank).spec))
-        if not endpoints:
-            self.serving.pop(name, None)
-        elif tuple(endpoints) != self.serving.get(name):  # unchanged, the same tuple
-            self.serving[name] = tuple(endpoints)
+        record = self.models.get(name)
+        if record is None:
+            if endpoints:
+                self._record(name).serving = tuple(endpoints)
+        elif tuple(endpoints) != record.serving:  # unchanged, the same tuple
+            record.serving = tuple(endpoints)
 
     # -- placing ------------------------------------------------------------------
 
@@ -328,13 +343,21 @@ class Decider:
         ]
         self._issue(starts, now)
         self.status[rid] = Status(Classified(Phase.LIVE), kept=True)
-        self.kept[a.model] = self.kept.get(a.model, 0) + 1
+        self._record(a.model).kept += 1
         return rid, starts
 
     @property
-    def missing(self) -> dict[str, int]:
+    def missing(self) -> Mapping[str, int]:
         """Model -> replicas to place, as last judged."""
         return self._missing
+
+    def serving(self, model: str) -> tuple[Endpoint, ...]:
+        """Where `model`'s requests go, as last judged."""
+        return self.models.get(model, _EMPTY).serving
+
+    def kept(self) -> dict[str, int]:
+        """Model -> replicas counted toward it. O(models)."""
+        return {name: record.kept for name, record in self.models.items()}
 
     def short(self) -> dict[str, tuple[int, str | None]]:
         """Model -> replicas wanted but not placed, and why placement waits (None when
@@ -347,7 +370,10 @@ class Decider:
             count = min(count, self._missing.get(name, 0))
             if count:
                 short[name] = (count, waiting)
-        for name, held in self._roll_held.items():
+        for name, record in self.models.items():
+            held = record.roll_held
+            if not held:
+                continue
             count, waiting = short.get(name, (0, None))
             if name not in short:
                 waiting = (
@@ -358,6 +384,20 @@ class Decider:
         return short
 
     # -- helpers ------------------------------------------------------------------
+
+    def _record(self, model: str) -> ModelRecord:
+        record = self.models.get(model)
+        if record is None:
+            record = self.models[model] = ModelRecord()
+        return record
+
+    def _set_missing(self, model: str, record: ModelRecord, missing: int) -> None:
+        """The one place `missing` changes: its index follows."""
+        record.missing = max(missing, 0)
+        if record.missing:
+            self._missing[model] = record.missing
+        else:
+            self._missing.pop(model, None)
 
     @property
     def _nodes(self) -> dict[str, Node]:

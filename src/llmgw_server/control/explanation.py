@@ -1,19 +1,7 @@
-"""Why a replica cannot be placed, counted the way an operator reads it.
-
-Every node is named once, with the first reason it was passed over, in the
-order the checks run (status, flags, engine, labels, GPU model, free GPUs,
-memory), so that the counts add up to the fleet:
-
-  0 of 5 nodes fit: 2 unreachable (gpu-3, gpu-4); 2 have too few free GPUs
-  (gpu-1 has 2, gpu-2 has 1, need 4); 1 lacks 70 GiB free per GPU (gpu-5: 40 GiB)
-
-The checks are `fit.check`, the rule placement itself follows, so that a model
-explained as fitting is placed and one explained as not is not. For a replica
-that may span nodes, the node checks are per shard and the nodes
-that could hold a shard are counted by fabric domain:
-
-  0 of 4 nodes fit 16 GPUs on one node or as 2 shards of 8 in one fabric domain:
-  fabric domain pod-a (gpu-1) has 8 free GPUs of the 16 needed; pod-b (gpu-2, gpu-3) 12
+"""Why a replica cannot be placed, counted the way an operator reads it: every node
+named once, with the first reason it was passed over (`fit.check`, the rule placement
+follows), in the order the checks run. The format, with examples, and the tests that
+hold it are in docs/control-plane.md, "How the control core decides".
 """
 
 from __future__ import annotations
@@ -21,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import NamedTuple, assert_never
 
 import attrs
 
@@ -30,6 +19,7 @@ from llmgw_server.control.capacity import NodeFree
 from llmgw_server.control.fit import (
     KINDS,
     Misfit,
+    MisfitKind,
     Need,
     check,
     fabric_domain,
@@ -38,13 +28,24 @@ from llmgw_server.control.fit import (
 )
 
 
+class PassedOver(NamedTuple):
+    """Why one node was passed over: the check it failed, and the words for it."""
+
+    reason: MisfitKind  # what metrics count, never parsed back from `text`
+    text: str
+
+
 @attrs.frozen
 class Explanation:
     model: str
     text: str
     fitting: tuple[str, ...]  # nodes that could take one more replica now
     # Every other node, with why it was passed over.
-    passed_over: dict[str, str] = attrs.field(hash=False)
+    passed_over: dict[str, PassedOver] = attrs.field(hash=False)
+
+    def passed_over_text(self) -> dict[str, str]:
+        """Node -> why it was passed over, in words (what the admin API shows)."""
+        return {node: why.text for node, why in self.passed_over.items()}
 
     @property
     def placeable(self) -> bool:
@@ -60,7 +61,7 @@ def explain_free(
 ) -> Explanation:
     need = Need.of(profile)
     pp, total = profile.pipeline_parallel, profile.gpus
-    found: dict[str, list[tuple[str, str]]] = {kind: [] for kind in _KINDS}
+    found: dict[MisfitKind, list[tuple[str, str]]] = {kind: [] for kind in _KINDS}
     fitting: list[str] = []
     shard_holders: list[tuple[NodeFree, dict[str, list[Gpu]]]] = []  # fit one shard only
     domain_nodes: dict[str, list[NodeFree]] = {}
@@ -94,7 +95,9 @@ def explain_free(
         if domain in short_nodes and not group_fits(members, need):
             short[domain] = max(short.get(domain, 0), len(members) * profile.tensor_parallel)
     passed_over = {
-        node: _node_reason(kind, detail, profile, need.per_node, total, fabric_key, short)
+        node: PassedOver(
+            kind, _node_reason(kind, detail, profile, need.per_node, total, fabric_key, short)
+        )
         for kind, items in found.items()
         for node, detail in items
     }
@@ -106,17 +109,19 @@ def explain_free(
 
 def _detail(misfit: Misfit) -> str:
     """What the text says of one node passed over: its GPU name, free GPUs or memory."""
-    if misfit.kind == "gpu_model":
-        return misfit.gpu_name or "no GPUs"
-    if misfit.kind == "few":
-        return str(misfit.free)
-    if misfit.kind == "memory":
-        return _gib(misfit.offered_mib)
-    return ""
+    match misfit.kind:
+        case "gpu_model":
+            return misfit.gpu_name or "no GPUs"
+        case "few":
+            return str(misfit.free)
+        case "memory":
+            return _gib(misfit.offered_mib)
+        case _:
+            return ""
 
 
 def _node_reason(
-    kind: str,
+    kind: MisfitKind,
     detail: str,
     profile: Profile,
     need: int,
@@ -124,26 +129,32 @@ def _node_reason(
     fabric_key: str,
     short: dict[str, int],
 ) -> str:
-    if kind in ("lost", "unreachable", "cordoned", "draining"):
-        return kind
-    return {
-        "engine": lambda: f"cannot launch {profile.engine}",
-        "selector": lambda: f"does not match node_selector {_selector(profile)}",
-        "gpu_model": lambda: f"has no {profile.gpu_model} GPUs ({detail})",
-        "few": lambda: f"has {detail} free GPUs, needs {need}",
-        "memory": lambda: f"has {detail} GiB free per GPU, needs {profile.gpu_memory_gib:g} GiB",
-        "no_fabric": lambda: f"has no {fabric_key} label",
-        "domain": lambda: (
-            f"its fabric domain {detail} has {short[detail]} free GPUs of the {total} needed"
-        ),
-    }[kind]()
+    match kind:
+        case "lost" | "unreachable" | "cordoned" | "draining":
+            return kind
+        case "engine":
+            return f"cannot launch {profile.engine}"
+        case "selector":
+            return f"does not match node_selector {_selector(profile)}"
+        case "gpu_model":
+            return f"has no {profile.gpu_model} GPUs ({detail})"
+        case "few":
+            return f"has {detail} free GPUs, needs {need}"
+        case "memory":
+            return f"has {detail} GiB free per GPU, needs {profile.gpu_memory_gib:g} GiB"
+        case "no_fabric":
+            return f"has no {fabric_key} label"
+        case "domain":
+            return f"its fabric domain {detail} has {short[detail]} free GPUs of the {total} needed"
+        case _:
+            assert_never(kind)
 
 
 def _text(
     profile: Profile,
     n_nodes: int,
     fitting: list[str],
-    found: dict[str, list[tuple[str, str]]],
+    found: dict[MisfitKind, list[tuple[str, str]]],
     need: int,
     fabric_key: str,
     domain_nodes: dict[str, list[str]],
@@ -177,30 +188,36 @@ def _text(
 
 
 def _group(
-    kind: str, items: list[tuple[str, str]], profile: Profile, need: int, fabric_key: str
+    kind: MisfitKind, items: list[tuple[str, str]], profile: Profile, need: int, fabric_key: str
 ) -> str:
     k = len(items)
     one = k == 1
     names = ", ".join(node for node, _ in items)
-    if kind in ("lost", "unreachable", "cordoned", "draining"):
-        return f"{k} {kind} ({names})"
-    if kind == "engine":
-        return f"{k} cannot launch {profile.engine} ({names})"
-    if kind == "selector":
-        verb = "does" if one else "do"
-        return f"{k} {verb} not match node_selector {_selector(profile)} ({names})"
     has = "has" if one else "have"
-    if kind == "gpu_model":
-        listed = ", ".join(f"{node}: {gpu}" for node, gpu in items)
-        return f"{k} {has} no {profile.gpu_model} GPUs ({listed})"
-    if kind == "few":
-        listed = ", ".join(f"{node} has {count}" for node, count in items)
-        return f"{k} {has} too few free GPUs ({listed}, need {need})"
-    if kind == "memory":
-        listed = ", ".join(f"{node}: {gib} GiB" for node, gib in items)
-        lacks = "lacks" if one else "lack"
-        return f"{k} {lacks} {profile.gpu_memory_gib:g} GiB free per GPU ({listed})"
-    return f"{k} {has} no {fabric_key} label ({names})"
+    match kind:
+        case "lost" | "unreachable" | "cordoned" | "draining":
+            return f"{k} {kind} ({names})"
+        case "engine":
+            return f"{k} cannot launch {profile.engine} ({names})"
+        case "selector":
+            verb = "does" if one else "do"
+            return f"{k} {verb} not match node_selector {_selector(profile)} ({names})"
+        case "gpu_model":
+            listed = ", ".join(f"{node}: {gpu}" for node, gpu in items)
+            return f"{k} {has} no {profile.gpu_model} GPUs ({listed})"
+        case "few":
+            listed = ", ".join(f"{node} has {count}" for node, count in items)
+            return f"{k} {has} too few free GPUs ({listed}, need {need})"
+        case "memory":
+            listed = ", ".join(f"{node}: {gib} GiB" for node, gib in items)
+            lacks = "lacks" if one else "lack"
+            return f"{k} {lacks} {profile.gpu_memory_gib:g} GiB free per GPU ({listed})"
+        case "no_fabric":
+            return f"{k} {has} no {fabric_key} label ({names})"
+        case "domain":  # told by fabric domain, with the GPUs each domain has (`_text`)
+            raise ValueError("fabric domains are not listed as a group of nodes")
+        case _:
+            assert_never(kind)
 
 
 def _selector(profile: Profile) -> str:

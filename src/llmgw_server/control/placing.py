@@ -1,18 +1,18 @@
 """Placing missing replicas, and what is known of the models placement falls short on.
 
-Placement over the whole fleet is O(nodes). It runs when a model lacks replicas that
-were not tried for yet (a replica lost, a model scaled up or changed); a model it
-fell short on is tried again only on the nodes that may hold more since (`grown`:
-registered, back, uncordoned or with GPUs freed). That is the same answer: a node
-that held no replica of a profile then holds none now unless it changed. So a fleet
-that cannot take a model pays O(1) per registration, not O(nodes). A replica that
-spans nodes may pair a grown node with unchanged ones of its fabric domain: for
-such a model the grown nodes' domains are tried, O(their nodes).
+Placement over the whole fleet is O(nodes). A model it fell short on is tried again
+only on the nodes that may hold more since (`grown`: registered, back, uncordoned or
+with GPUs freed): the same answer, since a node that held no replica of a profile then
+holds none now unless it changed. A replica that spans nodes may pair a grown node
+with unchanged ones of its fabric domain: for such a model the grown nodes' domains
+are tried. (docs/control-plane.md, "How the control core decides": the costs and the
+tests that count them.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
 from llmgw_core.catalog import ModelEntry, Profile
 from llmgw_core.control_config import ControlSection
@@ -32,8 +32,10 @@ class Shortfall:
         # The models the last attempt fell short on, with the profile it tried: no node
         # outside `grown` can take one more.
         self._tried: dict[str, Profile] = {}
-        # The settle time's start and end go to the log once each: "start", "end", "said".
-        self._settle_said = "start" if settings.settle_after_start_s > 0 else "said"
+        # The settle time's start and end go to the log once each: what is to say next.
+        self._settle_said: Literal["start", "end", "said"] = (
+            "start" if settings.settle_after_start_s > 0 else "said"
+        )
 
     def settle_notes(self, now: float) -> list[str]:
         """One line when the first step sees the settle time, one when it has passed."""

@@ -4,51 +4,11 @@ Events go in as method calls that carry the current time; each returns a Step:
 the commands to deliver, the placements made, node transitions and lines to
 log. Nothing here does I/O or reads a clock.
 
-This is the front: events update what is known (`known.Known`: nodes, shard
-records, failures) and say which models they touched; the reconcile pass
-(`decide.Decider`) judges only those and returns commands. A heartbeat that
-changes nothing costs O(1) and no reconcile; a registration costs O(the node's
-shards and the replicas of the models they belong to), and placement over the
-fleet runs only for replicas not tried for yet (see `placing`).
-
-The control plane keeps nothing that agents and the catalog cannot give back:
-shard records come from agents' reports (the launch spec travels with every
-shard), node flags from the agents that keep them, and what is lost on a
-restart (restart backoff, drain timers) only restarts a timer.
-
-Decisions, per model with a profile:
-- Replicas that are live or failed, run the current profile and sit on no
-  draining node are candidates; the best `replicas` of them are kept (all
-  nodes reachable, then ready before starting before pending before failed).
-  A replica on an unreachable node is kept: it probably still serves.
-- A drain makes before it breaks: a serving replica on a draining node moves,
-  that is, it keeps serving while a replacement is placed elsewhere, and is
-  retired only once enough replacements serve. A drain that was not forced
-  never takes a model offline: a replica stays as long as no replacement serves,
-  even when none can be placed (room may be gone since `request_drain` checked:
-  the replacement's node lost, say), and the model's explanation says why. Only
-  a forced drain retires a replica with no replacement on the way. Whether a
-  drain was forced is not kept across a restart (agents keep only `draining`):
-  it goes on unforced, which errs on the side that keeps models serving.
-- A profile change rolls, make before break as a drain: a serving replica with
-  the old profile (stale) serves on and is retired once a replacement serves.
-  Replacements for stale replicas are placed one at a time per model (the next
-  once no kept replica of the model starts), so a roll never takes capacity
-  away; replicas beyond the stale ones (a scale-up with the change) are placed
-  at once. When a replacement fits nowhere while the old replicas hold their
-  GPUs, the roll waits for room and says so; the old replicas serve on. A
-  restarted control plane with a changed catalog rolls the replicas it adopts
-  the same way. A stale replica that does not serve is retired at once.
-- Every other replica is retired: drained if it was serving, then stopped when
-  the router reports it drained or `drain_timeout_s` passes.
-- A replica on a lost node, or missing a rank, is broken: its other shards are
-  stopped and it no longer counts, so a new one is placed.
-- A kept failed replica is restarted whole, on the same GPUs, after a capped
-  exponential backoff; its other shards are stopped first.
-- Missing replicas are placed, except during `settle_after_start_s` after the
-  start, while agents of a restarted control plane re-register. Each new
-  replica gets an engine key from the injected key source, on every shard; a
-  restarted control plane learns it back from the shards agents report.
+This is the front: events update what is known (`known.Known`) and say which
+models they touched; the reconcile pass (`decide.Decider`) judges only those and
+returns commands. The rules it follows (which replicas are kept, drains, rolls,
+restarts, placement) and the tests that check each are written down in
+docs/control-plane.md, "How the control core decides".
 """
 
 from __future__ import annotations
@@ -231,13 +191,17 @@ class Reconciler:
     def view(self) -> ControlView:
         """O(nodes, shards and the unplaced models' explanations)."""
         d = self._decider
-        return control_view(self.known, d.status, d.kept, d.short(), self.catalog, self.explain)
+        return control_view(self.known, d.status, d.kept(), d.short(), self.catalog, self.explain)
 
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key.
         O(models): kept as each model is judged."""
         serving = self._decider.serving
-        return {m.name: serving.get(m.name, ()) for m in self.catalog.profiled}
+        return {m.name: serving(m.name) for m in self.catalog.profiled}
+
+    def knows_replica(self, replica_id: str) -> bool:
+        """Whether any shard of the replica is recorded. O(1)."""
+        return replica_id in self.known.store
 
     def endpoint(self, replica_id: str) -> tuple[str, Endpoint] | None:
         """A replica's model and the endpoint of its head, carrying the engine key."""

@@ -1,4 +1,5 @@
-"""Read-only snapshots of the control plane, for the admin API, the CLI and tests.
+"""Read-only snapshots of the control plane, for the admin API (which makes its
+documents of them, `documents`), the metrics and tests.
 
 Engine keys never appear here: a view is shown to operators and written to logs.
 """

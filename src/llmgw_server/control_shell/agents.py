@@ -55,7 +55,7 @@ from llmgw_http.ws_server import (
     refusal,
 )
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
-from llmgw_server.control_shell.metrics import ControlMetrics
+from llmgw_server.control_shell.metrics import ControlMetrics, StreamRefusal
 
 log = logging.getLogger("llmgw.agentsvc")
 
@@ -67,11 +67,11 @@ OUTBOX_SIZE = 1024
 class StreamClosed(Exception):
     """Close this stream with a reason the agent and the log both see."""
 
-    def __init__(self, reason: str, code: int = 1008, kind: str = "protocol") -> None:
+    def __init__(self, reason: str, code: int = 1008, kind: StreamRefusal = "protocol") -> None:
         super().__init__(reason)
         self.reason = reason
         self.code = code
-        self.kind = kind  # one of control_metrics.STREAM_REFUSALS
+        self.kind = kind
 
 
 class _Stream:
@@ -86,7 +86,7 @@ class _Stream:
         self.outbox: deque[str] | None = None  # None while no writer runs
         self.cancel_scope = trio.CancelScope()
         self.close_reason = ""
-        self.close_kind = "protocol"
+        self.close_kind: StreamRefusal = "protocol"
 
     def queue(self, text: str) -> bool:
         """Queue a frame; False (and the stream closing) when too many wait unwritten."""
@@ -113,7 +113,7 @@ class _Stream:
         finally:
             self.outbox = None
 
-    def close(self, reason: str, kind: str) -> None:
+    def close(self, reason: str, kind: StreamRefusal) -> None:
         self.close_reason, self.close_kind = reason, kind
         self.cancel_scope.cancel()
 

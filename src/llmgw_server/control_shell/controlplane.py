@@ -30,6 +30,7 @@ from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.control_shell.agents import AgentService
 from llmgw_server.control_shell.fleet_feed import FleetFeed
 from llmgw_server.control_shell.metrics import ControlMetrics
+from llmgw_server.control_shell.output_tails import OutputTails
 from llmgw_server.route_feed.hub import ROUTES_PATH, RouteHub, serve_websocket
 
 log = logging.getLogger("llmgw.control")
@@ -65,7 +66,7 @@ class ControlPlane:
         # table says it is incomplete, and routers that serve a complete one keep it.
         self._settled_at = trio.current_time() + config.control.settle_after_start_s
         self._nursery: trio.Nursery | None = None
-        self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
+        self.output_tails = OutputTails()  # pruned as replicas go (`apply`)
         self.closing = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -130,7 +131,7 @@ class ControlPlane:
         self.feed.shard(node, spec.replica_id, spec.rank, str(report.state), report.detail)
         if report.state is ShardState.FAILED:
             self.metrics.engine_failures[spec.model_name] += 1
-            self.output_tails[(node, spec.replica_id, spec.rank)] = message.output_tail
+            self.output_tails.record((node, spec.replica_id, spec.rank), message.output_tail)
             # The node's words, escaped: one line, whatever it sent (the tail's lines
             # joined by an escaped newline).
             log.warning(
@@ -189,6 +190,8 @@ class ControlPlane:
             self._deliver(command)
         if step.reconciled:  # which replicas serve may have changed
             self._publish()
+            if self.output_tails:  # and which replicas are known
+                self.output_tails.prune(self.reconciler.knows_replica)
         self._wake_at = step.wake_at
         if step.wake_at is not None and step.wake_at < self._sleep_until:
             self._wake.set()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
+
+from llmgw_server.control.documents import RecentDoc
 
 if TYPE_CHECKING:
     from llmgw_server.control.reconciler import Step
@@ -27,8 +29,7 @@ class FleetFeed:
         self.version = 0
         self._changed = trio.Event()
         self._wall_clock = wall_clock
-        # Newest last; each {"at": wall-clock seconds, "subject": ..., "change": ...}.
-        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.recent: deque[RecentDoc] = deque(maxlen=keep)  # newest last
 
     def bump(self) -> None:
         self.version += 1
@@ -53,6 +54,4 @@ class FleetFeed:
         self.bump()
 
     def _note(self, subject: str, change: str, reason: str) -> None:
-        self.recent.append(
-            {"at": self._wall_clock(), "subject": subject, "change": change, "reason": reason}
-        )
+        self.recent.append(RecentDoc(self._wall_clock(), subject, change, reason))

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Final, Literal, assert_never, get_args
 
 from llmgw_core.prometheus import Histogram
 from llmgw_core.prometheus import family as family_header
 from llmgw_core.prometheus import labels as _labels
+from llmgw_server.control.fit import MisfitKind
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.shards import Phase
 from llmgw_server.control.views import ControlView, Unplaced
 
 # Why a node could not take a replica: the explanation's reasons, as a bounded label set.
-PLACEMENT_REASONS = (
+PlacementReason = Literal[
     "lost",
     "unreachable",
     "cordoned",
@@ -38,11 +40,12 @@ PLACEMENT_REASONS = (
     "fabric_domain",
     "waiting",  # deferred: the settle time after a start
     "no_nodes",  # no node has registered
-    "other",
-)
+    "other",  # placeable now, yet short (a roll holds its next replacement back)
+]
+PLACEMENT_REASONS: Final[tuple[PlacementReason, ...]] = get_args(PlacementReason)
 
 # Why the control plane refused or closed an agent stream: a bounded label set.
-STREAM_REFUSALS = (
+StreamRefusal = Literal[
     "no_certificate",  # a stream without a client certificate on a TLS control port
     "identity",  # registered under a name its certificate does not carry
     "denied",  # its certificate is on the deny list
@@ -51,7 +54,8 @@ STREAM_REFUSALS = (
     "replaced",  # the node connected again
     "silent",  # declared unreachable or lost
     "backlog",  # too many messages waited unread
-)
+]
+STREAM_REFUSALS: Final[tuple[StreamRefusal, ...]] = get_args(StreamRefusal)
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
@@ -61,43 +65,42 @@ def message_type(message: object) -> str:
     return _CAMEL.sub("_", type(message).__name__).lower()
 
 
-def placement_reason(passed_over: str) -> str:
-    """The reason label for one node's entry in an explanation's `passed_over`."""
-    if passed_over in ("lost", "unreachable", "cordoned", "draining"):
-        return passed_over
-    if passed_over.startswith("cannot launch "):
-        return "engine"
-    if passed_over.startswith("does not match node_selector"):
-        return "node_selector"
-    if passed_over.startswith("has no ") and passed_over.endswith(" label"):
-        return "no_fabric_label"
-    if passed_over.startswith("has no "):
-        return "gpu_model"
-    if " free GPUs, needs " in passed_over:
-        return "free_gpus"
-    if " GiB free per GPU" in passed_over:
-        return "gpu_memory"
-    if passed_over.startswith("its fabric domain "):
-        return "fabric_domain"
-    return "other"
+def placement_reason(reason: MisfitKind) -> PlacementReason:
+    """The label a node's reason for being passed over is counted under."""
+    match reason:
+        case "lost" | "unreachable" | "cordoned" | "draining" | "engine" | "gpu_model":
+            return reason
+        case "selector":
+            return "node_selector"
+        case "few":
+            return "free_gpus"
+        case "memory":
+            return "gpu_memory"
+        case "no_fabric":
+            return "no_fabric_label"
+        case "domain":
+            return "fabric_domain"
+        case _:
+            assert_never(reason)
 
 
-def placement_reasons(unplaced: Unplaced) -> set[str]:
+def placement_reasons(unplaced: Unplaced) -> set[PlacementReason]:
     """Every reason that keeps a replica of this model from being placed now."""
     if unplaced.waiting is not None:
         return {"waiting"}
     explanation = unplaced.explanation
     if not explanation.passed_over and not explanation.fitting:
         return {"no_nodes"}
-    return {placement_reason(why) for why in explanation.passed_over.values()} or {"other"}
+    reasons = {placement_reason(why.reason) for why in explanation.passed_over.values()}
+    return reasons or {"other"}
 
 
 class ControlMetrics:
     def __init__(self) -> None:
-        self.frames: defaultdict[tuple[str, str], int] = defaultdict(int)  # direction, type
+        self.frames: defaultdict[tuple[Literal["in", "out"], str], int] = defaultdict(int)
         self.engine_failures: defaultdict[str, int] = defaultdict(int)  # by model
         self.replica_restarts: defaultdict[str, int] = defaultdict(int)  # by model
-        self.streams_refused: defaultdict[str, int] = defaultdict(int)  # by STREAM_REFUSALS
+        self.streams_refused: defaultdict[StreamRefusal, int] = defaultdict(int)
         self.reconcile = Histogram()
 
     def frame_in(self, message: object) -> None:
@@ -183,8 +186,8 @@ class ControlMetrics:
             "counter",
             "Agent streams closed or refused by the control plane, by reason.",
         )
-        for reason, n in sorted(self.streams_refused.items()):
-            out.append(f"llmgw_agent_streams_refused_total{_labels(reason=reason)} {n}")
+        for refusal, n in sorted(self.streams_refused.items()):
+            out.append(f"llmgw_agent_streams_refused_total{_labels(reason=refusal)} {n}")
 
         family("llmgw_engine_failures_total", "counter", "Engines (shards) agents reported failed.")
         for model, n in sorted(self.engine_failures.items()):

@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from llmgw_http.server import Request, Responder
+from llmgw_server.control.documents import to_json
 from llmgw_server.control_shell.fleet_feed import FleetFeed
 
 COALESCE_S = 0.5
@@ -83,7 +84,8 @@ async def stream(
         sent_at = trio.current_time()
         if feed.version != version:
             version = feed.version
-            line = {"status": snapshot(), "recent": list(feed.recent), "version": version}
+            recent = [to_json(r) for r in feed.recent]
+            line = {"status": snapshot(), "recent": recent, "version": version}
         else:
             line = {"keepalive": True, "version": version}
         with trio.move_on_after(SEND_TIMEOUT_S) as sending:

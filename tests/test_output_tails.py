@@ -1,0 +1,69 @@
+"""The engines' output tails the control plane keeps for the admin status: bounded, and
+dropped with their replica."""
+
+from __future__ import annotations
+
+import trio
+
+from llmgw_core.catalog import Catalog
+from llmgw_core.config import parse_config
+from llmgw_core.inventory import EngineInfo, Gpu, Inventory, ShardReport, ShardState
+from llmgw_core.wire import Register, ShardUpdate
+from llmgw_server.control_shell.controlplane import ControlPlane
+from llmgw_server.control_shell.output_tails import MAX_TAILS, OutputTails
+
+
+def test_the_oldest_failure_goes_first_past_the_bound() -> None:
+    tails = OutputTails(limit=3)
+    for i in range(5):
+        tails.record(("n1", f"r{i}", 0), (f"line {i}",))
+    assert list(tails) == [("n1", "r2", 0), ("n1", "r3", 0), ("n1", "r4", 0)]
+    tails.record(("n1", "r2", 0), ("again",))  # failed again: now the newest
+    tails.record(("n1", "r5", 0), ("line 5",))
+    assert dict(tails) == {
+        ("n1", "r4", 0): ("line 4",),
+        ("n1", "r2", 0): ("again",),
+        ("n1", "r5", 0): ("line 5",),
+    }
+    assert OutputTails().limit == MAX_TAILS == 1_000
+
+
+def test_prune_drops_the_tails_of_replicas_gone() -> None:
+    tails = OutputTails()
+    tails.record(("n1", "a", 0), ("x",))
+    tails.record(("n2", "a", 1), ("y",))
+    tails.record(("n1", "b", 0), ("z",))
+    tails.prune(lambda rid: rid == "b")
+    assert dict(tails) == {("n1", "b", 0): ("z",)}
+
+
+CONFIG: dict[str, object] = {
+    "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
+    "agents": {"insecure": True},
+    "control": {"settle_after_start_s": 0, "reconcile_interval_s": 0},
+    "models": [{"name": "m", "profile": {"engine": "vllm", "model": "org/m"}}],
+}
+
+
+async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    config = parse_config(CONFIG, "<test>")
+    gpu = Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500)
+    node = Inventory(name="n1", gpus=(gpu,), engines=(EngineInfo("vllm", True, "1"),))
+    async with trio.open_nursery() as nursery:
+        plane = ControlPlane(config, heartbeat_interval_s=5.0)
+        await nursery.start(plane.run)
+        plane.registered(Register(1, "test", node))
+        (replica,) = plane.reconciler.view().replicas
+        spec = plane.reconciler.known.store.head(replica.replica_id)
+        assert spec is not None
+        failed = ShardReport(spec, ShardState.FAILED, "exit status 1")
+        plane.shard_update("n1", ShardUpdate(failed, ("CUDA out of memory",)))
+        await trio.sleep(60)  # restarts come and go: the replica is known, its tail kept
+        assert dict(plane.output_tails) == {("n1", spec.replica_id, 0): ("CUDA out of memory",)}
+        plane.set_catalog(Catalog(models=()))  # the model goes: its replica is stopped
+        plane.shard_update("n1", ShardUpdate(ShardReport(spec, ShardState.STOPPED)))
+        assert not plane.reconciler.knows_replica(spec.replica_id)
+        assert dict(plane.output_tails) == {}
+        nursery.cancel_scope.cancel()
