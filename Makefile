@@ -52,6 +52,7 @@ test: venv real-engine browser
 lint: venv
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy src
+	$(BIN)/mypy tests
 	$(BIN)/lint-imports
 
 demo: venv

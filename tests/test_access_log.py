@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_core.config import parse_config
 from llmgw_core.tomlshape import ConfigError
@@ -30,7 +31,7 @@ from llmgw_server.router.access_log import (
 )
 from procs import Proc, Procs, models_toml
 
-CHAT = [{"role": "user", "content": "hello there"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 KEY = "sk-test-secret-key"
 KEY_ID = hashlib.sha256(KEY.encode()).hexdigest()[:8]
 AUTH = f'\n[auth]\napi_keys = ["sha256:{hashlib.sha256(KEY.encode()).hexdigest()}"]\n'
@@ -221,7 +222,7 @@ def test_one_line_per_request_field_by_field(procs: Procs) -> None:
 
     raw = api.chat.completions.with_raw_response.create(
         model="m",
-        messages=CHAT,  # type: ignore[arg-type]
+        messages=CHAT,
         extra_headers={"x-request-id": "client-id-1"},
     )
     assert raw.headers["x-request-id"] == "client-id-1"
@@ -232,7 +233,7 @@ def test_one_line_per_request_field_by_field(procs: Procs) -> None:
     chunks = list(
         api.chat.completions.create(
             model="m",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -300,9 +301,9 @@ def test_probes_are_not_logged_and_a_client_that_left_is_status_0(procs: Procs) 
     assert httpx.get(router.url + "/nowhere").status_code == 404
     # The stream's line comes once the router notices the client left (at its next write,
     # or its watch on the socket within a tick): possibly after the next request's.
-    lines = access_lines(router, 2)
-    gone = next(line for line in lines if line["request_id"] == "goes-away")
-    nowhere = next(line for line in lines if line is not gone)
+    logged = access_lines(router, 2)
+    gone = next(line for line in logged if line["request_id"] == "goes-away")
+    nowhere = next(line for line in logged if line is not gone)
     assert (gone["request_id"], gone["status"], gone["replica"]) == ("goes-away", "0", engine.url)
     assert int(gone["bytes"]) > 0 and gone["ttfb_ms"] != "-"
     # With no [auth], the key is not checked but still named by its digest, never itself.
@@ -399,7 +400,7 @@ def test_json_lines_in_a_file_and_a_log_that_is_off(procs: Procs) -> None:
         server='access_log_format = "json"\naccess_log_file = "logs/access.log"',
     )
     api = client(router.url)
-    api.chat.completions.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    api.chat.completions.create(model="m", messages=CHAT)
     api.embeddings.create(model="m", input=["a b c"])
     log_file = procs.tmp / "logs" / "access.log"
     deadline = time.monotonic() + 10
@@ -414,7 +415,7 @@ def test_json_lines_in_a_file_and_a_log_that_is_off(procs: Procs) -> None:
     assert KEY not in log_file.read_text()
 
     quiet = procs.router(models_toml({"m": [engine.url]}), server="access_log = false")
-    client(quiet.url).chat.completions.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    client(quiet.url).chat.completions.create(model="m", messages=CHAT)
     quiet.stop()  # a line still held would be written on the way out
     output = quiet.output()
     assert "stopped" in output

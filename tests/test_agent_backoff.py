@@ -4,6 +4,7 @@ after a session on which the control plane answered for a while."""
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import attrs
 from hypothesis import given
@@ -23,8 +24,9 @@ def test_full_jitter_stays_under_the_exponential_cap_and_spreads() -> None:
         assert min(delays) < ceiling * 0.05 and max(delays) > ceiling * 0.95
 
 
-DEFAULT_BASE = attrs.fields(AgentConfig).reconnect_base_s.default
-DEFAULT_CAP = attrs.fields(AgentConfig).reconnect_cap_s.default
+# attrs types a field's default as optional (a field may have none); these have one.
+DEFAULT_BASE = cast(float, attrs.fields(AgentConfig).reconnect_base_s.default)
+DEFAULT_CAP = cast(float, attrs.fields(AgentConfig).reconnect_cap_s.default)
 
 
 @given(
@@ -109,8 +111,7 @@ def test_a_session_the_control_plane_answered_for_a_while_starts_the_backoff_ove
 def test_a_black_holed_healthy_stream_is_redialled_within_the_30_s_promise() -> None:
     """Silence that begins at any moment after the control plane answered for half the
     bound: cut at the bound after the last sign, then a redial within base_s."""
-    base = attrs.fields(AgentConfig).reconnect_base_s.default
-    cap = attrs.fields(AgentConfig).reconnect_cap_s.default
+    base, cap = DEFAULT_BASE, DEFAULT_CAP
     rng = random.Random(2)
     for interval in (0.05, 0.5, 5.0, 60.0):
         bound = silence_bound(interval)

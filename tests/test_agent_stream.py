@@ -35,6 +35,7 @@ async def close_reason(url: str, *frames: str | bytes) -> trio_websocket.CloseRe
             while True:
                 await ws.get_message()
         except trio_websocket.ConnectionClosed as closed:
+            assert closed.reason is not None
             return closed.reason
     raise AssertionError("unreachable")
 
@@ -122,6 +123,7 @@ async def test_mutual_tls_binds_the_node_name_to_its_certificate(tmp_path) -> No
                 message = await ws.get_message()
                 return type(decode_down(message)).__name__
         except trio_websocket.ConnectionClosed as closed:
+            assert closed.reason is not None
             return f"closed: {closed.reason.reason}"
         except trio_websocket.ConnectionRejected as rejected:
             return f"rejected: {rejected.status_code}"

@@ -14,12 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_core.config import parse_config
 from llmgw_core.tomlshape import ConfigError
 from procs import Proc, Procs, free_port, models_toml
 
-CHAT = [{"role": "user", "content": "hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def sha(key: str) -> str:
@@ -27,7 +28,7 @@ def sha(key: str) -> str:
 
 
 def config(auth: dict[str, Any], environ: dict[str, str] | None = None) -> Any:
-    data = {
+    data: dict[str, object] = {
         "auth": auth,
         "models": [
             {"name": "a", "endpoints": ["http://127.0.0.1:9001"]},
@@ -172,13 +173,13 @@ def test_keys_limited_to_models_through_the_openai_client(procs: Procs) -> None:
     every = client(proc.url, "sk-all")
     assert sorted(m.id for m in every.models.list()) == ["a", "b"]
     for model in ("a", "b"):
-        assert every.chat.completions.create(model=model, messages=CHAT).choices  # type: ignore[arg-type]
+        assert every.chat.completions.create(model=model, messages=CHAT).choices
 
     team_a = client(proc.url, "sk-team-a")
     assert [m.id for m in team_a.models.list()] == ["a"]
-    assert team_a.chat.completions.create(model="a", messages=CHAT).choices  # type: ignore[arg-type]
+    assert team_a.chat.completions.create(model="a", messages=CHAT).choices
     with pytest.raises(openai.PermissionDeniedError) as denied:
-        team_a.chat.completions.create(model="b", messages=CHAT)  # type: ignore[arg-type]
+        team_a.chat.completions.create(model="b", messages=CHAT)
     assert denied.value.status_code == 403
     assert denied.value.code == "model_not_allowed"
     with pytest.raises(openai.PermissionDeniedError):
@@ -191,11 +192,11 @@ def test_keys_limited_to_models_through_the_openai_client(procs: Procs) -> None:
     assert [m.id for m in from_env.models.list()] == ["b"]
     assert from_env.completions.create(model="b", prompt="hi", max_tokens=2).choices
     with pytest.raises(openai.PermissionDeniedError):
-        from_env.chat.completions.create(model="a", messages=CHAT)  # type: ignore[arg-type]
+        from_env.chat.completions.create(model="a", messages=CHAT)
 
     for bad in ("sk-wrong", "LLMGW_TEST_KEY_B", sha("sk-team-a"), sha("sk-team-a")[7:]):
         with pytest.raises(openai.AuthenticationError):
-            client(proc.url, bad).chat.completions.create(model="a", messages=CHAT)  # type: ignore[arg-type]
+            client(proc.url, bad).chat.completions.create(model="a", messages=CHAT)
         with pytest.raises(openai.AuthenticationError):
             client(proc.url, bad).models.list()
 

@@ -230,8 +230,8 @@ def _load_as_another_user(path: Path) -> str:
         finally:
             os._exit(0)
     os.close(write)
-    with os.fdopen(read, "rb") as said:
-        text = said.read().decode()
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode()
     os.waitpid(pid, 0)
     return text
 

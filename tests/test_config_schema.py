@@ -189,7 +189,7 @@ _VALUES = st.recursive(
 
 @st.composite
 def _mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
-    data = _copy(base)
+    data: dict[str, Any] = _copy(base)
     for _ in range(draw(st.integers(1, 3))):
         parent: Any = data
         while isinstance(parent, dict | list) and parent and draw(st.booleans()):

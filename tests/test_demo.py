@@ -53,7 +53,12 @@ def read_banner(demo: subprocess.Popen[str], timeout: float = 30) -> str:
     lines cannot be waited for with select)."""
     assert demo.stdout is not None
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in demo.stdout or ()], daemon=True).start()
+
+    def pump() -> None:
+        for line in demo.stdout or ():
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
     seen: list[str] = []
     while not seen or not seen[-1].startswith(END_OF_BANNER):

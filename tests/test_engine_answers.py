@@ -13,10 +13,11 @@ import socket
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from procs import Procs, metric, models_toml
 
-MESSAGES = [{"role": "user", "content": "hello there"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 TUNING = "\n[router]\neject_after_failures = 2\n"
 
 
@@ -38,7 +39,7 @@ def test_501_is_relayed_never_retried_never_counted(procs: Procs) -> None:
             api.embeddings.create(model="m", input="hi")
         assert caught.value.status_code == 501
         assert "does not support /v1/embeddings" in caught.value.message
-    assert api.chat.completions.create(model="m", messages=MESSAGES).choices  # type: ignore[arg-type]
+    assert api.chat.completions.create(model="m", messages=MESSAGES).choices
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_requests_total", model="m", status="501") == 6
     assert metric(page, "llmgw_upstream_retries_total", model="m") == 0
@@ -69,7 +70,7 @@ def test_a_busy_replica_is_passed_over_and_not_ejected(procs: Procs, status: int
     control(busy, fail_status=status, retry_after=30)
     api = client(router.url)
     seen = [
-        api.chat.completions.create(model="m", messages=MESSAGES).system_fingerprint  # type: ignore[arg-type]
+        api.chat.completions.create(model="m", messages=MESSAGES).system_fingerprint
         for _ in range(6)
     ]
     assert set(seen) == {f"mock:{calm.port}"}
@@ -98,7 +99,7 @@ def test_500_still_ejects(procs: Procs) -> None:
     router = procs.router(models_toml({"m": [bad.url, good.url]}) + TUNING)
     api = client(router.url)
     for _ in range(6):
-        api.chat.completions.create(model="m", messages=MESSAGES)  # type: ignore[arg-type]
+        api.chat.completions.create(model="m", messages=MESSAGES)
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_replica_ejections_total", model="m", endpoint=bad.url) == 1
     assert f"ejected {bad.url} for m" in router.output()
@@ -123,9 +124,9 @@ def test_an_engine_closing_after_every_stream_fails_nothing(procs: Procs) -> Non
     router = procs.router(models_toml({"m": [engine.url]}) + "\n[router]\nupstream_idle_s = 3600\n")
     api = client(router.url)
     for _ in range(10):
-        chunks = list(api.chat.completions.create(model="m", messages=MESSAGES, stream=True))  # type: ignore[arg-type]
+        chunks = list(api.chat.completions.create(model="m", messages=MESSAGES, stream=True))
         assert chunks[-1].choices[0].finish_reason == "length"
-        assert api.chat.completions.create(model="m", messages=MESSAGES).choices  # type: ignore[arg-type]
+        assert api.chat.completions.create(model="m", messages=MESSAGES).choices
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_requests_total", model="m", status="200") >= 19
     assert "llmgw_replica_ejections_total{" not in page

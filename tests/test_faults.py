@@ -193,7 +193,7 @@ def test_stragglers_back_within_lost_after_of_the_guards_release_keep_their_repl
     for straggler in order[1:]:
         fleet.agent(straggler, "node-2xl4.toml")
         wait_until(
-            lambda n=straggler: fleet.node(n)["status"] == "reachable",
+            lambda: fleet.node(straggler)["status"] == "reachable",  # noqa: B023 (called at once)
             timeout=lost_after,
             what=f"{straggler} back",
         )

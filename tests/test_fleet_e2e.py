@@ -9,10 +9,11 @@ import threading
 
 import httpx
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
 
-CHAT = [{"role": "user", "content": "hello fleet"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello fleet"}]
 
 
 def model(name: str, *, replicas: int = 1, tp: int = 1, pp: int = 1, extra: str = "") -> str:
@@ -32,7 +33,7 @@ def test_agents_register_a_replica_is_placed_and_serves_streams(fleet: Fleet) ->
     wait_until(lambda: [m.id for m in client.models.list()] == ["chat"], what="the router to follow")
     text = "".join(
         chunk.choices[0].delta.content or ""
-        for chunk in client.chat.completions.create(model="chat", messages=CHAT, stream=True)  # type: ignore[arg-type]
+        for chunk in client.chat.completions.create(model="chat", messages=CHAT, stream=True)
         if chunk.choices
     )
     assert len(text.split()) == 16
@@ -61,7 +62,7 @@ def test_two_node_replica_gets_ranks_and_the_heads_address(fleet: Fleet) -> None
     assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1" in worker_log and "--headless" in worker_log
     assert "--tensor-parallel-size 2 --pipeline-parallel-size 2" in worker_log
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
-    wait_until(lambda: client.chat.completions.create(model="big", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
+    wait_until(lambda: client.chat.completions.create(model="big", messages=CHAT).choices, what="traffic")
 
 
 def test_a_crashing_engine_is_reported_with_its_output_and_restarted(fleet: Fleet) -> None:
@@ -119,7 +120,7 @@ def test_a_restarted_server_adopts_running_engines_without_restarting_them(fleet
     assert after == before
     assert sorted(fleet.engine_pids()) == pids  # nothing was started again
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
-    wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT).choices, what="traffic")  # type: ignore[arg-type]
+    wait_until(lambda: client.chat.completions.create(model="chat", messages=CHAT).choices, what="traffic")
 
 
 class RequestLoop:
@@ -149,7 +150,7 @@ class RequestLoop:
                 if self.done % 2:
                     stream = self.client.chat.completions.create(
                         model="chat",
-                        messages=CHAT,  # type: ignore[arg-type]
+                        messages=CHAT,
                         stream=True,
                     )
                     words = []
@@ -158,7 +159,7 @@ class RequestLoop:
                         words += [c.delta.content or "" for c in chunk.choices]
                     assert len("".join(words).split()) == 16, words
                 else:
-                    answer = self.client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
+                    answer = self.client.chat.completions.create(model="chat", messages=CHAT)
                     self.served_by.add(answer.system_fingerprint or "")
             except (openai.APIError, AssertionError) as exc:
                 self.errors.append(f"request {self.done}: {exc!r}")

@@ -374,7 +374,7 @@ class StreamLoop:
             try:
                 stream = self.client.chat.completions.create(
                     model="chat",
-                    messages=CHAT,  # type: ignore[arg-type]
+                    messages=CHAT,
                     stream=True,
                 )
                 words = []
@@ -419,7 +419,7 @@ def fingerprint(client: openai.OpenAI, session: str | None = None) -> str:
     """Which engine answers (one token: the engines here write 20 a second)."""
     answer = client.chat.completions.create(
         model="chat",
-        messages=CHAT,  # type: ignore[arg-type]
+        messages=CHAT,
         max_tokens=1,
         extra_headers={"x-session-id": session} if session else None,
     )

@@ -54,7 +54,7 @@ def _plaintext_agents() -> str:
     from llmgw_core.config import parse_config
     from llmgw_core.tomlshape import ConfigError
 
-    data = {"agents": {"insecure": True}, "models": [{"name": "s", "endpoints": ["http://h:1"]}]}
+    data: dict[str, object] = {"agents": {"insecure": True}, "models": [{"name": "s", "endpoints": ["http://h:1"]}]}
     try:
         parse_config(data, "<probe>")
     except ConfigError:
@@ -292,7 +292,7 @@ def test_claiming_a_connected_nodes_name_replaces_its_stream(server: Server) -> 
                             await victim.get_message()
                     except trio_websocket.ConnectionClosed as closed:
                         reason = closed.reason
-                assert reason.code == 1008
+                assert reason is not None and reason.code == 1008
                 assert "node victim connected again from 127.0.0.1:" in (reason.reason or "")
                 # The victim's stream never heartbeats: what the server hears now comes
                 # from the newcomer, and keeps the node reachable.
@@ -415,6 +415,7 @@ def test_a_register_with_an_impossible_shard_leaves_the_server_up(own_server: Se
                     while True:
                         await ws.get_message()
                 except trio_websocket.ConnectionClosed as closed:
+                    assert closed.reason is not None
                     return closed.reason
 
     # The server closes that stream with a reason (a server that died would close none) ...

@@ -8,6 +8,7 @@ import datetime as dt
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,7 @@ def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 @st.composite
 def mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
     """A valid config with a few values replaced, removed or added: bad input that gets deep."""
-    data = _copy(base)
+    data: dict[str, Any] = _copy(base)
     for _ in range(draw(st.integers(1, 3))):
         paths = _paths(data)
         if not paths:
@@ -196,7 +197,7 @@ def mutated(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _only_config_error(parse: Any, data: Any) -> object | None:
+def _only_config_error(parse: Callable[[Any, str], object], data: Any) -> object | None:
     """Anything but a ConfigError naming the file propagates and fails the test."""
     try:
         return parse(data, "<fuzz>")
@@ -326,7 +327,7 @@ def test_arbitrary_simulated_inventories_load_or_raise_config_error(
 
 # -- the command lines ----------------------------------------------------------
 
-BAD_SERVER_FILES = {
+BAD_SERVER_FILES: dict[str, str | bytes] = {
     "not-toml": "[server\nlisten = ",
     "binary": b"\xff\xfe\x00garbage\x00",
     "unknown-key": "[[models]]\nname = 'm'\nendpionts = ['http://h:1']\n",
@@ -336,7 +337,7 @@ BAD_SERVER_FILES = {
     "models-not-a-table": "models = 3\n",
 }
 
-BAD_AGENT_FILES = {
+BAD_AGENT_FILES: dict[str, str | bytes] = {
     "not-toml": "name = \n",
     "binary": b"\x80\x81\x82",
     "no-server": "name = 'n'\n",

@@ -253,7 +253,7 @@ def wait_for(check: Callable[[], Any], daemons: list[Daemon], what: str, timeout
     while time.monotonic() < deadline:
         for d in daemons:
             if d.popen.poll() is not None:
-                raise AssertionError(f"{d.popen.args} exited {d.popen.returncode}:\n{d.output()}")
+                raise AssertionError(f"{d.popen.args!r} exited {d.popen.returncode}:\n{d.output()}")
         try:
             value = check()
         except httpx.HTTPError:
@@ -261,7 +261,7 @@ def wait_for(check: Callable[[], Any], daemons: list[Daemon], what: str, timeout
         if value:
             return value
         time.sleep(0.1)
-    logs = "\n".join(f"--- {d.popen.args}\n{d.output()}" for d in daemons)
+    logs = "\n".join(f"--- {d.popen.args!r}\n{d.output()}" for d in daemons)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
 
 

@@ -111,6 +111,7 @@ async def test_a_node_name_with_control_characters_is_refused(
                 await ws.send_message(encode(Register(PROTOCOL, "t", Inventory(name=FORGED))))
                 with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                     await ws.get_message()
+            assert closed.value.reason is not None
             assert "a node name must be 1 to 253 printable characters, not" in (closed.value.reason.reason or "")
             stop.set()
     lines = _lines(caplog)

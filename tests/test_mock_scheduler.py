@@ -188,7 +188,7 @@ def test_model_parameters_are_checked() -> None:
         {"kv_blocks": 1, "max_seqs": 0},
     ):
         with pytest.raises(ValueError):
-            EngineModel(**bad)  # type: ignore[arg-type]
+            EngineModel(**bad)
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from procs import Proc, Procs, free_port, metric, models_toml
+from real_engine import RealEngine
 
 TESTS = Path(__file__).parent
 # Idle pauses around the engines' 5 s keep-alive: past it, and right at it, where the
@@ -35,7 +36,7 @@ def uvicorn_engine(procs: Procs) -> Proc:
     return procs.engine(argv, port)
 
 
-def llama_server(procs: Procs, real_engine: object, *extra: str) -> Proc:
+def llama_server(procs: Procs, real_engine: RealEngine, *extra: str) -> Proc:
     port = free_port()
     argv = [
         str(real_engine.server), "-m", str(real_engine.model), "--alias", "g",
@@ -124,7 +125,7 @@ def test_uvicorn_closing_idle_connections_fails_nothing(procs: Procs) -> None:
         assert_all_served(router, "u", sent // 2)
 
 
-def test_llama_server_streams_idle_pauses_and_501(procs: Procs, real_engine: object) -> None:
+def test_llama_server_streams_idle_pauses_and_501(procs: Procs, real_engine: RealEngine) -> None:
     engine = llama_server(procs, real_engine)
     both = routers(procs, "g", engine)
     clients = [client_of(r) for r in both]
@@ -156,7 +157,7 @@ def test_llama_server_streams_idle_pauses_and_501(procs: Procs, real_engine: obj
         assert "501 for g from replica" in router.output()  # every 5xx relayed is logged
 
 
-def test_models_through_router_with_llama_server(procs: Procs, real_engine: object) -> None:
+def test_models_through_router_with_llama_server(procs: Procs, real_engine: RealEngine) -> None:
     engine = llama_server(procs, real_engine)
     router = procs.router(models_toml({"g": [engine.url]}))
     models = client_of(router).models.list()

@@ -7,12 +7,15 @@ import hashlib
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
 from llmgw_core.catalog import parse_endpoint
@@ -21,7 +24,7 @@ from llmgw_core.tomlshape import load_toml
 from llmgw_server.reload import plan_reload, reloaded_config
 from procs import Proc, Procs, free_port, models_toml
 
-CHAT = [{"role": "user", "content": "hello reload"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello reload"}]
 
 
 def digest(key: str) -> str:
@@ -112,19 +115,19 @@ def test_a_model_that_changes_between_static_and_placed_waits_for_a_restart(
 
 
 def api(url: str, key: str) -> openai.OpenAI:
-    limits = httpx.Limits(max_keepalive_connections=0)  # each request: any worker
+    limits = httpx2.Limits(max_keepalive_connections=0)  # each request: any worker
     return openai.OpenAI(
         base_url=url + "/v1",
         api_key=key,
         max_retries=0,
         timeout=20,
-        http_client=httpx.Client(limits=limits, timeout=20),
+        http_client=httpx2.Client(limits=limits, timeout=20),  # openai is typed against its fork
     )
 
 
 def answers(url: str, key: str, model: str) -> bool:
     try:
-        api(url, key).chat.completions.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+        api(url, key).chat.completions.create(model=model, messages=CHAT)
     except (openai.AuthenticationError, openai.NotFoundError):
         return False
     return True
@@ -150,7 +153,7 @@ class Stream(threading.Thread):
         try:
             for chunk in self.client.chat.completions.create(
                 model="m",
-                messages=CHAT,  # type: ignore[arg-type]
+                messages=CHAT,
                 stream=True,
             ):
                 self.first.set()
@@ -162,7 +165,7 @@ class Stream(threading.Thread):
             self.first.set()
 
 
-def server_toml(port: int, workers: int, keys: list[str], models: dict[str, list[str]]) -> str:
+def server_toml(port: int, workers: int, keys: list[str], models: dict[str, Sequence[str]]) -> str:
     return (
         f'[server]\nlisten = "127.0.0.1:{port}"\nworkers = {workers}\nshutdown_grace_s = 2\n'
         "[router]\nhealth_interval_s = 0.3\n"

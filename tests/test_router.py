@@ -8,21 +8,24 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from procs import Procs, free_port, metric, models_toml
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
+CHAT = {"model": "m", "messages": MESSAGES}
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=20)
 
 
-def wait_until(check, timeout: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+def wait_until(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -36,7 +39,7 @@ def test_plain_and_streaming_through_openai_client(procs: Procs) -> None:
     router = procs.router(models_toml({"m": [engine.url]}))
     api = client(router.url)
 
-    answer = api.chat.completions.create(model="m", messages=CHAT["messages"])  # type: ignore[arg-type]
+    answer = api.chat.completions.create(model="m", messages=MESSAGES)
     assert answer.choices[0].message.content and len(answer.choices[0].message.content.split()) == 5
     assert answer.usage is not None and answer.usage.completion_tokens == 5
 
@@ -44,8 +47,8 @@ def test_plain_and_streaming_through_openai_client(procs: Procs) -> None:
         chunk.choices[0].delta.content or ""
         for chunk in api.chat.completions.create(
             model="m",
-            messages=CHAT["messages"],
-            stream=True,  # type: ignore[arg-type]
+            messages=MESSAGES,
+            stream=True,
         )
         if chunk.choices
     ]
@@ -85,7 +88,7 @@ def test_balances_across_two_engines(procs: Procs) -> None:
     router = procs.router(models_toml({"m": [a.url, b.url]}))
     api = client(router.url)
     seen = Counter(
-        api.chat.completions.create(model="m", messages=CHAT["messages"]).system_fingerprint  # type: ignore[arg-type]
+        api.chat.completions.create(model="m", messages=MESSAGES).system_fingerprint
         for _ in range(20)
     )
     assert set(seen) == {f"mock:{a.port}", f"mock:{b.port}"}
@@ -115,7 +118,7 @@ def test_retries_past_a_dead_replica(procs: Procs) -> None:
     router.wait_http("/healthz")
     api = client(router.url)
     for _ in range(6):
-        assert api.chat.completions.create(model="m", messages=CHAT["messages"]).choices  # type: ignore[arg-type]
+        assert api.chat.completions.create(model="m", messages=MESSAGES).choices
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_requests_total", model="m", status="200") == 6
 
@@ -130,7 +133,7 @@ def test_ejection_and_recovery(procs: Procs) -> None:
     httpx.post(flaky.url + "/mock/control", json={"fail_status": 500})
     api = client(router.url)
     for _ in range(8):  # every request succeeds: the 500s are retried on the good replica
-        answer = api.chat.completions.create(model="m", messages=CHAT["messages"])  # type: ignore[arg-type]
+        answer = api.chat.completions.create(model="m", messages=MESSAGES)
         assert answer.system_fingerprint == f"mock:{good.port}"
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_replica_ejections_total", model="m", endpoint=flaky.url) == 1
@@ -151,7 +154,7 @@ def test_ejection_and_recovery(procs: Procs) -> None:
         what="the ejected replica to be probed back",
     )
     seen = {
-        api.chat.completions.create(model="m", messages=CHAT["messages"]).system_fingerprint  # type: ignore[arg-type]
+        api.chat.completions.create(model="m", messages=MESSAGES).system_fingerprint
         for _ in range(10)
     }
     assert f"mock:{flaky.port}" in seen
@@ -206,8 +209,8 @@ def test_stream_broken_mid_way_ends_with_an_error_event(procs: Procs) -> None:
     with pytest.raises(openai.APIError):
         for _ in client(router.url).chat.completions.create(
             model="m",
-            messages=CHAT["messages"],
-            stream=True,  # type: ignore[arg-type]
+            messages=MESSAGES,
+            stream=True,
         ):
             pass
 
@@ -277,7 +280,7 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
     check(httpx.get(router.url + "/nowhere"), 404, "not_found")
 
     # A chunked body that grows past the limit is cut off with 413 too.
-    def chunks():  # type: ignore[no-untyped-def]
+    def chunks() -> Iterator[bytes]:
         for _ in range(10):
             yield b"x" * 1000
 
@@ -294,8 +297,8 @@ def test_bad_input_gets_openai_errors_and_harms_nothing(procs: Procs) -> None:
 
     # HEAD gets the head alone, on the same keep-alive connection as what follows.
     with httpx.Client() as http:
-        head = http.head(router.url + "/healthz")
-        assert head.status_code == 200 and head.content == b"" and head.headers["content-length"]
+        headed = http.head(router.url + "/healthz")
+        assert headed.status_code == 200 and headed.content == b"" and headed.headers["content-length"]
         assert http.get(router.url + "/healthz").json() == {"status": "ok"}
 
     # After all that, the router serves the next valid request.

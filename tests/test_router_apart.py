@@ -344,7 +344,7 @@ def test_a_router_apart_is_ready_only_once_its_control_plane_sent_a_table(
         timeout=60,
         what="the router to serve the placed model",
     )
-    answer = client.chat.completions.create(model="chat", messages=CHAT)  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="chat", messages=CHAT)
     assert answer.choices[0].message.content
     (replica,) = fleet.serving("chat")
     assert answer.system_fingerprint == "mock:" + replica["url"].rsplit(":", 1)[1]

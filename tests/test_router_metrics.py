@@ -10,12 +10,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw_core.config import parse_config
 from llmgw_core.tomlshape import ConfigError
 from procs import Proc, Procs, metric, models_toml
 
-CHAT = [{"role": "user", "content": "hello there my friend"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there my friend"}]
 
 
 def sha(key: str) -> str:
@@ -53,13 +54,13 @@ def test_tokens_counted_per_model_and_key_from_the_engines_usage(procs: Procs) -
             want[k] = want.get(k, 0) + completion
 
     for api, key in ((alpha, "sk-alpha"), (beta, "sk-beta"), (beta, "sk-beta")):
-        usage = api.chat.completions.create(model="m", messages=CHAT).usage  # type: ignore[arg-type]
+        usage = api.chat.completions.create(model="m", messages=CHAT).usage
         assert usage is not None
         add("m", key, usage.prompt_tokens, usage.completion_tokens)
     last = list(
         alpha.chat.completions.create(
             model="m",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -72,7 +73,7 @@ def test_tokens_counted_per_model_and_key_from_the_engines_usage(procs: Procs) -
     embedding = alpha.embeddings.create(model="e", input=["a b", "c"])
     add("e", "sk-alpha", embedding.usage.prompt_tokens, None)
     # A stream without include_usage carries no usage: nothing is counted for it.
-    assert len(list(beta.chat.completions.create(model="m", messages=CHAT, stream=True))) > 3  # type: ignore[arg-type]
+    assert len(list(beta.chat.completions.create(model="m", messages=CHAT, stream=True))) > 3
 
     text = page(router)
     counted = {
@@ -162,7 +163,7 @@ def test_metrics_token_settings() -> None:
     models = [{"name": "m", "endpoints": ["http://127.0.0.1:9001"]}]
 
     def server(environ: dict[str, str] | None = None, **settings: Any) -> Any:
-        data = {"server": settings, "models": models}
+        data: dict[str, object] = {"server": settings, "models": models}
         return parse_config(data, "x.toml", environ=environ or {}).server
 
     assert server().metrics_token_digest is None

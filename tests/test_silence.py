@@ -67,6 +67,7 @@ def test_the_bound_follows_the_heartbeat_interval_and_keeps_the_30_s_promise() -
     assert silence_bound(0.05).cut_after_s == MIN_CUT_S  # a busy peer is not cut at 0.2 s
     assert silence_bound(3600).cut_after_s == MAX_CUT_S
     base = attrs.fields(AgentConfig).reconnect_base_s.default
+    assert base is not None  # attrs types a default as optional: a field may have none
     for interval in (0.05, 0.5, 1, 5, 7, 60, 3600):
         bound = silence_bound(interval)
         assert 0 < bound.probe_after_s < bound.cut_after_s
@@ -410,6 +411,7 @@ async def test_the_server_closes_the_stream_of_a_node_it_declares_unreachable() 
                         await silent.get_message()
                 # Not before unreachable_after: the decision is the lifecycle's.
                 assert trio.current_time() - welcomed >= 1.0 - 0.05
+                assert closed.value.reason is not None
                 reason = closed.value.reason.reason or ""
                 assert reason == "declared unreachable: no heartbeat for 1 s", reason
                 # Its task is gone; the node it served stays known as unreachable.

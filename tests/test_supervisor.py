@@ -141,7 +141,9 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
             adopted, report2 = recorder()
             async with trio.open_nursery() as nursery:
                 again = EngineProcess(argv, {}, url, report2, client, engine.log_path, stop_on_cancel=True)  # type: ignore[arg-type]
-                nursery.start_soon(again.adopt, pid, procinfo.start_time(pid))
+                started = procinfo.start_time(pid)
+                assert started is not None
+                nursery.start_soon(again.adopt, pid, started)
                 while not any(t.state == "ready" for t in adopted):
                     await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()

@@ -36,7 +36,6 @@ from llmgw_http.tls_admission import (
     hello_bytes_needed,
     lane_of,
     offered_alpn,
-    peer_left,
 )
 from llmgw_server.wiring import Running, main
 
@@ -181,7 +180,7 @@ async def test_a_client_that_closed_or_reset_is_seen_to_have_left() -> None:
         def left(stream: trio.SocketStream) -> bool:
             raw = sockio.raw_socket(stream)
             assert raw is not None
-            return peer_left(raw)
+            return sockio.peer_left(raw)
 
         assert not left(first) and not left(second)
         await leaving.aclose()  # a FIN, as a client's connect timeout sends

@@ -18,7 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -30,6 +30,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from fleet import Fleet, wait_until
+from llmgw_http.server import Responder
 from llmgw_server.control.reconciler import Step
 from llmgw_server.control_shell import ui_server
 from llmgw_server.control_shell.fleet_feed import FleetFeed
@@ -70,7 +71,8 @@ async def test_the_stream_sends_a_change_within_a_second_and_coalesces_a_storm(
     feed = FleetFeed(wall_clock=lambda: 0.0)
     out = Lines()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ui_server.stream, feed, lambda: {"n": feed.version}, out)
+        # A fake: it implements what stream() calls, not the whole Responder.
+        nursery.start_soon(ui_server.stream, feed, lambda: {"n": feed.version}, cast(Responder, out))
         await trio.sleep(10)  # quiet: one status, then nothing but keep-alives
         assert [line for _, line in out.lines] == [{"status": {"n": 0}, "recent": [], "version": 0}]
         feed.stepped(Step())  # an empty step (a heartbeat that changes nothing)

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
 from llmgw_server.router.metrics_merge import merge_pages, with_label
@@ -36,7 +38,7 @@ from llmgw_server.router.workers import (
 )
 from procs import Proc, Procs, metric, models_toml
 
-CHAT = [{"role": "user", "content": "hello workers"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello workers"}]
 
 # -- pure ------------------------------------------------------------------------------
 
@@ -121,18 +123,18 @@ def served_by(headers: Any) -> tuple[int, int]:
 
 
 def client(url: str, *, keep_alive: bool = True) -> openai.OpenAI:
-    limits = httpx.Limits(max_keepalive_connections=None if keep_alive else 0)
+    limits = httpx2.Limits(max_keepalive_connections=None if keep_alive else 0)
     return openai.OpenAI(
         base_url=url + "/v1",
         api_key="x",
         max_retries=0,
         timeout=20,
-        http_client=httpx.Client(limits=limits, timeout=20),
+        http_client=httpx2.Client(limits=limits, timeout=20),  # openai is typed against its fork
     )
 
 
 def ask(c: openai.OpenAI, model: str = "m") -> tuple[int, int]:
-    raw = c.chat.completions.with_raw_response.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+    raw = c.chat.completions.with_raw_response.create(model=model, messages=CHAT)
     assert raw.parse().choices[0].message.content
     return served_by(raw.headers)
 
@@ -331,7 +333,7 @@ class Stream(threading.Thread):
         try:
             raw = self.client.chat.completions.with_raw_response.create(
                 model="m",
-                messages=CHAT,  # type: ignore[arg-type]
+                messages=CHAT,
                 stream=True,
             )
             self.worker = served_by(raw.headers)[0]
@@ -387,7 +389,7 @@ def test_workers_whose_parent_is_killed_drain_and_exit(procs: Procs) -> None:
 def test_one_worker_is_the_single_process_as_before(procs: Procs) -> None:
     engine = procs.mock("m")
     router = procs.router(models_toml({"m": [engine.url]}), server="workers = 1")
-    raw = client(router.url).chat.completions.with_raw_response.create(model="m", messages=CHAT)  # type: ignore[arg-type]
+    raw = client(router.url).chat.completions.with_raw_response.create(model="m", messages=CHAT)
     assert "x-llmgw-worker" not in raw.headers
     assert worker_pids(router) == set()
     page = httpx.get(router.url + "/metrics").text
@@ -428,7 +430,7 @@ def test_with_a_control_plane_both_workers_follow_the_replicas_and_sessions_keep
     def ask_session(session: str) -> tuple[int, str]:
         raw = c.chat.completions.with_raw_response.create(
             model="chat",
-            messages=CHAT,  # type: ignore[arg-type]
+            messages=CHAT,
             extra_headers={"x-session-id": session},
         )
         return served_by(raw.headers)[0], raw.parse().system_fingerprint or ""

@@ -272,8 +272,8 @@ class ControlMachine(RuleBasedStateMachine):
         if sum(1 for t in since.values() if t >= f.now - s.mass_loss_window_s) > limit:
             assert guard is not None
         for n in unreachable:
-            since = max(f.heard[n], f.cp.started_at, f.released.get(n, f.heard[n]))
-            if f.now - since >= s.lost_after_s:
+            quiet_since = max(f.heard[n], f.cp.started_at, f.released.get(n, f.heard[n]))
+            if f.now - quiet_since >= s.lost_after_s:
                 assert guard is not None, n
 
     @rule(data=st.data())

@@ -392,7 +392,7 @@ def test_flags_set_while_a_node_is_away_reach_it_when_it_comes_back() -> None:
 
 def test_nodes_that_share_an_address_share_one_port_space() -> None:
     # Simulated nodes on one machine (the demo, the end-to-end tests) all answer on 127.0.0.1.
-    f = Fleet(FAST, catalog(model("m", 2, tensor_parallel=8)))  # type: ignore[arg-type]
+    f = Fleet(FAST, catalog(model("m", 2, tensor_parallel=8)))
     f.join(*[attrs.evolve(gpu_node(name, 8), address="127.0.0.1") for name in ("n1", "n2")])
     ports = sorted(s.spec.port for s in f.starts())
     assert len(ports) == 2 and ports[1] - ports[0] >= 2  # two pairs, no overlap
