@@ -3,6 +3,8 @@ SGLang: test_adapter_golden.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from llmgw_agent.adapters import EngineLaunch, build_command, given, is_hf_repo
@@ -10,13 +12,13 @@ from llmgw_agent.adapters import EngineLaunch, build_command, given, is_hf_repo
 LLAMA = ("llama-server",)
 
 
-def launch(**kw: object) -> EngineLaunch:
-    base: dict[str, object] = dict(
+def launch(**kw: Any) -> EngineLaunch:
+    base: dict[str, Any] = dict(
         engine="llamacpp", model="/models/llama-8b.gguf", served_name="llama-8b",
         host="0.0.0.0", port=20001, gpu_indices=(0,),
     )  # fmt: skip
     base.update(kw)
-    return EngineLaunch(**base)  # type: ignore[arg-type]
+    return EngineLaunch(**base)
 
 
 def test_a_local_path_with_m_and_no_context_unasked() -> None:

@@ -4,6 +4,7 @@ reason and harms no other stream."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import trio
@@ -88,7 +89,7 @@ async def test_bad_peers_are_closed_with_a_reason_and_a_good_one_is_untouched() 
             stop.set()
 
 
-async def test_mutual_tls_binds_the_node_name_to_its_certificate(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_mutual_tls_binds_the_node_name_to_its_certificate(tmp_path: Path) -> None:
     import ssl
 
     from llmgw_core.certs import init_ca, issue_node

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from procs import Procs, metric, models_toml
+from procs import Proc, Procs, metric, models_toml
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 TUNING = "\n[router]\neject_after_failures = 2\n"
@@ -25,8 +25,8 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
 
 
-def control(engine: object, **settings: object) -> None:
-    httpx.post(engine.url + "/mock/control", json=settings).raise_for_status()  # type: ignore[attr-defined]
+def control(engine: Proc, **settings: object) -> None:
+    httpx.post(engine.url + "/mock/control", json=settings).raise_for_status()
 
 
 def test_501_is_relayed_never_retried_never_counted(procs: Procs) -> None:

@@ -12,7 +12,7 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from llmgw_server.route_feed.messages import (
 )
 from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
+from llmgw_server.router.replica import Replica
 from procs import Proc, free_port, metric
 from test_cache_aware_router import words
 from test_fleet_e2e import CHAT, RequestLoop, model
@@ -68,10 +69,24 @@ def endpoints(router: Router, model: str) -> list[Endpoint]:
     return [r.endpoint for r in router.balancers[model].replicas]
 
 
-async def until(check: object, what: str, hub: RouteHub | None = None) -> None:
+def replica(router: Router, model: str, endpoint: Endpoint) -> Replica:
+    """The router's replica of `model` at `endpoint`, which the test has put there."""
+    found = router.replica(model, endpoint)
+    assert found is not None
+    return found
+
+
+def refused(authorization: bytes | None, router: str | None, admin: str | None) -> tuple[int, str]:
+    """The hub's refusal of a follower the test expects to be refused."""
+    answer = refusal(authorization, router, admin)
+    assert answer is not None
+    return answer
+
+
+async def until(check: Callable[[], object], what: str, hub: RouteHub | None = None) -> None:
     """Wait for `check()` (woken by the hub's reports when given), at most 5 s."""
     with trio.fail_after(5):
-        while not check():  # type: ignore[operator]
+        while not check():
             if hub is not None:
                 await hub.wait_reported()
             else:
@@ -202,10 +217,10 @@ def test_the_router_is_a_route_target_summing_in_flight_over_its_models() -> Non
     assert target.static_models() == {"static"}
     target.set_endpoints("chat", (A, STATIC))
     target.set_draining(frozenset({A, STATIC}), skip=frozenset({"static"}))
-    assert router.replica("chat", STATIC).draining  # type: ignore[union-attr]
-    assert not router.replica("static", STATIC).draining  # type: ignore[union-attr]
-    router.replica("chat", STATIC).outstanding = 2  # type: ignore[union-attr]
-    router.replica("static", STATIC).outstanding = 1  # type: ignore[union-attr]
+    assert replica(router, "chat", STATIC).draining
+    assert not replica(router, "static", STATIC).draining
+    replica(router, "chat", STATIC).outstanding = 2
+    replica(router, "static", STATIC).outstanding = 1
     assert target.in_flight(frozenset({A, STATIC})) == {A.url: 0, STATIC.url: 3}
 
 
@@ -226,7 +241,7 @@ async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> N
         version = hub.publish({"chat": (A, B)}, frozenset({A}), complete=True)
         assert not hub.caught_up(version)  # it may still be sending A new requests
         await until(lambda: hub.caught_up(version), "the report on the drain", hub)
-        assert replica_a.draining and not router.replica("chat", B).draining  # type: ignore[union-attr]
+        assert replica_a.draining and not replica(router, "chat", B).draining
         assert hub.in_flight(A) == 2 and hub.in_flight(B) == 0
         replica_a.outstanding = 0  # both finished: reported without a new table
         await until(lambda: hub.in_flight(A) == 0, "the count to fall", hub)
@@ -241,7 +256,7 @@ async def test_a_follower_that_leaves_drops_out_of_the_counts() -> None:
     hub.publish({"chat": (A,)}, frozenset({A}), complete=True)
     async with following(hub, router):
         await until(lambda: hub.followers == 1 and hub.caught_up(1), "the report", hub)
-        router.replica("chat", A).outstanding = 3  # type: ignore[union-attr]
+        replica(router, "chat", A).outstanding = 3
         await until(lambda: hub.in_flight(A) == 3, "the count", hub)
     assert hub.followers == 0 and hub.in_flight(A) == 0 and hub.caught_up(1)
 
@@ -259,11 +274,11 @@ async def test_an_incomplete_table_keeps_a_complete_one_but_takes_its_drains() -
     async with following(second, follower):
         await until(lambda: second.followers and second.caught_up(version), "the report", second)
         assert endpoints(router, "chat") == [A, B]  # A is not dropped
-        assert router.replica("chat", B).draining  # type: ignore[union-attr]
+        assert replica(router, "chat", B).draining
         version = second.publish({"chat": (B,)}, frozenset(), complete=True)
         await until(lambda: second.caught_up(version), "the complete table", second)
         assert endpoints(router, "chat") == [B]
-        assert not router.replica("chat", B).draining  # type: ignore[union-attr]
+        assert not replica(router, "chat", B).draining
 
 
 async def test_a_fresh_router_takes_an_incomplete_table() -> None:
@@ -317,18 +332,18 @@ def test_only_the_router_token_may_follow() -> None:
     router, admin = digest_of("router-secret"), digest_of("admin-secret")
     assert refusal(b"Bearer router-secret", router, admin) is None
     assert refusal(b"bearer  router-secret ", router, None) is None
-    status, reason = refusal(b"Bearer admin-secret", router, admin)  # type: ignore[misc]
+    status, reason = refused(b"Bearer admin-secret", router, admin)
     assert status == 403 and "admin token may not follow" in reason
     assert refusal(None, router, admin) == (
         401,
         "a router token is required (Authorization: Bearer <router token>)",
     )
     assert refusal(b"Bearer guess", router, admin) == (401, "the router token is not valid")
-    assert refusal(b"Basic cm91dGVy", router, admin)[0] == 401  # type: ignore[index]
-    status, reason = refusal(b"Bearer router-secret", None, admin)  # type: ignore[misc]
+    assert refused(b"Basic cm91dGVy", router, admin)[0] == 401
+    status, reason = refused(b"Bearer router-secret", None, admin)
     assert status == 403 and "router_token_digest" in reason
     # One token for both would let a router act: refused whatever it sends.
-    status, reason = refusal(b"Bearer admin-secret", admin, admin)  # type: ignore[misc]
+    status, reason = refused(b"Bearer admin-secret", admin, admin)
     assert status == 403 and "is its admin token" in reason
 
 

@@ -9,13 +9,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from procs import Procs, free_port, metric, models_toml
+from procs import Proc, Procs, free_port, metric, models_toml
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 CHAT = {"model": "m", "messages": MESSAGES}
@@ -334,8 +335,8 @@ def test_graceful_shutdown_finishes_the_request_in_flight(procs: Procs) -> None:
     assert isinstance(lines, list) and lines[-1] == "data: [DONE]" and len(lines) == 40 + 3
 
 
-def router_metrics(router: object) -> str:
-    return httpx.get(router.url + "/metrics").text  # type: ignore[attr-defined]
+def router_metrics(router: Proc) -> str:
+    return httpx.get(router.url + "/metrics").text
 
 
 def refuses_connections(url: str) -> bool:
@@ -346,7 +347,7 @@ def refuses_connections(url: str) -> bool:
     return False
 
 
-def test_config_errors_exit_2_without_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_config_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     import subprocess
     import sys
 

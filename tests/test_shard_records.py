@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from llmgw_agent import shard_records as records
 from llmgw_core.inventory import LaunchSpec
 
 
-def spec(**kw: object) -> LaunchSpec:
-    base: dict[str, object] = dict(
+def spec(**kw: Any) -> LaunchSpec:
+    base: dict[str, Any] = dict(
         replica_id="r-1", model_name="m", engine="sglang", hf_model="org/m", args=(), env={},
         tensor_parallel=1, pipeline_parallel=1, rank=0, nodes=("gpu-1",), gpu_indices=(0,),
         head_address="127.0.0.1", port=20001, dist_port=20002, api_key="k-a81f",
     )  # fmt: skip
     base.update(kw)
-    return LaunchSpec(**base)  # type: ignore[arg-type]
+    return LaunchSpec(**base)
 
 
 def mode(path: Path) -> int:

@@ -507,6 +507,7 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
     from llmgw_server.route_feed.hub import RouteHub
     from llmgw_server.route_feed.relay import TableRelay
     from llmgw_server.router.front import Router
+    from llmgw_server.router.replica import Replica
 
     a, b = Endpoint("127.0.0.1", 9001, api_key="k"), Endpoint("127.0.0.1", 9002)
     config = parse_config({"models": [{"name": "static", "endpoints": ["http://s:1"]}]}, "t.toml")
@@ -515,6 +516,11 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
         plane.publish({f"other-{n}": (b,)}, frozenset(), complete=True)
     relay = TableRelay(local, "relay")
     routers = [Router(config), Router(config)]  # two workers
+
+    def chat_replica(router: Router) -> Replica:
+        found = router.replica("chat", a)
+        assert found is not None
+        return found
 
     async def until(check: Any, hub: RouteHub) -> None:
         with trio.fail_after(5):
@@ -535,14 +541,14 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
         for router in routers:
             assert [r.endpoint for r in router.balancers["chat"].replicas] == [a, b]
         # A drain: the plane sees the sum of what both workers have in flight on it.
-        routers[0].replica("chat", a).outstanding = 2  # type: ignore[union-attr]
-        routers[1].replica("chat", a).outstanding = 1  # type: ignore[union-attr]
+        chat_replica(routers[0]).outstanding = 2
+        chat_replica(routers[1]).outstanding = 1
         version = plane.publish({"chat": (a, b)}, frozenset({a}), complete=True)
         await until(lambda: plane.caught_up(version) and plane.in_flight(a) == 3, plane)
         assert local.table.draining == {a} and local.table.version < version  # its own numbers
-        assert all(r.replica("chat", a).draining for r in routers)  # type: ignore[union-attr]
-        routers[0].replica("chat", a).outstanding = 0  # type: ignore[union-attr]
-        routers[1].replica("chat", a).outstanding = 0  # type: ignore[union-attr]
+        assert all(chat_replica(r).draining for r in routers)
+        chat_replica(routers[0]).outstanding = 0
+        chat_replica(routers[1]).outstanding = 0
         await until(lambda: plane.in_flight(a) == 0, plane)
         nursery.cancel_scope.cancel()
     assert relay.table is not None and relay.table.draining == frozenset({a})

@@ -4,6 +4,7 @@ that obey commands and report back, with a clock the test moves."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -46,10 +47,10 @@ def gpu_node(
     )
 
 
-def profile(**kw: object) -> Profile:
-    fields: dict[str, object] = {"engine": "mock", "model": "org/weights"}
+def profile(**kw: Any) -> Profile:
+    fields: dict[str, Any] = {"engine": "mock", "model": "org/weights"}
     fields.update(kw)
-    return Profile(**fields)  # type: ignore[arg-type]
+    return Profile(**fields)
 
 
 def model(name: str, replicas: int = 1, **kw: object) -> ModelEntry:
