@@ -16,6 +16,7 @@ included.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from llmgw_agent.adapters import EngineLaunch, build_command
 
@@ -24,7 +25,7 @@ SGLANG = ("python3", "-m", "sglang.launch_server")
 
 
 def launch(engine: str, **kw: object) -> EngineLaunch:
-    base: dict[str, object] = dict(
+    base: dict[str, Any] = dict(
         engine=engine,
         model="Qwen/Qwen2.5-72B-Instruct",
         served_name="qwen-72b",
@@ -34,7 +35,7 @@ def launch(engine: str, **kw: object) -> EngineLaunch:
         tensor_parallel=4,
     )
     base.update(kw)
-    return EngineLaunch(**base)  # type: ignore[arg-type]
+    return EngineLaunch(**base)
 
 
 # -- vLLM 0.34.0 ------------------------------------------------------------------

@@ -6,6 +6,7 @@ for a plaintext URL with [tls] left in."""
 from __future__ import annotations
 
 import logging
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -40,10 +41,8 @@ def cas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return found
 
 
-def agent_context(ca: Path, node: Path | None) -> object:
+def agent_context(ca: Path, node: Path | None) -> ssl.SSLContext:
     if node is None:  # trusts the CA, presents no certificate
-        import ssl
-
         return ssl.create_default_context(cafile=str(ca / "ca.crt"))
     return client_context(
         AgentTLS(ca=ca / "ca.crt", cert=node / "nodes" / "n1.crt", key=node / "nodes" / "n1.key")
@@ -86,12 +85,12 @@ async def servers(fleet_ca: Path) -> AsyncIterator[dict[str, int]]:
         nursery.cancel_scope.cancel()
 
 
-async def failure(url: str, context: object) -> str:
+async def failure(url: str, context: ssl.SSLContext | None) -> str:
     said = "connected"
     try:
         async with open_agent_stream(
             url,
-            context,  # type: ignore[arg-type]
+            context,
             connect_timeout_s=5,
             disconnect_timeout_s=1,
             max_message_size=1 << 16,

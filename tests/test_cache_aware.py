@@ -83,7 +83,8 @@ def test_a_loaded_holder_is_overridden_then_the_conversation_follows() -> None:
     assert home is not None
     home.outstanding = 2  # within least + 2 of the others' 0: still home
     conversation.answered()
-    assert b.choose(prompt=conversation.key(), now=1).replica is home  # type: ignore[union-attr]
+    choice = b.choose(prompt=conversation.key(), now=1)
+    assert choice is not None and choice.replica is home
     home.outstanding = 3  # beyond max(0 * 1.5, 0 + 2)
     conversation.answered()
     moved = b.choose(prompt=conversation.key(), now=2)

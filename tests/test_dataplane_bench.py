@@ -63,7 +63,7 @@ def _sample(round_no: int, gateway: str, kind: str, cpu_ms: float) -> bench.Samp
 def test_ratios_are_to_the_same_policy_in_the_same_run() -> None:
     def gateway(name: str, product: str, policy: str) -> bench.Gateway:
         proc = argparse.Namespace(argv=[], pid=0)
-        return bench.Gateway(name, product, policy, 1, [], proc)  # type: ignore[arg-type]
+        return bench.Gateway(name, product, policy, 1, [], proc)  # type: ignore[arg-type]  # a stand-in for its Popen
 
     gateways = [
         gateway("vr rr", "vllm-router", "round_robin"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -36,7 +36,7 @@ class RawEngine:
     on for ever). With `read_body` False the request's body is left unread.
     """
 
-    answers: list[bytes | Callable[[trio.SocketStream], object]]
+    answers: list[bytes | Callable[[trio.SocketStream], Awaitable[object]]]
     read_body: bool = True
     receive_buffer: int = 0  # SO_RCVBUF of accepted connections (0: the kernel's)
     port: int = 0
@@ -79,7 +79,7 @@ class RawEngine:
                 if isinstance(answer, bytes):
                     await stream.send_all(answer)
                 else:
-                    await answer(stream)  # type: ignore[misc]
+                    await answer(stream)
                 if not self.read_body:
                     await trio.sleep_forever()  # neither reads nor closes
 

@@ -12,7 +12,7 @@ import json
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import httpx
@@ -139,7 +139,7 @@ def exchange(
     payload: bytes,
     *,
     shut: bool = True,
-    then: list[tuple[float, bytes]] = (),  # type: ignore[assignment]
+    then: Sequence[tuple[float, bytes]] = (),
 ) -> Outcome:
     """Send `payload` (and `then`: pauses and more bytes), half-close when `shut`, read to EOF."""
     start = time.monotonic()

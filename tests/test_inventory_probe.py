@@ -71,7 +71,7 @@ def test_no_driver_means_no_gpus_and_one_clear_line(
     def fail() -> None:
         raise RuntimeError("NVML Shared Library Not Found")
 
-    broken.nvmlInit = fail  # type: ignore[attr-defined]
+    broken.nvmlInit = fail  # type: ignore[attr-defined]  # a module made up here
     monkeypatch.setitem(sys.modules, "pynvml", broken)
     with caplog.at_level(logging.WARNING):
         hardware = detect_hardware()

@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 )
 
 from llmgw_mock_engine.scheduler import (
+    Admission,
     BlockCache,
     EngineModel,
     PromptTooLong,
@@ -358,7 +359,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.last_first_token = -math.inf
         self.queried = self.hits = 0
 
-    def admit(self, admissions: list) -> None:  # type: ignore[type-arg]
+    def admit(self, admissions: list[Admission]) -> None:
         for a in admissions:
             assert a.admitted_at == self.now
             assert a.cached_tokens % self.model.block_size == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from llmgw_agent.validate import problems
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec
@@ -15,8 +16,8 @@ NODE = Inventory(
 )
 
 
-def spec(**kw: object) -> LaunchSpec:
-    base: dict[str, object] = dict(
+def spec(**kw: Any) -> LaunchSpec:
+    base: dict[str, Any] = dict(
         replica_id="r-1",
         model_name="m",
         engine="vllm",
@@ -33,7 +34,7 @@ def spec(**kw: object) -> LaunchSpec:
         dist_port=0,
     )
     base.update(kw)
-    return LaunchSpec(**base)  # type: ignore[arg-type]
+    return LaunchSpec(**base)
 
 
 def test_a_fitting_spec_has_no_problems() -> None:

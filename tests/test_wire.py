@@ -12,6 +12,7 @@ from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardRe
 from llmgw_core.wire import (
     PROTOCOL,
     Ack,
+    DownMessage,
     Drain,
     Heartbeat,
     Mark,
@@ -19,6 +20,7 @@ from llmgw_core.wire import (
     ShardUpdate,
     Start,
     Stop,
+    UpMessage,
     Welcome,
     WireError,
     decode_down,
@@ -69,13 +71,13 @@ DOWN = [
 
 
 @pytest.mark.parametrize("message", UP, ids=lambda m: type(m).__name__)
-def test_up_round_trip(message: object) -> None:
-    assert decode_up(encode(message)) == message  # type: ignore[arg-type]
+def test_up_round_trip(message: UpMessage) -> None:
+    assert decode_up(encode(message)) == message
 
 
 @pytest.mark.parametrize("message", DOWN, ids=lambda m: type(m).__name__)
-def test_down_round_trip(message: object) -> None:
-    assert decode_down(encode(message)) == message  # type: ignore[arg-type]
+def test_down_round_trip(message: DownMessage) -> None:
+    assert decode_down(encode(message)) == message
 
 
 def test_a_down_message_is_not_accepted_upstream() -> None:

@@ -10,6 +10,7 @@ at the end of every history.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from fleetsim import A100, H100, LIVE, Fleet, gpu_node, model
 from hypothesis import settings
@@ -48,7 +49,7 @@ POOL: dict[str, Inventory] = {
     "n6": gpu_node("n6", 4, fabric=B, gpu_name=A100, total_gib=40),
     "n7": gpu_node("n7", 2, labels={"pool": "dev"}),
 }
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {  # a Profile's fields beyond engine and model
     "one": {"tensor_parallel": 1},
     "four": {"tensor_parallel": 4, "gpu_memory_gib": 60, "gpu_model": "H100"},
     "pipe": {"tensor_parallel": 2, "pipeline_parallel": 2},
@@ -68,7 +69,7 @@ class ControlMachine(RuleBasedStateMachine):
     def catalog(self) -> Catalog:
         return Catalog(
             tuple(
-                model(name, self.replicas[name], args=self.args[name], **kw)  # type: ignore[arg-type]
+                model(name, self.replicas[name], args=self.args[name], **kw)
                 for name, kw in MODELS.items()
             )
         )
@@ -221,7 +222,7 @@ class ControlMachine(RuleBasedStateMachine):
     def multi_node_replicas_stay_in_one_fabric_domain(self) -> None:
         specs = [s.spec for _, s in self.fleet.shards()]
         for spec in specs:
-            p = Profile(engine="mock", model="x", **MODELS[spec.model_name])  # type: ignore[arg-type]
+            p = Profile(engine="mock", model="x", **MODELS[spec.model_name])
             inventories = [POOL[n] for n in spec.nodes]
             if spec.nnodes == 1:
                 assert len(spec.gpu_indices) == p.gpus

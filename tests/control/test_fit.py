@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from typing import Any
 
 from fleetsim import A100, H100, gpu_node, profile
 from hypothesis import example, given, settings
@@ -193,8 +194,8 @@ def test_a_model_left_unplaced_is_explained_as_fitting_nowhere(
 
 
 def test_check_reports_the_first_reason_with_what_the_node_has() -> None:
-    def verdict(inventory: Inventory, p: Profile, **kw: object) -> Fits | Misfit:
-        return check(NodeFree(NodeCapacity(inventory, **kw)), Need.of(p))  # type: ignore[arg-type]
+    def verdict(inventory: Inventory, p: Profile, **kw: Any) -> Fits | Misfit:
+        return check(NodeFree(NodeCapacity(inventory, **kw)), Need.of(p))
 
     assert verdict(gpu_node("n", 8), profile(tensor_parallel=4), status=NodeStatus.LOST) == Misfit(
         "lost"

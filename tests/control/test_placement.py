@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from fleetsim import A100, H100, gpu_node, profile
 from hypothesis import given, settings
@@ -16,9 +17,9 @@ from llmgw_server.control.placement import NodeCapacity, PlacementRequest, expla
 UNREACHABLE = NodeStatus.UNREACHABLE
 
 
-def cap(inventory: Inventory, used: int | set[int] = 0, **kw: object) -> NodeCapacity:
+def cap(inventory: Inventory, used: int | set[int] = 0, **kw: Any) -> NodeCapacity:
     taken = set(range(used)) if isinstance(used, int) else used
-    return NodeCapacity(inventory, used_gpus=frozenset(taken), **kw)  # type: ignore[arg-type]
+    return NodeCapacity(inventory, used_gpus=frozenset(taken), **kw)
 
 
 def requests(p: Profile, n: int, model: str = "m") -> list[PlacementRequest]:
