@@ -110,7 +110,7 @@ class Plane:
 @asynccontextmanager
 async def admin_server(config: Config) -> AsyncIterator[tuple[str, Plane]]:
     plane = Plane(config)
-    server = HTTPServer(AdminAPI(plane).handle, ServerLimits())  # type: ignore[arg-type]
+    server = HTTPServer(AdminAPI(plane).handle, ServerLimits())  # type: ignore[arg-type]  # a fake ControlPlane
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:

@@ -213,7 +213,7 @@ def config(admin: dict[str, Any]) -> Config:
 
 @asynccontextmanager
 async def control_port(cfg: Config) -> AsyncIterator[str]:
-    server = HTTPServer(AdminAPI(Plane(cfg)).handle, ServerLimits())  # type: ignore[arg-type]
+    server = HTTPServer(AdminAPI(Plane(cfg)).handle, ServerLimits())  # type: ignore[arg-type]  # a fake ControlPlane
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:

@@ -72,12 +72,19 @@ def read_banner(demo: subprocess.Popen[str], timeout: float = 30) -> str:
     return "".join(seen)
 
 
+def found(pattern: str, text: str) -> str:
+    """The first group of `pattern`'s first match in `text`, which has one."""
+    match = re.search(pattern, text)
+    assert match is not None, (pattern, text)
+    return match[1]
+
+
 def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: Path) -> None:
     port = free_pair()
     demo = start_demo(port, tmp_path)
     try:
         banner = read_banner(demo)
-        work = Path(re.search(r"--config (\S+)/server\.toml status", banner)[1])  # type: ignore[index]
+        work = Path(found(r"--config (\S+)/server\.toml status", banner))
         assert work.parent == tmp_path and (work / "certs" / "ca.key").is_file()
         assert f"the router is at http://127.0.0.1:{port}/v1" in banner
         assert f"the control plane at https://127.0.0.1:{port + 1}" in banner
@@ -120,8 +127,8 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
             assert sent.returncode == 0, sent.stderr
             answer = sent.stdout
         else:  # the same request, as the line spells it
-            url = re.search(r"curl -N (\S+)", curl)[1]  # type: ignore[index]
-            body = json.loads(re.search(r"-d '(.*)'", curl)[1])  # type: ignore[index]
+            url = found(r"curl -N (\S+)", curl)
+            body = json.loads(found(r"-d '(.*)'", curl))
             answer = httpx.post(url, json=body, timeout=20).text
         assert answer.rstrip().endswith("data: [DONE]"), answer
 

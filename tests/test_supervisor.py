@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from llmgw_agent.supervisor import EngineProcess, Transition, read_tail
+from llmgw_agent.supervisor import EngineProcess, Report, Transition, read_tail
 from procs import free_port
 
 
@@ -36,7 +36,7 @@ async def gone(pid: int, within_s: float = 5.0) -> None:
             await trio.sleep(0.02)
 
 
-def recorder() -> tuple[list[Transition], object]:
+def recorder() -> tuple[list[Transition], Report]:
     seen: list[Transition] = []
 
     async def report(t: Transition) -> None:
@@ -52,7 +52,7 @@ async def test_ready_then_stopped_on_cancel() -> None:
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client, trio.open_nursery() as nursery:
             engine = EngineProcess(
-                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,
                 LOG(), stop_on_cancel=True,
             )
             pid = await nursery.start(engine.run)
@@ -70,7 +70,7 @@ async def test_crash_is_reported_with_the_output_tail() -> None:
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             engine = EngineProcess(
-                [sys.executable, "-c", script], dict(os.environ), None, report, client,  # type: ignore[arg-type]
+                [sys.executable, "-c", script], dict(os.environ), None, report, client,
                 LOG(), settle_s=30,
             )
             await engine.run()
@@ -98,7 +98,7 @@ async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None
                 [sys.executable, "-c", script],
                 dict(os.environ),
                 None,
-                report,  # type: ignore[arg-type]
+                report,
                 client,
                 LOG(),
                 stop_grace_s=0.5,
@@ -117,7 +117,7 @@ async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None
 async def test_a_missing_binary_fails_cleanly() -> None:
     seen, report = recorder()
     async with httpx.AsyncClient(timeout=1) as client:
-        await EngineProcess(["/nonexistent/vllm"], {}, None, report, client, LOG()).run()  # type: ignore[arg-type]
+        await EngineProcess(["/nonexistent/vllm"], {}, None, report, client, LOG()).run()
     assert [t.state for t in seen] == ["failed"] and "cannot start" in seen[0].detail
 
 
@@ -130,7 +130,7 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             async with trio.open_nursery() as nursery:
-                engine = EngineProcess(argv, dict(os.environ), url, report, client, LOG())  # type: ignore[arg-type]
+                engine = EngineProcess(argv, dict(os.environ), url, report, client, LOG())
                 pid = await nursery.start(engine.run)
                 while not any(t.state == "ready" for t in seen):
                     await trio.sleep(0.05)
@@ -140,7 +140,7 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
 
             adopted, report2 = recorder()
             async with trio.open_nursery() as nursery:
-                again = EngineProcess(argv, {}, url, report2, client, engine.log_path, stop_on_cancel=True)  # type: ignore[arg-type]
+                again = EngineProcess(argv, {}, url, report2, client, engine.log_path, stop_on_cancel=True)
                 started = procinfo.start_time(pid)
                 assert started is not None
                 nursery.start_soon(again.adopt, pid, started)
@@ -158,7 +158,7 @@ async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() ->
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             engine = EngineProcess(
-                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+                argv, dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,
                 LOG(), start_timeout_s=1.0, stop_grace_s=1.0,
             )
             await engine.run()
@@ -175,7 +175,7 @@ async def test_each_start_writes_a_fresh_log(tmp_path: Path) -> None:
     async with httpx.AsyncClient(timeout=1) as client:
         engine = EngineProcess(
             [sys.executable, "-c", "print('this attempt'); raise SystemExit(1)"],
-            dict(os.environ), None, report, client, log, settle_s=30,  # type: ignore[arg-type]
+            dict(os.environ), None, report, client, log, settle_s=30,
         )
         with trio.fail_after(20):
             await engine.run()
@@ -217,7 +217,7 @@ async def test_the_key_file_is_private_probes_carry_the_key_and_the_tail_masks_i
     async with httpx.AsyncClient(timeout=1) as client:
         engine = EngineProcess(
             [sys.executable, "-c", KEYED_ENGINE, str(port), str(key_file)],
-            dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,  # type: ignore[arg-type]
+            dict(os.environ), f"http://127.0.0.1:{port}/health", report, client,
             tmp_path / "r-1.0.log", api_key=key, files=((str(key_file), f'api-key: "{key}"\n'),),
         )
         with trio.fail_after(20):

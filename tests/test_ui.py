@@ -35,7 +35,7 @@ from llmgw_server.control.reconciler import Step
 from llmgw_server.control_shell import ui_server
 from llmgw_server.control_shell.fleet_feed import FleetFeed
 from test_demo import _alive as engine_alive
-from test_demo import free_pair, read_banner, start_demo
+from test_demo import found, free_pair, read_banner, start_demo
 
 TOKEN = "ui-admin-token"
 DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
@@ -346,7 +346,7 @@ def test_the_page_shows_every_node_replica_and_model_of_the_demo_live(tmp_path: 
     try:
         banner = read_banner(demo)
         # The demo keeps its certificates in the temporary directory the banner names.
-        work = Path(re.search(r"removes (\S+) \(certificates", banner)[1])  # type: ignore[index]
+        work = Path(found(r"removes (\S+) \(certificates", banner))
         assert work.parent == tmp_path
         control = f"https://127.0.0.1:{port + 1}"
         trust = ssl.create_default_context(cafile=str(work / "certs" / "ca.crt"))
