@@ -486,24 +486,27 @@ class _Place:
 async def _whole_hello(sock: socket.socket) -> bytes | None:
     """Wait until the ClientHello is buffered whole (its bytes, still in the kernel's
     buffer), or the peer closed (None). SO_RCVLOWAT makes the socket readable only once
-    the bytes still missing are there."""
+    the bytes still missing are there. Peeked first, before any wait: a client sends its
+    hello with its connect, so it is mostly there at accept, and a busy server that
+    waited for readiness first would lose a scheduling round on each connection."""
     try:
         while True:
-            await trio.lowlevel.wait_readable(sock)
             try:
-                peeked = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
+                peeked: bytes | None = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
             except BlockingIOError:
-                continue
+                peeked = None
             except OSError:
                 return None
-            if not peeked:
-                return None
-            needed = hello_bytes_needed(peeked)
-            if needed == -1:
-                return None
-            if needed == 0:
-                return peeked
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+            if peeked is not None:
+                if not peeked:
+                    return None
+                needed = hello_bytes_needed(peeked)
+                if needed == -1:
+                    return None
+                if needed == 0:
+                    return peeked
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+            await trio.lowlevel.wait_readable(sock)
     finally:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
