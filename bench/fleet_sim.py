@@ -56,6 +56,26 @@ BASE_S = attrs.fields(AgentConfig).reconnect_base_s.default
 CAP_S = attrs.fields(AgentConfig).reconnect_cap_s.default
 
 
+def why_failed(exc: BaseException) -> str:
+    """Why a session ended, in a few words: the cause, never the control plane's address
+    (the same in every line, it would crowd the cause out of the table)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    if isinstance(exc, ConnectFailed):
+        text = str(exc)
+        if text.startswith("refused by the control plane"):
+            why = text[: text.find(":", text.find("HTTP") + 5)]  # its HTTP status
+        elif "refused" in text:
+            why = "refused"
+        elif "no answer" in text:  # and during which step
+            why = "no answer " + text[text.rfind("(") :]
+        else:
+            why = text
+    else:
+        why = type(exc).__name__
+    return _ADDRESS.sub("", why)[:90]
+
+
 def source_address(i: int) -> str:
     """Each node dials from its own loopback address, as real nodes have their own: the
     control port's per-address limits see a fleet, not one peer."""
@@ -130,22 +150,8 @@ class Worker:
 
     def failed(self, exc: BaseException, session: Session) -> None:
         """Count why a session ended, in a few words (before or after its welcome)."""
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        if isinstance(exc, ConnectFailed):
-            text = str(exc)
-            if "refused" in text:
-                why = "refused"
-            elif "no answer" in text:  # and during which step
-                why = "no answer " + text[text.rfind("(") :]
-            else:
-                why = text
-        else:
-            why = type(exc).__name__
-        # The control plane's address says nothing here and would crowd out the cause.
-        why = _ADDRESS.sub("", why)
         when = "after welcome" if session.welcomed_at is not None else "before welcome"
-        key = f"{why[:90]} ({when})"
+        key = f"{why_failed(exc)} ({when})"
         self.failures[key] = self.failures.get(key, 0) + 1
 
     async def session(self, i: int, register: str, session: Session) -> None:
