@@ -89,8 +89,12 @@ class AdmissionLimits:
     min_left_s: float = 0.5  # a handshake begun with less time left would not finish
     # Agents between their hello and their welcome: as many as the lane gives back in
     # `in_flight_target_s` at its measured rate (Little's law: a registration then takes
-    # about that long, well within an agent's 10 s), within these bounds.
-    agents_in_flight: tuple[int, int] = (32, 1024)
+    # about that long, well within an agent's patience), within these bounds. The floor
+    # is high because a place waits on its agent most of the time (round trips, its
+    # register), not on this server's CPU, which the handshake slots bound: with 32, a
+    # storm of slow agents (a busy machine's) held every place while the server idled,
+    # the rate measured fell with it, and the queue bound refused thousands.
+    agents_in_flight: tuple[int, int] = (256, 2048)
     others_in_flight: int = 16  # anyone else between the hello and the first answer
     in_flight_target_s: float = 3.0
     in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)

@@ -70,10 +70,10 @@ log = logging.getLogger("llmgw.agentsvc")
 AGENT_PATH = b"/v1/agent"
 REGISTER_TIMEOUT_S = 10.0
 OUTBOX_SIZE = 1024
-# Streams between their 101 and their welcome: enough to keep the server busy (each is
-# a few milliseconds of its CPU, and waits on its agent in between), few enough that
-# each finishes within a fraction of a second.
-REGISTRATIONS_AT_ONCE = 64
+# Streams between their 101 and their welcome: enough to keep the server busy though
+# each waits on its agent most of the time (its register), few enough that each of
+# them, a few milliseconds of the server's CPU, finishes within a second.
+REGISTRATIONS_AT_ONCE = 128
 
 
 class StreamClosed(Exception):
