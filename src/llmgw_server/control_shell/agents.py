@@ -70,10 +70,12 @@ log = logging.getLogger("llmgw.agentsvc")
 AGENT_PATH = b"/v1/agent"
 REGISTER_TIMEOUT_S = 10.0
 OUTBOX_SIZE = 1024
-# Streams between their 101 and their welcome: enough to keep the server busy though
-# each waits on its agent most of the time (its register), few enough that each of
-# them, a few milliseconds of the server's CPU, finishes within a second.
-REGISTRATIONS_AT_ONCE = 128
+# Streams between their 101 and their welcome. A turn waits on its agent most of the
+# time (its register, up to REGISTER_TIMEOUT_S): a busy machine's slow agents held 128
+# turns while the server idled (10,000 plaintext nodes, load 9-11). 1,024 still keeps
+# a storm from spreading the server's CPU over every agent at once, and slow agents
+# cannot hold registration under 100 a second.
+REGISTRATIONS_AT_ONCE = 1024
 
 
 class StreamClosed(Exception):
