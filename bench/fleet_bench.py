@@ -253,6 +253,9 @@ class Sims:
     def cpu(self) -> list[float]:
         return [cpu_seconds(p.pid) for p in self.procs]
 
+    def waited(self) -> float:
+        return sum(runqueue_seconds(p.pid) for p in self.procs)
+
     def send(self, line: str) -> None:
         for p in self.procs:
             assert p.stdin is not None
@@ -291,6 +294,7 @@ class Phase:
         self.server0 = cpu_seconds(server.pid)
         self.waited0 = runqueue_seconds(server.pid)
         self.sims0 = sims.cpu()
+        self.sims_waited0 = sims.waited()
         self.heartbeats0 = sims.total("heartbeats")
 
     def end(self) -> dict[str, float]:
@@ -302,12 +306,18 @@ class Phase:
             "server_waited": runqueue_seconds(self.server.pid) - self.waited0,
             "sim_cores": sum(sims) / wall,
             "sim_busiest": max(sims) / wall,
+            "sim_waited": (self.sims.waited() - self.sims_waited0) / wall,
             "heartbeats": self.sims.total("heartbeats") - self.heartbeats0,
         }
 
 
 def sim_note(p: dict[str, float]) -> str:
-    return f"{p['sim_cores']:.2f} cores (busiest process {p['sim_busiest']:.2f})"
+    """The simulator's cores, and those it waited for: a starved simulator is slow to
+    answer the server's handshakes, and the server's deadlines then cut it."""
+    return (
+        f"{p['sim_cores']:.2f} cores (busiest process {p['sim_busiest']:.2f}; "
+        f"waited for {p['sim_waited']:.2f} more)"
+    )
 
 
 def quantiles(values: list[float]) -> str:
