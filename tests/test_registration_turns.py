@@ -11,7 +11,7 @@ from contextlib import AbstractAsyncContextManager
 import pytest
 import trio
 import trio_websocket
-from llmgw_server.app import Running, main
+from llmgw_server.wiring import Running, main
 
 from llmgw_core.config import parse_config
 from llmgw_core.dial import open_agent_stream
