@@ -18,7 +18,7 @@ from fleetsim import Fleet, catalog, gpu_node, model
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import ShardState
 
-SIZES = (100, 1_000, 10_000)
+SIZES = (100, 1_000, 3_000)
 SETTINGS = ControlSection(settle_after_start_s=0.0, reconcile_interval_s=0.0)
 EVENTS = (
     "registration, on average over the fleet's",
