@@ -46,8 +46,12 @@ browser:
 	  fi; \
 	  apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver); }
 
+# CI's Hypothesis profile (tests/hypothesis_profiles.py): every test's full example count.
+# HYPOTHESIS_PROFILE=dev make test runs the quick one.
+HYPOTHESIS_PROFILE ?= ci
+
 test: venv real-engine browser
-	$(BIN)/python -m pytest -q
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q
 
 lint: venv
 	$(BIN)/ruff check src tests bench

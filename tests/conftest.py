@@ -8,8 +8,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import hypothesis_profiles
 import procs as procs_module
 from procs import Procs
+
+# Before any test module is imported: their `profile_times(...)` read the loaded profile.
+hypothesis_profiles.load()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,7 @@ import trio_websocket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.inventory import Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.wire import (
     PROTOCOL,
@@ -208,7 +209,7 @@ garbage = st.one_of(
 
 
 @settings(
-    max_examples=50,
+    max_examples=profile_times(0.5),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

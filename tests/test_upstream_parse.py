@@ -15,6 +15,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Endpoint
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError, _Conn, _framing, _Garbage
 
@@ -91,7 +92,7 @@ header_lines = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=profile_times(1.5), deadline=None)
 @given(
     st.sampled_from([200, 201, 404, 500]),
     header_lines,
