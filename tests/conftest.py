@@ -42,6 +42,7 @@ def fleet(procs: Procs) -> Iterator[object]:
     try:
         yield f
     finally:
+        f.close()
         pids = f.every_engine_pid()
         procs.stop_all()
         for pid in pids:  # engines orphaned by an agent killed with SIGKILL
