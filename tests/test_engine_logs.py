@@ -23,12 +23,14 @@ from llmgw_agent.supervisor import (
     rotate_if_large,
 )
 
-# An engine that writes a numbered line every millisecond, forever.
+# An engine that writes a numbered line every millisecond, forever, each in one write:
+# print() under -u writes the text and its newline apart, and a truncation between the
+# two starts the next copy with an empty line.
 CHATTY = [
     sys.executable,
     "-u",
     "-c",
-    "import time\nfor i in range(10**9):\n    print(f'line {i:09d} ' + 'x' * 80)\n"
+    "import sys, time\nfor i in range(10**9):\n    sys.stdout.write(f'line {i:09d} ' + 'x' * 80 + '\\n')\n"
     "    time.sleep(0.001)",
 ]
 
