@@ -125,7 +125,9 @@ def test_ejection_and_recovery(procs: Procs) -> None:
     flaky = procs.mock("m")
     router = procs.router(
         models_toml({"m": [good.url, flaky.url]})
-        + "\n[router]\neject_after_failures = 2\neject_cooldown_s = 0.5\nhealth_interval_s = 0.2\n"
+        # The cooldown outlasts the 8 requests below on any machine: past it, a probe
+        # lets the flaky replica back, and its next failures eject it a second time.
+        + "\n[router]\neject_after_failures = 2\neject_cooldown_s = 3\nhealth_interval_s = 0.2\n"
     )
     httpx.post(flaky.url + "/mock/control", json={"fail_status": 500})
     api = client(router.url)
