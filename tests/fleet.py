@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import ssl
 import subprocess
@@ -36,6 +37,21 @@ def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "con
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def engine_port_block() -> int:
+    """The first of 100 ports for a fleet's engines.
+
+    Below the kernel's ephemeral range (32768 on), so no outgoing connection of another
+    test holds an engine's port, and above the default 20000-20999 that tests with their
+    own server config use. Under pytest-xdist each worker draws from blocks of its own
+    (every worker count-th one), so that fleets running at once never share a port; one
+    worker's fleets run one after another. Not the global generator: hypothesis seeds it
+    for its own tests, which would hand later fleets the same ports as an earlier one.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return random.SystemRandom().choice(range(21000 + 100 * worker, 32700, 100 * workers))
+
+
 class Fleet:
     def __init__(self, procs: Procs) -> None:
         self.procs = procs
@@ -46,12 +62,7 @@ class Fleet:
         self.server_proc: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.every_agent: list[Proc] = []  # restarted ones too: their engines live on
-        # Not the global generator: hypothesis seeds it for its own tests, which would
-        # hand later fleets the same engine ports as an earlier one.
-        # Below the kernel's ephemeral range (32768 on), so no outgoing connection of
-        # another test holds an engine's port, and above the default 20000-20999 that
-        # tests with their own server config use.
-        base = random.SystemRandom().randrange(21000, 32700, 100)
+        base = engine_port_block()
         self.ports = (base, base + 99)
         # mTLS as in production: a CA made on the fly, a certificate per node.
         self.certs = procs.tmp / "certs"
