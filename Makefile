@@ -50,14 +50,15 @@ browser:
 # HYPOTHESIS_PROFILE=dev make test runs the quick one.
 HYPOTHESIS_PROFILE ?= ci
 # pytest-xdist workers: the tests mostly wait on processes and timers, so three share two
-# cores well (a mixed subset, back to back on a busy 2-core machine: 322 s serial, 186 s
-# with 2 workers, 147 s with 3). loadfile gives each worker whole modules, so that a
-# module's costly fixture (a wheel, a server) is made once (loadgroup's marks do nothing
-# under pytest 9 with xdist 3.8). TEST_WORKERS=0 runs them in this process.
+# cores well. A mixed subset (129 tests), back to back on a busy 2-core machine: 322 s in
+# one process, 186 s with 2 workers, 147 s with 3; then 223 s in one process, 131 s with
+# 3 (load), 183 s with 3 (loadfile: whole modules, a long one holds the end). Costly
+# fixtures are session-scoped where they can be: made once per worker. TEST_WORKERS=0:
+# one process.
 TEST_WORKERS ?= 3
 
 test: venv real-engine browser
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: venv
 	$(BIN)/ruff check src tests bench

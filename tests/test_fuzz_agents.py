@@ -93,7 +93,9 @@ def start_server(procs: Procs) -> Server:
     return Server(router, control_port)
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     procs = Procs(tmp_path_factory.mktemp("fuzz-agents"))
     try:

@@ -89,7 +89,9 @@ def events(n: int) -> dict[str, Cost]:
     return out
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def costs() -> dict[int, dict[str, Cost]]:
     return {n: events(n) for n in SIZES}
 
