@@ -11,13 +11,13 @@ from contextlib import AbstractAsyncContextManager
 import pytest
 import trio
 import trio_websocket
-from llmgw_server.wiring import Running, main
 
 from llmgw_core.config import parse_config
 from llmgw_core.dial import open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
 from llmgw_server.control_shell import agents
+from llmgw_server.wiring import Running, main
 
 
 async def test_a_registration_waits_its_turn_and_is_then_served(
