@@ -83,6 +83,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def runqueue_seconds(pid: int) -> float:
+    """Seconds the process has waited for a core while it could run (/proc schedstat):
+    what the machine's other work took from it."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -244,6 +253,9 @@ class Sims:
     def cpu(self) -> list[float]:
         return [cpu_seconds(p.pid) for p in self.procs]
 
+    def waited(self) -> float:
+        return sum(runqueue_seconds(p.pid) for p in self.procs)
+
     def send(self, line: str) -> None:
         for p in self.procs:
             assert p.stdin is not None
@@ -280,7 +292,9 @@ class Phase:
         self.server, self.sims = server, sims
         self.t0 = time.monotonic()
         self.server0 = cpu_seconds(server.pid)
+        self.waited0 = runqueue_seconds(server.pid)
         self.sims0 = sims.cpu()
+        self.sims_waited0 = sims.waited()
         self.heartbeats0 = sims.total("heartbeats")
 
     def end(self) -> dict[str, float]:
@@ -289,14 +303,21 @@ class Phase:
         return {
             "wall": wall,
             "server_cpu": cpu_seconds(self.server.pid) - self.server0,
+            "server_waited": runqueue_seconds(self.server.pid) - self.waited0,
             "sim_cores": sum(sims) / wall,
             "sim_busiest": max(sims) / wall,
+            "sim_waited": (self.sims.waited() - self.sims_waited0) / wall,
             "heartbeats": self.sims.total("heartbeats") - self.heartbeats0,
         }
 
 
 def sim_note(p: dict[str, float]) -> str:
-    return f"{p['sim_cores']:.2f} cores (busiest process {p['sim_busiest']:.2f})"
+    """The simulator's cores, and those it waited for: a starved simulator is slow to
+    answer the server's handshakes, and the server's deadlines then cut it."""
+    return (
+        f"{p['sim_cores']:.2f} cores (busiest process {p['sim_busiest']:.2f}; "
+        f"waited for {p['sim_waited']:.2f} more)"
+    )
 
 
 def quantiles(values: list[float]) -> str:
@@ -379,20 +400,23 @@ async def run(args: argparse.Namespace) -> None:
         "| run | register all | attempts per node | admin requests during registration "
         "| storm: all back | attempts per node after the server's start "
         "| admin requests during the storm "
-        "| server cores (registration / storm) | yardstick before / after | load before / after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| server cores (registration / storm) | server cores waited for "
+        "| yardstick before / after | load before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, r in enumerate(results):
         lines.append(
             f"| {k + 1} | {r['registration']} | {r['reg_attempts']:.2f} | {r['reg_admin']} "
             f"| {r['storm']} | {r['storm_attempts']:.2f} | {r['storm_admin']} "
             f"| {r['reg_cores']:.2f} / {r['storm_cores']:.2f} "
+            f"| {r['reg_waited']:.2f} / {r['storm_waited']:.2f} "
             f"| {r['yard0']:.2f} s / {r['yard1']:.2f} s | {r['load0']} / {r['load1']} |"
         )
     lines += [
         "",
         "(yardstick: a fixed CPU loop's time in the bench process; about 0.1 s on an idle "
-        "core, more while other work shares the cores)",
+        "core, more while other work shares the cores. Cores waited for: the server's time "
+        "runnable but not running, over the phase's wall time, from /proc schedstat)",
     ]
     for k, r in enumerate(results):
         lines += [
@@ -488,13 +512,15 @@ async def one_run(
             result["reg_attempts"] = sims.total("connects") / n
             result["reg_admin"] = probe.report()
             result["reg_cores"] = reg["server_cpu"] / reg["wall"]
+            result["reg_waited"] = reg["server_waited"] / reg["wall"]
             result["registration"] = (
                 f"{took:.1f} s" if done else f"{registered:,} of {n:,} in {args.cap:g} s"
             )
             rows.append((
                 f"first registration of all {n:,} (agents booting over {args.boot:g} s)",
                 f"{result['registration']}; {sims.total('connects'):,} connection attempts "
-                f"({result['reg_attempts']:.2f} per node); server {result['reg_cores']:.2f} cores",
+                f"({result['reg_attempts']:.2f} per node); server {result['reg_cores']:.2f} cores, "
+                f"and {result['reg_waited']:.2f} more it waited for (the machine's other work)",
                 sim_note(reg),
             ))
             rows.append(("admin requests during registration (one a second)", probe.report(), ""))
@@ -567,6 +593,7 @@ async def one_run(
             result["storm_attempts"] = since_start / n
             result["storm_admin"] = probe.report()
             result["storm_cores"] = storm["server_cpu"] / storm["wall"]
+            result["storm_waited"] = storm["server_waited"] / storm["wall"]
             if done:
                 firsts_back = [t - restart for t in sims.firsts]  # each node's first, once
                 took = max(firsts_back)
@@ -576,7 +603,7 @@ async def one_run(
                     f"{took:.1f} s (p10 / p50 / p90 {quantiles(firsts_back)}); "
                     f"{attempts:,} connection attempts, {since_start:,} of them after the "
                     f"server's start ({since_start / n:.2f} per node); "
-                    f"server {result['storm_cores']:.2f} cores",
+                    f"server {result['storm_cores']:.2f} cores (waited for {result['storm_waited']:.2f})",
                     sim_note(storm),
                 ))
                 readme["storm"] = f"all back in {took:.1f} s, {attempts:,} connection attempts"
@@ -586,7 +613,7 @@ async def one_run(
                     "restart storm",
                     f"{result['storm']}; {attempts:,} connection attempts, {since_start:,} of "
                     f"them after the server's start ({since_start / n:.2f} per node); "
-                    f"server {result['storm_cores']:.2f} cores",
+                    f"server {result['storm_cores']:.2f} cores (waited for {result['storm_waited']:.2f})",
                     sim_note(storm),
                 ))
                 readme["storm"] = f"not all back in {args.cap:g} s"

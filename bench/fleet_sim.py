@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import resource
 import ssl
 import sys
@@ -32,7 +33,7 @@ import trio_websocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from llmgw_agent.agent import Session, backoff_delay, next_attempt
+from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, backoff_delay, next_attempt
 from llmgw_agent.config import AgentConfig
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
@@ -49,9 +50,30 @@ from llmgw_core.wire import (
 from llmgw_core.ws_frames import Heard, silence_bound
 
 H100 = "NVIDIA H100 80GB HBM3"
+_ADDRESS = re.compile(r"Error connecting to \('[^']*', \d+\): |\[?[0-9a-f.:]*[0-9]\]?:\d+:? ?")
 # The real agent's reconnect backoff, as its config has it by default.
 BASE_S = attrs.fields(AgentConfig).reconnect_base_s.default
 CAP_S = attrs.fields(AgentConfig).reconnect_cap_s.default
+
+
+def why_failed(exc: BaseException) -> str:
+    """Why a session ended, in a few words: the cause, never the control plane's address
+    (the same in every line, it would crowd the cause out of the table)."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    if isinstance(exc, ConnectFailed):
+        text = str(exc)
+        if text.startswith("refused by the control plane"):
+            why = text[: text.find(":", text.find("HTTP") + 5)]  # its HTTP status
+        elif "refused" in text:
+            why = "refused"
+        elif "no answer" in text:  # and during which step
+            why = "no answer " + text[text.rfind("(") :]
+        else:
+            why = text
+    else:
+        why = type(exc).__name__
+    return _ADDRESS.sub("", why)[:90]
 
 
 def source_address(i: int) -> str:
@@ -128,20 +150,8 @@ class Worker:
 
     def failed(self, exc: BaseException, session: Session) -> None:
         """Count why a session ended, in a few words (before or after its welcome)."""
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        if isinstance(exc, ConnectFailed):
-            text = str(exc)
-            if "refused" in text:
-                why = "refused"
-            elif "no answer" in text:  # and during which step
-                why = "no answer " + text[text.rfind("(") :]
-            else:
-                why = text
-        else:
-            why = type(exc).__name__
         when = "after welcome" if session.welcomed_at is not None else "before welcome"
-        key = f"{why[:60]} ({when})"
+        key = f"{why_failed(exc)} ({when})"
         self.failures[key] = self.failures.get(key, 0) + 1
 
     async def session(self, i: int, register: str, session: Session) -> None:
@@ -150,7 +160,7 @@ class Worker:
         async with open_agent_stream(
             self.url,
             self.context(i),
-            connect_timeout_s=10.0,
+            connect_timeout_s=CONNECT_TIMEOUT_S,  # the agent's own patience
             disconnect_timeout_s=1.0,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,

@@ -8,8 +8,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import hypothesis_profiles
 import procs as procs_module
 from procs import Procs
+
+# Before any test module is imported: their `profile_times(...)` read the loaded profile.
+hypothesis_profiles.load()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,6 +42,7 @@ def fleet(procs: Procs) -> Iterator[object]:
     try:
         yield f
     finally:
+        f.close()
         pids = f.every_engine_pid()
         procs.stop_all()
         for pid in pids:  # engines orphaned by an agent killed with SIGKILL

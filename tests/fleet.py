@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,21 @@ def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "con
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def engine_port_block() -> int:
+    """The first of 100 ports for a fleet's engines.
+
+    Below the kernel's ephemeral range (32768 on), so no outgoing connection of another
+    test holds an engine's port, and above the default 20000-20999 that tests with their
+    own server config use. Under pytest-xdist each worker draws from blocks of its own
+    (every worker count-th one), so that fleets running at once never share a port; one
+    worker's fleets run one after another. Not the global generator: hypothesis seeds it
+    for its own tests, which would hand later fleets the same ports as an earlier one.
+    """
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return random.SystemRandom().choice(range(21000 + 100 * worker, 32700, 100 * workers))
+
+
 class Fleet:
     def __init__(self, procs: Procs) -> None:
         self.procs = procs
@@ -45,12 +62,7 @@ class Fleet:
         self.server_proc: Proc | None = None
         self.agents: dict[str, Proc] = {}
         self.every_agent: list[Proc] = []  # restarted ones too: their engines live on
-        # Not the global generator: hypothesis seeds it for its own tests, which would
-        # hand later fleets the same engine ports as an earlier one.
-        # Below the kernel's ephemeral range (32768 on), so no outgoing connection of
-        # another test holds an engine's port, and above the default 20000-20999 that
-        # tests with their own server config use.
-        base = random.SystemRandom().randrange(21000, 32700, 100)
+        base = engine_port_block()
         self.ports = (base, base + 99)
         # mTLS as in production: a CA made on the fly, a certificate per node.
         self.certs = procs.tmp / "certs"
@@ -108,14 +120,31 @@ class Fleet:
         return proc
 
     def status(self) -> dict[str, Any]:
-        response = httpx.get(self.control + "/v1/admin/status", timeout=5, verify=self.tls)
+        response = self.admin.get("/v1/admin/status")
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         return data
 
-    @property
+    @cached_property
     def tls(self) -> ssl.SSLContext:
+        """One context for the fleet's CA: making one reads the CA file again."""
         return ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+
+    @cached_property
+    def admin(self) -> httpx.Client:
+        """One client for the tests' status polls (a client per poll costs about 0.2 s
+        of CPU on a busy machine). No keep-alive: each request makes a new connection,
+        as a client per request did, so none is reused across a server's restart."""
+        return httpx.Client(
+            base_url=self.control,
+            verify=self.tls,
+            timeout=5,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
+
+    def close(self) -> None:
+        if "admin" in self.__dict__:
+            self.admin.close()
 
     def cli(self, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
         """The admin CLI against this fleet's control plane (trusting the fleet's CA)."""

@@ -10,9 +10,11 @@ import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_agent.agent import Session, backoff_delay, next_attempt
+from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, backoff_delay, next_attempt
 from llmgw_agent.config import AgentConfig
 from llmgw_core.ws_frames import Heard, SilenceBound, silence_bound
+from llmgw_http.server import ServerLimits
+from llmgw_http.tls_admission import AdmissionLimits
 
 
 def test_full_jitter_stays_under_the_exponential_cap_and_spreads() -> None:
@@ -60,6 +62,18 @@ def test_by_default_a_refused_fleet_comes_back_slower_than_a_busy_control_plane_
         mean = n / min(DEFAULT_CAP, DEFAULT_BASE * 2**failures)
         assert busiest <= 1.15 * mean, (failures, busiest, mean)
         assert busiest <= 2_750
+
+
+def test_an_agent_waits_as_long_as_the_control_port_may_queue_it() -> None:
+    """Finding 12: agents gave up after 10 s, so a control plane that a storm kept busy
+    longer handshook with clients that had left, and each agent dialled 4 to 9 times,
+    at the back of the queue each time. The agent's dial waits for what the control
+    port may make it wait: its queue deadline for agents, then the handshake's own
+    deadline, then the websocket's answer (sent within the server's header timeout)."""
+    limits = AdmissionLimits()
+    assert limits.agents_queue_s >= 30.0
+    server_side = limits.agents_queue_s + limits.deadline_s + ServerLimits().header_timeout_s
+    assert server_side <= CONNECT_TIMEOUT_S
 
 
 def _per_second(times: list[float]) -> dict[int, int]:

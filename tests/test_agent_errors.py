@@ -29,7 +29,9 @@ from procs import Proc, free_port
 # --- in process -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def cas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two fleets' CAs, each with the control plane's certificate and one node's."""
     found = {}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 
 from llmgw_agent.agent import Agent
@@ -21,8 +22,11 @@ NON_FINITE = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
 
 
 async def test_the_agent_reconnects_through_bad_frames_silence_and_refusals(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
 ) -> None:
+    """On trio's autojump clock: the agent's 10 s wait for a welcome passes at once.
+    Everything runs in this one trio loop over loopback (an address, no resolver
+    thread), so time jumps only when every task waits for a timer."""
     caplog.set_level(logging.ERROR, logger="llmgw.agent")
     intervals = [f"interval {token}" for token in NON_FINITE]
     behaviours = ["garbage after welcome", "no welcome", "garbage instead of welcome", "refuse", *intervals]

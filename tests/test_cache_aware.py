@@ -10,6 +10,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
 from llmgw_server.router.balancer import Balancer, Replica
@@ -212,7 +213,7 @@ def test_sessions_use_rendezvous_and_keep_recording_nothing() -> None:
     assert b.pick(session="alice", now=1) is choice.replica
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=profile_times(2), deadline=None)
 @given(
     available=st.lists(st.booleans(), min_size=1, max_size=8),
     loads=st.lists(st.integers(0, 30), min_size=8, max_size=8),
@@ -249,7 +250,7 @@ def test_choose_alone_needs_a_candidate() -> None:
     assert choice.matched_bytes == 0
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=profile_times(0.2), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), replicas=st.integers(2, 8))
 def test_two_routers_that_each_saw_half_the_traffic_agree(seed: int, replicas: int) -> None:
     """Each request of a multi-turn workload goes to one of two router processes (no shared

@@ -272,16 +272,21 @@ def test_status_names_a_crash_loop_and_its_reason(fleet: Any) -> None:
 
     replica = wait_until(looping, timeout=30, what="a crash-looping replica")
 
+    # The replica's reason follows its phase: "restarting (N failures)" while it starts
+    # again, the engine's exit while it waits for its restart. Which one a `status` call
+    # meets is the scheduler's choice: wait for the line that names the exit.
+    exited = f"{replica['replica_id']} crash loop: the engine exited with status 3 ("
+
     def models_line() -> str | None:
         done = fleet.cli("status")
         assert done.returncode == 0, done.stderr
         line = next(x for x in done.stdout.splitlines() if x.startswith("chat "))
-        return line if "crash loop" in line else None
+        return line if exited in line else None
 
-    line = wait_until(models_line, timeout=10, what="the crash loop in the models table")
+    line = wait_until(models_line, timeout=30, what="the crash loop and its exit in the models table")
     name, desired, placed, serving, why = line.split(None, 4)
     assert (name, desired, placed, serving) == ("chat", "1", "1", "0")
-    assert why.startswith(f"{replica['replica_id']} crash loop: the engine exited with status 3 (")
+    assert why.startswith(exited)
     assert " failures" in why
 
 

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_agent.config import AgentConfig, parse_agent_config
 from llmgw_core.catalog import Profile
 from llmgw_core.config import (
@@ -225,7 +226,7 @@ def _assert_points_into(data: Any, message: str, file: str) -> None:
             node = node[key]
 
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=profile_times(3), deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @FUZZ

@@ -19,6 +19,7 @@ import trio_websocket
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.inventory import Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.wire import (
     PROTOCOL,
@@ -92,7 +93,9 @@ def start_server(procs: Procs) -> Server:
     return Server(router, control_port)
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     procs = Procs(tmp_path_factory.mktemp("fuzz-agents"))
     try:
@@ -208,7 +211,7 @@ garbage = st.one_of(
 
 
 @settings(
-    max_examples=50,
+    max_examples=profile_times(0.5),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

@@ -16,13 +16,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_agent.config import parse_agent_config
 from llmgw_agent.inventory_probe import read_simulated
 from llmgw_core.config import load_config, parse_config
 from llmgw_core.tomlshape import ConfigError
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=profile_times(1.5),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

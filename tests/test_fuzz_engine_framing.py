@@ -24,6 +24,7 @@ import trio.testing
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Endpoint
 from llmgw_http.transport import Transport, memory_pair
 from llmgw_server.router.upstream import Pool, UpstreamError
@@ -174,7 +175,7 @@ def answers(draw: st.DrawFn) -> tuple[bytes, bool]:
     return wire, w.hostile
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=profile_times(4), deadline=None)
 @given(answers(), st.data())
 def test_engine_answers_are_relayed_as_h11_reads_them_or_refused(
     answer: tuple[bytes, bool], data: st.DataObject

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from procs import Proc, Procs, models_toml
 
 HEADER_TIMEOUT_S = 0.4
@@ -35,7 +36,7 @@ CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]
 
 def settings_(n: int) -> settings:
     return settings(
-        max_examples=n,
+        max_examples=profile_times(n / 100),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )

@@ -161,7 +161,9 @@ def _run(argv: list[str], timeout: float) -> None:
     assert done.returncode == 0, f"{argv}:\n{done.stdout}\n{done.stderr}"
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     root = tmp_path_factory.mktemp("install")
     clone = root / "clone"

@@ -17,6 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from hypothesis_profiles import profile_times
 from llmgw_mock_engine.scheduler import (
     Admission,
     BlockCache,
@@ -192,7 +193,7 @@ def test_model_parameters_are_checked() -> None:
             EngineModel(**bad)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=profile_times(2), deadline=None)
 @given(
     length=st.integers(1, 200),
     block_size=st.integers(1, 32),
@@ -336,7 +337,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCacheMachine.settings = settings(max_examples=profile_times(1.5), stateful_step_count=40, deadline=None)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -424,4 +425,4 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestSchedulerMachine.settings = settings(max_examples=profile_times(1.5), stateful_step_count=40, deadline=None)

@@ -114,7 +114,7 @@ requests = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(requests, st.data())
 def test_the_plain_parser_answers_what_h11_answers(
     reqs: list[tuple[bytes, bytes, bytes, list[bytes]]], data: st.DataObject

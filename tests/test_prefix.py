@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hypothesis_profiles import profile_times
 from llmgw_server.router.prefix import MAX_BLOCKS, PrefixIndex, PromptKey, prompt_key, stable_hash
 
 BLOCK = 64
@@ -222,4 +223,4 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 TestIndexMachine = IndexMachine.TestCase
-TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestIndexMachine.settings = settings(max_examples=profile_times(0.6), stateful_step_count=30, deadline=None)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Endpoint
 from llmgw_server.route_feed.messages import (
     PROTOCOL,
@@ -47,13 +48,13 @@ ups = st.one_of(
 )
 
 
-@settings(max_examples=200)
+@settings(max_examples=profile_times(2))
 @given(tables)
 def test_routes_round_trip(table: RouteTable) -> None:
     assert decode_down(encode(Routes(table))) == Routes(table)
 
 
-@settings(max_examples=200)
+@settings(max_examples=profile_times(2))
 @given(ups)
 def test_up_messages_round_trip(message: Hello | InFlight) -> None:
     assert decode_up(encode(message)) == message
@@ -121,7 +122,7 @@ def test_bad_tables_say_why(frame: str, reason: str) -> None:
         decode_down(frame)
 
 
-@settings(max_examples=300)
+@settings(max_examples=profile_times(3))
 @given(st.one_of(st.text(max_size=300), st.binary(max_size=300)))
 def test_arbitrary_frames_decode_or_raise_feed_error(frame: str | bytes) -> None:
     for decode in (decode_up, decode_down):
@@ -143,7 +144,7 @@ endpoint_like = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=500)
+@settings(max_examples=profile_times(5))
 @given(
     st.sampled_from(["hello", "in_flight", "routes", "nope"]),
     st.dictionaries(

@@ -154,7 +154,13 @@ async def test_cancelled_without_a_stop_command_the_engine_keeps_running() -> No
 async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() -> None:
     seen, report = recorder()
     port = free_port()
-    argv = [sys.executable, "-m", "llmgw_mock_engine", "serve", "m", "--port", str(port), "--mock-startup-delay", "60"]
+    # The tail must hold what the engine printed: a line at once, from the shell that
+    # then becomes the engine. (The mock's own first line comes after its imports, which
+    # may take longer than the 1 s limit on a busy machine.)
+    argv = [
+        "sh", "-c", 'echo "engine launching"; exec "$0" "$@"',
+        sys.executable, "-m", "llmgw_mock_engine", "serve", "m", "--port", str(port), "--mock-startup-delay", "60",
+    ]  # fmt: skip
     with trio.fail_after(20):
         async with httpx.AsyncClient(timeout=1) as client:
             engine = EngineProcess(
@@ -164,7 +170,7 @@ async def test_an_engine_that_never_becomes_healthy_is_stopped_and_reported() ->
             await engine.run()
     assert [t.state for t in seen] == ["starting", "failed"]
     assert seen[-1].detail == "the engine did not become healthy within 1 s"
-    assert any("mock engine serving" in line for line in seen[-1].output_tail)
+    assert any("engine launching" in line for line in seen[-1].output_tail)
 
 
 async def test_each_start_writes_a_fresh_log(tmp_path: Path) -> None:

@@ -102,24 +102,38 @@ def test_admission_bounds_pending_connections_in_all_and_per_source() -> None:
 
 
 def test_a_connection_too_old_to_finish_in_time_is_refused_and_the_deadline_counts_its_queue() -> None:
-    core = TLSAdmission(AdmissionLimits(deadline_s=3.0, min_left_s=0.5))
-    assert core.arrive("10.0.0.1", 2.6) == REFUSED_LATE  # 0.4 s left: it would not finish
+    core = TLSAdmission(AdmissionLimits(deadline_s=3.0, agents_queue_s=30.0, min_left_s=0.5))
+    # Too late for any lane (an agent's included): refused at accept.
+    assert core.arrive("10.0.0.1", 29.6) == REFUSED_LATE
+    # Anyone but an agent: 0.4 s left of 3 s, it would not finish; refused once its hello
+    # says it is no agent.
+    assert core.arrive("10.0.0.1", 2.6) is None
+    core.sorted()
+    assert core.hello(OTHERS, 100.0, arrived=100.0 - 2.6) == REFUSED_LATE
+    core.leave("10.0.0.1", unsorted=False)
     assert core.arrive("10.0.0.1", 2.4) is None
     deadline = core.deadline(accepted_at=100.0, age_s=2.4)
     assert deadline == pytest.approx(100.6)
-    assert core.hello(AGENTS, 100.0) is None and core.hello(AGENTS, 100.0) is None
-    assert core.begin(AGENTS, 100.05, deadline)
-    assert not core.begin(AGENTS, 100.2, deadline)  # its place came too late: reset
-    assert core.lanes[AGENTS].waiting == 0 and core.lanes[AGENTS].in_flight == 1
-    assert core.refused == {REFUSED_LATE: 1, SHED_LATE: 1}
+    assert core.queue_deadline(OTHERS, 100.0 - 2.4) == pytest.approx(100.6)
+    assert core.hello(OTHERS, 100.0, 97.6) is None and core.hello(OTHERS, 100.0, 97.6) is None
+    assert core.begin(OTHERS, 100.05, deadline)
+    assert not core.begin(OTHERS, 100.2, deadline)  # its place came too late: reset
+    assert core.lanes[OTHERS].waiting == 0 and core.lanes[OTHERS].in_flight == 1
+    # An agent waits its turn for up to agents_queue_s from its arrival (it waits that
+    # long itself), not 3 s, and is refused only with less than min_left_s of that left.
+    assert core.hello(AGENTS, 100.0, arrived=100.0 - 2.6) is None
+    assert core.queue_deadline(AGENTS, 97.4) == pytest.approx(127.4)
+    assert core.begin(AGENTS, 126.8, core.queue_deadline(AGENTS, 97.4))
+    assert core.hello(AGENTS, 100.0, arrived=100.0 - 29.6) == REFUSED_LATE
+    assert core.refused == {REFUSED_LATE: 3, SHED_LATE: 1}
 
 
 def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() -> None:
     """Finding 12: connections queued 2 s for a slot and then shed, or served after their
     clients gave up; 69% of the handshakes begun produced no registration."""
     limits = AdmissionLimits(
-        agents_in_flight=(4, 100), others_in_flight=2, deadline_s=3.0, min_left_s=0.5,
-        assumed_rate=100,
+        agents_in_flight=(4, 100), others_in_flight=2, deadline_s=3.0, agents_queue_s=3.0,
+        min_left_s=0.5, assumed_rate=100,
     )
     core = TLSAdmission(limits)
     # Before any measure: the assumed 100 a second, 2.5 s of them.
@@ -358,4 +372,65 @@ async def test_40_silent_connections_leave_the_admin_api_and_new_agents_served(
                         assert isinstance(decode_down(await ws.get_message()), Welcome)
                 await trio.sleep(1.0)
             stop.set()
+            nursery.cancel_scope.cancel()
+
+
+async def agent_handshake(port: int, certs: Path) -> trio.SSLStream[trio.SocketStream]:
+    """A TLS handshake as an agent's dial makes it (its ALPN name), without a certificate."""
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.set_alpn_protocols([AGENT_ALPN.decode()])
+    tls = trio.SSLStream(
+        await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="localhost"
+    )
+    await tls.do_handshake()
+    return tls
+
+
+async def test_an_agent_waits_its_turn_past_3_s_and_is_served_when_a_place_frees(
+    tmp_path: Path,
+) -> None:
+    """Finding 12: an agent's connection was cut 3 s after its arrival however patient
+    the agent, so a storm the server could not serve within 3 s came back again and
+    again (4 dials a node at 10,000 nodes). Now it waits in FIFO order for its place,
+    up to agents_queue_s, holding no slot, and is served with one handshake."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    # One place for agents, held 4 s by an agent that says nothing after its handshake.
+    limits = AdmissionLimits(agents_in_flight=(1, 1), in_flight_s=4.0, agents_queue_s=30.0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, limits)
+            first = await agent_handshake(port, certs)
+            t0 = time.monotonic()
+            second = await agent_handshake(port, certs)  # today's code: reset at 3 s
+            waited = time.monotonic() - t0
+            assert 3.5 < waited < 8.0, waited
+            assert server.tls_admission.core.refused == {}
+            # Meanwhile operators were not held back: their lane is their own.
+            t0 = time.monotonic()
+            assert await get(port, certs) == 200
+            assert time.monotonic() - t0 < 2.0
+            for stream in (first, second):
+                await trio.aclose_forcefully(stream)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_queued_agent_is_still_cut_at_the_queue_deadline(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    limits = AdmissionLimits(agents_in_flight=(1, 1), in_flight_s=10.0, agents_queue_s=2.0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, limits)
+            first = await agent_handshake(port, certs)
+            t0 = time.monotonic()
+            with pytest.raises(trio.BrokenResourceError):
+                await agent_handshake(port, certs)
+            assert 1.0 < time.monotonic() - t0 < 3.5
+            await trio.aclose_forcefully(first)
+            lanes = server.tls_admission.core.lanes.values()
+            while any(lane.in_flight or lane.waiting for lane in lanes):
+                await trio.sleep(0.05)  # every place given back: nothing leaks
+            assert server.tls_admission.core.total_pending == 0
+            assert not server.tls_admission.core.pending
             nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Endpoint
 from llmgw_http.h1 import BadHead, response_framing
 from llmgw_http.transport import Transport, memory_pair
@@ -102,7 +103,7 @@ header_lines = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=profile_times(1.5), deadline=None)
 @given(
     st.sampled_from([200, 201, 404, 500]),
     header_lines,

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.wire import (
     PROTOCOL,
@@ -102,7 +103,7 @@ def test_bad_frames_say_why(frame: str | bytes, reason: str) -> None:
         decode_up(frame)
 
 
-@settings(max_examples=300)
+@settings(max_examples=profile_times(3))
 @given(st.one_of(st.text(max_size=300), st.binary(max_size=300)))
 def test_arbitrary_frames_decode_or_raise_wire_error(frame: str | bytes) -> None:
     try:
@@ -120,7 +121,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=profile_times(3))
 @given(
     st.sampled_from(["register", "heartbeat", "shard_update", "ack"]),
     st.dictionaries(

@@ -48,7 +48,7 @@ from llmgw_agent.supervisor import (
 )
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
-from llmgw_core.dial import ConnectFailed, open_agent_stream
+from llmgw_core.dial import AGENT_DIAL_PATIENCE_S, ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import client_context
@@ -83,8 +83,9 @@ log = logging.getLogger("llmgw.agent")
 
 ShardId = tuple[str, int]  # replica id, rank
 
-# Dialing, the TLS handshake and the websocket handshake together get this long.
-CONNECT_TIMEOUT_S = 10.0
+# Dialing, the TLS handshake and the websocket handshake together get this long: long
+# enough to wait its turn at a control plane that a whole fleet dials at once.
+CONNECT_TIMEOUT_S = AGENT_DIAL_PATIENCE_S
 # Closing waits this long for the control plane's close frame (the library's default is
 # 60 s); a stream cut for silence is closed at once, without waiting.
 DISCONNECT_TIMEOUT_S = 5.0

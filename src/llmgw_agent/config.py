@@ -24,10 +24,9 @@ from llmgw_core.config_schema import (
     rules,
     structure,
 )
+from llmgw_core.engines import ENGINE_KINDS
 from llmgw_core.tls_config import AgentTLS, require_agent_tls
 from llmgw_core.tomlshape import load_toml, type_name
-
-ENGINE_KINDS = ("vllm", "sglang", "llamacpp", "mock")
 
 DEFAULT_COMMANDS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm",),

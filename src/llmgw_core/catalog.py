@@ -21,12 +21,12 @@ from llmgw_core.config_schema import (
     rule_before,
     rules,
 )
+from llmgw_core.engines import ENGINE_KINDS
 from llmgw_core.tomlshape import Table
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-ENGINES = ("vllm", "sglang", "llamacpp", "mock")
 # The agent sets these from the GPUs it assigns; a profile that set them would
 # let two replicas share a GPU.
 _AGENT_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"})
@@ -72,8 +72,8 @@ def parse_endpoint(text: str) -> Endpoint:
 
 
 def _engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise Problem(f"must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if engine not in ENGINE_KINDS:
+        raise Problem(f"must be one of {', '.join(ENGINE_KINDS)}, not {engine!r}")
     return engine
 
 
@@ -90,7 +90,7 @@ def _engine_env(env: dict[str, str]) -> dict[str, str]:
 class Profile:
     """How the control plane runs a model: engine, weights, parallelism, where it may go."""
 
-    engine: str = attrs.field(metadata=rules(check=_engine))  # one of ENGINES
+    engine: str = attrs.field(metadata=rules(check=_engine))  # one of ENGINE_KINDS
     model: str  # the weights: a Hugging Face id or a local path on the nodes
     tensor_parallel: int = attrs.field(default=1, metadata=rules(min=1))
     pipeline_parallel: int = attrs.field(default=1, metadata=rules(min=1))

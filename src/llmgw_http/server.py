@@ -148,7 +148,7 @@ class HTTPServer:
         failure: BaseException | None = None
         tls: trio.SSLStream[Any] | None = None
         try:
-            with trio.move_on_at(ticket.deadline) as handshake:
+            with ticket.scope as handshake:
                 try:
                     tls = await self.tls_admission.handshake(ticket, context)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:

@@ -4,22 +4,28 @@ a storm of agents is refused cheaply, before any SSL object, when it cannot be s
 The port faces every node and every operator, before any credential is seen. What a
 connection may hold, and for how long:
 
-- Every connection has one deadline, `deadline_s` (3 s) from its arrival in the
-  kernel (its age there read from TCP_INFO, so time spent in the accept queue
-  counts): a silent, trickling or stalled handshake is cut then.
+- Every connection must have sent its whole ClientHello `deadline_s` (3 s) after its
+  arrival in the kernel (its age there read from TCP_INFO, so time spent in the
+  accept queue counts), and finished its handshake by then, with one exception: an
+  agent's hello may wait in its lane's queue for up to `agents_queue_s` (30 s) from
+  its arrival, since agents wait that long (llmgw_core.dial.AGENT_DIAL_PATIENCE_S),
+  and then has `deadline_s` for its handshake once it has its place. A silent,
+  trickling or stalled handshake is cut within 3 s; a queued agent holds a socket
+  and no slot or place, and is served in its turn instead of dialling again.
 - A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
   is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
   costs no wake-ups), and given back as soon as the server has sent its first
   flight: a slot covers the server's own CPU (the signature, ~1 ms), never a wait
   for the peer. A silent or slow peer therefore holds no slot at all, whatever it
   does, and slots pace CPU instead of being held by slow clients.
-- A connection is counted as pending from accept to the end of its handshake; past
-  `max_pending` in all, or `per_source_pending` from one source address, a new
-  connection is reset at once (SO_LINGER 0): it costs an accept and a close, no
-  SSL object. A client that reached the accept queue too late to finish within its
-  deadline (`min_left_s`) is reset the same way, as is one whose deadline is too
-  near once its slot comes: the server serves only clients that will still be
-  there, and the agents back off on a reset.
+- A connection is pending from accept to the end of its handshake; past
+  `per_source_pending` from one source address, or `max_pending` in all before
+  their hellos have sorted them into lanes, a new connection is reset at once
+  (SO_LINGER 0): it costs an accept and a close, no SSL object. A client that
+  reached the server too late to finish within its deadline (`min_left_s`) is reset
+  the same way, as is one whose deadline is too near once its place comes: the
+  server serves only clients that will still be there, and the agents back off on
+  a reset.
 - Work past the handshake is bounded too: a whole hello takes an in-flight place
   in its lane before its handshake, held until the connection has had its
   answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
@@ -27,16 +33,19 @@ connection may hold, and for how long:
   alone: agents offer the ALPN name `llmgw-agent` (AGENT_ALPN), everyone else
   (operators' CLI, browsers, curl) is in the other lane, so a registration storm
   cannot crowd operators out, nor operators agents. A hello waits for a place in
-  FIFO order while the lane's queue holds no more than the lane serves within a
-  deadline (its measured rate of places given back, in seconds when every place was
-  taken); past that it is reset before any SSL object. Without this bound a storm
-  on a starved server completed thousands of TLS handshakes whose clients then
-  gave up during the websocket handshake (measured at 2,000 nodes: 3,463 of 6,381
-  dials).
+  FIFO order while the lane's queue holds no more than the lane serves within its
+  queue deadline (its measured rate of places given back, in seconds when every
+  place was taken; agents' queues at most `max_queued`); past that it is reset
+  before any SSL object. Without this bound a storm on a starved server completed
+  thousands of TLS handshakes whose clients then gave up during the websocket
+  handshake (measured at 2,000 nodes: 3,463 of 6,381 dials); with agents given up
+  after 10 s and queues of 2.5 s, a storm of 10,000 took 4 dials a node.
 
 An attacker from one address can hold `per_source_pending` sockets for 3 s each and
-nothing else; holding every pending place takes max_pending / per_source_pending
-addresses (16 with the defaults), each redialling 340 times a second.
+nothing else (for 30 s if they offer agents' hellos, in the agents' queue, where
+filling it takes max_queued / per_source_pending addresses: 128); holding every
+pending place takes max_pending / per_source_pending addresses (16 with the
+defaults), each redialling 340 times a second.
 
 The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
 source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
@@ -54,7 +63,7 @@ from collections import Counter
 import attrs
 import trio
 
-from llmgw_core.dial import AGENT_ALPN
+from llmgw_core.dial import AGENT_ALPN, AGENT_QUEUE_S
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.sockio import peer_left
@@ -70,14 +79,22 @@ _TCP_INFO_BYTES = 104
 @attrs.frozen
 class AdmissionLimits:
     handshakes_at_once: int = 32  # server flights being computed at once (CPU, not peers)
-    deadline_s: float = 3.0  # from the connection's arrival in the kernel to its handshake's end
-    max_pending: int = 1024  # connections between accept and the end of their handshake
-    per_source_pending: int = 64  # of those, from one source address
+    # From the connection's arrival in the kernel to its whole hello and, but for an
+    # agent's, to its handshake's end; an agent's handshake gets it from its place.
+    deadline_s: float = 3.0
+    agents_queue_s: float = AGENT_QUEUE_S  # from an agent's arrival to its place
+    max_pending: int = 1024  # connections between accept and their whole hello
+    per_source_pending: int = 64  # from one source address, until their handshakes end
+    max_queued: int = 8192  # agents' hellos waiting for a place (each holds a socket)
     min_left_s: float = 0.5  # a handshake begun with less time left would not finish
     # Agents between their hello and their welcome: as many as the lane gives back in
     # `in_flight_target_s` at its measured rate (Little's law: a registration then takes
-    # about that long, well within an agent's 10 s), within these bounds.
-    agents_in_flight: tuple[int, int] = (32, 1024)
+    # about that long, well within an agent's patience), within these bounds. The floor
+    # is high because a place waits on its agent most of the time (round trips, its
+    # register), not on this server's CPU, which the handshake slots bound: with 32, a
+    # storm of slow agents (a busy machine's) held every place while the server idled,
+    # the rate measured fell with it, and the queue bound refused thousands.
+    agents_in_flight: tuple[int, int] = (256, 2048)
     others_in_flight: int = 16  # anyone else between the hello and the first answer
     in_flight_target_s: float = 3.0
     in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)
@@ -147,8 +164,8 @@ class TLSAdmission:
         """A connection accepted from `source` after `age_s` in the kernel's queue:
         None when it is admitted (pending until `leave`), else why it is refused."""
         why: str | None = None
-        if age_s > self.limits.deadline_s - self.limits.min_left_s:
-            why = REFUSED_LATE
+        if age_s > self.limits.agents_queue_s - self.limits.min_left_s:
+            why = REFUSED_LATE  # too late for any lane (its hello will say which)
         elif self.total_pending >= self.limits.max_pending:
             why = REFUSED_FULL
         elif self.pending[source] >= self.limits.per_source_pending:
@@ -160,36 +177,56 @@ class TLSAdmission:
         self.total_pending += 1
         return None
 
-    def leave(self, source: str) -> None:
-        """An admitted connection's handshake ended (done, failed or cut)."""
-        self.total_pending -= 1
+    def leave(self, source: str, unsorted: bool = True) -> None:
+        """An admitted connection's handshake ended (done, failed or cut); `unsorted`:
+        before its hello was whole (still counted against max_pending)."""
+        if unsorted:
+            self.total_pending -= 1
         self.pending[source] -= 1
         if self.pending[source] <= 0:
             del self.pending[source]
 
     def deadline(self, accepted_at: float, age_s: float) -> float:
-        """When an admitted connection's handshake must be over (trio's clock)."""
+        """When an admitted connection's hello must be whole and, but for an agent's, its
+        handshake over (trio's clock)."""
         return accepted_at - age_s + self.limits.deadline_s
+
+    def queue_deadline(self, lane: str, arrived: float) -> float:
+        """When a hello that arrived (in the kernel) at `arrived` must have its place."""
+        return arrived + self._queue_s(lane)
+
+    def _queue_s(self, lane: str) -> float:
+        return self.limits.agents_queue_s if lane == AGENTS else self.limits.deadline_s
 
     def queue_bound(self, lane: str) -> float:
         """The hellos that may wait for a place: as many as the lane gives back (at its
-        measured rate) within a deadline, less the time a handshake takes."""
+        measured rate) within its queue deadline, less the time a handshake takes."""
         held = self.lanes[lane]
         rate = self.limits.assumed_rate if held.rate is None else held.rate
-        within = self.limits.deadline_s - self.limits.min_left_s
-        return max(float(held.min_places), rate * within)
+        within = self._queue_s(lane) - self.limits.min_left_s
+        return max(float(held.min_places), min(rate * within, float(self.limits.max_queued)))
 
     def has_room(self, lane: str) -> bool:
         """A queued hello may take a place now."""
         held = self.lanes[lane]
         return held.in_flight < held.places(self.limits)
 
-    def hello(self, lane: str, now: float) -> str | None:
-        """A whole ClientHello arrived: None when it joins its lane's queue for a place
-        (until `begin` or `unqueue`), else why it is refused, before any SSL object: it
+    def sorted(self) -> None:
+        """An admitted connection's hello is whole: its lane is known, and it no longer
+        counts against max_pending (its lane's queue bounds it from now on)."""
+        self.total_pending -= 1
+
+    def hello(self, lane: str, now: float, arrived: float | None = None) -> str | None:
+        """A whole ClientHello arrived (its connection in the kernel at `arrived`): None
+        when it joins its lane's queue for a place (until `begin` or `unqueue`), else
+        why it is refused, before any SSL object: it came too late for its lane, or it
         would wait past its deadline, its handshake work thrown away."""
         held = self.lanes[lane]
         held.roll(now)
+        left = None if arrived is None else self.queue_deadline(lane, arrived) - now
+        if left is not None and left < self.limits.min_left_s:
+            self.refused[REFUSED_LATE] += 1
+            return REFUSED_LATE
         if held.waiting >= self.queue_bound(lane):
             self.refused[REFUSED_BUSY] += 1
             return REFUSED_BUSY
@@ -282,11 +319,18 @@ def hello_bytes_needed(peeked: bytes) -> int:
 
 @attrs.define(eq=False)
 class Ticket:
-    """An admitted connection, before its handshake."""
+    """An admitted connection, before its handshake: the caller runs the handshake in
+    `scope`, whose deadline the gate moves as the connection goes through its phases."""
 
     stream: trio.SocketStream
     source: str
-    deadline: float  # trio's clock
+    arrived: float  # in the kernel (trio's clock)
+    scope: trio.CancelScope
+    unsorted: bool = True  # its hello not yet whole (counted against max_pending)
+
+    @property
+    def deadline(self) -> float:
+        return self.scope.deadline
 
 
 def kernel_age_s(sock: socket.socket) -> float:
@@ -348,7 +392,9 @@ class Gate:
         if why is not None:
             self._refused(stream, source, why)
             return None
-        return Ticket(stream, source, self.core.deadline(trio.current_time(), age))
+        now = trio.current_time()
+        deadline = self.core.deadline(now, age)
+        return Ticket(stream, source, now - age, trio.CancelScope(deadline=deadline))
 
     def _refused(self, stream: trio.SocketStream, source: str, why: str) -> None:
         reset(stream)
@@ -358,7 +404,7 @@ class Gate:
             log.warning("refused a TLS connection from %s: %s%s", source, why, more)
 
     def leave(self, ticket: Ticket) -> None:
-        self.core.leave(ticket.source)
+        self.core.leave(ticket.source, ticket.unsorted)
 
     def wake(self, lane: str) -> None:
         """Wake as many queued hellos as there is room (the lane's places may have grown)."""
@@ -370,7 +416,7 @@ class Gate:
     ) -> trio.SSLStream[Watched] | None:
         """The whole ClientHello, a place in its lane, a CPU slot, the handshake: the
         TLS stream, or None when the peer left or was shed (closed already). Raises
-        trio's stream errors as SSLStream does; the caller cancels at `ticket.deadline`
+        trio's stream errors as SSLStream does; the caller runs it in `ticket.scope`
         and calls `hold_place` with the stream it got."""
         stream = ticket.stream
         raw = _raw(stream)
@@ -379,20 +425,27 @@ class Gate:
             await trio.aclose_forcefully(stream)
             return None
         lane = lane_of(hello)
-        why = self.core.hello(lane, trio.current_time())
+        self.core.sorted()
+        ticket.unsorted = False
+        why = self.core.hello(lane, trio.current_time(), ticket.arrived)
         if why is not None:
             self._refused(stream, ticket.source, why)
             return None
+        deadline = self.core.queue_deadline(lane, ticket.arrived)
+        ticket.scope.deadline = deadline
         try:
             while not self.core.has_room(lane):
                 await self.lots[lane].park()
         except BaseException:
             self.core.unqueue(lane)  # cut at its deadline while it waited
             raise
-        if not self.core.begin(lane, trio.current_time(), ticket.deadline):
+        now = trio.current_time()
+        if not self.core.begin(lane, now, deadline):
             self.wake(lane)  # the room it was woken for goes to the next
             reset(stream)
             return None
+        if lane == AGENTS:  # its turn came: the handshake itself gets the usual deadline
+            ticket.scope.deadline = now + self.core.limits.deadline_s
         place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
         try:
             if peer_left(raw):  # a client that gave up while it waited costs no handshake
@@ -437,24 +490,27 @@ class _Place:
 async def _whole_hello(sock: socket.socket) -> bytes | None:
     """Wait until the ClientHello is buffered whole (its bytes, still in the kernel's
     buffer), or the peer closed (None). SO_RCVLOWAT makes the socket readable only once
-    the bytes still missing are there."""
+    the bytes still missing are there. Peeked first, before any wait: a client sends its
+    hello with its connect, so it is mostly there at accept, and a busy server that
+    waited for readiness first would lose a scheduling round on each connection."""
     try:
         while True:
-            await trio.lowlevel.wait_readable(sock)
             try:
-                peeked = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
+                peeked: bytes | None = sock.recv(HELLO_MAX_BYTES, socket.MSG_PEEK)
             except BlockingIOError:
-                continue
+                peeked = None
             except OSError:
                 return None
-            if not peeked:
-                return None
-            needed = hello_bytes_needed(peeked)
-            if needed == -1:
-                return None
-            if needed == 0:
-                return peeked
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+            if peeked is not None:
+                if not peeked:
+                    return None
+                needed = hello_bytes_needed(peeked)
+                if needed == -1:
+                    return None
+                if needed == 0:
+                    return peeked
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, needed)
+            await trio.lowlevel.wait_readable(sock)
     finally:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)

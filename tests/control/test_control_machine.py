@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Catalog, ModelEntry, Profile
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardState
@@ -366,7 +367,7 @@ def fits_one_more(f: Fleet, entry: ModelEntry | None) -> bool:
     return any(n >= p.pipeline_parallel for n in groups.values())
 
 
-ControlMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+ControlMachine.TestCase.settings = settings(max_examples=profile_times(2), stateful_step_count=50, deadline=None)
 TestControlMachine = ControlMachine.TestCase
 
 

@@ -15,6 +15,7 @@ from fleetsim import A100, H100, gpu_node, profile
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Profile
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory
 from llmgw_server.control.capacity import NodeCapacity, NodeFree
@@ -109,7 +110,7 @@ def placed_nodes(p: Profile, fleet: list[NodeCapacity], spread: bool) -> set[str
     return {s.node for s in assignment.shards}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=profile_times(4), deadline=None)
 @given(fleet=fleets(), p=profiles, spread=st.booleans())
 @example(
     # A domain whose H100 nodes fit two shards beside an A100 node that does not.
@@ -175,7 +176,7 @@ def test_the_explanation_adds_up_to_the_fleet_and_agrees_with_placement(
         ), node.name
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=profile_times(2), deadline=None)
 @given(fleet=fleets(), wants=st.lists(st.tuples(profiles, st.integers(1, 3)), max_size=3))
 def test_a_model_left_unplaced_is_explained_as_fitting_nowhere(
     fleet: list[NodeCapacity], wants: list[tuple[Profile, int]]

@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hypothesis_profiles import profile_times
 from llmgw_core.control_config import ControlSection
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
 
@@ -324,6 +325,6 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 
 LifecycleMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=profile_times(1.5), stateful_step_count=40, deadline=None
 )
 TestLifecycleMachine = LifecycleMachine.TestCase

@@ -9,6 +9,7 @@ from fleetsim import A100, H100, gpu_node, profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hypothesis_profiles import profile_times
 from llmgw_core.catalog import Profile
 from llmgw_core.inventory import Inventory
 from llmgw_server.control.lifecycle import NodeStatus
@@ -225,7 +226,7 @@ profiles = st.builds(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=profile_times(1.5), deadline=None)
 @given(
     nodes=fleets(),
     wants=st.lists(st.tuples(profiles, st.integers(1, 4)), max_size=4),

@@ -18,7 +18,7 @@ from fleetsim import Fleet, catalog, gpu_node, model
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import ShardState
 
-SIZES = (100, 1_000, 10_000)
+SIZES = (100, 1_000, 3_000)
 SETTINGS = ControlSection(settle_after_start_s=0.0, reconcile_interval_s=0.0)
 EVENTS = (
     "registration, on average over the fleet's",
@@ -89,7 +89,9 @@ def events(n: int) -> dict[str, Cost]:
     return out
 
 
-@pytest.fixture(scope="module")
+# Session, not module: pytest-xdist (make test) may hand a worker another module's tests
+# between two of these, and a module fixture would be made again each time.
+@pytest.fixture(scope="session")
 def costs() -> dict[int, dict[str, Cost]]:
     return {n: events(n) for n in SIZES}
 

@@ -17,6 +17,13 @@ retransmission timeout; a live agent dials again and registers. Not while the
 mass-loss guard holds, though: so many nodes silent at once most likely means
 this control plane stalled with their heartbeats unread in its sockets, and
 closing every stream would bring the whole fleet back at once.
+
+Registrations are served `REGISTRATIONS_AT_ONCE` at a time, in the order their
+upgrade requests came; the others wait (a socket each, no work) before their 101.
+Served all at once, a storm of agents shares the server's CPU among thousands
+of half-done registrations, each finishing late: on the plaintext port, which
+has no TLS admission in front, 5,000 nodes on a busy machine, whose agents gave
+up after 10 s, registered 573 in 90 s (issue 17, finding 12).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
+from llmgw_core.dial import AGENT_QUEUE_S
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
@@ -62,6 +70,12 @@ log = logging.getLogger("llmgw.agentsvc")
 AGENT_PATH = b"/v1/agent"
 REGISTER_TIMEOUT_S = 10.0
 OUTBOX_SIZE = 1024
+# Streams between their 101 and their welcome. A turn waits on its agent most of the
+# time (its register, up to REGISTER_TIMEOUT_S): a busy machine's slow agents held 128
+# turns while the server idled (10,000 plaintext nodes, load 9-11). 1,024 still keeps
+# a storm from spreading the server's CPU over every agent at once, and slow agents
+# cannot hold registration under 100 a second.
+REGISTRATIONS_AT_ONCE = 1024
 
 
 class StreamClosed(Exception):
@@ -118,6 +132,21 @@ class _Stream:
         self.cancel_scope.cancel()
 
 
+class _Turn:
+    """A registration's turn among REGISTRATIONS_AT_ONCE, given back once."""
+
+    __slots__ = ("_held", "_turns")
+
+    def __init__(self, turns: trio.Semaphore) -> None:
+        self._turns = turns
+        self._held = True
+
+    def end(self) -> None:
+        if self._held:
+            self._held = False
+            self._turns.release()
+
+
 class AgentEvents(Protocol):
     """What the streams report to: the control plane (which imports this module, never
     the other way round)."""
@@ -144,6 +173,7 @@ class AgentService:
         self.deny_serials = deny_serials
         self.heartbeat_interval_s = heartbeat_interval_s
         self.streams: dict[str, _Stream] = {}
+        self.registering = trio.Semaphore(REGISTRATIONS_AT_ONCE)  # FIFO
         self._command_ids = 0
         self.metrics = plane.metrics
 
@@ -186,19 +216,33 @@ class AgentService:
         if problem is not None:
             await _refuse(raw, 400, b"Bad Request", problem.encode())
             return
-        rest = b""
-        if isinstance(raw, ReplayStream):  # it gives back the head, and what came after it
-            rest = head_and_rest(bytes(await raw.receive_some()))
-        try:
-            await raw.send_all(accept_response(request))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        # Its turn among the registrations, within what an agent waits (its dial's
+        # patience covers this queue): past that it is told to come back later.
+        with trio.move_on_after(AGENT_QUEUE_S) as queued:
+            await self.registering.acquire()
+        if queued.cancelled_caught:
+            await _refuse(
+                raw, 503, b"Service Unavailable",
+                b"the control plane is busy registering other nodes: dial again later",
+            )
             return
-        ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
-        async with trio.open_nursery() as nursery:
+        registration = _Turn(self.registering)  # ended at the welcome, or with the stream
+        try:
+            rest = b""
+            if isinstance(raw, ReplayStream):  # it gives back the head, and what came after
+                rest = head_and_rest(bytes(await raw.receive_some()))
             try:
-                await self._serve(ws, nursery, _peer(raw), certificate)
-            finally:
-                nursery.cancel_scope.cancel()
+                await raw.send_all(accept_response(request))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
+            async with trio.open_nursery() as nursery:
+                try:
+                    await self._serve(ws, nursery, _peer(raw), certificate, registration)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            registration.end()
 
     def _check_identity(self, name: str, certificate: dict[str, Any] | None, peer: str) -> None:
         """A node registers only under the name its certificate carries, and not when denied."""
@@ -223,6 +267,7 @@ class AgentService:
         nursery: trio.Nursery,
         peer: str,
         certificate: dict[str, Any] | None,
+        registration: _Turn,
     ) -> None:
         stream: _Stream | None = None
         try:
@@ -256,6 +301,7 @@ class AgentService:
             # The agent's own version: one behind during a rolling upgrade.
             self.send(stream.node, Welcome(register.protocol, self.heartbeat_interval_s))
             self.plane.registered(register)
+            registration.end()  # the next agent's turn
             del register
             with stream.cancel_scope:
                 budget = _Budget(trio.current_time())

@@ -1,0 +1,51 @@
+"""Hypothesis's profiles, chosen by the environment, and per-test example counts relative
+to the chosen one.
+
+- `ci`: the counts CI has always run (Hypothesis's default of 100 examples per test, and
+  each test's own multiple of it). `make test` selects it, and so does a `CI` variable.
+- `dev`: a fifth of that, for a quick run while working on the code.
+
+`HYPOTHESIS_PROFILE` names one explicitly (`HYPOTHESIS_PROFILE=ci pytest tests/test_wire.py`
+runs what CI runs), and pytest's `--hypothesis-profile` overrides both. conftest loads
+the profile before any test module is imported, so that `profile_times` below, called
+while a module is imported, sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from hypothesis import settings
+
+CI = "ci"
+DEV = "dev"
+
+settings.register_profile(CI, max_examples=100)
+settings.register_profile(DEV, max_examples=20)
+
+
+def chosen(environ: Mapping[str, str]) -> str:
+    """The profile an environment asks for: `HYPOTHESIS_PROFILE`, else `ci` under CI
+    (the `CI` variable most CI services set), else `dev`."""
+    named = environ.get("HYPOTHESIS_PROFILE", "")
+    if named:
+        return named
+    return CI if environ.get("CI", "") not in ("", "0", "false") else DEV
+
+
+def load(environ: Mapping[str, str] = os.environ) -> str:
+    """Loads the profile `environ` asks for; an unknown name fails at once (Hypothesis
+    raises InvalidArgument, naming it)."""
+    name = chosen(environ)
+    settings.load_profile(name)
+    return name
+
+
+def profile_times(factor: float) -> int:
+    """`factor` times the loaded profile's examples per test, at least one: a test whose
+    input space needs more (or is too slow for as many) says so relative to the profile,
+    so that `dev` stays quick and `ci` keeps every test's count."""
+    loaded = settings.default
+    assert loaded is not None  # None only while Hypothesis itself is being imported
+    return max(1, round(loaded.max_examples * factor))
