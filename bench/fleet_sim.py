@@ -26,6 +26,7 @@ import ssl
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import attrs
 import trio
@@ -51,9 +52,10 @@ from llmgw_core.ws_frames import Heard, silence_bound
 
 H100 = "NVIDIA H100 80GB HBM3"
 _ADDRESS = re.compile(r"Error connecting to \('[^']*', \d+\): |\[?[0-9a-f.:]*[0-9]\]?:\d+:? ?")
-# The real agent's reconnect backoff, as its config has it by default.
-BASE_S = attrs.fields(AgentConfig).reconnect_base_s.default
-CAP_S = attrs.fields(AgentConfig).reconnect_cap_s.default
+# The real agent's reconnect backoff, as its config has it by default (attrs types a
+# field's default as optional: a field may have none; these have one).
+BASE_S = cast(float, attrs.fields(AgentConfig).reconnect_base_s.default)
+CAP_S = cast(float, attrs.fields(AgentConfig).reconnect_cap_s.default)
 
 
 def why_failed(exc: BaseException) -> str:
