@@ -13,9 +13,10 @@ import httpx
 import pytest
 import trio
 
+from llmgw_core.agent_lane import AGENT_ALPN
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.config import parse_config
-from llmgw_core.dial import AGENT_ALPN, open_agent_stream
+from llmgw_core.dial import open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_config import AgentsTLS, server_context
 from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode

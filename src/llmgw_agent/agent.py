@@ -48,7 +48,8 @@ from llmgw_agent.supervisor import (
 )
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
-from llmgw_core.dial import AGENT_DIAL_PATIENCE_S, ConnectFailed, open_agent_stream
+from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S
+from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import client_context

@@ -23,24 +23,9 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.agent_lane import AGENT_ALPN
 from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
-
-# Offered by agents in their ClientHello: the control port admits them on a lane of their
-# own (llmgw_http.tls_admission).
-AGENT_ALPN = b"llmgw-agent"
-
-# How long an agent waits for its dial to be answered: the TCP connect, the TLS handshake
-# and the websocket handshake together. A control plane that a whole fleet dials at once
-# (its first start, a restart) serves agents' connections in the order they came, within
-# a deadline it can meet (llmgw_http.tls_admission): an agent that waits its turn is
-# registered with one handshake, where one that gave up sooner dialled again, each time
-# at the back of the queue (issue 17: 4 to 9 attempts a node at 10,000 nodes).
-AGENT_DIAL_PATIENCE_S = 45.0
-# Of that, how long the control port may keep an agent's connection queued for its TLS
-# handshake, counted from its arrival in the server's kernel; the rest leaves room for
-# the TCP connect's retries, the handshakes and the answer to the websocket handshake.
-AGENT_QUEUE_S = 30.0
 
 # What OpenSSL says when the peer's first bytes are not TLS (a plaintext server).
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}

@@ -8,7 +8,7 @@ connection may hold, and for how long:
   arrival in the kernel (its age there read from TCP_INFO, so time spent in the
   accept queue counts), and finished its handshake by then, with one exception: an
   agent's hello may wait in its lane's queue for up to `agents_queue_s` (30 s) from
-  its arrival, since agents wait that long (llmgw_core.dial.AGENT_DIAL_PATIENCE_S),
+  its arrival, since agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S),
   and then has `deadline_s` for its handshake once it has its place. A silent,
   trickling or stalled handshake is cut within 3 s; a queued agent holds a socket
   and no slot or place, and is served in its turn instead of dialling again.
@@ -63,7 +63,7 @@ from collections import Counter
 import attrs
 import trio
 
-from llmgw_core.dial import AGENT_ALPN, AGENT_QUEUE_S
+from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.sockio import peer_left

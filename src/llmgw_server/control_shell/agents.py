@@ -35,7 +35,7 @@ from typing import Any, Protocol, assert_never
 
 import trio
 
-from llmgw_core.dial import AGENT_QUEUE_S
+from llmgw_core.agent_lane import AGENT_QUEUE_S
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
