@@ -19,10 +19,33 @@ from pathlib import Path
 LOG_DIR: Path | None = None
 
 
+# The ports tests hand to the processes they start. Below the kernel's ephemeral range
+# (32768 on), so that no outgoing connection of another test takes one between this check
+# and the child's own bind (seen under pytest-xdist: a mock engine's port taken by then),
+# and below the agents' default engine ports (20000-20999) and the fleets' blocks
+# (21000-32699, tests/fleet.py). Under pytest-xdist each worker walks a slice of its own,
+# so that two workers never hand out the same port.
+PORTS = range(10000, 20000)
+_handed_out = 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    global _handed_out
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    own = PORTS[worker :: max(workers, 1)]
+    for _ in range(len(own)):
+        port = own[_handed_out % len(own)]
+        _handed_out += 1
+        with socket.socket() as s:
+            # As the servers bind: a port in TIME_WAIT from an earlier test is free to them.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port among this worker's {len(own)}")
 
 
 def answers(port: int, path: str) -> int | None:
