@@ -24,7 +24,8 @@ LOG_DIR: Path | None = None
 # and the child's own bind (seen under pytest-xdist: a mock engine's port taken by then),
 # and below the agents' default engine ports (20000-20999) and the fleets' blocks
 # (21000-32699, tests/fleet.py). Under pytest-xdist each worker walks a slice of its own,
-# so that two workers never hand out the same port.
+# so that two workers never hand out the same port; a slice, not every n-th port, since
+# the demo also takes the 101 ports after the one it is given.
 PORTS = range(10000, 20000)
 _handed_out = 0
 
@@ -33,7 +34,8 @@ def free_port() -> int:
     global _handed_out
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    own = PORTS[worker :: max(workers, 1)]
+    size = len(PORTS) // max(workers, 1)
+    own = PORTS[worker * size : (worker + 1) * size]
     for _ in range(len(own)):
         port = own[_handed_out % len(own)]
         _handed_out += 1
