@@ -168,13 +168,14 @@ async def test_only_the_cache_aware_policy_reads_engine_load(balancing: str) -> 
             await stream.send_all(head % len(body) + body)
 
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
+        # The client outlives the nursery: the probes are cancelled before it closes (the
+        # other way round, a probe could still send through a closed client).
+        async with httpx.AsyncClient(timeout=2) as client, trio.open_nursery() as nursery:
             listeners = await nursery.start(trio.serve_tcp, engine, 0)
             port = listeners[0].socket.getsockname()[1]
             router = router_for(Endpoint("127.0.0.1", port), 0.02, balancing)
-            async with httpx.AsyncClient(timeout=2) as client:
-                nursery.start_soon(probe_forever, router, client)
-                while asked.count(b"/health") < 3:  # three health rounds: many load intervals
-                    await trio.sleep(0.01)
+            nursery.start_soon(probe_forever, router, client)
+            while asked.count(b"/health") < 3:  # three health rounds: many load intervals
+                await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
     assert (b"/metrics" in asked) == (balancing == "cache_aware"), asked
