@@ -6,23 +6,17 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from llmgw_server.router.policies.policy import Choice, Decision
+from llmgw_server.router.policies.policy import Choice, Decision, Oblivious
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.replica import Replica
 
 _P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
 
 
-class LeastOutstanding:
-    reads_prompt = False
-    reads_engine_load = False
-
+class LeastOutstanding(Oblivious):
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
         self._turn = 0
-
-    def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
-        return None
 
     def choose(
         self, candidates: Sequence[Replica], prompt: PromptKey | None, now: float | None
@@ -34,15 +28,3 @@ class LeastOutstanding:
         self._turn = (self._turn + 1) % len(candidates)
         rotated = [*candidates[self._turn :], *candidates[: self._turn]]
         return Choice(min(rotated, key=lambda r: r.outstanding), Decision.LEAST_OUTSTANDING)
-
-    def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
-        pass
-
-    def follow(self, replicas: Sequence[Replica]) -> None:
-        pass
-
-    def forget(self, replica: Replica) -> None:
-        pass
-
-    def remembered(self, replica: Replica) -> int | None:
-        return None

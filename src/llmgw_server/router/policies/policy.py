@@ -66,3 +66,26 @@ class Policy(Protocol):
     def remembered(self, replica: Replica) -> int | None:
         """How many entries it remembers for the replica, for /metrics; None: it keeps none."""
         ...
+
+
+class Oblivious:
+    """What a policy that reads no prompt and keeps nothing per replica does with the
+    hooks it has no use for (round_robin, least_outstanding)."""
+
+    reads_prompt = False
+    reads_engine_load = False
+
+    def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
+        return None
+
+    def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
+        pass
+
+    def follow(self, replicas: Sequence[Replica]) -> None:
+        pass
+
+    def forget(self, replica: Replica) -> None:
+        pass
+
+    def remembered(self, replica: Replica) -> int | None:
+        return None
