@@ -166,6 +166,8 @@ def test_demo_refuses_ports_in_use_before_starting_anything(tmp_path: Path) -> N
     for taken, what in ((0, "the router"), (1, "the control plane")):
         port = free_pair()
         with socket.socket() as holder:
+            # free_port hands out ports in TIME_WAIT (servers bind with SO_REUSEADDR): so must this.
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             holder.bind(("127.0.0.1", port + taken))
             holder.listen()
             demo = start_demo(port, tmp_path)
