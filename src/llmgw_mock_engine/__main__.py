@@ -1,3 +1,3 @@
-from llmgw_mock_engine.engine import cli
+from llmgw_mock_engine.cli import cli
 
 cli()

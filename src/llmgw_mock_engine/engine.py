@@ -770,20 +770,12 @@ async def _exit_after(seconds: float) -> None:
     os._exit(3)
 
 
-def cli(argv: Sequence[str] | None = None) -> None:
+def serve(argv: Sequence[str]) -> None:
+    """Serve as the command line `argv` says (llmgw_mock_engine.cli), until a signal."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    if list(argv) == ["--version"]:
-        from llmgw_core import __version__
-
-        print(f"llmgw-mock-engine {__version__}")
-        return
     if not argv or argv[0] != "serve":
         argv = ["serve", *argv]
     settings = parse_args(argv, dict(os.environ))
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(main, settings)
 
-
-if __name__ == "__main__":
-    cli()

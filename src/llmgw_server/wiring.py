@@ -41,21 +41,19 @@ import httpx
 import trio
 
 from llmgw_core.config import Config
-from llmgw_core.dial import Target
 from llmgw_http.server import HTTPServer
 from llmgw_server.reload import Apply, Reloader, reload_on_sighup, with_control_plane
-from llmgw_server.route_feed.connection import local_pair
 from llmgw_server.route_feed.follower import Follower
-from llmgw_server.route_feed.hub import RouteHub
-from llmgw_server.route_feed.relay import TableRelay
-from llmgw_server.route_feed.remote import client_context, feed_target, follow_forever
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever, probe_once_followed
 from llmgw_server.router.worker import CONFIG, READY, Worker, channel_from_fd, decode_config
 from llmgw_server.router.workers import Workers
 
 if TYPE_CHECKING:
+    from llmgw_core.dial import Target
     from llmgw_server.control_shell.controlplane import ControlPlane
+    from llmgw_server.route_feed.hub import RouteHub
+    from llmgw_server.route_feed.relay import TableRelay
 
 log = logging.getLogger("llmgw.server")
 
@@ -111,7 +109,9 @@ async def _sighup_reloads_elsewhere(
 
 
 # The control plane is imported only where one runs: a router apart, a worker and a
-# server with static models alone start without its modules (test_router_apart).
+# server with static models alone start without its modules (test_router_apart). So is
+# the route feed's hub and its websockets (trio_websocket, wsproto: 0.1 s of CPU at each
+# start), which only a control plane, a router apart and the workers' parent use.
 
 
 def _control_plane(config: Config) -> ControlPlane | None:
@@ -274,6 +274,8 @@ class _SingleProcess:
 
 async def _follow_in_process(routes: RouteHub, router: Router) -> None:
     """This process's router follows the route table like any other, over memory channels."""
+    from llmgw_server.route_feed.connection import local_pair
+
     hub_end, router_end = local_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(routes.serve, hub_end, "this process")
@@ -320,6 +322,8 @@ class _Apart:
         return f"{_http_address(self.config, self.port)}, following {following}"
 
     async def start(self, nursery: trio.Nursery, router: Router) -> Follower | None:
+        from llmgw_server.route_feed.remote import follow_forever
+
         follower = Follower(router, f"{socket.gethostname()}:{self.port}")
         nursery.start_soon(
             follow_forever, follower, self.where, self.token, self.ssl_context, self.ca
@@ -342,6 +346,8 @@ async def router_apart_main(
     """A router that follows the control plane at `control` serves until SIGINT/SIGTERM
     (or `stop`); `started()` with the port it serves. /readyz answers 503 until the first
     complete route table is applied and its replicas were probed once."""
+    from llmgw_server.route_feed.remote import client_context, feed_target
+
     where = feed_target(control)
     s = config.server
     router = Router(config)
@@ -480,6 +486,9 @@ async def workers_main(
     `follow` (a router apart), the control plane that `follow` follows through the
     relay it is given, such as `partial(follow_forever, where=..., ...)`.
     """
+    from llmgw_server.route_feed.hub import RouteHub
+    from llmgw_server.route_feed.relay import TableRelay
+
     s = config.server
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]
@@ -559,6 +568,8 @@ def run(config: Config) -> int:
 
 def run_router_apart(config: Config, control: str, token: str, ca: Path | None) -> int:
     """The `router` command: serve until a signal; 1 when the port cannot be had."""
+    from llmgw_server.route_feed.remote import client_context, feed_target, follow_forever
+
     try:
         if config.server.workers > 1:
             where = feed_target(control)

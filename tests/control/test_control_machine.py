@@ -29,6 +29,7 @@ from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardState
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.shards import Phase
+from llmgw_server.control.views import ControlView
 
 SETTINGS = ControlSection(
     unreachable_after_s=15,
@@ -188,21 +189,29 @@ class ControlMachine(RuleBasedStateMachine):
     # -- invariants ---------------------------------------------------------------------------
 
     @invariant()
-    def no_gpu_is_assigned_twice(self) -> None:
+    def the_invariants_hold(self) -> None:
+        """Each check below, after every step, over one view: a view costs O(fleet) and
+        the explanations of unplaced models; built once per step, not once per check."""
+        view = self.fleet.cp.view()
+        self.no_gpu_is_assigned_twice(view)
+        self.no_more_replicas_than_desired_run_on_reachable_nodes(view)
+        self.multi_node_replicas_stay_in_one_fabric_domain()
+        self.every_unplaced_replica_is_explained_node_by_node(view)
+        self.nothing_is_lost_early_and_the_mass_loss_guard_holds(view)
+
+    def no_gpu_is_assigned_twice(self, view: ControlView) -> None:
         for agent in self.fleet.agents.values():
             gpus = agent.live_gpus()
             assert len(gpus) == len(set(gpus)), (agent.name, gpus)
         held: set[tuple[str, int]] = set()
-        for replica in self.fleet.cp.view().replicas:
+        for replica in view.replicas:
             for shard in replica.shards:
                 if shard.state is not ShardState.STOPPED:
                     for i in shard.gpus:
                         assert (shard.node, i) not in held, (shard.node, i)
                         held.add((shard.node, i))
 
-    @invariant()
-    def no_more_replicas_than_desired_run_on_reachable_nodes(self) -> None:
-        view = self.fleet.cp.view()
+    def no_more_replicas_than_desired_run_on_reachable_nodes(self, view: ControlView) -> None:
         status = {n.name: n.status for n in view.nodes}
         running: dict[str, int] = defaultdict(int)
         for replica in view.replicas:
@@ -219,7 +228,6 @@ class ControlMachine(RuleBasedStateMachine):
         for m in view.models:
             assert m.kept <= m.desired
 
-    @invariant()
     def multi_node_replicas_stay_in_one_fabric_domain(self) -> None:
         specs = [s.spec for _, s in self.fleet.shards()]
         for spec in specs:
@@ -234,9 +242,7 @@ class ControlMachine(RuleBasedStateMachine):
             assert len(domains) == 1 and None not in domains, spec
             assert len({i.gpus[0].name for i in inventories}) == 1
 
-    @invariant()
-    def every_unplaced_replica_is_explained_node_by_node(self) -> None:
-        view = self.fleet.cp.view()
+    def every_unplaced_replica_is_explained_node_by_node(self, view: ControlView) -> None:
         names = {n.name for n in view.nodes}
         for m in view.models:
             unplaced = view.unplaced.get(m.name)
@@ -251,8 +257,7 @@ class ControlMachine(RuleBasedStateMachine):
             else:
                 assert unplaced is None
 
-    @invariant()
-    def nothing_is_lost_early_and_the_mass_loss_guard_holds(self) -> None:
+    def nothing_is_lost_early_and_the_mass_loss_guard_holds(self, view: ControlView) -> None:
         f, s = self.fleet, SETTINGS
         for lost in f.lost[self.seen_lost :]:
             t = lost.transition
@@ -267,7 +272,7 @@ class ControlMachine(RuleBasedStateMachine):
         live = [n for n in nodes if nodes[n].status is not L]
         unreachable = [n for n in live if nodes[n].status is U]
         limit = s.mass_loss_share * len(live)
-        guard = f.cp.view().guard
+        guard = view.guard
         if guard is not None:
             assert len(unreachable) > limit
         since = {n: f.closed.get(n, f.heard[n] + s.unreachable_after_s) for n in unreachable}
