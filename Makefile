@@ -56,12 +56,14 @@ HYPOTHESIS_PROFILE ?= ci
 # cores well. A mixed subset (129 tests), back to back on a busy 2-core machine: 322 s in
 # one process, 186 s with 2 workers, 147 s with 3; then 223 s in one process, 131 s with
 # 3 (load), 183 s with 3 (loadfile: whole modules, a long one holds the end). Costly
-# fixtures are session-scoped where they can be: made once per worker. TEST_WORKERS=0:
-# one process.
+# fixtures are session-scoped where they can be: made once per worker. Each idle worker
+# takes the next test, longest first (tests/longest_first.py); the tests of a module that
+# share a costly fixture go to one worker together (their module's xdist_group).
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 
 test: venv real-engine browser
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
 
 # import-linter in its own virtualenv: it brings rich, and with rich installed every
 # process that imports httpx also imports httpx's command line (rich, click, pygments),

@@ -10,10 +10,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import hypothesis_profiles
 import procs as procs_module
+from longest_first import longest_first
 from procs import Procs
 
 # Before any test module is imported: their `profile_times(...)` read the loaded profile.
 hypothesis_profiles.load()
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs["name"])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # xdist may have suffixed a grouped test's id with "@group" already.
+    items[:] = longest_first(items, lambda item: item.nodeid.split("@", 1)[0], _xdist_group)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -191,7 +191,7 @@ def _described(help_text: str) -> list[str]:
 
 
 def test_help_describes_each_option_and_lists_only_those_that_apply() -> None:
-    mock = run("llmgw_mock_engine.engine", "--help")
+    mock = run("llmgw_mock_engine", "--help")
     assert mock.returncode == 0 and "--mock-fail-status" in mock.stdout
     assert _described(mock.stdout) == [], mock.stdout
     for argv in (["certs", "init", "--help"], ["certs", "issue", "--help"]):

@@ -32,6 +32,9 @@ from llmgw_core.wire import (
 )
 from procs import Proc, Procs, free_port, models_toml
 
+# The module's server is one session fixture: its tests run on one worker.
+pytestmark = pytest.mark.xdist_group("fuzz-agents")
+
 UNREACHABLE_AFTER_S = 2.0
 HEARTBEAT_EVERY_S = 0.3
 CHAT = {"model": "s", "messages": [{"role": "user", "content": "hi"}]}

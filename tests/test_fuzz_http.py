@@ -23,6 +23,9 @@ from hypothesis import strategies as st
 from hypothesis_profiles import profile_times
 from procs import Proc, Procs, models_toml
 
+# The module's router and engines are one fixture: its tests run on one worker, together.
+pytestmark = pytest.mark.xdist_group("fuzz-http")
+
 HEADER_TIMEOUT_S = 0.4
 BODY_TIMEOUT_S = 0.4
 KEEPALIVE_TIMEOUT_S = 0.4

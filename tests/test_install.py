@@ -30,6 +30,9 @@ import pytest
 
 from procs import free_port
 
+# One worker builds and installs the wheel (a session fixture) and runs every test of it.
+pytestmark = pytest.mark.xdist_group("install")
+
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "conf" / "systemd"
 PREFIX = "/opt/llmgw/bin/"  # where the units expect the installed entry points
