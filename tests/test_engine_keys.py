@@ -11,6 +11,9 @@ of vLLM may do for /health.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -154,6 +157,27 @@ def test_an_unreadable_key_file_is_a_config_error(tmp_path: Path) -> None:
     key_file.write_bytes(b"\xff\xfe not text")
     message = config_error(models([{"url": "http://h:1", "key_file": str(key_file)}]))
     assert "models[0].endpoints[0].key_file:" in message and "cannot be read" in message
+
+
+def test_the_server_refuses_to_start_without_its_engine_key(tmp_path: Path) -> None:
+    path = tmp_path / "server.toml"
+    path.write_text(
+        '[server]\nlisten = "127.0.0.1:0"\n[[models]]\nname = "m"\nendpoints = [\n'
+        '  { url = "http://127.0.0.1:8000", key_env = "LLMGW_TEST_UNSET_VLLM_KEY" },\n]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LLMGW_TEST_UNSET_VLLM_KEY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw_server", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.strip() == (
+        f"llmgw-server: config error: {path}: models[0].endpoints[0].key_env: "
+        "the environment variable LLMGW_TEST_UNSET_VLLM_KEY is not set"
+    )
 
 
 # -- a reload reads the key again ---------------------------------------------------------
