@@ -275,3 +275,25 @@ def test_the_router_sees_vllm_queueing_from_its_real_metrics(
     page = httpx.get(router.url + "/metrics").text
     assert "llmgw_engine_metrics_errors_total{" not in page, page
     assert "llmgw_replica_ejections_total{" not in page, page
+
+
+def test_the_tiny_model_and_its_adapter_are_made_the_same_twice(
+    real_vllm: RealVllm, tmp_path: Path
+) -> None:
+    """tests/tiny_llama.py, run again in vLLM's virtualenv, makes the cache's files byte for
+    byte: the seed fixes the weights, and the tokenizer's training and peft's files depend
+    on nothing else."""
+    generator = Path(__file__).parent / "tiny_llama.py"
+    model, lora = tmp_path / "model", tmp_path / "lora"
+    subprocess.run(
+        [str(real_vllm.python), str(generator), str(model), str(lora)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    for made, cached in ((model, real_vllm.model), (lora, real_vllm.lora)):
+        names = sorted(p.name for p in cached.iterdir())
+        assert sorted(p.name for p in made.iterdir()) == names
+        for name in names:
+            assert (made / name).read_bytes() == (cached / name).read_bytes(), name
