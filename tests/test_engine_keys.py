@@ -152,10 +152,11 @@ def test_each_wrong_endpoint_is_named_by_its_key_path(
     assert "sk-a" not in message and "sk-in-the-file" not in message  # no key is ever echoed
 
 
-def test_an_unreadable_key_file_is_a_config_error(tmp_path: Path) -> None:
-    key_file = tmp_path / "vllm.key"
-    key_file.write_bytes(b"\xff\xfe not text")
-    message = config_error(models([{"url": "http://h:1", "key_file": str(key_file)}]))
+@pytest.mark.parametrize("name", ["binary.key", "a-directory", "nul\x00.key"])
+def test_an_unreadable_key_file_is_a_config_error(tmp_path: Path, name: str) -> None:
+    (tmp_path / "binary.key").write_bytes(b"\xff\xfe not text")
+    (tmp_path / "a-directory").mkdir()
+    message = config_error(models([{"url": "http://h:1", "key_file": str(tmp_path / name)}]))
     assert "models[0].endpoints[0].key_file:" in message and "cannot be read" in message
 
 

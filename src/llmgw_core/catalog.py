@@ -148,7 +148,7 @@ def _key_from_env(name: str) -> str:
 def _key_from_file(path: Path) -> str:
     try:
         secret = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a NUL in the path
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise Problem(f"{str(path)!r} cannot be read: {why}") from None
     return _engine_key(secret, f"the file {str(path)!r}")
