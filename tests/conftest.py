@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,11 @@ from procs import Procs
 
 # Before any test module is imported: their `profile_times(...)` read the loaded profile.
 hypothesis_profiles.load()
+
+# The tests against real vLLM (its start takes 1-2 minutes of a 2-core machine) are not
+# part of a whole run (make test) until they join it: they run when named (pytest
+# tests/test_real_vllm.py), or in a whole run with LLMGW_REAL_VLLM=1.
+collect_ignore = [] if os.environ.get("LLMGW_REAL_VLLM") == "1" else ["test_real_vllm.py"]
 
 
 def _xdist_group(item: pytest.Item) -> str | None:
@@ -77,3 +83,14 @@ def real_engine() -> object:
     if not built.is_built():
         pytest.fail(f"no real engine in {built.cache_dir()}: run `make real-engine` first")
     return built.RealEngine(server=built.server_binary(), model=built.model_path())
+
+
+@pytest.fixture(scope="session")
+def real_vllm() -> object:
+    """vLLM for CPU in its own virtualenv, a tiny Llama and its LoRA adapter (make
+    real-engine; tests/real_vllm.py). A missing build fails the test, never skips it."""
+    import real_vllm as built
+
+    if not built.is_built():
+        pytest.fail(f"no real vLLM in {built.cache_dir()}: run `make real-engine` first")
+    return built.real_vllm()

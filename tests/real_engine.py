@@ -97,7 +97,7 @@ def _run(cmd: list[str], cwd: Path | None = None) -> None:
     subprocess.run(cmd, cwd=cwd, check=True)
 
 
-def _build_into(work: Path) -> None:
+def _build_into(out: Path, work: Path) -> None:
     src = work / "src"
     src.mkdir()
     _run(
@@ -111,7 +111,6 @@ def _build_into(work: Path) -> None:
     _run(["cmake", "-S", str(llama), "-B", str(build), *CMAKE_FLAGS])
     jobs = str(os.cpu_count() or 2)
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs])
-    out = work / "out"
     (out / "bin").mkdir(parents=True)
     shutil.copy2(build / "bin" / "llama-server", out / "bin" / "llama-server")
     commit = _vendored_commit(src)
@@ -138,28 +137,49 @@ def _vendored_commit(src: Path) -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
+def build_once(
+    target: Path,
+    is_built: Callable[[], bool],
+    make: Callable[[Path, Path], None],
+    *,
+    in_place: bool = False,
+) -> Path:
+    """Build `target` in the cache unless it is built, under the cache's lock (one build at
+    a time, across processes; a second waits, then finds it built).
+
+    `make(out, scratch)` builds into `out`, with `scratch` (a temporary directory, removed
+    after) for the rest. By default `out` is in the temporary directory and renamed to
+    `target` once complete. `in_place`: `out` is `target` itself, for what cannot move (a
+    virtualenv names its own path); then `is_built` must be true only once `make` wrote its
+    last file, and what a killed build left is removed before the next.
+    """
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built():
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+        try:
+            if target.exists():  # an older or incomplete layout: never used as it is
+                shutil.rmtree(target)
+            if in_place:
+                make(target, scratch)
+            else:
+                make(scratch / "out", scratch)
+                (scratch / "out").rename(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def build() -> Path:
     if not is_built() and (missing := missing_build_tools()):
         raise BuildToolsMissing(
             "building llama.cpp's llama-server (make real-engine, part of make test) needs "
             + "; ".join(missing)
         )
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_built():
-            return cache_dir()
-        work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-        try:
-            _build_into(work)
-            target = cache_dir()
-            if target.exists():  # an older, incomplete layout: never half-built by us
-                shutil.rmtree(target)
-            (work / "out").rename(target)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    return cache_dir()
+    return build_once(cache_dir(), is_built, _build_into)
 
 
 if __name__ == "__main__":

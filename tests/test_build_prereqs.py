@@ -72,3 +72,34 @@ def test_make_test_without_chromium_nor_root_says_what_to_install(tmp_path: Path
         "or run make test as root where apt-get installs them"
     ), done.stderr
     assert all(line.startswith("make: ***") for line in lines[1:]), done.stderr
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_build_killed_half_way_is_never_used_and_the_next_one_starts_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    """The cache's one lock and build rule (real_engine.build_once), as llama.cpp's build
+    (renamed into place) and vLLM's virtualenv (built in place) use it."""
+    monkeypatch.setenv("LLMGW_REAL_ENGINE_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / "engine-1.0"
+
+    def done() -> bool:
+        return (target / "DONE").is_file()
+
+    def killed(out: Path, scratch: Path) -> None:
+        out.mkdir()
+        (out / "half").write_text("x")
+        raise KeyboardInterrupt
+
+    def complete(out: Path, scratch: Path) -> None:
+        assert not (out / "half").exists() and scratch.is_dir()
+        out.mkdir()
+        (out / "DONE").write_text("x")
+
+    with pytest.raises(KeyboardInterrupt):
+        real_engine.build_once(target, done, killed, in_place=in_place)
+    assert not done()
+    assert real_engine.build_once(target, done, complete, in_place=in_place) == target
+    assert done() and not (target / "half").exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name != ".lock"] == [target.name]
+    real_engine.build_once(target, done, killed, in_place=in_place)  # built: nothing is made

@@ -64,6 +64,8 @@ KNOWN_KEYS = sorted(
         "router_token_env", "balancing", "cache_aware", "read_idle_timeout_s",
         "upstream_idle_s", "metrics_interval_s", "metrics_max_age_s", "block_bytes",
         "max_share", "shared_prefix_ratio", "keys", "digest", "start_timeout_s", "control_hosts",
+        # static endpoints with an engine key
+        "url", "key_env", "key_file",
         # simulated inventory
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
     }

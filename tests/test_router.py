@@ -365,7 +365,7 @@ def test_config_errors_exit_2_without_traceback(tmp_path: Path) -> None:
         '[[models]]\nname = "a"\nendpoints = ["http://x:1", "ftp://y"]\n': "models[0].endpoints[1]:",
         '[[models]]\nname = "a"\nendpionts = ["http://x:1"]\n': "models[0].endpionts: is not a known key (did you mean 'endpoints'?)",
         '[server]\nlisten = "nowhere"\n[[models]]\nname = "a"\nendpoints = ["http://x:1"]\n': "server.listen:",
-        '[[models]]\nname = "a"\nendpoints = "http://x:1"\n': "models[0].endpoints: must be an array of strings",
+        '[[models]]\nname = "a"\nendpoints = "http://x:1"\n': "models[0].endpoints: must be an array of engine URLs",
         "[[models]\n": "is not valid TOML",
     }
     for i, (text, expected) in enumerate(cases.items()):

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import attrs
 
 from llmgw_core.config_schema import (
     Problem,
+    read_item,
+    read_path,
     read_table,
-    read_texts,
+    read_text,
+    reading_environ,
     rule_after,
     rule_before,
     rules,
 )
 from llmgw_core.engines import ENGINE_KINDS
-from llmgw_core.tomlshape import Table
+from llmgw_core.tomlshape import Table, type_name
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -119,18 +123,99 @@ def _model_name(name: str) -> str:
     return name
 
 
+# What a header value may carry: visible ASCII (a key with a line break would add headers).
+_ENGINE_KEY = re.compile(r"^[\x21-\x7e]+$")
+
+
+def _engine_key(secret: str, source: str) -> str:
+    """The key as read from `source` (a variable, a file), without surrounding blanks. Its
+    text is never put in a message."""
+    key = secret.strip()
+    if not key:
+        raise Problem(f"{source} is empty")
+    if not _ENGINE_KEY.match(key):
+        raise Problem(f"{source} holds characters other than visible ASCII (no spaces)")
+    return key
+
+
+def _key_from_env(name: str) -> str:
+    secret = reading_environ().get(name)
+    if secret is None:
+        raise Problem(f"the environment variable {name} is not set")
+    return _engine_key(secret, f"the environment variable {name}")
+
+
+def _key_from_file(path: Path) -> str:
+    try:
+        secret = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise Problem(f"{str(path)!r} cannot be read: {why}") from None
+    return _engine_key(secret, f"the file {str(path)!r}")
+
+
+@attrs.frozen
+class _KeyedEndpoint:
+    """An item of `endpoints` given as a table: `{url = "...", key_env = "VLLM_KEY"}`, or
+    `key_file = "..."`: the engine's key (vLLM's --api-key), sent as `Authorization:
+    Bearer` to that engine alone, by requests and probes. Never the key's text itself."""
+
+    url: str = attrs.field(metadata=rules(parse=read_text))
+    # The key itself, read from the variable named at `key_env` / the file at `key_file`.
+    key_from_env: str | None = attrs.field(
+        default=None, repr=False, metadata=rules(key="key_env", check=_key_from_env)
+    )
+    key_from_file: str | None = attrs.field(
+        default=None,
+        repr=False,
+        metadata=rules(key="key_file", parse=read_path, check=_key_from_file),
+    )
+
+
+_KEY_IN_TEXT = ("api_key", "key", "token", "bearer")
+
+
+@rule_before(_KeyedEndpoint)
+def _one_key_source(data: Mapping[str, object]) -> None:
+    for name in _KEY_IN_TEXT:
+        if name in data:
+            raise Problem(
+                "is not a known key: an engine key is never written in the config; name "
+                "the environment variable that holds it (key_env) or a file (key_file)",
+                name,
+            )
+    if "key_env" in data and "key_file" in data:
+        raise Problem("give key_env or key_file, not both", "key_file")
+
+
+def _endpoint_item(item: object, index: int) -> Endpoint:
+    if isinstance(item, dict):
+        keyed = read_item(item, _KeyedEndpoint, index)
+        url, key = keyed.url, keyed.key_from_env or keyed.key_from_file or ""
+        where = f"[{index}].url"
+    elif isinstance(item, str):
+        url, key, where = item, "", f"[{index}]"
+    else:
+        raise Problem(
+            f"must be an engine URL or a table {{url = ..., key_env = ...}}, not {type_name(item)}",
+            f"[{index}]",
+        )
+    try:
+        return attrs.evolve(parse_endpoint(url), api_key=key)
+    except ValueError as exc:
+        raise Problem(str(exc), where) from None
+
+
 def _endpoints(value: object) -> tuple[Endpoint, ...]:
-    texts = read_texts(value)
-    if not texts:
+    if not isinstance(value, list):
+        raise Problem(f"must be an array of engine URLs, not {type_name(value)}")
+    if not value:
         raise Problem("must list at least one engine URL")
     endpoints: list[Endpoint] = []
-    for i, text in enumerate(texts):
-        try:
-            endpoint = parse_endpoint(text)
-        except ValueError as exc:
-            raise Problem(str(exc), f"[{i}]") from None
-        if endpoint in endpoints:
-            raise Problem(f"{text!r} is listed twice", f"[{i}]")
+    for i, item in enumerate(value):
+        endpoint = _endpoint_item(item, i)
+        if any(e.url == endpoint.url for e in endpoints):
+            raise Problem(f"{endpoint.url!r} is listed twice", f"[{i}]")
         endpoints.append(endpoint)
     return tuple(endpoints)
 
@@ -201,9 +286,10 @@ def _names_once(catalog: Catalog) -> None:
         seen[entry.name] = i
 
 
-def read_catalog(root: Table) -> Catalog:
-    """Read and validate every `[[models]]` entry of a config file."""
+def read_catalog(root: Table, environ: Mapping[str, str] | None = None) -> Catalog:
+    """Read and validate every `[[models]]` entry of a config file; engine keys named by
+    `key_env` are read from `environ` (os.environ)."""
     if not root.has("models"):
         root.known("models")
         return Catalog(models=())  # the config says what it needs (at least one model)
-    return read_table(root, Catalog, keys=("models",))
+    return read_table(root, Catalog, keys=("models",), environ=environ)

@@ -372,7 +372,7 @@ def parse_config(
     root = Table(data, file)
     environ = os.environ if environ is None else environ
     server = read_table(root.table("server"), ServerSection, environ=environ)
-    catalog = read_catalog(root)
+    catalog = read_catalog(root, environ)
     router = read_table(root.table("router"), RouterSection)
     auth_table = root.table("auth")
     auth = read_table(auth_table, AuthSection, environ=environ)

@@ -446,7 +446,7 @@ _INDEX = re.compile(r"\[[0-9]+\]")
 def _join(path: str, key: str | None) -> str:
     if key is None:
         return path
-    if _INDEX.fullmatch(key) or not path:
+    if _INDEX.match(key) or not path:  # "[2]", or "[2].key_env" from an item's table
         return path + key
     return f"{path}.{key}"
 
@@ -482,6 +482,17 @@ def structure(
         raise ConfigError(file, where, message) from None
     finally:
         _READING.reset(token)
+
+
+def read_item(value: object, cls: type[T], index: int) -> T:
+    """The table at `[index]` of an array that also holds other values (a `parse`
+    function's item), read into the section `cls`; its first problem is raised as a
+    Problem whose key path starts at `[index]`."""
+    try:
+        return CONVERTER.structure(value, cls)
+    except (Problem, cattrs.BaseValidationError) as exc:
+        where, message = next(_paths(exc, f"[{index}]"))
+        raise Problem(message, where) from None
 
 
 def read_table(

