@@ -88,9 +88,9 @@ def real_engine() -> object:
 @pytest.fixture(scope="session")
 def real_vllm() -> object:
     """vLLM for CPU in its own virtualenv, a tiny Llama and its LoRA adapter (make
-    real-engine; tests/real_vllm.py). A missing build fails the test, never skips it."""
+    real-vllm; tests/real_vllm.py). A missing build fails the test, never skips it."""
     import real_vllm as built
 
     if not built.is_built():
-        pytest.fail(f"no real vLLM in {built.cache_dir()}: run `make real-engine` first")
+        pytest.fail(f"no real vLLM in {built.cache_dir()}: run `make real-vllm` first")
     return built.real_vllm()
