@@ -166,7 +166,10 @@ class Agent:
     # -- the daemon ---------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with httpx.AsyncClient(timeout=2.0) as client, trio.open_nursery() as nursery:
+        # Its engines' health, over plain HTTP on the node: no certificate to verify, so no
+        # CA bundle loaded (0.05 to 0.2 s of CPU at each start).
+        probes = httpx.AsyncClient(timeout=2.0, verify=False)
+        async with probes as client, trio.open_nursery() as nursery:
             self._client = client
             engines = await nursery.start(_hold_nursery)
             self._engines = engines

@@ -184,8 +184,12 @@ async def serve_router(
         check_head=router.check_head,
     )
     timeout = httpx.Timeout(router.config.router.health_timeout_s)
+    # Engines are reached over plain HTTP alone (the catalog refuses any other scheme):
+    # the probes' client has no certificate to verify, and loads no CA bundle (0.05 to
+    # 0.2 s of CPU at each start).
+    probes = httpx.AsyncClient(timeout=timeout, verify=False)
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client, trio.open_nursery() as nursery:
+        async with probes as client, trio.open_nursery() as nursery:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 followed = await layout.start(nursery, router)
                 if sighup is None:
