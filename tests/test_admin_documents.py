@@ -34,6 +34,7 @@ from llmgw_server.control.documents import (
     from_json,
     to_json,
 )
+from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.shards import Phase
 from llmgw_server.control_shell.admin import explain_doc, status_doc, status_page
 from llmgw_server.demo import all_serving, placement_lines
@@ -137,6 +138,12 @@ def test_the_cli_and_the_demo_read_a_fleets_status() -> None:
     assert not all_serving(status)
     serving = status_docs.replica("a-1", "a", Phase.LIVE, (), serving=True)
     assert all_serving(status_docs.status([], [serving], [status_docs.model("a")]))
+    # The demo's banner waits for every one of its nodes, not only for the replicas.
+    one_node = [status_docs.node("n1"), status_docs.node("n2", status=NodeStatus.UNREACHABLE)]
+    assert not all_serving(
+        status_docs.status(one_node, [serving], [status_docs.model("a")]), ["n1", "n2"]
+    )
+    assert all_serving(status_docs.status(one_node, [serving], [status_docs.model("a")]), ["n1"])
 
 
 # -- what the fleet page reads ----------------------------------------------------

@@ -30,6 +30,7 @@ import httpx
 
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_server.control.documents import StatusDoc, from_json
+from llmgw_server.control.lifecycle import NodeStatus
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 MOCK = f'["{sys.executable}", "-m", "llmgw_mock_engine"]'
@@ -91,12 +92,17 @@ def placement_lines(status: StatusDoc) -> list[str]:
     return lines
 
 
-def all_serving(status: StatusDoc) -> bool:
-    """Every model has as many replicas serving as it asks for."""
+def all_serving(status: StatusDoc, nodes: Sequence[str] = ()) -> bool:
+    """Every model has as many replicas serving as it asks for, and each of `nodes` is
+    reachable (the banner shows them all: two nodes, one of them slower to start under
+    load, could otherwise leave one out)."""
     serving: dict[str, int] = {}
     for r in status.replicas:
         serving[r.model] = serving.get(r.model, 0) + r.serving
-    return all(serving.get(m.name, 0) >= m.desired for m in status.models)
+    reachable = {n.name for n in status.nodes if n.status is NodeStatus.REACHABLE}
+    return reachable >= set(nodes) and all(
+        serving.get(m.name, 0) >= m.desired for m in status.models
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -226,7 +232,8 @@ def _wait_until_serving(
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 status = from_json(client.get(f"{admin}/v1/admin/status").json(), StatusDoc)
                 listed = {m["id"] for m in client.get(f"{url}/v1/models").json()["data"]}
-                if all_serving(status) and listed >= {m.name for m in status.models}:
+                nodes = [name for name, _ in NODES]
+                if all_serving(status, nodes) and listed >= {m.name for m in status.models}:
                     return status
             time.sleep(0.3)
     print(
