@@ -13,10 +13,16 @@ import httpx
 import pytest
 import trio
 
-from llmgw_core.agent_lane import AGENT_ALPN
+from llmgw_core.agent_lane import (
+    AGENT_ALPN,
+    COME_BACK_PREFIX,
+    MAX_COME_BACK_S,
+    come_back_line,
+    come_back_s,
+)
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.config import parse_config
-from llmgw_core.dial import open_agent_stream
+from llmgw_core.dial import ConnectFailed, Target, dial, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_config import AgentsTLS, server_context
 from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
@@ -434,4 +440,80 @@ async def test_a_queued_agent_is_still_cut_at_the_queue_deadline(tmp_path: Path)
                 await trio.sleep(0.05)  # every place given back: nothing leaks
             assert server.tls_admission.core.total_pending == 0
             assert not server.tls_admission.core.pending
+            nursery.cancel_scope.cancel()
+
+
+# -- a refused agent is told when to come back ----------------------------------------
+
+
+def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
+    """Finding 12: refused agents redialled at random into a full queue (4 dials a node at
+    10,000 nodes). Each is told when to come back: once the queue ahead has drained
+    and after every agent refused before it, one turn per 1 / rate seconds."""
+    limits = AdmissionLimits(
+        agents_in_flight=(4, 100), agents_queue_s=3.0, assumed_rate=100, come_back_jitter_s=2.0
+    )
+    core = TLSAdmission(limits)
+    for _ in range(250):
+        assert core.hello(AGENTS, 10.0) is None
+    assert core.hello(AGENTS, 10.0) == REFUSED_BUSY
+    # 250 queued at 100 a second: the first refused comes back after 2.5 s, the next
+    # ones 10 ms apart each; the jitter (in [0, 1) of 2 s) spreads a turn over 2 s.
+    waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(300)]
+    assert waits[0] == pytest.approx(2.5)
+    assert waits[1:3] == [pytest.approx(2.51), pytest.approx(2.52)]
+    assert waits[-1] == pytest.approx(2.5 + 299 / 100)
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.5 + 3.0 + 1.0)
+    # Later, the turns go on from the last one given, not from the queue alone.
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.51 - 2.0)
+
+
+def test_one_address_flooding_holds_no_turn_and_no_wait_is_past_the_cap() -> None:
+    core = TLSAdmission(AdmissionLimits(assumed_rate=10))
+    for _ in range(100):  # 10 s of queue at 10 a second
+        core.hello(AGENTS, 0.0)
+    for _ in range(1000):
+        assert core.come_back_s(0.0, REFUSED_SOURCE, 0.0) == pytest.approx(10.0)
+    assert core.lanes[AGENTS].promised_until == 0.0  # no turn taken
+    # A storm far past what the lane serves: the turns stop at MAX_COME_BACK_S.
+    waits = [core.come_back_s(0.0, REFUSED_BUSY, 0.99) for _ in range(10_000)]
+    assert max(waits) == MAX_COME_BACK_S
+    assert core.lanes[AGENTS].promised_until <= MAX_COME_BACK_S
+
+
+def test_a_come_back_line_reads_back_and_nonsense_is_no_wait() -> None:
+    for seconds in (0.0, 2.5, 31.25, MAX_COME_BACK_S):
+        assert come_back_s(come_back_line(seconds)) == pytest.approx(seconds, abs=0.006)
+    assert come_back_s(come_back_line(1e9)) == MAX_COME_BACK_S
+    assert come_back_s(come_back_line(-3)) == 0.0
+    assert come_back_s(COME_BACK_PREFIX + b"inf\r\n") == MAX_COME_BACK_S
+    for nonsense in (b"", b"\x16\x03\x03\x00\x02", COME_BACK_PREFIX + b"nan\r\n",
+                     COME_BACK_PREFIX + b"-1\r\n", COME_BACK_PREFIX + b"\xff\r\n",
+                     COME_BACK_PREFIX + b"soon\r\n", b"HTTP/1.1 503 busy\r\n"):
+        assert come_back_s(nonsense) is None, nonsense
+
+
+async def test_a_refused_agent_dial_says_when_the_control_plane_asks_it_back(
+    tmp_path: Path,
+) -> None:
+    """Over real sockets: the port refuses before any SSL object (no pending place left),
+    writes the come-back line and resets; the agent's dial reads it."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    issue_node(certs, "node-1")
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(certs / "nodes" / "node-1.crt", certs / "nodes" / "node-1.key")
+    limits = AdmissionLimits(max_pending=0, assumed_rate=10, come_back_jitter_s=0.0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, limits)
+            waits = []
+            for _ in range(2):
+                with pytest.raises(ConnectFailed) as failed:
+                    await dial(Target("127.0.0.1", port, "/v1/agent", True), context)
+                assert "busy" in str(failed.value)
+                waits.append(failed.value.come_back_s)
+            assert waits == [pytest.approx(0.0, abs=0.05), pytest.approx(0.1, abs=0.05)]
+            assert server.tls_admission.core.refused == {REFUSED_FULL: 2}
+            assert server.tls_failures == 0  # no handshake begun
             nursery.cancel_scope.cancel()

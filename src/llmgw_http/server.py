@@ -94,6 +94,8 @@ class HTTPServer:
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:
                         acceptors.start_soon(self._accept_loop, listener, connections)
+                    if self.ssl_context is not None:
+                        acceptors.start_soon(self.tls_admission.reset_refused)
                     task_status.started(listeners)
             for listener in listeners:
                 await listener.aclose()

@@ -24,8 +24,12 @@ connection may hold, and for how long:
   (SO_LINGER 0): it costs an accept and a close, no SSL object. A client that
   reached the server too late to finish within its deadline (`min_left_s`) is reset
   the same way, as is one whose deadline is too near once its place comes: the
-  server serves only clients that will still be there, and the agents back off on
-  a reset.
+  server serves only clients that will still be there. An agent refused (or one
+  not yet sorted into a lane) is first told when to come back, in a line written
+  in place of the first TLS record (agent_lane.come_back_line): once the agents'
+  lane has served its queue and every agent refused before it, at its measured
+  rate, with a little jitter. The refused come back once, in turn, instead of
+  redialling at random into a full queue (finding 12: 4 dials a node at 10,000).
 - Work past the handshake is bounded too: a whole hello takes an in-flight place
   in its lane before its handshake, held until the connection has had its
   answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
@@ -55,15 +59,16 @@ the socket and carries them out.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import ssl
 import struct
-from collections import Counter
+from collections import Counter, deque
 
 import attrs
 import trio
 
-from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S
+from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S, MAX_COME_BACK_S, come_back_line
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.sockio import peer_left
@@ -74,6 +79,8 @@ _TLS_HANDSHAKE_RECORD = 0x16
 HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum shares included
 _TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, milliseconds)
 _TCP_INFO_BYTES = 104
+_REFUSED_OPEN_S = 0.5  # how long a refused connection stays open for its come-back line
+_REFUSED_OPEN_MAX = 1024  # refused connections open at once (past that: reset at once)
 
 
 @attrs.frozen
@@ -101,6 +108,9 @@ class AdmissionLimits:
     # Places given back a second, assumed until measured (a cold start into a storm):
     # one core registers a few hundred agents a second; this is a busy machine's share.
     assumed_rate: float = 50.0
+    # A refused agent's come-back time is spread over this much more (stragglers told
+    # the same turn never dial at the same instant).
+    come_back_jitter_s: float = 2.0
 
 
 AGENTS, OTHERS = "agents", "others"
@@ -125,6 +135,7 @@ class Lane:
     bucket_start: float = 0.0
     bucket_done: int = 0
     bucket_busy: bool = False
+    promised_until: float = 0.0  # the last come-back turn given to a refused agent
 
     def roll(self, now: float) -> None:
         """After each second in which every place was taken, the rate moves halfway to
@@ -205,6 +216,22 @@ class TLSAdmission:
         rate = self.limits.assumed_rate if held.rate is None else held.rate
         within = self._queue_s(lane) - self.limits.min_left_s
         return max(float(held.min_places), min(rate * within, float(self.limits.max_queued)))
+
+    def come_back_s(self, now: float, why: str, jitter: float) -> float:
+        """When an agent refused for `why` should dial again, in seconds: once the agents'
+        lane has served what it holds and every agent refused before it, at its measured
+        rate, so that the refused come back no faster than the lane serves them, each
+        once; plus `jitter` (in [0, 1)) of come_back_jitter_s. A source refused for its
+        own flood is told when the queue drains, and holds no turn: one address must not
+        push the fleet's turns back."""
+        held = self.lanes[AGENTS]
+        rate = max(self.limits.assumed_rate if held.rate is None else held.rate, 1.0)
+        turn = now + (held.waiting + held.in_flight) / rate
+        if why != REFUSED_SOURCE:
+            turn = max(turn, held.promised_until)
+            held.promised_until = min(turn + 1.0 / rate, now + MAX_COME_BACK_S)
+        wait = turn - now + jitter * self.limits.come_back_jitter_s
+        return min(wait, MAX_COME_BACK_S)
 
     def has_room(self, lane: str) -> bool:
         """A queued hello may take a place now."""
@@ -382,6 +409,22 @@ class Gate:
         # Hellos waiting for a place in their lane, woken in order as places come back.
         self.lots = {name: trio.lowlevel.ParkingLot() for name in self.core.lanes}
         self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
+        self.rng = random.Random()
+        # Refused connections told when to come back, reset once the line has had time
+        # to arrive (at most _REFUSED_OPEN_MAX of them: past that, reset at once).
+        self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
+
+    async def reset_refused(self) -> None:
+        """Reset the refused connections whose time has come, until cancelled (then all)."""
+        try:
+            while True:
+                await trio.sleep(_REFUSED_OPEN_S / 2)
+                now = trio.current_time()
+                while self.refused_open and self.refused_open[0][0] <= now:
+                    reset(self.refused_open.popleft()[1])
+        finally:
+            while self.refused_open:
+                reset(self.refused_open.popleft()[1])
 
     def admit(self, stream: trio.SocketStream) -> Ticket | None:
         """At accept: a ticket, or None when the connection was refused (reset)."""
@@ -396,8 +439,25 @@ class Gate:
         deadline = self.core.deadline(now, age)
         return Ticket(stream, source, now - age, trio.CancelScope(deadline=deadline))
 
-    def _refused(self, stream: trio.SocketStream, source: str, why: str) -> None:
-        reset(stream)
+    def _refused(
+        self, stream: trio.SocketStream, source: str, why: str, lane: str | None = None
+    ) -> None:
+        """Reset a refused connection; an agent's, or one whose lane is not known yet, is
+        first told when to come back (agent_lane.come_back_line)."""
+        if lane == OTHERS or len(self.refused_open) >= _REFUSED_OPEN_MAX:
+            reset(stream)
+        else:
+            now = trio.current_time()
+            line = come_back_line(self.core.come_back_s(now, why, self.rng.random()))
+            raw = _raw(stream)
+            try:
+                raw.send(line)
+                # Reset later, not now: a reset that reached the client before its
+                # connect() had returned would fail the connect, the line unread.
+                raw.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the client learns of the reset alone, and backs off as it would
+            self.refused_open.append((now + _REFUSED_OPEN_S, stream))
         held = self.refusals_log.allow(why, trio.current_time())
         if held is not None:
             more = f" ({held} more since the last such line)" if held else ""
@@ -429,7 +489,7 @@ class Gate:
         ticket.unsorted = False
         why = self.core.hello(lane, trio.current_time(), ticket.arrived)
         if why is not None:
-            self._refused(stream, ticket.source, why)
+            self._refused(stream, ticket.source, why, lane)
             return None
         deadline = self.core.queue_deadline(lane, ticket.arrived)
         ticket.scope.deadline = deadline
@@ -442,7 +502,7 @@ class Gate:
         now = trio.current_time()
         if not self.core.begin(lane, now, deadline):
             self.wake(lane)  # the room it was woken for goes to the next
-            reset(stream)
+            self._refused(stream, ticket.source, SHED_LATE, lane)
             return None
         if lane == AGENTS:  # its turn came: the handshake itself gets the usual deadline
             ticket.scope.deadline = now + self.core.limits.deadline_s
