@@ -102,6 +102,8 @@ class HTTPServer:
 
     async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
         while True:
+            if self.ssl_context is not None:
+                await self.tls_admission.room_to_accept()
             try:
                 stream = await listener.accept()
             except OSError as exc:

@@ -19,9 +19,11 @@ connection may hold, and for how long:
   for the peer. A silent or slow peer therefore holds no slot at all, whatever it
   does, and slots pace CPU instead of being held by slow clients.
 - A connection is pending from accept to the end of its handshake; past
-  `per_source_pending` from one source address, or `max_pending` in all before
-  their hellos have sorted them into lanes, a new connection is reset at once
-  (SO_LINGER 0): it costs an accept and a close, no SSL object. A client that
+  `per_source_pending` from one source address a new connection is reset at once
+  (SO_LINGER 0): it costs an accept and a close, no SSL object. While `max_pending`
+  in all are accepted and their hellos not yet whole, nothing more is accepted:
+  connections wait in the kernel's accept queue, where their hellos arrive and
+  their age counts, and are sorted at once when their turn comes. A client that
   reached the server too late to finish within its deadline (`min_left_s`) is reset
   the same way, as is one whose deadline is too near once its place comes: the
   server serves only clients that will still be there. An agent refused (or one
@@ -413,6 +415,7 @@ class Gate:
         # Refused connections told when to come back, reset once the line has had time
         # to arrive (at most _REFUSED_OPEN_MAX of them: past that, reset at once).
         self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
+        self._pending_room = trio.lowlevel.ParkingLot()  # the accept loops, while it is full
 
     async def reset_refused(self) -> None:
         """Reset the refused connections whose time has come, until cancelled (then all)."""
@@ -465,6 +468,17 @@ class Gate:
 
     def leave(self, ticket: Ticket) -> None:
         self.core.leave(ticket.source, ticket.unsorted)
+        if ticket.unsorted:
+            self._pending_room.unpark_all()
+
+    async def room_to_accept(self) -> None:
+        """Wait until fewer than max_pending connections are between accept and their
+        whole hello. A connection then waits in the kernel's accept queue (its age there
+        counts, TCP_INFO) instead of being accepted only to be refused: by its turn its
+        hello is there, and it is sorted at once (finding 12: a starved fleet's late
+        hellos held every pending place, and agents and operators were refused)."""
+        while self.core.total_pending >= self.core.limits.max_pending:
+            await self._pending_room.park()
 
     def wake(self, lane: str) -> None:
         """Wake as many queued hellos as there is room (the lane's places may have grown)."""
@@ -487,6 +501,7 @@ class Gate:
         lane = lane_of(hello)
         self.core.sorted()
         ticket.unsorted = False
+        self._pending_room.unpark_all()
         why = self.core.hello(lane, trio.current_time(), ticket.arrived)
         if why is not None:
             self._refused(stream, ticket.source, why, lane)
