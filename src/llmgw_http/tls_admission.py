@@ -4,14 +4,16 @@ a storm of agents is refused cheaply, before any SSL object, when it cannot be s
 The port faces every node and every operator, before any credential is seen. What a
 connection may hold, and for how long:
 
-- Every connection must have sent its whole ClientHello `deadline_s` (3 s) after its
-  arrival in the kernel (its age there read from TCP_INFO, so time spent in the
-  accept queue counts), and finished its handshake by then, with one exception: an
-  agent's hello may wait in its lane's queue for up to `agents_queue_s` (30 s) from
-  its arrival, since agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S),
-  and then has `deadline_s` for its handshake once it has its place. A silent,
-  trickling or stalled handshake is cut within 3 s; a queued agent holds a socket
-  and no slot or place, and is served in its turn instead of dialling again.
+- Every connection must have sent its whole ClientHello `deadline_s` (3 s) after it
+  was accepted, and may then wait for a place in its lane until a deadline counted
+  from its arrival in the kernel (its age there read from TCP_INFO, so time spent
+  in the accept queue counts): an agent's up to `agents_queue_s` (30 s), since
+  agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S), anyone
+  else's up to `others_queue_s` (10 s, what an operator's client waits; a storm
+  keeps connections in the kernel's queue for seconds). Once it has its place its
+  handshake has `deadline_s`. A silent, trickling or stalled handshake is cut within
+  3 s; a queued connection holds a socket and no slot or place, and is served in its
+  turn instead of dialling again.
 - A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
   is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
   costs no wake-ups), and given back as soon as the server has sent its first
@@ -92,6 +94,7 @@ class AdmissionLimits:
     # agent's, to its handshake's end; an agent's handshake gets it from its place.
     deadline_s: float = 3.0
     agents_queue_s: float = AGENT_QUEUE_S  # from an agent's arrival to its place
+    others_queue_s: float = 10.0  # from anyone else's arrival to its place
     max_pending: int = 1024  # connections between accept and their whole hello
     per_source_pending: int = 64  # from one source address, until their handshakes end
     max_queued: int = 8192  # agents' hellos waiting for a place (each holds a socket)
@@ -199,17 +202,17 @@ class TLSAdmission:
         if self.pending[source] <= 0:
             del self.pending[source]
 
-    def deadline(self, accepted_at: float, age_s: float) -> float:
-        """When an admitted connection's hello must be whole and, but for an agent's, its
-        handshake over (trio's clock)."""
-        return accepted_at - age_s + self.limits.deadline_s
+    def deadline(self, accepted_at: float) -> float:
+        """When an admitted connection's hello must be whole (trio's clock): a peer
+        holds a pending place no longer, whatever it does."""
+        return accepted_at + self.limits.deadline_s
 
     def queue_deadline(self, lane: str, arrived: float) -> float:
         """When a hello that arrived (in the kernel) at `arrived` must have its place."""
         return arrived + self._queue_s(lane)
 
     def _queue_s(self, lane: str) -> float:
-        return self.limits.agents_queue_s if lane == AGENTS else self.limits.deadline_s
+        return self.limits.agents_queue_s if lane == AGENTS else self.limits.others_queue_s
 
     def queue_bound(self, lane: str) -> float:
         """The hellos that may wait for a place: as many as the lane gives back (at its
@@ -439,7 +442,7 @@ class Gate:
             self._refused(stream, source, why)
             return None
         now = trio.current_time()
-        deadline = self.core.deadline(now, age)
+        deadline = self.core.deadline(now)
         return Ticket(stream, source, now - age, trio.CancelScope(deadline=deadline))
 
     def _refused(
@@ -519,8 +522,10 @@ class Gate:
             self.wake(lane)  # the room it was woken for goes to the next
             self._refused(stream, ticket.source, SHED_LATE, lane)
             return None
-        if lane == AGENTS:  # its turn came: the handshake itself gets the usual deadline
-            ticket.scope.deadline = now + self.core.limits.deadline_s
+        # Its turn came: the handshake itself gets the usual deadline (an agent's even
+        # past its queue deadline: it waits longer than that).
+        handshake_by = now + self.core.limits.deadline_s
+        ticket.scope.deadline = handshake_by if lane == AGENTS else min(deadline, handshake_by)
         place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
         try:
             if peer_left(raw):  # a client that gave up while it waited costs no handshake
