@@ -453,32 +453,38 @@ async def test_a_queued_agent_is_still_cut_at_the_queue_deadline(tmp_path: Path)
 
 def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
     """Finding 12: refused agents redialled at random into a full queue (4 dials a node at
-    10,000 nodes). Each is told when to come back: once the queue ahead has drained
-    and after every agent refused before it, one turn per 1 / rate seconds."""
+    10,000 nodes). Each is told when to come back: once the lane has served half its
+    queue, and after every agent refused before it, one turn per 1 / rate seconds."""
     limits = AdmissionLimits(
-        agents_in_flight=(4, 100), agents_queue_s=3.0, assumed_rate=100, come_back_jitter_s=2.0
+        agents_in_flight=(4, 100), agents_queue_s=6.0, min_left_s=0.5, assumed_rate=100,
+        come_back_jitter_s=2.0,
     )
     core = TLSAdmission(limits)
-    for _ in range(250):
+    for _ in range(550):
         assert core.hello(AGENTS, 10.0) is None
     assert core.hello(AGENTS, 10.0) == REFUSED_BUSY
-    # 250 queued at 100 a second: the first refused comes back after 2.5 s, the next
-    # ones 10 ms apart each; the jitter (in [0, 1) of 2 s) spreads a turn over 2 s.
+    # 550 queued at 100 a second, 5.5 s; half of it served, 2.75 s: the first refused
+    # comes back then, the next ones 10 ms apart each; the jitter (in [0, 1) of 2 s)
+    # spreads a turn over 2 s.
     waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(300)]
-    assert waits[0] == pytest.approx(2.5)
-    assert waits[1:3] == [pytest.approx(2.51), pytest.approx(2.52)]
-    assert waits[-1] == pytest.approx(2.5 + 299 / 100)
-    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.5 + 3.0 + 1.0)
+    assert waits[0] == pytest.approx(2.75)
+    assert waits[1:3] == [pytest.approx(2.76), pytest.approx(2.77)]
+    assert waits[-1] == pytest.approx(2.75 + 299 / 100)
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.75 + 3.0 + 1.0)
     # Later, the turns go on from the last one given, not from the queue alone.
-    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.51 - 2.0)
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.76 - 2.0)
+    # A rate measured below the assumed one (a storm's first seconds) gives turns no
+    # later than the assumed rate would.
+    core.lanes[AGENTS].rate = 10.0
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.77 - 2.0)
 
 
 def test_one_address_flooding_holds_no_turn_and_no_wait_is_past_the_cap() -> None:
-    core = TLSAdmission(AdmissionLimits(assumed_rate=10))
-    for _ in range(100):  # 10 s of queue at 10 a second
+    core = TLSAdmission(AdmissionLimits(assumed_rate=10, agents_queue_s=10.5, min_left_s=0.5))
+    for _ in range(100):  # 10 s of queue at 10 a second: half of it served in 5 s
         core.hello(AGENTS, 0.0)
     for _ in range(1000):
-        assert core.come_back_s(0.0, REFUSED_SOURCE, 0.0) == pytest.approx(10.0)
+        assert core.come_back_s(0.0, REFUSED_SOURCE, 0.0) == pytest.approx(5.0)
     assert core.lanes[AGENTS].promised_until == 0.0  # no turn taken
     # A storm far past what the lane serves: the turns stop at MAX_COME_BACK_S.
     waits = [core.come_back_s(0.0, REFUSED_BUSY, 0.99) for _ in range(10_000)]

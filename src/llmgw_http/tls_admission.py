@@ -224,14 +224,21 @@ class TLSAdmission:
 
     def come_back_s(self, now: float, why: str, jitter: float) -> float:
         """When an agent refused for `why` should dial again, in seconds: once the agents'
-        lane has served what it holds and every agent refused before it, at its measured
-        rate, so that the refused come back no faster than the lane serves them, each
-        once; plus `jitter` (in [0, 1)) of come_back_jitter_s. A source refused for its
-        own flood is told when the queue drains, and holds no turn: one address must not
-        push the fleet's turns back."""
+        lane has served half what it holds (it then still has work for half its queue
+        deadline, so the server never idles while refused agents wait, and a returning
+        agent waits in the queue well within its patience), and after every agent
+        refused before it, one turn per 1 / rate: the refused come back no faster than
+        the lane serves them, each once. Plus `jitter` (in [0, 1)) of come_back_jitter_s.
+        The rate is the lane's measured one, but never below assumed_rate: a storm's
+        first second measures few places given back (registrations take seconds), and
+        turns given too late leave the server idle, where turns too early cost a
+        refused agent one more connect and no handshake. A source refused for its own
+        flood is told when the queue is half served, and holds no turn: one address
+        must not push the fleet's turns back."""
         held = self.lanes[AGENTS]
-        rate = max(self.limits.assumed_rate if held.rate is None else held.rate, 1.0)
-        turn = now + (held.waiting + held.in_flight) / rate
+        rate = max(self.limits.assumed_rate, held.rate or 0.0, 1.0)
+        half = (self.limits.agents_queue_s - self.limits.min_left_s) / 2
+        turn = now + max(0.0, (held.waiting + held.in_flight) / rate - half)
         if why != REFUSED_SOURCE:
             turn = max(turn, held.promised_until)
             held.promised_until = min(turn + 1.0 / rate, now + MAX_COME_BACK_S)
