@@ -7,6 +7,7 @@ import random
 from typing import cast
 
 import attrs
+import trio_websocket
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from llmgw_agent.agent import (
 )
 from llmgw_agent.config import AgentConfig
 from llmgw_core.agent_lane import MAX_COME_BACK_S
+from llmgw_core.dial import retry_after
 from llmgw_core.ws_frames import Heard, SilenceBound, silence_bound
 from llmgw_http.server import ServerLimits
 from llmgw_http.tls_admission import AdmissionLimits
@@ -163,3 +165,13 @@ def test_an_agent_told_when_to_come_back_waits_that_long_plus_its_own_jitter() -
     assert reconnect_delay(3, None, 2.0, 60.0, random.Random(1)) == backoff_delay(
         3, 2.0, 60.0, random.Random(1)
     )
+
+
+def test_a_refusals_retry_after_is_read_within_the_cap() -> None:
+    def rejected(*headers: tuple[bytes, bytes]) -> trio_websocket.ConnectionRejected:
+        return trio_websocket.ConnectionRejected(503, headers, b"busy")
+
+    assert retry_after(rejected((b"Retry-After", b" 12 "))) == 12.0
+    assert retry_after(rejected((b"content-type", b"text/plain"))) is None
+    assert retry_after(rejected((b"retry-after", b"Wed, 21 Oct 2026 07:28:00 GMT"))) is None
+    assert retry_after(rejected((b"retry-after", b"99999"))) == MAX_COME_BACK_S

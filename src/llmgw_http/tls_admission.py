@@ -52,8 +52,10 @@ connection may hold, and for how long:
 An attacker from one address can hold `per_source_pending` sockets for 3 s each and
 nothing else (for 30 s if they offer agents' hellos, in the agents' queue, where
 filling it takes max_queued / per_source_pending addresses: 128); holding every
-pending place takes max_pending / per_source_pending addresses (16 with the
-defaults), each redialling 340 times a second.
+pending place (which holds new connections in the kernel's queue, as resets did
+before) takes max_pending / per_source_pending addresses (16 with the defaults),
+each redialling 340 times a second. Turns given to refused agents cannot be pushed
+back by one address (its own refusals take none) and never past MAX_COME_BACK_S.
 
 The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
 source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
