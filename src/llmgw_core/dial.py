@@ -237,8 +237,7 @@ class _Watched(trio.abc.Stream):
     Every byte that arrives is noted in `heard`: the control plane's acknowledgements
     (pongs, which trio-websocket drops unseen) prove it alive as well as its frames."""
 
-    def __init__(self, stream: Dialed, heard: Heard | None = None,
-    ) -> None:
+    def __init__(self, stream: Dialed, heard: Heard | None = None) -> None:
         self.stream = stream
         self.heard = heard
         self.broken: BaseException | None = None

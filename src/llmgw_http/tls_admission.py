@@ -31,8 +31,8 @@ connection may hold, and for how long:
   server serves only clients that will still be there. An agent refused (or one
   not yet sorted into a lane) is first told when to come back, in a line written
   in place of the first TLS record (agent_lane.come_back_line): once the agents'
-  lane has served its queue and every agent refused before it, at its measured
-  rate, with a little jitter. The refused come back once, in turn, instead of
+  lane has served half its queue, and after every agent refused before it, at its
+  measured rate, with a little jitter. The refused come back once, in turn, instead of
   redialling at random into a full queue (finding 12: 4 dials a node at 10,000).
 - Work past the handshake is bounded too: a whole hello takes an in-flight place
   in its lane before its handshake, held until the connection has had its
@@ -92,8 +92,8 @@ _REFUSED_OPEN_MAX = 1024  # refused connections open at once (past that: reset a
 @attrs.frozen
 class AdmissionLimits:
     handshakes_at_once: int = 32  # server flights being computed at once (CPU, not peers)
-    # From the connection's arrival in the kernel to its whole hello and, but for an
-    # agent's, to its handshake's end; an agent's handshake gets it from its place.
+    # From a connection's accept to its whole hello, and from its place to its
+    # handshake's end.
     deadline_s: float = 3.0
     agents_queue_s: float = AGENT_QUEUE_S  # from an agent's arrival to its place
     others_queue_s: float = 10.0  # from anyone else's arrival to its place
