@@ -24,7 +24,9 @@ Measured, in one run:
 During registration and the restart storm an operator's admin request (a new
 connection each time, GET /v1/admin/status?limit=1, as the CLI does) is made every
 second: every one must be answered. Connection attempts are given per node (the
-goal: at most 2 on average). The bench's own admin calls are retried.
+goal: at most 2 on average); an agent the control port refuses is told when to
+come back and waits for it, as the real agent does (its sessions that failed say
+"refused, told when to come back"). The bench's own admin calls are retried.
 
 The simulator shares the machine's cores with the server, as agents' load shares
 a real server's machine with other work: it runs in the bench's own session (one

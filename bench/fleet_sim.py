@@ -34,7 +34,7 @@ import trio_websocket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, backoff_delay, next_attempt
+from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, next_attempt, reconnect_delay
 from llmgw_agent.config import AgentConfig
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
@@ -65,7 +65,9 @@ def why_failed(exc: BaseException) -> str:
         exc = exc.exceptions[0]
     if isinstance(exc, ConnectFailed):
         text = str(exc)
-        if text.startswith("refused by the control plane"):
+        if exc.come_back_s is not None:
+            why = "refused, told when to come back"
+        elif text.startswith("refused by the control plane"):
             why = text[: text.find(":", text.find("HTTP") + 5)]  # its HTTP status
         elif "refused" in text:
             why = "refused"
@@ -135,10 +137,15 @@ class Worker:
         attempt = 0
         while True:
             session = Session()
+            come_back: float | None = None
             try:
                 await self.session(i, register, session)
+            except* ConnectFailed as group:
+                failed = group.exceptions[0]
+                assert isinstance(failed, ConnectFailed)
+                come_back = failed.come_back_s
+                self.failed(failed, session)
             except* (
-                ConnectFailed,
                 OSError,
                 trio.TooSlowError,
                 trio_websocket.HandshakeError,
@@ -148,7 +155,7 @@ class Worker:
                 self.failed(group.exceptions[0], session)
             self.registered.discard(i)
             attempt = next_attempt(attempt, session)
-            await trio.sleep(backoff_delay(attempt, BASE_S, CAP_S, self.rng))
+            await trio.sleep(reconnect_delay(attempt, come_back, BASE_S, CAP_S, self.rng))
 
     def failed(self, exc: BaseException, session: Session) -> None:
         """Count why a session ended, in a few words (before or after its welcome)."""

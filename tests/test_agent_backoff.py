@@ -7,11 +7,20 @@ import random
 from typing import cast
 
 import attrs
+import trio_websocket
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, backoff_delay, next_attempt
+from llmgw_agent.agent import (
+    CONNECT_TIMEOUT_S,
+    Session,
+    backoff_delay,
+    next_attempt,
+    reconnect_delay,
+)
 from llmgw_agent.config import AgentConfig
+from llmgw_core.agent_lane import MAX_COME_BACK_S
+from llmgw_core.dial import retry_after
 from llmgw_core.ws_frames import Heard, SilenceBound, silence_bound
 from llmgw_http.server import ServerLimits
 from llmgw_http.tls_admission import AdmissionLimits
@@ -134,3 +143,35 @@ def test_a_black_holed_healthy_stream_is_redialled_within_the_30_s_promise() -> 
             redial = backoff_delay(attempt, base, cap, rng)
             # The silence began at the last sign at the latest; the cut follows it by the bound.
             assert bound.cut_after_s + redial <= 25
+
+
+# -- when the control plane said when to come back ------------------------------------
+
+
+def test_an_agent_told_when_to_come_back_waits_that_long_plus_its_own_jitter() -> None:
+    """Finding 12: a refused agent redialled within its full-jitter window, into a queue
+    still full. Told when to come back, it waits that long, spread by up to base_s of
+    its own (a control port whose turns were all alike must not get them at once)."""
+    rng = random.Random(7)
+    waits = [reconnect_delay(5, 12.5, 2.0, 60.0, rng) for _ in range(2000)]
+    assert all(12.5 <= w <= 14.5 for w in waits)
+    assert min(waits) < 12.6 and max(waits) > 14.4
+    # Past the agent's own cap when the control plane asks (its turns may be far off),
+    # never past MAX_COME_BACK_S, and never negative.
+    assert reconnect_delay(0, 1e9, 2.0, 60.0, rng) <= MAX_COME_BACK_S + 2.0
+    assert reconnect_delay(0, 100.0, 2.0, 60.0, rng) >= 100.0
+    assert 0.0 <= reconnect_delay(0, -5.0, 2.0, 60.0, rng) <= 2.0
+    # Without a word from the control plane: the full-jitter backoff, as before.
+    assert reconnect_delay(3, None, 2.0, 60.0, random.Random(1)) == backoff_delay(
+        3, 2.0, 60.0, random.Random(1)
+    )
+
+
+def test_a_refusals_retry_after_is_read_within_the_cap() -> None:
+    def rejected(*headers: tuple[bytes, bytes]) -> trio_websocket.ConnectionRejected:
+        return trio_websocket.ConnectionRejected(503, headers, b"busy")
+
+    assert retry_after(rejected((b"Retry-After", b" 12 "))) == 12.0
+    assert retry_after(rejected((b"content-type", b"text/plain"))) is None
+    assert retry_after(rejected((b"retry-after", b"Wed, 21 Oct 2026 07:28:00 GMT"))) is None
+    assert retry_after(rejected((b"retry-after", b"99999"))) == MAX_COME_BACK_S

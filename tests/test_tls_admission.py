@@ -13,10 +13,16 @@ import httpx
 import pytest
 import trio
 
-from llmgw_core.agent_lane import AGENT_ALPN
+from llmgw_core.agent_lane import (
+    AGENT_ALPN,
+    COME_BACK_PREFIX,
+    MAX_COME_BACK_S,
+    come_back_line,
+    come_back_s,
+)
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.config import parse_config
-from llmgw_core.dial import open_agent_stream
+from llmgw_core.dial import ConnectFailed, Target, dial, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_config import AgentsTLS, server_context
 from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
@@ -103,25 +109,30 @@ def test_admission_bounds_pending_connections_in_all_and_per_source() -> None:
 
 
 def test_a_connection_too_old_to_finish_in_time_is_refused_and_the_deadline_counts_its_queue() -> None:
-    core = TLSAdmission(AdmissionLimits(deadline_s=3.0, agents_queue_s=30.0, min_left_s=0.5))
+    core = TLSAdmission(
+        AdmissionLimits(deadline_s=3.0, agents_queue_s=30.0, others_queue_s=10.0, min_left_s=0.5)
+    )
     # Too late for any lane (an agent's included): refused at accept.
     assert core.arrive("10.0.0.1", 29.6) == REFUSED_LATE
-    # Anyone but an agent: 0.4 s left of 3 s, it would not finish; refused once its hello
-    # says it is no agent.
-    assert core.arrive("10.0.0.1", 2.6) is None
+    # Anyone but an agent: 0.4 s left of its 10 s from its arrival, it would not finish;
+    # refused once its hello says it is no agent.
+    assert core.arrive("10.0.0.1", 9.6) is None
     core.sorted()
-    assert core.hello(OTHERS, 100.0, arrived=100.0 - 2.6) == REFUSED_LATE
+    assert core.hello(OTHERS, 100.0, arrived=100.0 - 9.6) == REFUSED_LATE
     core.leave("10.0.0.1", unsorted=False)
-    assert core.arrive("10.0.0.1", 2.4) is None
-    deadline = core.deadline(accepted_at=100.0, age_s=2.4)
+    # Its hello is due 3 s after its accept, whatever its wait in the kernel's queue
+    # (an operator's connection waited there seconds behind a storm: finding 12); its
+    # place, 10 s after its arrival.
+    assert core.arrive("10.0.0.1", 9.4) is None
+    assert core.deadline(accepted_at=100.0) == pytest.approx(103.0)
+    deadline = core.queue_deadline(OTHERS, 100.0 - 9.4)
     assert deadline == pytest.approx(100.6)
-    assert core.queue_deadline(OTHERS, 100.0 - 2.4) == pytest.approx(100.6)
-    assert core.hello(OTHERS, 100.0, 97.6) is None and core.hello(OTHERS, 100.0, 97.6) is None
+    assert core.hello(OTHERS, 100.0, 90.6) is None and core.hello(OTHERS, 100.0, 90.6) is None
     assert core.begin(OTHERS, 100.05, deadline)
     assert not core.begin(OTHERS, 100.2, deadline)  # its place came too late: reset
     assert core.lanes[OTHERS].waiting == 0 and core.lanes[OTHERS].in_flight == 1
     # An agent waits its turn for up to agents_queue_s from its arrival (it waits that
-    # long itself), not 3 s, and is refused only with less than min_left_s of that left.
+    # long itself), and is refused only with less than min_left_s of that left.
     assert core.hello(AGENTS, 100.0, arrived=100.0 - 2.6) is None
     assert core.queue_deadline(AGENTS, 97.4) == pytest.approx(127.4)
     assert core.begin(AGENTS, 126.8, core.queue_deadline(AGENTS, 97.4))
@@ -434,4 +445,136 @@ async def test_a_queued_agent_is_still_cut_at_the_queue_deadline(tmp_path: Path)
                 await trio.sleep(0.05)  # every place given back: nothing leaks
             assert server.tls_admission.core.total_pending == 0
             assert not server.tls_admission.core.pending
+            nursery.cancel_scope.cancel()
+
+
+# -- a refused agent is told when to come back ----------------------------------------
+
+
+def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
+    """Finding 12: refused agents redialled at random into a full queue (4 dials a node at
+    10,000 nodes). Each is told when to come back: once the lane has served half its
+    queue, and after every agent refused before it, one turn per 1 / rate seconds."""
+    limits = AdmissionLimits(
+        agents_in_flight=(4, 100), agents_queue_s=6.0, min_left_s=0.5, assumed_rate=100,
+        come_back_jitter_s=2.0,
+    )
+    core = TLSAdmission(limits)
+    for _ in range(550):
+        assert core.hello(AGENTS, 10.0) is None
+    assert core.hello(AGENTS, 10.0) == REFUSED_BUSY
+    # 550 queued at 100 a second, 5.5 s; half of it served, 2.75 s: the first refused
+    # comes back then, the next ones 10 ms apart each; the jitter (in [0, 1) of 2 s)
+    # spreads a turn over 2 s.
+    waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(300)]
+    assert waits[0] == pytest.approx(2.75)
+    assert waits[1:3] == [pytest.approx(2.76), pytest.approx(2.77)]
+    assert waits[-1] == pytest.approx(2.75 + 299 / 100)
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.75 + 3.0 + 1.0)
+    # Later, the turns go on from the last one given, not from the queue alone.
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.76 - 2.0)
+    # A rate measured below the assumed one (a storm's first seconds) gives turns no
+    # later than the assumed rate would.
+    core.lanes[AGENTS].rate = 10.0
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.77 - 2.0)
+
+
+def test_one_address_flooding_holds_no_turn_and_no_wait_is_past_the_cap() -> None:
+    core = TLSAdmission(AdmissionLimits(assumed_rate=10, agents_queue_s=10.5, min_left_s=0.5))
+    for _ in range(100):  # 10 s of queue at 10 a second: half of it served in 5 s
+        core.hello(AGENTS, 0.0)
+    for _ in range(1000):
+        assert core.come_back_s(0.0, REFUSED_SOURCE, 0.0) == pytest.approx(5.0)
+    assert core.lanes[AGENTS].promised_until == 0.0  # no turn taken
+    # A storm far past what the lane serves: the turns stop at MAX_COME_BACK_S.
+    waits = [core.come_back_s(0.0, REFUSED_BUSY, 0.99) for _ in range(10_000)]
+    assert max(waits) == MAX_COME_BACK_S
+    assert core.lanes[AGENTS].promised_until <= MAX_COME_BACK_S
+
+
+def test_a_come_back_line_reads_back_and_nonsense_is_no_wait() -> None:
+    for seconds in (0.0, 2.5, 31.25, MAX_COME_BACK_S):
+        assert come_back_s(come_back_line(seconds)) == pytest.approx(seconds, abs=0.006)
+    assert come_back_s(come_back_line(1e9)) == MAX_COME_BACK_S
+    assert come_back_s(come_back_line(-3)) == 0.0
+    assert come_back_s(COME_BACK_PREFIX + b"inf\r\n") == MAX_COME_BACK_S
+    for nonsense in (b"", b"\x16\x03\x03\x00\x02", COME_BACK_PREFIX + b"nan\r\n",
+                     COME_BACK_PREFIX + b"-1\r\n", COME_BACK_PREFIX + b"\xff\r\n",
+                     COME_BACK_PREFIX + b"soon\r\n", b"HTTP/1.1 503 busy\r\n"):
+        assert come_back_s(nonsense) is None, nonsense
+
+
+async def test_a_refused_agent_dial_says_when_the_control_plane_asks_it_back(
+    tmp_path: Path,
+) -> None:
+    """Over real sockets: the port refuses before any SSL object (this address has no
+    pending place left), writes the come-back line and resets; the agent's dial reads it."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    issue_node(certs, "node-1")
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(certs / "nodes" / "node-1.crt", certs / "nodes" / "node-1.key")
+    limits = AdmissionLimits(per_source_pending=0, assumed_rate=10, come_back_jitter_s=0.5)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, limits)
+            waits = []
+            for _ in range(2):
+                with pytest.raises(ConnectFailed) as failed:
+                    await dial(Target("127.0.0.1", port, "/v1/agent", True), context)
+                assert "busy" in str(failed.value)
+                waits.append(failed.value.come_back_s)
+            assert all(w is not None and 0.0 <= w <= 0.5 for w in waits)
+            assert server.tls_admission.core.refused == {REFUSED_SOURCE: 2}
+            assert server.tls_failures == 0  # no handshake begun
+            nursery.cancel_scope.cancel()
+
+
+async def test_past_max_pending_a_connection_waits_in_the_kernel_queue_not_refused(
+    tmp_path: Path,
+) -> None:
+    """Finding 12: a starved fleet's late hellos held every pending place, and the
+    connections after them (agents, and the bench's operator) were reset at accept.
+    Now they wait in the kernel's accept queue, and are served once a place frees."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, AdmissionLimits(max_pending=2))
+            held = [await silent(port, "127.0.0.2"), await silent(port, "127.0.0.3")]
+            await trio.sleep(0.2)  # accepted: every pending place taken
+            assert server.tls_admission.core.total_pending == 2
+
+
+            async def leave_after_1_s() -> None:
+                await trio.sleep(1.0)
+                await held[0].aclose()  # a pending place frees
+
+            nursery.start_soon(leave_after_1_s)
+            t0 = time.monotonic()
+            assert await get(port, certs) == 200  # today's code: reset at accept
+            assert 0.9 < time.monotonic() - t0 < 2.5
+            assert server.tls_admission.core.refused == {}
+            await held[1].aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_operator_kept_in_the_kernel_queue_past_3_s_is_still_served(
+    tmp_path: Path,
+) -> None:
+    """Finding 12: during the bench's storm its operator's connection waited in the
+    kernel's accept queue behind agents' and was reset as too old at 3 s. Its hello is
+    due 3 s after its accept; it may have waited up to others_queue_s since its arrival."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs, AdmissionLimits(max_pending=1))
+            held = await silent(port, "127.0.0.2")  # the one pending place, cut at 3 s
+            await trio.sleep(0.2)
+            t0 = time.monotonic()
+            assert await get(port, certs) == 200
+            assert 2.5 < time.monotonic() - t0 < 5.0
+            assert server.tls_admission.core.refused == {}
+            await held.aclose()
             nursery.cancel_scope.cancel()

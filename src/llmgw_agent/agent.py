@@ -48,7 +48,7 @@ from llmgw_agent.supervisor import (
 )
 from llmgw_agent.validate import problems
 from llmgw_core import __version__
-from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S
+from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S, MAX_COME_BACK_S
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
@@ -95,6 +95,18 @@ DISCONNECT_TIMEOUT_S = 5.0
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
     """Full jitter: a fleet that lost its control plane must not come back in lockstep."""
     return rng.uniform(0, min(cap_s, base_s * 2 ** min(attempt, 30)))
+
+
+def reconnect_delay(
+    attempt: int, come_back_s: float | None, base_s: float, cap_s: float, rng: random.Random
+) -> float:
+    """The wait before the next dial: when the control plane said when to come back (a
+    busy control port gives each agent it refuses a turn, at the rate it registers them:
+    llmgw_http.tls_admission), that, within MAX_COME_BACK_S, plus up to base_s of the
+    agent's own jitter; else the full-jitter backoff."""
+    if come_back_s is None:
+        return backoff_delay(attempt, base_s, cap_s, rng)
+    return min(max(come_back_s, 0.0), MAX_COME_BACK_S) + rng.uniform(0, base_s)
 
 
 @attrs.define
@@ -181,13 +193,15 @@ class Agent:
         attempt = 0
         while True:
             session = Session()
+            come_back: float | None = None  # when the control plane asked to be dialled
             try:
                 await self._session(session)
             except* ConnectFailed as group:
+                failed = group.exceptions[0]
+                assert isinstance(failed, ConnectFailed)
+                come_back = failed.come_back_s
                 log.warning(
-                    "cannot connect to the control plane %s: %s",
-                    self.config.server,
-                    group.exceptions[0],
+                    "cannot connect to the control plane %s: %s", self.config.server, failed
                 )
             except* (
                 OSError,
@@ -202,8 +216,12 @@ class Agent:
                 # Nothing that goes wrong with one connection may reach the engines.
                 log.error("the session with %s failed", self.config.server, exc_info=group)
             attempt = next_attempt(attempt, session)
-            delay = backoff_delay(
-                attempt, self.config.reconnect_base_s, self.config.reconnect_cap_s, self.rng
+            delay = reconnect_delay(
+                attempt,
+                come_back,
+                self.config.reconnect_base_s,
+                self.config.reconnect_cap_s,
+                self.rng,
             )
             log.info("reconnecting in %.2f s", delay)
             await trio.sleep(delay)

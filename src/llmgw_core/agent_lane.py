@@ -17,3 +17,33 @@ AGENT_DIAL_PATIENCE_S = 45.0
 # handshake, counted from its arrival in the server's kernel; the rest leaves room for
 # the TCP connect's retries, the handshakes and the answer to the websocket handshake.
 AGENT_QUEUE_S = 30.0
+
+# A control port too busy to serve an agent soon refuses it before any TLS (no SSL
+# object, no handshake's CPU) and says when to come back: it writes this line, in
+# place of its first TLS record, then resets the connection. The dialer reads it from
+# the first bytes it got and waits that long (llmgw_agent.agent.reconnect_delay): the
+# port spaces the agents it refuses at the rate it registers them, so a storm comes
+# back once, in turn, instead of redialling at random into a full queue.
+COME_BACK_PREFIX = b"LLMGW-BUSY come-back-s="
+# The longest wait a control port may ask for, and an agent accepts (a longer one, or
+# nonsense, from a broken or hostile port cannot park a fleet).
+MAX_COME_BACK_S = 300.0
+
+
+def come_back_line(seconds: float) -> bytes:
+    return COME_BACK_PREFIX + b"%.2f\r\n" % min(max(seconds, 0.0), MAX_COME_BACK_S)
+
+
+def come_back_s(first: bytes) -> float | None:
+    """The wait a control port's refusal asked for, from the first bytes it sent; None
+    when they are no such refusal."""
+    if not first.startswith(COME_BACK_PREFIX):
+        return None
+    digits = first[len(COME_BACK_PREFIX) :].partition(b"\r\n")[0]
+    try:
+        seconds = float(digits.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not 0.0 <= seconds <= MAX_COME_BACK_S:  # NaN fails both
+        return MAX_COME_BACK_S if seconds > MAX_COME_BACK_S else None
+    return seconds

@@ -23,7 +23,7 @@ import attrs
 import trio
 import trio_websocket
 
-from llmgw_core.agent_lane import AGENT_ALPN
+from llmgw_core.agent_lane import AGENT_ALPN, COME_BACK_PREFIX, come_back_s
 from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
 
@@ -32,7 +32,12 @@ _NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_L
 
 
 class ConnectFailed(Exception):
-    """A connection to the control plane that failed; `str()` says why, in words."""
+    """A connection to the control plane that failed; `str()` says why, in words, and
+    `come_back_s` when the control plane asked to be dialled again (it was busy)."""
+
+    def __init__(self, message: str, come_back_s: float | None = None) -> None:
+        super().__init__(message)
+        self.come_back_s = come_back_s
 
 
 @attrs.frozen
@@ -127,6 +132,15 @@ def describe_rejection(exc: trio_websocket.ConnectionRejected) -> str:
     return f"refused by the control plane: HTTP {exc.status_code}: {reason}"
 
 
+def retry_after(exc: trio_websocket.ConnectionRejected) -> float | None:
+    """The seconds a refusal's `Retry-After` asks for (the plaintext port's 503), within
+    MAX_COME_BACK_S; None without one (or with an HTTP date, which no control plane sends)."""
+    for name, value in exc.headers or ():
+        if bytes(name).lower() == b"retry-after":
+            return come_back_s(COME_BACK_PREFIX + bytes(value).strip())
+    return None
+
+
 async def dial(
     where: Target,
     ssl_context: ssl.SSLContext | None,
@@ -136,7 +150,7 @@ async def dial(
     *,
     alpn: bytes | None = AGENT_ALPN,
     advice: Advice = AGENT_ADVICE,
-) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
+) -> Dialed:
     """A TCP connection (from `local_address` when given), with the TLS handshake done
     when `ssl_context` is given, offering `alpn`. Raises ConnectFailed, its words naming
     the settings as `advice` says; the caller bounds the time, and learns from `stage`
@@ -153,12 +167,20 @@ async def dial(
         # Named in the ClientHello, so that the control port admits agents in their own
         # lane (a storm of them cannot crowd operators out); the server selects no ALPN.
         ssl_context.set_alpn_protocols([alpn.decode()])
-    tls = trio.SSLStream(tcp, ssl_context, server_hostname=where.host, https_compatible=True)
+    first = _FirstBytes(tcp)
+    tls = trio.SSLStream(first, ssl_context, server_hostname=where.host, https_compatible=True)
     stage.append("the TLS handshake")
     try:
         await tls.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        wait = come_back_s(first.first or first.unread())
         await trio.aclose_forcefully(tcp)
+        if wait is not None:
+            raise ConnectFailed(
+                f"the control plane at {where.where} is busy: it asks to be dialled again "
+                f"in {wait:g} s",
+                come_back_s=wait,
+            ) from None
         why = describe_tls_error(exc.__cause__ or exc, where.where, ca, advice)
         raise ConnectFailed(why) from None
     except BaseException:
@@ -167,17 +189,55 @@ async def dial(
     return tls
 
 
+class _FirstBytes(trio.abc.Stream):
+    """The TCP stream under the dialer's TLS, keeping the first bytes the server sent: a
+    busy control port writes when to come back in place of its first TLS record
+    (agent_lane.come_back_line), which OpenSSL can only call a broken record."""
+
+    def __init__(self, tcp: trio.SocketStream) -> None:
+        self.tcp = tcp
+        self.socket = tcp.socket
+        self.first = b""
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = bytes(await self.tcp.receive_some(max_bytes))
+        if len(self.first) < _FIRST_BYTES:
+            self.first += data[: _FIRST_BYTES - len(self.first)]
+        return data
+
+    def unread(self) -> bytes:
+        """What the server sent that was never read: a port that refused at once may have
+        reset before the hello was sent, and sending it failed first (the bytes that came
+        before a reset are still there to read)."""
+        sock = self.tcp.socket
+        try:
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as raw:
+                return raw.recv(_FIRST_BYTES, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+        except OSError:
+            return b""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.tcp.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.tcp.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.tcp.aclose()
+
+
+_FIRST_BYTES = 64  # a come-back line fits
+
+Dialed = trio.SocketStream | trio.SSLStream[_FirstBytes]
+
+
 class _Watched(trio.abc.Stream):
     """The dialed stream, remembering why reading from it broke: trio-websocket's reader
     ends quietly on a broken stream and its opening handshake would then wait forever.
     Every byte that arrives is noted in `heard`: the control plane's acknowledgements
     (pongs, which trio-websocket drops unseen) prove it alive as well as its frames."""
 
-    def __init__(
-        self,
-        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
-        heard: Heard | None = None,
-    ) -> None:
+    def __init__(self, stream: Dialed, heard: Heard | None = None) -> None:
         self.stream = stream
         self.heard = heard
         self.broken: BaseException | None = None
@@ -286,7 +346,7 @@ async def open_agent_stream(
         assert isinstance(first, trio_websocket.ConnectionRejected)
         rejected = first
     if rejected is not None:
-        raise ConnectFailed(describe_rejection(rejected))
+        raise ConnectFailed(describe_rejection(rejected), come_back_s=retry_after(rejected))
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -94,12 +94,16 @@ class HTTPServer:
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:
                         acceptors.start_soon(self._accept_loop, listener, connections)
+                    if self.ssl_context is not None:
+                        acceptors.start_soon(self.tls_admission.reset_refused)
                     task_status.started(listeners)
             for listener in listeners:
                 await listener.aclose()
 
     async def _accept_loop(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
         while True:
+            if self.ssl_context is not None:
+                await self.tls_admission.room_to_accept()
             try:
                 stream = await listener.accept()
             except OSError as exc:

@@ -4,14 +4,16 @@ a storm of agents is refused cheaply, before any SSL object, when it cannot be s
 The port faces every node and every operator, before any credential is seen. What a
 connection may hold, and for how long:
 
-- Every connection must have sent its whole ClientHello `deadline_s` (3 s) after its
-  arrival in the kernel (its age there read from TCP_INFO, so time spent in the
-  accept queue counts), and finished its handshake by then, with one exception: an
-  agent's hello may wait in its lane's queue for up to `agents_queue_s` (30 s) from
-  its arrival, since agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S),
-  and then has `deadline_s` for its handshake once it has its place. A silent,
-  trickling or stalled handshake is cut within 3 s; a queued agent holds a socket
-  and no slot or place, and is served in its turn instead of dialling again.
+- Every connection must have sent its whole ClientHello `deadline_s` (3 s) after it
+  was accepted, and may then wait for a place in its lane until a deadline counted
+  from its arrival in the kernel (its age there read from TCP_INFO, so time spent
+  in the accept queue counts): an agent's up to `agents_queue_s` (30 s), since
+  agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S), anyone
+  else's up to `others_queue_s` (10 s, what an operator's client waits; a storm
+  keeps connections in the kernel's queue for seconds). Once it has its place its
+  handshake has `deadline_s`. A silent, trickling or stalled handshake is cut within
+  3 s; a queued connection holds a socket and no slot or place, and is served in its
+  turn instead of dialling again.
 - A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
   is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
   costs no wake-ups), and given back as soon as the server has sent its first
@@ -19,13 +21,19 @@ connection may hold, and for how long:
   for the peer. A silent or slow peer therefore holds no slot at all, whatever it
   does, and slots pace CPU instead of being held by slow clients.
 - A connection is pending from accept to the end of its handshake; past
-  `per_source_pending` from one source address, or `max_pending` in all before
-  their hellos have sorted them into lanes, a new connection is reset at once
-  (SO_LINGER 0): it costs an accept and a close, no SSL object. A client that
+  `per_source_pending` from one source address a new connection is reset at once
+  (SO_LINGER 0): it costs an accept and a close, no SSL object. While `max_pending`
+  in all are accepted and their hellos not yet whole, nothing more is accepted:
+  connections wait in the kernel's accept queue, where their hellos arrive and
+  their age counts, and are sorted at once when their turn comes. A client that
   reached the server too late to finish within its deadline (`min_left_s`) is reset
   the same way, as is one whose deadline is too near once its place comes: the
-  server serves only clients that will still be there, and the agents back off on
-  a reset.
+  server serves only clients that will still be there. An agent refused (or one
+  not yet sorted into a lane) is first told when to come back, in a line written
+  in place of the first TLS record (agent_lane.come_back_line): once the agents'
+  lane has served half its queue, and after every agent refused before it, at its
+  measured rate, with a little jitter. The refused come back once, in turn, instead of
+  redialling at random into a full queue (finding 12: 4 dials a node at 10,000).
 - Work past the handshake is bounded too: a whole hello takes an in-flight place
   in its lane before its handshake, held until the connection has had its
   answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
@@ -44,8 +52,10 @@ connection may hold, and for how long:
 An attacker from one address can hold `per_source_pending` sockets for 3 s each and
 nothing else (for 30 s if they offer agents' hellos, in the agents' queue, where
 filling it takes max_queued / per_source_pending addresses: 128); holding every
-pending place takes max_pending / per_source_pending addresses (16 with the
-defaults), each redialling 340 times a second.
+pending place (which holds new connections in the kernel's queue, as resets did
+before) takes max_pending / per_source_pending addresses (16 with the defaults),
+each redialling 340 times a second. Turns given to refused agents cannot be pushed
+back by one address (its own refusals take none) and never past MAX_COME_BACK_S.
 
 The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
 source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
@@ -55,15 +65,16 @@ the socket and carries them out.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import ssl
 import struct
-from collections import Counter
+from collections import Counter, deque
 
 import attrs
 import trio
 
-from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S
+from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S, MAX_COME_BACK_S, come_back_line
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.sockio import peer_left
@@ -74,15 +85,18 @@ _TLS_HANDSHAKE_RECORD = 0x16
 HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum shares included
 _TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, milliseconds)
 _TCP_INFO_BYTES = 104
+_REFUSED_OPEN_S = 0.5  # how long a refused connection stays open for its come-back line
+_REFUSED_OPEN_MAX = 1024  # refused connections open at once (past that: reset at once)
 
 
 @attrs.frozen
 class AdmissionLimits:
     handshakes_at_once: int = 32  # server flights being computed at once (CPU, not peers)
-    # From the connection's arrival in the kernel to its whole hello and, but for an
-    # agent's, to its handshake's end; an agent's handshake gets it from its place.
+    # From a connection's accept to its whole hello, and from its place to its
+    # handshake's end.
     deadline_s: float = 3.0
     agents_queue_s: float = AGENT_QUEUE_S  # from an agent's arrival to its place
+    others_queue_s: float = 10.0  # from anyone else's arrival to its place
     max_pending: int = 1024  # connections between accept and their whole hello
     per_source_pending: int = 64  # from one source address, until their handshakes end
     max_queued: int = 8192  # agents' hellos waiting for a place (each holds a socket)
@@ -101,6 +115,9 @@ class AdmissionLimits:
     # Places given back a second, assumed until measured (a cold start into a storm):
     # one core registers a few hundred agents a second; this is a busy machine's share.
     assumed_rate: float = 50.0
+    # A refused agent's come-back time is spread over this much more (stragglers told
+    # the same turn never dial at the same instant).
+    come_back_jitter_s: float = 2.0
 
 
 AGENTS, OTHERS = "agents", "others"
@@ -125,6 +142,7 @@ class Lane:
     bucket_start: float = 0.0
     bucket_done: int = 0
     bucket_busy: bool = False
+    promised_until: float = 0.0  # the last come-back turn given to a refused agent
 
     def roll(self, now: float) -> None:
         """After each second in which every place was taken, the rate moves halfway to
@@ -186,17 +204,17 @@ class TLSAdmission:
         if self.pending[source] <= 0:
             del self.pending[source]
 
-    def deadline(self, accepted_at: float, age_s: float) -> float:
-        """When an admitted connection's hello must be whole and, but for an agent's, its
-        handshake over (trio's clock)."""
-        return accepted_at - age_s + self.limits.deadline_s
+    def deadline(self, accepted_at: float) -> float:
+        """When an admitted connection's hello must be whole (trio's clock): a peer
+        holds a pending place no longer, whatever it does."""
+        return accepted_at + self.limits.deadline_s
 
     def queue_deadline(self, lane: str, arrived: float) -> float:
         """When a hello that arrived (in the kernel) at `arrived` must have its place."""
         return arrived + self._queue_s(lane)
 
     def _queue_s(self, lane: str) -> float:
-        return self.limits.agents_queue_s if lane == AGENTS else self.limits.deadline_s
+        return self.limits.agents_queue_s if lane == AGENTS else self.limits.others_queue_s
 
     def queue_bound(self, lane: str) -> float:
         """The hellos that may wait for a place: as many as the lane gives back (at its
@@ -205,6 +223,29 @@ class TLSAdmission:
         rate = self.limits.assumed_rate if held.rate is None else held.rate
         within = self._queue_s(lane) - self.limits.min_left_s
         return max(float(held.min_places), min(rate * within, float(self.limits.max_queued)))
+
+    def come_back_s(self, now: float, why: str, jitter: float) -> float:
+        """When an agent refused for `why` should dial again, in seconds: once the agents'
+        lane has served half what it holds (it then still has work for half its queue
+        deadline, so the server never idles while refused agents wait, and a returning
+        agent waits in the queue well within its patience), and after every agent
+        refused before it, one turn per 1 / rate: the refused come back no faster than
+        the lane serves them, each once. Plus `jitter` (in [0, 1)) of come_back_jitter_s.
+        The rate is the lane's measured one, but never below assumed_rate: a storm's
+        first second measures few places given back (registrations take seconds), and
+        turns given too late leave the server idle, where turns too early cost a
+        refused agent one more connect and no handshake. A source refused for its own
+        flood is told when the queue is half served, and holds no turn: one address
+        must not push the fleet's turns back."""
+        held = self.lanes[AGENTS]
+        rate = max(self.limits.assumed_rate, held.rate or 0.0, 1.0)
+        half = (self.limits.agents_queue_s - self.limits.min_left_s) / 2
+        turn = now + max(0.0, (held.waiting + held.in_flight) / rate - half)
+        if why != REFUSED_SOURCE:
+            turn = max(turn, held.promised_until)
+            held.promised_until = min(turn + 1.0 / rate, now + MAX_COME_BACK_S)
+        wait = turn - now + jitter * self.limits.come_back_jitter_s
+        return min(wait, MAX_COME_BACK_S)
 
     def has_room(self, lane: str) -> bool:
         """A queued hello may take a place now."""
@@ -382,6 +423,23 @@ class Gate:
         # Hellos waiting for a place in their lane, woken in order as places come back.
         self.lots = {name: trio.lowlevel.ParkingLot() for name in self.core.lanes}
         self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
+        self.rng = random.Random()
+        # Refused connections told when to come back, reset once the line has had time
+        # to arrive (at most _REFUSED_OPEN_MAX of them: past that, reset at once).
+        self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
+        self._pending_room = trio.lowlevel.ParkingLot()  # the accept loops, while it is full
+
+    async def reset_refused(self) -> None:
+        """Reset the refused connections whose time has come, until cancelled (then all)."""
+        try:
+            while True:
+                await trio.sleep(_REFUSED_OPEN_S / 2)
+                now = trio.current_time()
+                while self.refused_open and self.refused_open[0][0] <= now:
+                    reset(self.refused_open.popleft()[1])
+        finally:
+            while self.refused_open:
+                reset(self.refused_open.popleft()[1])
 
     def admit(self, stream: trio.SocketStream) -> Ticket | None:
         """At accept: a ticket, or None when the connection was refused (reset)."""
@@ -393,11 +451,28 @@ class Gate:
             self._refused(stream, source, why)
             return None
         now = trio.current_time()
-        deadline = self.core.deadline(now, age)
+        deadline = self.core.deadline(now)
         return Ticket(stream, source, now - age, trio.CancelScope(deadline=deadline))
 
-    def _refused(self, stream: trio.SocketStream, source: str, why: str) -> None:
-        reset(stream)
+    def _refused(
+        self, stream: trio.SocketStream, source: str, why: str, lane: str | None = None
+    ) -> None:
+        """Reset a refused connection; an agent's, or one whose lane is not known yet, is
+        first told when to come back (agent_lane.come_back_line)."""
+        if lane == OTHERS or len(self.refused_open) >= _REFUSED_OPEN_MAX:
+            reset(stream)
+        else:
+            now = trio.current_time()
+            line = come_back_line(self.core.come_back_s(now, why, self.rng.random()))
+            raw = _raw(stream)
+            try:
+                raw.send(line)
+                # Reset later, not now: a reset that reached the client before its
+                # connect() had returned would fail the connect, the line unread.
+                raw.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the client learns of the reset alone, and backs off as it would
+            self.refused_open.append((now + _REFUSED_OPEN_S, stream))
         held = self.refusals_log.allow(why, trio.current_time())
         if held is not None:
             more = f" ({held} more since the last such line)" if held else ""
@@ -405,6 +480,17 @@ class Gate:
 
     def leave(self, ticket: Ticket) -> None:
         self.core.leave(ticket.source, ticket.unsorted)
+        if ticket.unsorted:
+            self._pending_room.unpark_all()
+
+    async def room_to_accept(self) -> None:
+        """Wait until fewer than max_pending connections are between accept and their
+        whole hello. A connection then waits in the kernel's accept queue (its age there
+        counts, TCP_INFO) instead of being accepted only to be refused: by its turn its
+        hello is there, and it is sorted at once (finding 12: a starved fleet's late
+        hellos held every pending place, and agents and operators were refused)."""
+        while self.core.total_pending >= self.core.limits.max_pending:
+            await self._pending_room.park()
 
     def wake(self, lane: str) -> None:
         """Wake as many queued hellos as there is room (the lane's places may have grown)."""
@@ -427,9 +513,10 @@ class Gate:
         lane = lane_of(hello)
         self.core.sorted()
         ticket.unsorted = False
+        self._pending_room.unpark_all()
         why = self.core.hello(lane, trio.current_time(), ticket.arrived)
         if why is not None:
-            self._refused(stream, ticket.source, why)
+            self._refused(stream, ticket.source, why, lane)
             return None
         deadline = self.core.queue_deadline(lane, ticket.arrived)
         ticket.scope.deadline = deadline
@@ -442,10 +529,12 @@ class Gate:
         now = trio.current_time()
         if not self.core.begin(lane, now, deadline):
             self.wake(lane)  # the room it was woken for goes to the next
-            reset(stream)
+            self._refused(stream, ticket.source, SHED_LATE, lane)
             return None
-        if lane == AGENTS:  # its turn came: the handshake itself gets the usual deadline
-            ticket.scope.deadline = now + self.core.limits.deadline_s
+        # Its turn came: the handshake itself gets the usual deadline (an agent's even
+        # past its queue deadline: it waits longer than that).
+        handshake_by = now + self.core.limits.deadline_s
+        ticket.scope.deadline = handshake_by if lane == AGENTS else min(deadline, handshake_by)
         place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
         try:
             if peer_left(raw):  # a client that gave up while it waited costs no handshake

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import trio
 import trio_websocket
 
-from llmgw_core.dial import Advice, ConnectFailed, Target, describe_rejection, dial
+from llmgw_core.dial import Advice, ConnectFailed, Dialed, Target, describe_rejection, dial
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import MAX_FRAME_BYTES, FeedError, RouteTable
@@ -162,7 +162,7 @@ async def follow_once(
 async def _follow_stream(
     nursery: trio.Nursery,
     follower: Following,
-    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+    stream: Dialed,
     where: Target,
     token: str,
 ) -> tuple[bool, str]:
@@ -171,7 +171,7 @@ async def _follow_stream(
     with trio.move_on_after(CONNECT_TIMEOUT_S):
         ws = await trio_websocket.wrap_client_stream(
             nursery,
-            stream,
+            stream,  # type: ignore[arg-type]  # any stream works; it is typed narrowly
             host,
             where.resource,
             extra_headers=[(b"authorization", f"Bearer {token}".encode())],
