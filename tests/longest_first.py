@@ -1,10 +1,10 @@
-"""The order `make test` hands tests to its workers: longest first.
+"""The order `make test` hands tests to its workers: the long ones early, spread.
 
 pytest-xdist (`--dist loadgroup`) gives each idle worker the next unit of work in
 collection order: a test, or a whole `xdist_group` (the tests of a module that share
-a costly fixture). With the longest units first, the short ones fill the gaps at the
-end; in file order, a 40-second test drawn last kept one worker busy while the others
-had finished (the whole run took 6 min 18 s with 169% of the 2 cores).
+a costly fixture). With the long units early, the short ones fill the gaps at the end;
+in file order, a 40-second test drawn last kept one worker busy while the others had
+finished (the whole run took 6 min 18 s with 169% of the 2 cores).
 
 The seconds below are wall times measured on an idle 2-core machine with three workers
 (`pytest -n 3 --durations=60`); a test not listed counts as 1 s. They only order the
@@ -58,6 +58,7 @@ SECONDS: dict[str, float] = {
     "tests/test_workers.py::test_sigterm_drains_every_worker_then_leaves_no_process": 6,
 }
 UNLISTED_S = 1.0
+LONG_S = 5.0
 
 
 def seconds(nodeid: str) -> float:
@@ -66,12 +67,23 @@ def seconds(nodeid: str) -> float:
 
 
 def longest_first(items: Sequence[T], nodeid: Callable[[T], str], group: Callable[[T], str | None]) -> list[T]:
-    """`items` with the longest units first; a group's tests stay together, in their
-    order, and count as their sum. Equal units keep their collection order."""
+    """`items` with the long units (LONG_S or more) spread over the first half of the
+    run, longest first, between the short ones; a group's tests stay together, in their
+    order, and count as their sum. Short units keep their collection order.
+
+    Spread, not all first: most long tests are long because they wait (for a timer, a
+    process, an idle pause), and three of them at once left the cores half idle at the
+    start of a run, while the short ones beside them keep the cores busy."""
     units: dict[str, list[T]] = {}
     for item in items:
         key = group(item)
         units.setdefault(nodeid(item) if key is None else f"group:{key}", []).append(item)
     total = {key: sum(seconds(nodeid(item)) for item in members) for key, members in units.items()}
-    ordered = sorted(units, key=lambda key: -total[key])  # stable: ties keep their order
+    long = sorted((key for key in units if total[key] >= LONG_S), key=lambda key: -total[key])
+    short = [key for key in units if total[key] < LONG_S]
+    between = len(short) // (2 * len(long)) if long else 0
+    ordered: list[str] = []
+    for i, key in enumerate(long):
+        ordered += [key, *short[i * between : (i + 1) * between]]
+    ordered += short[len(long) * between :]
     return [item for key in ordered for item in units[key]]

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from longest_first import SECONDS, UNLISTED_S, longest_first, seconds
 
-SLOW = next(iter(SECONDS))
+SLOW, LONGER_THAN_GROUP = list(SECONDS)[:2]
+SECOND = (LONGER_THAN_GROUP, None)
 
 
-def test_longest_units_first_groups_together_ties_in_collection_order() -> None:
-    items = [
-        ("tests/test_a.py::one", None),
-        ("tests/test_g.py::x", "g"),
-        ("tests/test_b.py::two", None),
-        (SLOW + "[p]", None),
-        ("tests/test_g.py::y", "g"),
-    ]
-    ordered = longest_first(items, lambda item: item[0], lambda item: item[1])
-    assert [name for name, _ in ordered] == [
+def test_long_units_spread_over_the_first_half_longest_first_groups_together() -> None:
+    shorts = [(f"tests/test_s.py::t{i}", None) for i in range(12)]
+    group = [(f"tests/test_g.py::x{i}", "g") for i in range(6)]  # 6 x 1 s: one long unit
+    items = [shorts[0], *group[:3], SECOND, *shorts[1:5], (SLOW + "[p]", None)]
+    items += [*group[3:], *shorts[5:]]
+    ordered = [name for name, _ in longest_first(items, lambda i: i[0], lambda i: i[1])]
+    # Three long units, twelve short ones: two short after each long one, in the first half.
+    assert ordered == [
         SLOW + "[p]",  # listed: its parameters share its figure
-        "tests/test_g.py::x",  # a group counts as its sum (2 s), its tests together
-        "tests/test_g.py::y",
-        "tests/test_a.py::one",  # 1 s each, in collection order
-        "tests/test_b.py::two",
+        *[f"tests/test_s.py::t{i}" for i in (0, 1)],
+        SECOND[0],
+        *[f"tests/test_s.py::t{i}" for i in (2, 3)],
+        *[name for name, _ in group],  # a group counts as its sum, its tests together
+        *[f"tests/test_s.py::t{i}" for i in range(4, 12)],
     ]
-    assert seconds("tests/test_a.py::one") == UNLISTED_S
+    assert seconds("tests/test_s.py::t0") == UNLISTED_S
+
+
+def test_only_short_units_keep_their_order() -> None:
+    items = [("tests/test_b.py::b", None), ("tests/test_a.py::a", None)]
+    assert longest_first(items, lambda i: i[0], lambda i: i[1]) == items
