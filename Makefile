@@ -69,8 +69,12 @@ HYPOTHESIS_PROFILE ?= ci
 # TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 
+# With PYTHONDONTWRITEBYTECODE set (as on CI's machines), no bytecode is cached: each of
+# the suite's hundreds of processes compiled llmgw from source again (0.13 s of CPU at a
+# router's start), and each worker rewrote every test module's asserts (10 s of CPU to
+# collect). The test run writes it (__pycache__/, ignored by git).
 test: venv real-engine browser
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
+	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
 
 # import-linter in its own virtualenv: it brings rich, and with rich installed every
 # process that imports httpx also imports httpx's command line (rich, click, pygments),
