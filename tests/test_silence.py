@@ -236,10 +236,18 @@ def agent_config(tmp_path: Path, port: int) -> AgentConfig:
     )
 
 
-async def answer_for_a_while(ws: trio_websocket.WebSocketConnection, bound: SilenceBound) -> None:
-    """Be a healthy control plane for half the bound after the welcome: send a command
-    then, and return once the agent acknowledged it."""
-    await trio.sleep(bound.probe_after_s)
+async def answer_for_a_while(
+    ws: trio_websocket.WebSocketConnection, bound: SilenceBound, interval: float
+) -> None:
+    """Be a healthy control plane for half the bound after the welcome, as the agent
+    counts it: send a command once the agent's heartbeats show that much time passed
+    since it read the welcome (its k-th comes k intervals after, by its own clock), and
+    return once the agent acknowledged it. (Half the bound on this side's clock raced the
+    agent: a welcome read late made the command arrive too soon, by the agent's count.)"""
+    beats = 0
+    while beats * interval < bound.probe_after_s:
+        if isinstance(decode_up(await ws.get_message()), Heartbeat):
+            beats += 1
     await ws.send_message(encode(Mark(1, cordoned=False, draining=False)))
     while not isinstance(decode_up(await ws.get_message()), Ack):
         pass  # heartbeats
@@ -264,7 +272,7 @@ async def test_the_agent_cuts_a_black_holed_stream_and_redials_without_the_backo
         registered.append(trio.current_time())
         try:
             if len(registered) == 1:
-                await answer_for_a_while(ws, bound)
+                await answer_for_a_while(ws, bound, interval)
                 answered.set()
             while True:
                 await ws.get_message()  # heartbeats; its library answers pings
@@ -328,7 +336,7 @@ async def test_sessions_that_end_right_after_the_welcome_do_not_reset_the_backof
         if what == "garbage":
             await ws.send_message("this is not json")
         elif what == "healthy":
-            await answer_for_a_while(ws, bound)
+            await answer_for_a_while(ws, bound, interval)
         await ws.aclose()
 
     ceilings = Ceilings()
