@@ -156,11 +156,30 @@ def _is_listed(tp: Any) -> bool:
     return typing.get_origin(tp) is tuple and typing.get_args(tp)[:1] in [(d,) for d in _LISTED]
 
 
+class KeptDocs(tuple[Any, ...]):
+    """Documents that stay the same from one status to the next (a node's GPUs and
+    engines, kept by the control port until its inventory or placement changes): their
+    JSON data is made once, on the first status that holds them, and read again after.
+    The data is shared: whoever reads it must not change it (nothing here does)."""
+
+    data: list[Any] | None = None
+
+
 def _as_list(tp: Any) -> Callable[[tuple[Any, ...]], list[Any]]:
     # cattrs's own makes a tuple through a generator: a third of a 10,000-node status's
     # encoding. JSON has lists only, so a list comprehension gives the same text.
     hook = converter.get_unstructure_hook(typing.get_args(tp)[0])
-    return lambda docs: [hook(d) for d in docs]
+
+    def as_list(docs: tuple[Any, ...]) -> list[Any]:
+        kept: list[Any] | None = getattr(docs, "data", None)
+        if kept is not None:
+            return kept
+        data = [hook(d) for d in docs]
+        if isinstance(docs, KeptDocs):
+            docs.data = data
+        return data
+
+    return as_list
 
 
 # Registered before any document is unstructured, so that no hook made earlier is kept.

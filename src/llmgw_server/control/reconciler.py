@@ -14,7 +14,7 @@ docs/control-plane.md, "How the control core decides".
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -188,10 +188,17 @@ class Reconciler:
 
     # -- reading -------------------------------------------------------------
 
-    def view(self) -> ControlView:
-        """O(nodes, shards and the unplaced models' explanations)."""
+    def view(self, nodes: Collection[str] | None = None) -> ControlView:
+        """O(nodes, shards and the unplaced models' explanations); with `nodes`, just
+        those and the replicas on them."""
         d = self._decider
-        return control_view(self.known, d.status, d.kept(), d.short(), self.catalog, self.explain)
+        return control_view(
+            self.known, d.status, d.kept(), d.short(), self.catalog, self.explain, nodes
+        )
+
+    def node_names(self) -> list[str]:
+        """Every node's name, in no order. O(nodes)."""
+        return list(self.known.lifecycle.nodes)
 
     def serving(self) -> dict[str, tuple[Endpoint, ...]]:
         """Where the router should send each model's requests, with each engine's key.

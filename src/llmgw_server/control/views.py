@@ -6,7 +6,7 @@ Engine keys never appear here: a view is shown to operators and written to logs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import attrs
 
@@ -135,10 +135,17 @@ def control_view(
     short: Mapping[str, tuple[int, str | None]],
     catalog: Catalog,
     explain: Callable[[str], Explanation | None],
+    only: Collection[str] | None = None,
 ) -> ControlView:
     """Everything, for the admin API: O(nodes and shards, and an explanation for each
-    model short of replicas)."""
+    model short of replicas). With `only`, just those nodes (the known ones among them)
+    and the replicas with a shard on them: O(those, and the models)."""
     store, lifecycle = known.store, known.lifecycle
+    chosen = (
+        lifecycle.nodes.values()
+        if only is None
+        else [lifecycle.nodes[name] for name in only if name in lifecycle.nodes]
+    )
     nodes = tuple(
         NodeView(
             n.name,
@@ -150,10 +157,21 @@ def control_view(
             n.inventory,
             tuple(sorted(store.used_gpus(n.name))),
         )
-        for n in lifecycle.nodes.values()
+        for n in chosen
     )
+    if only is None:
+        with_shards: Iterable[tuple[str, list[ShardRecord]]] = store.replicas()
+    else:
+        # In the whole view's order, which is the store's.
+        names = {n.name for n in nodes}
+        touching = {rid for name in names for rid in store.touching(name)}
+        with_shards = (
+            (rid, records)
+            for rid, records in store.replicas()
+            if rid in touching and any(r.node in names for r in records)
+        )
     replicas = []
-    for rid, records in store.replicas():
+    for rid, records in with_shards:
         judged = status.get(rid) or Status(Classified(Phase.LIVE))
         view = replica_view(
             records,

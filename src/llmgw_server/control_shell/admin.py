@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, assert_never, get_args
 from urllib.parse import parse_qs
 
@@ -31,6 +31,7 @@ import trio
 
 from llmgw_core.bearer import bearer_matches
 from llmgw_core.config import AdminSection
+from llmgw_core.inventory import Inventory
 from llmgw_core.openai_errors import error_body
 from llmgw_core.tomlshape import ConfigError
 from llmgw_http.server import Request, Responder
@@ -38,6 +39,7 @@ from llmgw_server.control.documents import (
     EngineDoc,
     ExplainDoc,
     GpuDoc,
+    KeptDocs,
     ModelDoc,
     NodeDoc,
     PageDoc,
@@ -79,6 +81,7 @@ class AdminAPI:
         self.plane = plane
         self.access = plane.config.admin if access is None else access
         self.reload = reload  # POST /v1/admin/reload: the config file again (router.reload)
+        self.node_parts = NodeParts()
         self._warn_at_start()
 
     def _warn_at_start(self) -> None:
@@ -149,21 +152,31 @@ class AdminAPI:
             await self._json(responder, 200, {"reloaded": True, **plan.as_json()})
         elif request.method == b"GET" and rest == ["status"]:
             query = parse_qs(request.target.partition(b"?")[2].decode("utf-8", "replace"))
+            reconciler = self.plane.reconciler
             try:
-                view, page = status_page(self.plane.reconciler.view(), query)
+                chosen, page = status_page(reconciler.node_names(), query)
             except ValueError as exc:
                 await responder.error(400, str(exc))
                 return
-            doc = status_doc(view, self.plane.output_tails, trio.current_time())
+            view = reconciler.view(chosen)
+            doc = status_doc(
+                view,
+                self.plane.output_tails,
+                trio.current_time(),
+                self.node_parts,
+                len(view.nodes) if page is None else page.of,
+            )
             data = to_json(attrs.evolve(doc, page=page))
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
             await responder.whole(200, json.dumps(data, separators=(",", ":")).encode())
         elif request.method == b"GET" and rest == ["stream"]:
-            plane = self.plane
+            plane, kept = self.plane, self.node_parts
             await ui_server.stream(
                 plane.feed,
                 lambda: to_json(
-                    status_doc(plane.reconciler.view(), plane.output_tails, trio.current_time())
+                    status_doc(
+                        plane.reconciler.view(), plane.output_tails, trio.current_time(), kept
+                    )
                 ),
                 responder,
             )
@@ -256,16 +269,58 @@ def _refusal_body(refused: DrainRefused) -> dict[str, Any]:
     return dict(error)
 
 
-def node_doc(view: NodeView, now: float) -> NodeDoc:
+@attrs.define
+class _Parts:
+    inventory: Inventory
+    used_gpus: tuple[int, ...]
+    gpus: KeptDocs
+    engines: KeptDocs
+
+
+@attrs.define
+class NodeParts:
+    """Each node's GPU and engine documents, made again only when its inventory (a new
+    registration) or the GPUs placed on it change: a 10,000-node status holds 80,000
+    GPU documents, and making them and their JSON data again for every status doubled
+    its time. At most twice the fleet (and 100) nodes are kept: past that, all are
+    forgotten and made again."""
+
+    _by_node: dict[str, _Parts] = attrs.field(factory=dict)
+
+    def of(self, view: NodeView, fleet_nodes: int) -> _Parts:
+        parts = self._by_node.get(view.name)
+        if (
+            parts is not None
+            and parts.inventory is view.inventory
+            and parts.used_gpus == view.used_gpus
+        ):
+            return parts
+        if len(self._by_node) >= 2 * fleet_nodes + 100:
+            self._by_node.clear()
+        parts = _node_parts(view)
+        self._by_node[view.name] = parts
+        return parts
+
+
+def _node_parts(view: NodeView) -> _Parts:
     # Positional and with list comprehensions: a 10,000-node status makes 100,000 of
     # these documents, and keywords and generators cost twice the time there.
     inventory = view.inventory
     used = view.used_gpus
-    gpus = [
-        GpuDoc(g.index, g.name, g.memory_total_mib, g.memory_free_mib, g.index in used)
-        for g in inventory.gpus
-    ]
-    engines = [EngineDoc(e.name, e.found, e.version) for e in inventory.engines]
+    gpus = KeptDocs(
+        [
+            GpuDoc(g.index, g.name, g.memory_total_mib, g.memory_free_mib, g.index in used)
+            for g in inventory.gpus
+        ]
+    )
+    engines = KeptDocs([EngineDoc(e.name, e.found, e.version) for e in inventory.engines])
+    return _Parts(inventory, used, gpus, engines)
+
+
+def node_doc(view: NodeView, now: float, parts: _Parts | None = None) -> NodeDoc:
+    if parts is None:
+        parts = _node_parts(view)
+    inventory = view.inventory
     return NodeDoc(
         view.name,
         view.status,
@@ -277,8 +332,8 @@ def node_doc(view: NodeView, now: float) -> NodeDoc:
         inventory.fabric,
         inventory.cpus,
         inventory.memory_mib,
-        tuple(gpus),
-        tuple(engines),
+        parts.gpus,
+        parts.engines,
         drain_forced=view.drain_forced,
     )
 
@@ -316,21 +371,24 @@ def replica_doc(view: ReplicaView, output_tails: OutputTailsOf, now: float) -> R
 
 
 def status_page(
-    view: ControlView, query: dict[str, list[str]]
-) -> tuple[ControlView, PageDoc | None]:
-    """The part of the status a query asks for, and where the next page starts.
+    names: Iterable[str], query: dict[str, list[str]]
+) -> tuple[list[str] | None, PageDoc | None]:
+    """Which of the fleet's nodes (`names`) a query asks for, and where the next page
+    starts; None for the whole fleet (no query, and no page).
 
     `?node=NAME` (repeatable): those nodes; `?limit=N&after=NAME`: the first N nodes
-    in name order after NAME. Either way with the replicas that have a shard on them,
-    and every model. No query: the whole fleet (and no page). Raises ValueError."""
-    names, limit, after = query.get("node"), query.get("limit"), query.get("after", [""])[0]
-    if names is None and limit is None and not after:
-        return view, None
-    nodes = sorted(view.nodes, key=lambda n: n.name)
-    if names is not None:
-        wanted = set(names)
-        nodes = [n for n in nodes if n.name in wanted]
-    nodes = [n for n in nodes if n.name > after]
+    in name order after NAME. The status of either holds the replicas that have a shard
+    on its nodes, and every model. Raises ValueError."""
+    wanted, limit, after = query.get("node"), query.get("limit"), query.get("after", [""])[0]
+    if wanted is None and limit is None and not after:
+        return None, None
+    fleet = sorted(names)
+    if wanted is not None:
+        named = set(wanted)
+        chosen = [n for n in fleet if n in named]
+    else:
+        chosen = fleet
+    chosen = [n for n in chosen if n > after]
     more = None
     if limit is not None:
         try:
@@ -339,19 +397,30 @@ def status_page(
             raise ValueError(f"limit must be a whole number, not {limit[0]!r}") from None
         if not 1 <= count <= 100_000:
             raise ValueError(f"limit must be between 1 and 100000, not {count}")
-        if len(nodes) > count:
-            nodes = nodes[:count]
-            more = nodes[-1].name
-    on_page = {n.name for n in nodes}
-    replicas = tuple(r for r in view.replicas if any(s.node in on_page for s in r.shards))
-    page = PageDoc(nodes=len(nodes), of=len(view.nodes), next_after=more)
-    return attrs.evolve(view, nodes=tuple(nodes), replicas=replicas), page
+        if len(chosen) > count:
+            chosen = chosen[:count]
+            more = chosen[-1]
+    return chosen, PageDoc(nodes=len(chosen), of=len(fleet), next_after=more)
 
 
-def status_doc(view: ControlView, output_tails: OutputTailsOf, now: float) -> StatusDoc:
+def status_doc(
+    view: ControlView,
+    output_tails: OutputTailsOf,
+    now: float,
+    kept: NodeParts | None = None,
+    fleet_nodes: int = 0,
+) -> StatusDoc:
+    """The status of `view` (`fleet_nodes` in the whole fleet: `view` may be a page),
+    with the node parts `kept` from earlier statuses where given."""
     unplaced = view.unplaced
+    fleet_nodes = max(fleet_nodes, len(view.nodes))
     return StatusDoc(
-        nodes=tuple([node_doc(n, now) for n in view.nodes]),
+        nodes=tuple(
+            [
+                node_doc(n, now) if kept is None else node_doc(n, now, kept.of(n, fleet_nodes))
+                for n in view.nodes
+            ]
+        ),
         replicas=tuple([replica_doc(r, output_tails, now) for r in view.replicas]),
         models=tuple(
             ModelDoc(
