@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import warm_start
+
 # Where the processes' logs go: pytest's temporary directory for the session (conftest
 # sets it; pytest keeps the last three sessions' and removes older ones), so a test run
 # leaves no logs in the system's temporary directory.
@@ -74,11 +76,13 @@ class Proc:
         directory = LOG_DIR or Path(tempfile.gettempdir())
         self.log = directory / f"llmgw-test-{port}-{time.monotonic_ns()}.log"
         self._log_file = self.log.open("wb")
-        self.popen = subprocess.Popen(
+        environ = {**os.environ, **(env or {})}
+        warm = warm_start.start(self.argv, environ, str(self.log))
+        self.popen: subprocess.Popen[bytes] | warm_start.WarmPopen = warm or subprocess.Popen(
             self.argv,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=environ,
             start_new_session=True,
         )
 
