@@ -42,13 +42,14 @@ from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     PROTOCOL,
     Heartbeat,
+    Pace,
     Register,
     Welcome,
     WireError,
     decode_down,
     encode,
 )
-from llmgw_core.ws_frames import Heard, silence_bound
+from llmgw_core.ws_frames import Heard, Paced
 
 H100 = "NVIDIA H100 80GB HBM3"
 _ADDRESS = re.compile(r"Error connecting to \('[^']*', \d+\): |\[?[0-9a-f.:]*[0-9]\]?:\d+:? ?")
@@ -187,16 +188,21 @@ class Worker:
             if now >= self.epoch and i not in self.since_epoch:
                 self.since_epoch.add(i)
                 self.new_firsts.append(now)
-            bound = silence_bound(welcome.heartbeat_interval_s)
-            session.welcomed_at, session.heard, session.bound = heard.at, heard, bound
-            interval = welcome.heartbeat_interval_s
+            paced = Paced.at(welcome.heartbeat_interval_s)
+            session.welcomed_at, session.heard, session.bound = heard.at, heard, paced.bound
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_drain, ws, nursery.cancel_scope)
-                # The real agent's first heartbeat comes one interval after the welcome.
+                nursery.start_soon(_drain, ws, nursery.cancel_scope, paced)
+                # The real agent's first heartbeat comes one interval after the welcome,
+                # and a pace moves the next one as the agent's does.
                 seq = 0
+                last = trio.current_time()
                 while True:
-                    await trio.sleep(interval)
-                    if trio.current_time() - heard.at > bound.cut_after_s:
+                    changed = paced.changed
+                    with trio.move_on_at(last + paced.interval_s):
+                        await changed.wait()
+                        continue
+                    last = trio.current_time()
+                    if last - heard.at > paced.bound.cut_after_s:
                         nursery.cancel_scope.cancel()  # silent: dial again, as the agent does
                         break
                     seq += 1
@@ -249,10 +255,14 @@ class Worker:
             nursery.cancel_scope.cancel()
 
 
-async def _drain(ws: trio_websocket.WebSocketConnection, scope: trio.CancelScope) -> None:
+async def _drain(
+    ws: trio_websocket.WebSocketConnection, scope: trio.CancelScope, paced: Paced
+) -> None:
     try:
         while True:
-            await ws.get_message()
+            message = decode_down(await ws.get_message())
+            if isinstance(message, Pace):
+                paced.set(message.heartbeat_interval_s)
     except trio_websocket.ConnectionClosed:
         scope.cancel()
 

@@ -54,7 +54,7 @@ async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
     async with trio.open_nursery() as nursery:
         plane = ControlPlane(config, heartbeat_interval_s=5.0)
         await nursery.start(plane.run)
-        plane.registered(Register(1, "test", node))
+        plane.registered(Register(1, "test", node), 5.0)
         (replica,) = plane.reconciler.view().replicas
         spec = plane.reconciler.known.store.head(replica.replica_id)
         assert spec is not None

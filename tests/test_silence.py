@@ -45,6 +45,7 @@ from llmgw_core.wire import (
     encode,
 )
 from llmgw_core.ws_frames import (
+    LONG_INTERVAL_SLACK_S,
     MAX_CUT_S,
     MIN_CUT_S,
     Heard,
@@ -65,14 +66,26 @@ def test_the_bound_follows_the_heartbeat_interval_and_keeps_the_30_s_promise() -
     assert silence_bound(5.0) == SilenceBound(probe_after_s=10.0, cut_after_s=20.0)
     assert silence_bound(0.5) == SilenceBound(probe_after_s=1.0, cut_after_s=2.0)
     assert silence_bound(0.05).cut_after_s == MIN_CUT_S  # a busy peer is not cut at 0.2 s
-    assert silence_bound(3600).cut_after_s == MAX_CUT_S
+    assert silence_bound(5.0).cut_after_s == MAX_CUT_S
     base = attrs.fields(AgentConfig).reconnect_base_s.default
     assert base is not None  # attrs types a default as optional: a field may have none
-    for interval in (0.05, 0.5, 1, 5, 7, 60, 3600):
+    for interval in (0.05, 0.5, 1, 4.9, 5):  # what a control plane within its pace gives
         bound = silence_bound(interval)
         assert 0 < bound.probe_after_s < bound.cut_after_s
         # Cut, then the redial of a session that registered: room left for the dial itself.
         assert bound.cut_after_s + base <= 25
+
+
+def test_a_paced_fleets_long_interval_is_not_pinged_between_its_acks() -> None:
+    # A large fleet's control plane gives longer intervals (heartbeat_pace): each
+    # heartbeat's ack comes within the interval, so a healthy stream is never pinged,
+    # and a dead one is cut after two intervals and the slack.
+    assert silence_bound(50.0) == SilenceBound(probe_after_s=55.0, cut_after_s=110.0)
+    assert silence_bound(3600).cut_after_s == 2 * 3600 + LONG_INTERVAL_SLACK_S
+    for interval in (5.1, 7, 20, 60, 3600):
+        bound = silence_bound(interval)
+        assert interval < bound.probe_after_s < bound.cut_after_s
+        assert MAX_CUT_S < bound.cut_after_s <= 2 * interval + LONG_INTERVAL_SLACK_S
 
 
 # -- the watch, on an autojump clock ----------------------------------------------

@@ -61,6 +61,7 @@ from llmgw_core.wire import (
     Drain,
     Heartbeat,
     Mark,
+    Pace,
     Register,
     ShardUpdate,
     Start,
@@ -73,10 +74,10 @@ from llmgw_core.wire import (
 )
 from llmgw_core.ws_frames import (
     Heard,
+    Paced,
     SilenceBound,
     cut_when_silent,
     read_frames,
-    silence_bound,
     write_frames,
 )
 
@@ -116,6 +117,13 @@ class Session:
     welcomed_at: float | None = None  # None: it never registered
     heard: Heard | None = None  # when the control plane was last heard from on it
     bound: SilenceBound | None = None  # its silence bound
+
+
+def _interval(seconds: float) -> float:
+    """A heartbeat interval from the control plane, checked (WireError)."""
+    if not 0.05 <= seconds <= 3600:  # NaN fails both
+        raise WireError(f"a heartbeat interval of {seconds} s makes no sense")
+    return seconds
 
 
 def next_attempt(attempt: int, session: Session) -> int:
@@ -263,25 +271,27 @@ class Agent:
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
                 heard.now()
-                interval = welcome.heartbeat_interval_s
-                if not 0.05 <= interval <= 3600:  # NaN fails both
-                    raise WireError(f"a heartbeat interval of {interval} s makes no sense")
+                paced = Paced.at(_interval(welcome.heartbeat_interval_s))
                 log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
                 self.registrations += 1
                 self.connected.set()
-                bound = silence_bound(interval)
-                self._silence_s = bound.cut_after_s
-                session.welcomed_at, session.heard, session.bound = heard.at, heard, bound
+                self._silence_s = paced.bound.cut_after_s
+                session.welcomed_at, session.heard, session.bound = heard.at, heard, paced.bound
                 bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
                     nursery.start_soon(read_frames, ws, inbox_send, nursery.cancel_scope, heard)
                     nursery.start_soon(write_frames, ws, outbox_receive, nursery.cancel_scope)
-                    nursery.start_soon(self._heartbeat, interval)
-                    nursery.start_soon(cut_when_silent, ws, heard, bound, cut)
+                    nursery.start_soon(self._heartbeat, paced)
+                    nursery.start_soon(cut_when_silent, ws, heard, paced, cut)
                     async for frame in inbox_receive:
                         try:
                             message = decode_down(frame)
+                            if isinstance(message, Pace):
+                                paced.set(_interval(message.heartbeat_interval_s))
+                                self._silence_s = paced.bound.cut_after_s
+                                session.bound = paced.bound
+                                continue
                         except WireError as exc:
                             bad_frame = exc
                             nursery.cancel_scope.cancel()
@@ -296,10 +306,15 @@ class Agent:
             if ws.closed is not None and ws.closed.reason:
                 log.warning("the control plane closed the stream: %s", ws.closed.reason)
 
-    async def _heartbeat(self, interval_s: float) -> None:
+    async def _heartbeat(self, paced: Paced) -> None:
         seq = 0
+        last = trio.current_time()
         while True:
-            await trio.sleep(interval_s)
+            changed = paced.changed
+            with trio.move_on_at(last + paced.interval_s):
+                await changed.wait()
+                continue  # a new interval, counted from the last heartbeat
+            last = trio.current_time()
             seq += 1
             self._send(Heartbeat(seq))
 
@@ -344,7 +359,7 @@ class Agent:
             self.cordoned, self.draining = message.cordoned, message.draining
             self._save_flags()
             self._send(Ack(message.command_id))
-        elif isinstance(message, Welcome):
+        elif isinstance(message, Welcome | Pace):  # a welcome out of turn; a pace: above
             self._send(Ack(0, ok=False, error=f"unexpected {type(message).__name__}"))
         else:
             assert_never(message)

@@ -25,6 +25,10 @@ class ControlSection:
     unreachable_after_s: float = attrs.field(default=15.0, metadata=rules(min=0.1))
     # ...and after this long its replicas are placed elsewhere.
     lost_after_s: float = attrs.field(default=120.0, metadata=rules(min=0.1))
+    # The fleet's heartbeats a second, at most: past unreachable_after_s / 3 s for each
+    # node (5 s at most), a node registering is given a longer interval, and is
+    # unreachable after three of them (control/heartbeat_pace.py).
+    heartbeats_per_s: float = attrs.field(default=200.0, metadata=rules(min=1.0))
     # When more than this share of the nodes turns unreachable within one
     # window, the control plane is probably the one cut off: nobody is declared
     # lost until the share falls again.

@@ -18,7 +18,9 @@ from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport
 
-PROTOCOL = 1
+PROTOCOL = 2
+# The first version whose agents take a `Pace`: an older one keeps its welcome's interval.
+PACE_PROTOCOL = 2
 MAX_FRAME_BYTES = 1024 * 1024
 
 
@@ -30,8 +32,7 @@ def accepts(agent_protocol: int) -> str | None:
     fleet upgrades in rolling fashion, control plane first, then agents one by one;
     it answers each agent in the agent's own version (the Welcome carries it). An
     agent two or more versions behind, or newer than the control plane, is refused.
-    With PROTOCOL = 1, version 0 is "one behind" only in principle: no release spoke
-    it, and its messages are those of version 1.
+    Version 2 added `Pace`, never sent to an agent of version 1.
     """
     if agent_protocol == PROTOCOL or agent_protocol == PROTOCOL - 1:
         return None
@@ -93,6 +94,13 @@ class Welcome:
 
 
 @attrs.frozen
+class Pace:
+    """The heartbeat interval from now on (a fleet that grew or shrank: heartbeat_pace)."""
+
+    heartbeat_interval_s: float
+
+
+@attrs.frozen
 class Start:
     command_id: int
     spec: LaunchSpec
@@ -122,7 +130,7 @@ class Mark:
 
 
 UpMessage = Register | Heartbeat | ShardUpdate | Ack
-DownMessage = Welcome | Start | Drain | Stop | Mark
+DownMessage = Welcome | Pace | Start | Drain | Stop | Mark
 
 _TAGS: dict[type, str] = {
     Register: "register",
@@ -130,6 +138,7 @@ _TAGS: dict[type, str] = {
     ShardUpdate: "shard_update",
     Ack: "ack",
     Welcome: "welcome",
+    Pace: "pace",
     Start: "start",
     Drain: "drain",
     Stop: "stop",
@@ -179,7 +188,7 @@ def decode_down(frame: str | bytes) -> DownMessage:
 
 
 _UP_TAGS = {_TAGS[t] for t in (Register, Heartbeat, ShardUpdate, Ack)}
-_DOWN_TAGS = {_TAGS[t] for t in (Welcome, Start, Drain, Stop, Mark)}
+_DOWN_TAGS = {_TAGS[t] for t in (Welcome, Pace, Start, Drain, Stop, Mark)}
 
 
 def _describe(exc: BaseException) -> str:

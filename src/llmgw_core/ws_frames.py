@@ -23,10 +23,13 @@ import trio_websocket
 SILENT_INTERVALS = 4.0
 # ...but never sooner than this, so a busy peer on a short interval is not cut off...
 MIN_CUT_S = 2.0
-# ...and never later than this, so that with a redial (after a session that was
-# healthy, the backoff is at most reconnect base_s, 0.5 s by default) the node is back
-# within 30 s.
+# ...and, at the control plane's usual interval (5 s), never later than this, so that
+# with a redial (after a session that was healthy, the backoff is at most reconnect
+# base_s, 0.5 s by default) the node is back within 30 s. A large fleet gives longer
+# intervals (the control plane paces its heartbeats): then two intervals and this
+# slack, so that a quiet stream is not pinged between its heartbeats' acks.
 MAX_CUT_S = 20.0
+LONG_INTERVAL_SLACK_S = 10.0
 
 
 @attrs.frozen
@@ -40,9 +43,31 @@ class SilenceBound:
 
 def silence_bound(heartbeat_interval_s: float) -> SilenceBound:
     """The bound for a stream whose heartbeat interval is `heartbeat_interval_s`: with the
-    control plane's 5 s, a ping after 10 s of quiet and a cut after 20 s."""
-    cut = min(max(SILENT_INTERVALS * heartbeat_interval_s, MIN_CUT_S), MAX_CUT_S)
+    control plane's 5 s, a ping after 10 s of quiet and a cut after 20 s; with 50 s
+    (a paced fleet of 10,000), after 55 s and 110 s."""
+    latest = max(MAX_CUT_S, 2 * heartbeat_interval_s + LONG_INTERVAL_SLACK_S)
+    cut = min(max(SILENT_INTERVALS * heartbeat_interval_s, MIN_CUT_S), latest)
     return SilenceBound(probe_after_s=cut / 2, cut_after_s=cut)
+
+
+@attrs.define
+class Paced:
+    """A stream's heartbeat interval and its silence bound, which the control plane may
+    change (a `Pace`): the heartbeat and the silence watch read them at each turn, and
+    `changed` wakes a heartbeat waiting on the old interval."""
+
+    interval_s: float
+    bound: SilenceBound
+    changed: trio.Event = attrs.Factory(trio.Event)
+
+    @classmethod
+    def at(cls, interval_s: float) -> Paced:
+        return cls(interval_s, silence_bound(interval_s))
+
+    def set(self, interval_s: float) -> None:
+        self.interval_s, self.bound = interval_s, silence_bound(interval_s)
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
 
 
 @attrs.define
@@ -93,15 +118,23 @@ async def write_frames(
             on_close.cancel()
 
 
+def _bound(bound_or_paced: SilenceBound | Paced) -> SilenceBound:
+    if isinstance(bound_or_paced, Paced):
+        return bound_or_paced.bound
+    return bound_or_paced
+
+
 async def cut_when_silent(
-    ws: Pingable, heard: Heard, bound: SilenceBound, cut: trio.CancelScope
+    ws: Pingable, heard: Heard, bound_or_paced: SilenceBound | Paced, cut: trio.CancelScope
 ) -> None:
-    """Cancel `cut` once nothing (no frame, no pong) has come for `bound.cut_after_s`.
+    """Cancel `cut` once nothing (no frame, no pong) has come for the bound's `cut_after_s`
+    (a paced stream's bound as it is at each turn).
 
     Returns without cutting when the connection closes: the reader reports that.
     """
     try:
         while True:
+            bound = _bound(bound_or_paced)
             quiet_since = heard.at
             await trio.sleep_until(quiet_since + bound.probe_after_s)
             if heard.at > quiet_since:

@@ -211,11 +211,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.released: dict[str, float] = {}
         self.last: list[NodeTransition] = []
         self.advanced = False  # guards are judged by `advance`, so check them right after it
+        # What a node's paced heartbeat interval adds to both timeouts (heartbeat_pace).
+        self.paced: dict[str, float] = {}
 
-    @rule(name=st.sampled_from(NAMES))
-    def register(self, name: str) -> None:
+    @rule(name=st.sampled_from(NAMES), interval=st.sampled_from([None, 5.0, 7.0, 20.0, 50.0]))
+    def register(self, name: str, interval: float | None = None) -> None:
         self.advanced = False
-        self.lc.register(gpu_node(name), self.now)
+        self.lc.register(gpu_node(name), self.now, interval)
+        self.paced[name] = 0.0 if interval is None else max(0.0, 3 * interval - 15)
         self.heard[name] = self.now
         self.closed.pop(name, None)
         self.released.pop(name, None)
@@ -229,6 +232,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.heard[name] = self.now
         self.closed.pop(name, None)
         self.released.pop(name, None)
+
+    @precondition(lambda self: set(self.heard) - set(self.closed))
+    @rule(data=st.data(), interval=st.sampled_from([5.0, 7.0, 20.0, 50.0]))
+    def pace(self, data: st.DataObject, interval: float) -> None:
+        # As the control port paces: on an open stream, right after its heartbeat.
+        name = data.draw(st.sampled_from(sorted(set(self.heard) - set(self.closed))))
+        self.advanced = False
+        self.heartbeat_one(name)
+        self.lc.pace(name, interval)
+        self.paced[name] = max(0.0, 3 * interval - 15)
 
     @precondition(lambda self: self.heard)
     @rule(data=st.data())
@@ -262,7 +275,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def lost_from(self, name: str) -> float:
         """When the model says an unreachable node may be declared lost, guard aside."""
         since = max(self.heard[name], self.lc.started_at, self.released.get(name, -1.0))
-        return since + SETTINGS.lost_after_s
+        return since + SETTINGS.lost_after_s + self.paced[name]
 
     @invariant()
     def statuses_follow_the_clock(self) -> None:
@@ -270,19 +283,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         lost_at = {t.node: t.at for t in self.last if t.new is L} if self.advanced else {}
         for name, node in self.lc.nodes.items():
             silent = self.now - self.heard[name]
-            reachable = name not in self.closed and silent < s.unreachable_after_s
+            paced = self.paced[name]
+            reachable = name not in self.closed and silent < s.unreachable_after_s + paced
             assert (node.status is R) == reachable, (name, node.status, silent)
             if name in lost_at:
-                assert silent >= s.lost_after_s
-                assert lost_at[name] - self.lc.started_at >= s.lost_after_s
+                assert silent >= s.lost_after_s + paced
+                assert lost_at[name] - self.lc.started_at >= s.lost_after_s + paced
                 # The guard's release gave it a fresh grace.
-                assert lost_at[name] >= self.released.get(name, 0) + s.lost_after_s, name
+                assert lost_at[name] >= self.released.get(name, 0) + s.lost_after_s + paced, name
 
     @invariant()
     def the_next_deadline_is_the_next_change(self) -> None:
         s = SETTINGS
         due = [
-            self.heard[name] + s.unreachable_after_s
+            self.heard[name] + s.unreachable_after_s + self.paced[name]
             for name, node in self.lc.nodes.items()
             if node.status is R
         ]

@@ -52,11 +52,12 @@ class Known:
         *,
         cordoned: bool,
         draining: bool,
+        heartbeat_interval_s: float | None = None,
     ) -> Change:
         """O(the node's shards and the replicas touching it)."""
         name = inventory.name
         known = name in self.lifecycle.nodes
-        transitions = self.lifecycle.register(inventory, now)
+        transitions = self.lifecycle.register(inventory, now, heartbeat_interval_s)
         node = self.lifecycle.nodes[name]
         if not known:
             node.cordoned, node.draining = cordoned, draining

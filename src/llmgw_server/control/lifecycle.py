@@ -35,6 +35,7 @@ import attrs
 from llmgw_core.control_config import ControlSection
 from llmgw_core.durations import seconds
 from llmgw_core.inventory import Inventory
+from llmgw_server.control.heartbeat_pace import unreachable_after
 from llmgw_server.control.work import Work
 
 
@@ -49,6 +50,10 @@ class Node:
     inventory: Inventory
     status: NodeStatus
     last_seen: float
+    # Added to `unreachable_after_s` and `lost_after_s` for this node: a large fleet's
+    # node is given a longer heartbeat interval, and may be silent for three of them
+    # (heartbeat_pace).
+    paced_s: float
     unreachable_since: float | None = None
     # The mass-loss guard released while it was unreachable: lost no earlier than
     # lost_after after this.
@@ -103,12 +108,19 @@ class Lifecycle:
 
     # -- events ------------------------------------------------------------------
 
-    def register(self, inventory: Inventory, now: float) -> list[NodeTransition]:
-        """O(1)."""
+    def register(
+        self, inventory: Inventory, now: float, heartbeat_interval_s: float | None = None
+    ) -> list[NodeTransition]:
+        """O(1). `heartbeat_interval_s`: the one its agent was given (heartbeat_pace),
+        when it is known."""
         name = inventory.name
         node = self.nodes.get(name)
+        configured = self.settings.unreachable_after_s
+        paced = 0.0
+        if heartbeat_interval_s is not None:
+            paced = unreachable_after(heartbeat_interval_s, configured) - configured
         if node is None:
-            node = self.nodes[name] = Node(inventory, NodeStatus.REACHABLE, now)
+            node = self.nodes[name] = Node(inventory, NodeStatus.REACHABLE, now, paced)
             self._seq += 1
             self._order[name] = self._seq
             self._place(node, add=True)
@@ -116,8 +128,22 @@ class Lifecycle:
             return [NodeTransition(name, None, NodeStatus.REACHABLE, now, "registered")]
         self._place(node, add=False)
         node.inventory = inventory
+        shorter, node.paced_s = paced < node.paced_s, paced
         self._place(node, add=True)
-        return self._revive(node, now, "registered again")
+        transitions = self._revive(node, now, "registered again")
+        if shorter:  # its deadline came nearer: an entry must not be later than it
+            self._schedule(node)
+        return transitions
+
+    def pace(self, name: str, heartbeat_interval_s: float) -> None:
+        """Its agent was told a new interval (heartbeat_pace): its timeouts follow, from
+        its last word. O(log nodes)."""
+        node = self.nodes.get(name)
+        if node is None:
+            return
+        configured = self.settings.unreachable_after_s
+        node.paced_s = unreachable_after(heartbeat_interval_s, configured) - configured
+        self._schedule(node)
 
     def heartbeat(self, name: str, now: float) -> list[NodeTransition]:
         """O(1): a node that stays reachable only has its `last_seen` moved on."""
@@ -164,16 +190,13 @@ class Lifecycle:
 
         O(nodes whose deadline came, log nodes); a guard's release visits the nodes
         unreachable then."""
-        s = self.settings
         out: list[NodeTransition] = []
         due = self._pop_due(now)
         for node in due:
-            if (
-                node.status is NodeStatus.REACHABLE
-                and now - node.last_seen >= s.unreachable_after_s
-            ):
-                self._turn_unreachable(node, node.last_seen + s.unreachable_after_s)
-                reason = f"no heartbeat for {s.unreachable_after_s:g} s"
+            silence = self.settings.unreachable_after_s + node.paced_s
+            if node.status is NodeStatus.REACHABLE and now - node.last_seen >= silence:
+                self._turn_unreachable(node, node.last_seen + silence)
+                reason = f"no heartbeat for {silence:g} s"
                 out.append(
                     NodeTransition(node.name, NodeStatus.REACHABLE, node.status, now, reason)
                 )
@@ -230,7 +253,7 @@ class Lifecycle:
 
     def _deadline(self, node: Node) -> float | None:
         if node.status is NodeStatus.REACHABLE:
-            return node.last_seen + self.settings.unreachable_after_s
+            return node.last_seen + self.settings.unreachable_after_s + node.paced_s
         if node.status is NodeStatus.UNREACHABLE and self.guard is None:
             return self._lost_at(node)
         return None  # lost, or held by the guard (its release schedules it again)
@@ -289,10 +312,10 @@ class Lifecycle:
         since = max(node.last_seen, self.started_at)
         if node.guard_released_at is not None:
             since = max(since, node.guard_released_at)
-        return since + self.settings.lost_after_s
+        return since + self.settings.lost_after_s + node.paced_s
 
     def _why(self, node: Node) -> str:
-        after = self.settings.lost_after_s
+        after = self.settings.lost_after_s + node.paced_s
         released = node.guard_released_at
         if released is not None and released > max(node.last_seen, self.started_at):
             silent = self._lost_at(node) - node.last_seen

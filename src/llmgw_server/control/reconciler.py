@@ -89,16 +89,30 @@ class Reconciler:
         *,
         cordoned: bool = False,
         draining: bool = False,
+        heartbeat_interval_s: float | None = None,
     ) -> Step:
-        """A node's agent (re)connected with its inventory, its shards and its flags."""
+        """A node's agent (re)connected with its inventory, its shards and its flags, and
+        was given `heartbeat_interval_s` (heartbeat_pace; None: the configured one)."""
         now = self._clock(now)
-        change = self.known.register(inventory, shards, now, cordoned=cordoned, draining=draining)
+        change = self.known.register(
+            inventory,
+            shards,
+            now,
+            cordoned=cordoned,
+            draining=draining,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
         return self._step(now, change)
 
     def heartbeat(self, node: str, now: float) -> Step:
         """O(1) when nothing changes: no reconcile unless the node comes back."""
         change = self.known.heartbeat(node, self._clock(now))
         return Step(wake_at=self._wake) if change is None else self._step(self._now, change)
+
+    def paced(self, node: str, heartbeat_interval_s: float) -> Step:
+        """The node's agent was told a new heartbeat interval: O(log nodes), no reconcile."""
+        self.known.lifecycle.pace(node, heartbeat_interval_s)
+        return Step(wake_at=self._wake)
 
     def disconnected(self, node: str, now: float) -> Step:
         now = self._clock(now)

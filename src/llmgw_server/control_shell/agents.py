@@ -41,9 +41,11 @@ from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
+    PACE_PROTOCOL,
     Ack,
     DownMessage,
     Heartbeat,
+    Pace,
     Register,
     ShardUpdate,
     UpMessage,
@@ -62,6 +64,7 @@ from llmgw_http.ws_server import (
     head_and_rest,
     refusal,
 )
+from llmgw_server.control.heartbeat_pace import heartbeat_interval, new_pace
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
 from llmgw_server.control_shell.metrics import ControlMetrics, StreamRefusal
 
@@ -91,11 +94,25 @@ class StreamClosed(Exception):
 class _Stream:
     """A registered node's stream: its outbox, and the scope its owner reads in."""
 
-    __slots__ = ("cancel_scope", "close_kind", "close_reason", "node", "nursery", "outbox", "ws")
+    __slots__ = (
+        "cancel_scope",
+        "close_kind",
+        "close_reason",
+        "heartbeat_interval_s",
+        "node",
+        "nursery",
+        "outbox",
+        "pace",
+        "ws",
+    )
 
-    def __init__(self, node: str, ws: ServerWebSocket, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, node: str, ws: ServerWebSocket, nursery: trio.Nursery, *, pace: bool
+    ) -> None:
         self.node = node
         self.ws = ws
+        self.pace = pace  # its agent takes a Pace (protocol 2 on)
+        self.heartbeat_interval_s = 0.0  # given in its welcome, then its last pace
         self.nursery = nursery  # the stream's own: a writer started in it ends with it
         self.outbox: deque[str] | None = None  # None while no writer runs
         self.cancel_scope = trio.CancelScope()
@@ -153,8 +170,9 @@ class AgentEvents(Protocol):
 
     metrics: ControlMetrics
 
-    def registered(self, message: Register) -> None: ...
+    def registered(self, message: Register, heartbeat_interval_s: float) -> None: ...
     def heartbeat(self, node: str) -> None: ...
+    def paced(self, node: str, heartbeat_interval_s: float) -> None: ...
     def disconnected(self, node: str) -> None: ...
     def shard_update(self, node: str, message: ShardUpdate) -> None: ...
 
@@ -165,13 +183,17 @@ class AgentService:
         plane: AgentEvents,
         heartbeat_interval_s: float,
         *,
+        heartbeats_per_s: float = float("inf"),
         require_certificates: bool = False,
         deny_serials: frozenset[int] = frozenset(),
     ) -> None:
         self.plane = plane
         self.require_certificates = require_certificates
         self.deny_serials = deny_serials
+        # The shortest interval, given while the fleet's heartbeats stay within
+        # `heartbeats_per_s`; longer past that (heartbeat_pace).
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeats_per_s = heartbeats_per_s
         self.streams: dict[str, _Stream] = {}
         self.registering = trio.Semaphore(REGISTRATIONS_AT_ONCE)  # FIFO
         self._command_ids = 0
@@ -287,7 +309,9 @@ class AgentService:
             self._check_identity(register.inventory.name, certificate, peer)
             certificate = None  # checked: not kept for the stream's life
             _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
-            stream = _Stream(register.inventory.name, ws, nursery)
+            stream = _Stream(
+                register.inventory.name, ws, nursery, pace=register.protocol >= PACE_PROTOCOL
+            )
             old = self.streams.get(stream.node)
             if old is not None:
                 log.warning(
@@ -298,9 +322,10 @@ class AgentService:
             log.info(
                 "node %s registered from %s with %d shards", stream.node, peer, len(register.shards)
             )
+            interval = stream.heartbeat_interval_s = self._fleet_interval()
             # The agent's own version: one behind during a rolling upgrade.
-            self.send(stream.node, Welcome(register.protocol, self.heartbeat_interval_s))
-            self.plane.registered(register)
+            self.send(stream.node, Welcome(register.protocol, interval))
+            self.plane.registered(register, interval)
             registration.end()  # the next agent's turn
             del register
             with stream.cancel_scope:
@@ -317,6 +342,7 @@ class AgentService:
                     self._dispatch(stream.node, message)
                     if isinstance(message, Heartbeat):
                         await ws.pong()  # the ack: this control plane read it
+                        self._repace(stream)
             raise StreamClosed(
                 stream.close_reason, code=1008 if stream.close_reason else 1000,
                 kind=stream.close_kind,
@@ -337,6 +363,19 @@ class AgentService:
                 del self.streams[stream.node]
                 log.info("node %s disconnected", stream.node)
                 self.plane.disconnected(stream.node)
+
+    def _fleet_interval(self) -> float:
+        return heartbeat_interval(
+            len(self.streams), self.heartbeat_interval_s, self.heartbeats_per_s
+        )
+
+    def _repace(self, stream: _Stream) -> None:
+        """Tell the node the fleet's interval, if it has moved far from its own."""
+        wanted = self._fleet_interval()
+        if stream.pace and new_pace(stream.heartbeat_interval_s, wanted):
+            stream.heartbeat_interval_s = wanted
+            self.send(stream.node, Pace(wanted))
+            self.plane.paced(stream.node, wanted)
 
     def _decode(self, frame: str | bytes) -> UpMessage:
         try:

@@ -55,6 +55,7 @@ class ControlPlane:
         self.agents = AgentService(
             self,
             heartbeat_interval_s,
+            heartbeats_per_s=config.control.heartbeats_per_s,
             require_certificates=not config.agents.insecure,
             deny_serials=config.agents.deny_serials,
         )
@@ -106,7 +107,7 @@ class ControlPlane:
 
     # -- events from agent streams ------------------------------------------
 
-    def registered(self, message: Register) -> None:
+    def registered(self, message: Register, heartbeat_interval_s: float) -> None:
         self._run(
             lambda: self.reconciler.register(
                 message.inventory,
@@ -114,8 +115,12 @@ class ControlPlane:
                 trio.current_time(),
                 cordoned=message.cordoned,
                 draining=message.draining,
+                heartbeat_interval_s=heartbeat_interval_s,
             )
         )
+
+    def paced(self, node: str, heartbeat_interval_s: float) -> None:
+        self._run(lambda: self.reconciler.paced(node, heartbeat_interval_s))
 
     def heartbeat(self, node: str) -> None:
         self._run(lambda: self.reconciler.heartbeat(node, trio.current_time()))
