@@ -72,10 +72,10 @@ async def test_a_grown_fleet_paces_its_first_node_on_a_heartbeat() -> None:
                 await old.send_message(encode(Heartbeat(1)))
                 with trio.move_on_after(0.5):
                     got = await first.get_message()
-                    raise AssertionError(f"a second pace: {got}")
+                    raise AssertionError(f"a second pace: {got!r}")
                 with trio.move_on_after(0.5):
                     got = await old.get_message()
-                    raise AssertionError(f"a pace to a version-1 agent: {got}")
+                    raise AssertionError(f"a pace to a version-1 agent: {got!r}")
             stop.set()
 
 
@@ -109,7 +109,7 @@ async def test_the_agents_heartbeat_follows_each_pace(autojump_clock: object, tm
 
 
 async def test_the_agent_takes_a_pace_and_closes_on_a_senseless_one(tmp_path: Path) -> None:
-    closed: list[trio_websocket.CloseReason] = []
+    closed: list[trio_websocket.CloseReason | None] = []
     stop = trio.Event()
 
     async def control_plane(request: trio_websocket.WebSocketRequest) -> None:
@@ -146,6 +146,6 @@ async def test_the_agent_takes_a_pace_and_closes_on_a_senseless_one(tmp_path: Pa
             await stop.wait()
             nursery.cancel_scope.cancel()
     (reason,) = closed
-    assert reason.code == 1008 and "makes no sense" in (reason.reason or "")
+    assert reason is not None and reason.code == 1008 and "makes no sense" in (reason.reason or "")
     # The good pace was taken (its silence bound), the senseless one was not.
     assert agent._silence_s == silence_bound(12.5).cut_after_s

@@ -233,7 +233,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.closed.pop(name, None)
         self.released.pop(name, None)
 
-    @precondition(lambda self: set(self.heard) - set(self.closed))
+    @precondition(lambda self: bool(set(self.heard) - set(self.closed)))
     @rule(data=st.data(), interval=st.sampled_from([5.0, 7.0, 20.0, 50.0]))
     def pace(self, data: st.DataObject, interval: float) -> None:
         # As the control port paces: on an open stream, right after its heartbeat.
