@@ -342,23 +342,25 @@ async def wait_for(condition: object, timeout: float) -> bool:
 
 @attrs.frozen
 class StatusTimes:
-    whole_s: float  # wall, median of five
-    page_s: float  # ?limit=100, wall, median of twenty
+    whole_s: float  # wall, median of nine
+    page_s: float  # ?limit=100, wall, median of forty
     size: int  # bytes of the whole status
     whole_cpu_s: float  # the server's CPU for one, the heartbeats' share taken out
     page_cpu_s: float
 
 
-async def time_status(
-    url: str, ca: Path | None, pid: int, heartbeat_cores: float
-) -> StatusTimes:
+async def time_status(url: str, ca: Path | None, pid: int) -> StatusTimes:
     """The status's wall time and the server's CPU for it. The simulators share the
     cores meanwhile, so the wall time varies from run to run by more than the code's
-    cost does; the server's CPU over a block of requests, less what its heartbeats take
-    (their cores in the steady window times the block's time), varies less."""
+    cost does; the server's CPU over a block of requests, less what it spent in the 3 s
+    just before the block at the same rate (its heartbeats), varies less."""
     async with httpx.AsyncClient(verify=str(ca) if ca else False, timeout=60) as client:
 
         async def block(count: int, params: dict[str, int]) -> tuple[list[float], float, int]:
+            await client.get(f"{url}/v1/admin/status", params={"node": "none"})  # connected
+            idle0, i0 = cpu_seconds(pid), time.monotonic()
+            await trio.sleep(3.0)
+            background = (cpu_seconds(pid) - idle0) / (time.monotonic() - i0)
             walls, size = [], 0
             cpu0, t0 = cpu_seconds(pid), time.monotonic()
             for _ in range(count):
@@ -366,11 +368,11 @@ async def time_status(
                 response = await client.get(f"{url}/v1/admin/status", params=params)
                 walls.append(time.perf_counter() - t)
                 size = len(response.content)
-            busy = cpu_seconds(pid) - cpu0 - heartbeat_cores * (time.monotonic() - t0)
+            busy = cpu_seconds(pid) - cpu0 - background * (time.monotonic() - t0)
             return walls, max(0.0, busy) / count, size
 
-        whole, whole_cpu, size = await block(5, {})
-        page, page_cpu, _ = await block(20, {"limit": 100})
+        whole, whole_cpu, size = await block(9, {})
+        page, page_cpu, _ = await block(40, {"limit": 100})
     return StatusTimes(
         statistics.median(whole), statistics.median(page), size, whole_cpu, page_cpu
     )
@@ -588,9 +590,7 @@ async def one_run(
             readme["memory"] = f"{(rss - base_rss) / n:.1f} KiB"
             # -- admin status ---------------------------------------------------------
             progress("status")
-            times = await with_retries(
-                lambda: time_status(admin, ca, server.pid, cores), "status"
-            )
+            times = await with_retries(lambda: time_status(admin, ca, server.pid), "status")
             rows.append((
                 f"GET /v1/admin/status with {n:,} nodes: whole / ?limit=100",
                 f"{times.whole_s * 1e3:.0f} ms ({times.size / 1e6:.1f} MB) / "
