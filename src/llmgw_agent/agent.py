@@ -374,6 +374,7 @@ class Agent:
                 master_port=spec.dist_port,
                 api_key=spec.api_key,
                 key_file=str(records.key_path(config.state_dir, spec)),
+                max_model_len=spec.max_model_len,
             ),
         )
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
