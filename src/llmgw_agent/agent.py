@@ -36,9 +36,11 @@ import trio_websocket
 
 from llmgw_agent import procinfo
 from llmgw_agent import shard_records as records
-from llmgw_agent.adapters import EngineLaunch, build_command
+from llmgw_agent.adapters import Command, EngineLaunch, build_command
 from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.engine_flags import help_command, refusals
+from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
     EngineProcess,
@@ -153,6 +155,7 @@ class Agent:
         self._outbox: trio.MemorySendChannel[str] | None = None
         self._engines: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
+        self._flags = FlagCache()  # each engine program's flags, read once per version
         self.connected = trio.Event()  # set on each registration, for tests and logs
         self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
@@ -411,12 +414,35 @@ class Agent:
             files=command.files,
         )
         with shard.scope:
-            await shard.process.run()
+            refused = await self._flag_problems(spec, command)
+            if refused:
+                reason = "the profile does not fit this node: " + "; ".join(refused)
+                self._transition(shard, ShardState.FAILED, reason)
+            else:
+                await shard.process.run()
         # Reached when the engine failed or was stopped; an agent that shuts down is
         # cancelled before this line and keeps the record, so a new agent adopts it.
         records.remove(state_dir, spec)
         if shard.state is ShardState.STOPPED:
             self._forget_later(shard)
+
+    async def _flag_problems(self, spec: LaunchSpec, command: Command) -> list[str]:
+        """The launch's flags the installed engine does not take (see `flag_reader`)."""
+        engine = self.config.engines[spec.engine]
+        asking = help_command(spec.engine, engine.command)
+        if asking is None:
+            return []
+        version = next((e.version for e in self.inventory.engines if e.name == spec.engine), "")
+        key = (spec.engine, engine.command, version, program_identity(engine.command[0]))
+        env = {**os.environ, **engine.env}
+        found = await self._flags.flags(key, lambda: read_help(asking, env))
+        program = f"{spec.engine} {version}".rstrip()
+        if found.flags is None:
+            log.warning("the flags were not checked against %s: %s", program, found.why)
+            return []
+        # Every adapter puts the profile's args last, as given.
+        own = command.argv[len(engine.command) : len(command.argv) - len(spec.args)]
+        return refusals(spec.engine, program, found.flags, own, spec.args)
 
     def _reporter(self, shard: _Shard) -> Callable[[Transition], Awaitable[None]]:
         async def report(t: Transition) -> None:
