@@ -2,7 +2,10 @@
 
 The process runs in its own session (process group), so stopping it reaches
 every process the engine started: SIGTERM to the group, a grace period, then
-SIGKILL. Its output goes to a log file, not a pipe, so the engine outlives a
+SIGKILL. When the main process dies on its own (a crash, a SIGKILL), the rest of
+the group is stopped the same way at once, and what the engine left in /dev/shm
+is removed (`shm_leftovers`) before the failure is reported, so a restart finds
+the node as before. Its output goes to a log file, not a pipe, so the engine outlives a
 restart of the agent and its last lines are still there when it fails. Each
 start writes a fresh log (the previous start's is kept as `.1`), so the lines
 reported with a failure are this attempt's. Each transition is reported
@@ -44,6 +47,7 @@ import trio
 from llmgw_agent import procinfo
 from llmgw_agent.adoption import MARKER, Identity, Verdict, decide
 from llmgw_agent.shard_records import write_private
+from llmgw_agent.shm_leftovers import SHM, remove_leftovers, snapshot
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -180,11 +184,13 @@ def _mtime(path: Path) -> float:
 
 
 class _Child:
-    """A process this agent started: waited on directly."""
+    """A process this agent started: waited on directly. `shm_before`: what /dev/shm held
+    just before it started."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: trio.Process, shm_before: frozenset[str]) -> None:
         self.process = process
         self.pid = process.pid
+        self.shm_before = shm_before
 
     async def wait(self) -> int:
         return await self.process.wait()
@@ -228,6 +234,8 @@ class EngineProcess:
     log_max_bytes: int = LOG_MAX_BYTES  # 0: no size cap
     log_keep: int = LOG_KEEP
     log_check_s: float = LOG_CHECK_S
+    shm_dir: Path = SHM  # where the engine's shared memory lives
+    group_poll_s: float = 0.1  # how often the end of the engine's group is looked for
     _gave_up: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -235,6 +243,7 @@ class EngineProcess:
         try:
             for path, text in self.files:
                 write_private(Path(path), text)
+            shm_before = snapshot(self.shm_dir)
             with open_fresh_log(self.log_path, self.log_keep) as out:
                 process = await trio.lowlevel.open_process(
                     list(self.argv),
@@ -252,7 +261,7 @@ class EngineProcess:
             self.on_spawn(process.pid)
         task_status.started(process.pid)
         await self.report(Transition("starting", f"pid {process.pid}", pid=process.pid))
-        await self._supervise(_Child(process))
+        await self._supervise(_Child(process, shm_before))
 
     async def adopt(self, pid: int, started: int) -> None:
         """Supervise an engine a previous run of the agent started (its shard starts out as
@@ -268,8 +277,8 @@ class EngineProcess:
                     nursery.start_soon(self._cap_log)
                 code = await handle.wait()
                 nursery.cancel_scope.cancel()
-            _signal_group(handle.pid, signal.SIGKILL)  # whatever the engine left behind
             final_reported = True
+            await self._end_group(handle)
             status = "" if code is None else f" with status {_describe(code)}"
             why = (
                 f"the engine did not become healthy within {self.start_timeout_s:g} s"
@@ -291,9 +300,37 @@ class EngineProcess:
                 with trio.CancelScope(shield=True):
                     if not handle.exited():
                         await self._stop(handle)
-                    else:
-                        _signal_group(handle.pid, signal.SIGKILL)
+                    await self._end_group(handle)
                     await self.report(Transition("stopped", "stopped on request", pid=handle.pid))
+
+    async def _end_group(self, handle: _Child | _Adopted) -> None:
+        """Once the engine's main process is gone: the rest of its group (vLLM's engine
+        core, workers, resource tracker) gets SIGTERM and `stop_grace_s` to end, which lets
+        the tracker remove the shared memory it knows, then SIGKILL; then what the engine
+        left in /dev/shm and nobody holds is removed (`shm_leftovers`; for an engine this
+        agent launched, whose snapshot it has)."""
+        for signum, wait_s in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
+            if not procinfo.group_alive(handle.pid):
+                break
+            _signal_group(handle.pid, signum)
+            with trio.move_on_after(wait_s):
+                while procinfo.group_alive(handle.pid):
+                    await trio.sleep(self.group_poll_s)
+        else:
+            if procinfo.group_alive(handle.pid):
+                log.error("processes of engine group %d outlived SIGKILL", handle.pid)
+                return  # they may still hold what they made
+        if isinstance(handle, _Child):
+            removed = await trio.to_thread.run_sync(
+                remove_leftovers, handle.shm_before, self.shm_dir
+            )
+            for entry in removed:
+                log.warning(
+                    "removed %s (%d bytes), left in shared memory by engine pid %d",
+                    self.shm_dir / entry.name,
+                    entry.size,
+                    handle.pid,
+                )
 
     async def _cap_log(self) -> None:
         while True:
