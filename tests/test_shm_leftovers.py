@@ -18,8 +18,14 @@ import httpx
 import pytest
 import trio
 
-from llmgw_agent.shm_leftovers import Entry, Holders, holders, leftovers, remove_leftovers
+from llmgw_agent import procinfo
+from llmgw_agent import shard_records as records
+from llmgw_agent.agent import Agent
+from llmgw_agent.config import parse_agent_config
+from llmgw_agent.shm_leftovers import Entry, Holders, holders, leftovers, remove_leftovers, snapshot
 from llmgw_agent.supervisor import EngineProcess, Transition
+from llmgw_core.inventory import Inventory, LaunchSpec, ShardState
+from procs import free_port
 
 FILE = stat.S_IFREG
 ME = os.getuid()
@@ -144,13 +150,19 @@ def tag() -> Iterator[str]:
         path.unlink()
 
 
-async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(tmp_path: Path, tag: str) -> None:
+@pytest.mark.parametrize("how", ["launched", "adopted"])
+async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(
+    tmp_path: Path, tag: str, how: str
+) -> None:
+    """Launched by this supervisor, or adopted after an agent restart (the snapshot of
+    /dev/shm then comes from the shard's record)."""
     out = tmp_path / "out"
     out.mkdir()
     engine_py = tmp_path / "engine.py"
     engine_py.write_text(ENGINE)
     buf, sem = Path(f"/dev/shm/llmgw-test-{tag}-buf"), Path(f"/dev/shm/sem.llmgw-test-{tag}")
     other = Path(f"/dev/shm/llmgw-test-{tag}-unrelated")
+    argv = [sys.executable, str(engine_py), tag, str(out)]
     seen: list[Transition] = []
 
     async def report(t: Transition) -> None:
@@ -159,10 +171,18 @@ async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(tmp_pat
     with tempfile.NamedTemporaryFile(suffix=".log") as logfile, trio.fail_after(30):
         async with httpx.AsyncClient() as client, trio.open_nursery() as nursery:
             engine = EngineProcess(
-                [sys.executable, str(engine_py), tag, str(out)], dict(os.environ), None, report,
-                client, Path(logfile.name), stop_grace_s=1.0, settle_s=0.1,
+                argv, dict(os.environ), None, report, client, Path(logfile.name),
+                stop_grace_s=1.0, settle_s=0.1,
             )  # fmt: skip
-            pid = await nursery.start(engine.run)
+            if how == "launched":
+                pid = await nursery.start(engine.run)
+            else:
+                before = snapshot()
+                earlier = subprocess.Popen(argv, start_new_session=True)
+                pid = earlier.pid
+                started = procinfo.start_time(pid)
+                assert started is not None
+                nursery.start_soon(engine.adopt, pid, started, before)
             while not ((out / "polite").exists() and (out / "stubborn").exists()):
                 await trio.sleep(0.02)
             children = [int(p) for p in (out / "children").read_text().split()]
@@ -187,4 +207,41 @@ async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(tmp_pat
                 unrelated.kill()
                 unrelated.wait()
     failed = next(t for t in seen if t.state == "failed")
-    assert failed.detail == "the engine exited with status -9 (SIGKILL)"
+    if how == "launched":
+        assert failed.detail == "the engine exited with status -9 (SIGKILL)"
+    else:
+        earlier.wait()
+        assert failed.detail == "the engine exited"  # not its child: no status to read
+
+
+async def test_an_engine_that_died_while_the_agent_was_away_leaves_nothing_either(
+    tmp_path: Path, tag: str
+) -> None:
+    """Its record kept /dev/shm's names from before the launch: what appeared since and
+    nobody holds goes when the new agent finds the engine dead."""
+    state = tmp_path / "state"
+    before = snapshot()
+    left = Path(f"/dev/shm/llmgw-test-{tag}-left")
+    left.write_bytes(b"\0" * 4096)
+    left.chmod(0o600)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    spec = LaunchSpec(
+        replica_id="r-1", model_name="m", engine="vllm", hf_model="org/m", args=(), env={},
+        tensor_parallel=1, pipeline_parallel=1, rank=0, nodes=("n1",), gpu_indices=(0,),
+        head_address="127.0.0.1", port=free_port(), dist_port=0,
+    )  # fmt: skip
+    record = records.ShardRecord(spec, dead.pid, 1, ("x",), str(tmp_path / "log"), "id", tuple(sorted(before)))
+    records.save(state, record)
+    config = parse_agent_config(
+        {"name": "n1", "server": f"ws://127.0.0.1:{free_port()}/v1/agent", "insecure": True, "state_dir": str(state)},
+        "<test>",
+    )
+    agent = Agent(config, Inventory(name="n1"))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)  # started: the engines it found are dealt with
+            nursery.cancel_scope.cancel()
+    assert not left.exists()
+    assert agent.shards[("r-1", 0)].state is ShardState.FAILED
+    assert records.load(state) == []

@@ -41,6 +41,7 @@ from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import help_command, refusals
 from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
+from llmgw_agent.shm_leftovers import clean_after
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
     EngineProcess,
@@ -393,12 +394,13 @@ class Agent:
         # The marker a restarted agent knows the engine by (see `adoption`).
         launch_id = f"{spec.replica_id}.{spec.rank}.{secrets.token_hex(8)}"
 
-        def remember(pid: int) -> None:
+        def remember(pid: int, shm_before: frozenset[str]) -> None:
             started = procinfo.start_time(pid) or 0
             argv = tuple(command.argv)
-            records.save(
-                state_dir, records.ShardRecord(spec, pid, started, argv, str(logfile), launch_id)
+            record = records.ShardRecord(
+                spec, pid, started, argv, str(logfile), launch_id, tuple(sorted(shm_before))
             )
+            records.save(state_dir, record)
 
         shard.process = EngineProcess(
             command.argv,
@@ -477,6 +479,7 @@ class Agent:
                     leftovers.append(record)  # its record goes once they are stopped
                 else:
                     records.remove(config.state_dir, spec)
+                    await _clean_shm(record)
                 log.warning("%s rank %d: %s", spec.replica_id, spec.rank, detail)
                 self.shards[key] = _Shard(spec, ShardState.FAILED, detail)
                 continue
@@ -510,12 +513,14 @@ class Agent:
                 spec.rank,
                 record.pid,
             )
+        else:
+            await _clean_shm(record)
         records.remove(self.config.state_dir, spec)
 
     async def _watch_adopted(self, shard: _Shard, record: records.ShardRecord) -> None:
         assert shard.process is not None
         with shard.scope:
-            await shard.process.adopt(record.pid, record.started)
+            await shard.process.adopt(record.pid, record.started, _shm_before(record))
         records.remove(self.config.state_dir, shard.spec)
         if shard.state is ShardState.STOPPED:
             self._forget_later(shard)
@@ -563,6 +568,18 @@ class Agent:
                 json.dump({"cordoned": self.cordoned, "draining": self.draining}, f)
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
+
+
+def _shm_before(record: records.ShardRecord) -> frozenset[str] | None:
+    return None if record.shm_before is None else frozenset(record.shm_before)
+
+
+async def _clean_shm(record: records.ShardRecord) -> None:
+    """What an engine that ended while the agent was away left in /dev/shm (its group is
+    gone by now)."""
+    before = _shm_before(record)
+    if before is not None:
+        await trio.to_thread.run_sync(clean_after, record.pid, before)
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:

@@ -142,3 +142,14 @@ def remove_leftovers(before: frozenset[str], directory: Path = SHM) -> list[Entr
             continue
         removed.append(entry)
     return removed
+
+
+def clean_after(pid: int, before: frozenset[str], directory: Path = SHM) -> None:
+    """Remove what the dead engine whose main process was `pid` left, and log each file."""
+    for entry in remove_leftovers(before, directory):
+        log.warning(
+            "removed %s (%d bytes), left in shared memory by engine pid %d",
+            directory / entry.name,
+            entry.size,
+            pid,
+        )

@@ -47,7 +47,7 @@ import trio
 from llmgw_agent import procinfo
 from llmgw_agent.adoption import MARKER, Identity, Verdict, decide
 from llmgw_agent.shard_records import write_private
-from llmgw_agent.shm_leftovers import SHM, remove_leftovers, snapshot
+from llmgw_agent.shm_leftovers import SHM, clean_after, snapshot
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -200,11 +200,13 @@ class _Child:
 
 
 class _Adopted:
-    """A process an earlier run of the agent started: watched through /proc."""
+    """A process an earlier run of the agent started: watched through /proc.
+    `shm_before`: /dev/shm before it started, as its record kept it (None: unknown)."""
 
-    def __init__(self, pid: int, started: int) -> None:
+    def __init__(self, pid: int, started: int, shm_before: frozenset[str] | None) -> None:
         self.pid = pid
         self.started = started
+        self.shm_before = shm_before
 
     async def wait(self) -> int | None:
         while not self.exited():
@@ -227,7 +229,8 @@ class EngineProcess:
     health_interval_s: float = 0.5
     settle_s: float = 1.0  # how long a rank without HTTP must stay up to count as ready
     stop_on_cancel: bool = False  # set by a stop command; else cancelling leaves it running
-    on_spawn: Callable[[int], None] | None = None
+    # Told the engine's PID and what /dev/shm held just before it started.
+    on_spawn: Callable[[int, frozenset[str]], None] | None = None
     start_timeout_s: float = 1800.0  # loading weights takes long, but not forever
     api_key: str = attrs.field(default="", repr=False)  # the key the engine requires
     files: Sequence[tuple[str, str]] = attrs.field(default=(), repr=False)  # path, text
@@ -258,15 +261,17 @@ class EngineProcess:
             task_status.started(0)
             return
         if self.on_spawn is not None:
-            self.on_spawn(process.pid)
+            self.on_spawn(process.pid, shm_before)
         task_status.started(process.pid)
         await self.report(Transition("starting", f"pid {process.pid}", pid=process.pid))
         await self._supervise(_Child(process, shm_before))
 
-    async def adopt(self, pid: int, started: int) -> None:
+    async def adopt(
+        self, pid: int, started: int, shm_before: frozenset[str] | None = None
+    ) -> None:
         """Supervise an engine a previous run of the agent started (its shard starts out as
         starting; the first good health check makes it ready, usually before registering)."""
-        await self._supervise(_Adopted(pid, started))
+        await self._supervise(_Adopted(pid, started, shm_before))
 
     async def _supervise(self, handle: _Child | _Adopted) -> None:
         final_reported = False
@@ -307,8 +312,8 @@ class EngineProcess:
         """Once the engine's main process is gone: the rest of its group (vLLM's engine
         core, workers, resource tracker) gets SIGTERM and `stop_grace_s` to end, which lets
         the tracker remove the shared memory it knows, then SIGKILL; then what the engine
-        left in /dev/shm and nobody holds is removed (`shm_leftovers`; for an engine this
-        agent launched, whose snapshot it has)."""
+        left in /dev/shm and nobody holds is removed (`shm_leftovers`; not for an engine
+        adopted from an agent that kept no snapshot of /dev/shm)."""
         for signum, wait_s in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
             if not procinfo.group_alive(handle.pid):
                 break
@@ -320,17 +325,8 @@ class EngineProcess:
             if procinfo.group_alive(handle.pid):
                 log.error("processes of engine group %d outlived SIGKILL", handle.pid)
                 return  # they may still hold what they made
-        if isinstance(handle, _Child):
-            removed = await trio.to_thread.run_sync(
-                remove_leftovers, handle.shm_before, self.shm_dir
-            )
-            for entry in removed:
-                log.warning(
-                    "removed %s (%d bytes), left in shared memory by engine pid %d",
-                    self.shm_dir / entry.name,
-                    entry.size,
-                    handle.pid,
-                )
+        if handle.shm_before is not None:
+            await trio.to_thread.run_sync(clean_after, handle.pid, handle.shm_before, self.shm_dir)
 
     async def _cap_log(self) -> None:
         while True:
