@@ -315,14 +315,14 @@ class EngineProcess:
         left in /dev/shm and nobody holds is removed (`shm_leftovers`; not for an engine
         adopted from an agent that kept no snapshot of /dev/shm)."""
         for signum, wait_s in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
-            if not procinfo.group_alive(handle.pid):
+            if not await _group_alive(handle.pid):
                 break
             _signal_group(handle.pid, signum)
             with trio.move_on_after(wait_s):
-                while procinfo.group_alive(handle.pid):
+                while await _group_alive(handle.pid):
                     await trio.sleep(self.group_poll_s)
         else:
-            if procinfo.group_alive(handle.pid):
+            if await _group_alive(handle.pid):
                 log.error("processes of engine group %d outlived SIGKILL", handle.pid)
                 return  # they may still hold what they made
         if handle.shm_before is not None:
@@ -389,6 +389,11 @@ async def stop_leftovers(identity: Identity, grace_s: float, poll_s: float = 0.2
             while leftovers(identity):
                 await trio.sleep(poll_s)
     return not leftovers(identity)
+
+
+async def _group_alive(pgid: int) -> bool:
+    # A scan of every process in /proc: off the agent's loop on a node that runs many.
+    return await trio.to_thread.run_sync(procinfo.group_alive, pgid)
 
 
 def _signal_group(pid: int, signum: int) -> None:
