@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
+
 from llmgw_agent.adapters import EngineLaunch, build_command
 
 VLLM = ("/opt/vllm/bin/vllm",)
@@ -110,6 +112,25 @@ def test_vllm_key_never_on_the_command_line() -> None:
     assert "k-secret-77" not in repr(cmd) and "k-secret-77" not in repr(launch("vllm", api_key="k-secret-77"))
 
 
+def test_vllm_max_model_len() -> None:
+    cmd = build_command(VLLM, launch("vllm", max_model_len=2048, args=("--enforce-eager",)))
+    assert cmd.argv == (
+        "/opt/vllm/bin/vllm", "serve", "Qwen/Qwen2.5-72B-Instruct",
+        "--host", "0.0.0.0", "--port", "20001",
+        "--served-model-name", "qwen-72b",
+        "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1",
+        "--max-model-len", "2048",
+        "--enforce-eager",
+    )  # fmt: skip
+
+
+def test_vllm_max_model_len_reaches_every_rank() -> None:
+    worker = attrs.evolve(_vllm_two_nodes(1), args=(), max_model_len=32768)
+    argv = build_command(VLLM, worker).argv
+    assert argv[argv.index("--max-model-len") :] == ("--max-model-len", "32768", "--nnodes", "2",
+        "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "20002", "--headless")  # fmt: skip
+
+
 def test_mock_takes_vllms_line_and_key() -> None:
     prefix = ("python", "-m", "llmgw_mock_engine")
     mock = build_command(prefix, launch("mock", api_key="k1", env=(("LLMGW_MOCK_TOKENS", "3"),)))
@@ -135,6 +156,18 @@ def test_sglang_single_node() -> None:
     )  # fmt: skip
     assert cmd.env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     assert cmd.files == ()
+
+
+def test_sglang_max_model_len() -> None:
+    cmd = build_command(SGLANG, launch("sglang", max_model_len=32768, pipeline_parallel=2))
+    assert cmd.argv == (
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", "Qwen/Qwen2.5-72B-Instruct",
+        "--host", "0.0.0.0", "--port", "20001",
+        "--served-model-name", "qwen-72b",
+        "--tp-size", "4", "--pp-size", "2",
+        "--context-length", "32768",
+    )  # fmt: skip
 
 
 def _sglang_two_nodes(rank: int, master: str = "10.0.0.7") -> EngineLaunch:

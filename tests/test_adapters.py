@@ -40,6 +40,14 @@ def test_the_context_length_comes_from_the_profile() -> None:
     assert "0" not in cmd.argv
 
 
+def test_max_model_len_is_c() -> None:
+    cmd = build_command(LLAMA, launch(max_model_len=4096, args=("-t", "2")))
+    assert cmd.argv == (
+        "llama-server", "-m", "/models/llama-8b.gguf", "--host", "0.0.0.0", "--port", "20001",
+        "--alias", "llama-8b", "-ngl", "999", "--metrics", "-c", "4096", "-t", "2",
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "model",
     ["ggml-org/gemma-3-270m-GGUF", "unsloth/Qwen3-8B-GGUF:Q4_K_M", "bartowski/Llama-3.2-1B-Instruct-GGUF:q8_0"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,17 @@ def test_removing_a_record_removes_its_key_file(tmp_path: Path) -> None:
     assert not key_file.exists()
     assert [r.spec for r in records.load(tmp_path)] == [other]
     records.remove(tmp_path, s)  # twice: nothing left to remove, no error
+
+
+def test_a_record_keeps_what_dev_shm_held_before_the_launch(tmp_path: Path) -> None:
+    """To tell what the engine left there; an older agent's record has no such list."""
+    s = spec()
+    records.save(tmp_path, records.ShardRecord(s, 1, 1, ("x",), "/log", "id", ("a", "sem.b")))
+    (loaded,) = records.load(tmp_path)
+    assert loaded.shm_before == ("a", "sem.b")
+    path = next((tmp_path / "shards").glob("*.json"))
+    data = json.loads(path.read_text())
+    del data["shm_before"]
+    path.write_text(json.dumps(data))
+    (older,) = records.load(tmp_path)
+    assert older.shm_before is None and older.launch_id == "id"

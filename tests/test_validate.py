@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+import pytest
+
 from llmgw_agent.validate import problems
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec
 from procs import free_port
@@ -102,3 +104,17 @@ def test_a_llamacpp_model_that_is_no_hugging_face_repo_must_exist_here() -> None
     ]
     repo = spec(engine="llamacpp", hf_model="ggml-org/gemma-3-270m-GGUF:Q8_0")
     assert problems(repo, llama, set(), "127.0.0.1") == []
+
+
+def test_a_context_length_given_twice_is_refused() -> None:
+    twice = spec(args=("--max_model_len=8192",), max_model_len=2048)
+    assert problems(twice, NODE, set(), "127.0.0.1") == [
+        "the profile's args set --max_model_len=8192, the context length that max_model_len "
+        "(2048) already sets: give it once"
+    ]
+    assert problems(spec(max_model_len=2048), NODE, set(), "127.0.0.1") == []
+
+
+def test_a_spec_with_no_positive_context_length_is_refused_at_decoding() -> None:
+    with pytest.raises(ValueError, match="max_model_len 0 is not a positive length"):
+        spec(max_model_len=0)

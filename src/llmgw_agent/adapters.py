@@ -19,6 +19,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
+from llmgw_core.engines import CONTEXT_FLAGS
+
 
 @attrs.frozen
 class EngineLaunch:
@@ -42,6 +44,7 @@ class EngineLaunch:
     api_key: str = attrs.field(default="", repr=False)
     # Where an engine that reads its key only from a file gets that file (SGLang).
     key_file: str = ""
+    max_model_len: int | None = None  # the context length; None: the engine's default
 
     @property
     def is_head(self) -> bool:
@@ -72,6 +75,13 @@ def given(args: Sequence[str], names: Collection[str]) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args if a.startswith("-"))
 
 
+def _context(launch: EngineLaunch) -> list[str]:
+    """The flag that sets the profile's context length (CONTEXT_FLAGS), if it has one."""
+    if launch.max_model_len is None:
+        return []
+    return [CONTEXT_FLAGS[launch.engine][0], str(launch.max_model_len)]
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -95,6 +105,7 @@ def vllm(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         str(launch.tensor_parallel),
         "--pipeline-parallel-size",
         str(launch.pipeline_parallel),
+        *_context(launch),  # --max-model-len: vllm/engine/arg_utils.py
     ]
     if launch.nnodes > 1:
         argv += [
@@ -139,6 +150,7 @@ def sglang(prefix: Sequence[str], launch: EngineLaunch) -> Command:
     ]
     if launch.pipeline_parallel > 1:
         argv += ["--pp-size", str(launch.pipeline_parallel)]
+    argv += _context(launch)  # --context-length
     if launch.nnodes > 1:
         argv += [
             "--nnodes",
@@ -190,6 +202,7 @@ def llamacpp(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         argv += ["-ngl", "999"]  # every layer on the GPUs it was given
     if not given(launch.args, ("--metrics",)):
         argv.append("--metrics")  # its load (requests processing, deferred) for the router
+    argv += _context(launch)  # -c N: the profile's max_model_len
     argv += launch.args
     env = _gpu_env(launch)
     if launch.api_key:

@@ -36,9 +36,12 @@ import trio_websocket
 
 from llmgw_agent import procinfo
 from llmgw_agent import shard_records as records
-from llmgw_agent.adapters import EngineLaunch, build_command
+from llmgw_agent.adapters import Command, EngineLaunch, build_command
 from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.engine_flags import help_command, refusals
+from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
+from llmgw_agent.shm_leftovers import clean_after
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
     EngineProcess,
@@ -173,6 +176,7 @@ class Agent:
         self._outbox: trio.MemorySendChannel[str] | None = None
         self._engines: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
+        self._flags = FlagCache()  # each engine program's flags, read once per version
         self.connected = trio.Event()  # set on each registration, for tests and logs
         self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
@@ -410,6 +414,7 @@ class Agent:
                 master_port=spec.dist_port,
                 api_key=spec.api_key,
                 key_file=str(records.key_path(config.state_dir, spec)),
+                max_model_len=spec.max_model_len,
             ),
         )
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
@@ -425,12 +430,13 @@ class Agent:
         # The marker a restarted agent knows the engine by (see `adoption`).
         launch_id = f"{spec.replica_id}.{spec.rank}.{secrets.token_hex(8)}"
 
-        def remember(pid: int) -> None:
+        def remember(pid: int, shm_before: frozenset[str]) -> None:
             started = procinfo.start_time(pid) or 0
             argv = tuple(command.argv)
-            records.save(
-                state_dir, records.ShardRecord(spec, pid, started, argv, str(logfile), launch_id)
+            record = records.ShardRecord(
+                spec, pid, started, argv, str(logfile), launch_id, tuple(sorted(shm_before))
             )
+            records.save(state_dir, record)
 
         shard.process = EngineProcess(
             command.argv,
@@ -446,12 +452,35 @@ class Agent:
             files=command.files,
         )
         with shard.scope:
-            await shard.process.run()
+            refused = await self._flag_problems(spec, command)
+            if refused:
+                reason = "the profile does not fit this node: " + "; ".join(refused)
+                self._transition(shard, ShardState.FAILED, reason)
+            else:
+                await shard.process.run()
         # Reached when the engine failed or was stopped; an agent that shuts down is
         # cancelled before this line and keeps the record, so a new agent adopts it.
         records.remove(state_dir, spec)
         if shard.state is ShardState.STOPPED:
             self._forget_later(shard)
+
+    async def _flag_problems(self, spec: LaunchSpec, command: Command) -> list[str]:
+        """The launch's flags the installed engine does not take (see `flag_reader`)."""
+        engine = self.config.engines[spec.engine]
+        asking = help_command(spec.engine, engine.command)
+        if asking is None:
+            return []
+        version = next((e.version for e in self.inventory.engines if e.name == spec.engine), "")
+        key = (spec.engine, engine.command, version, program_identity(engine.command[0]))
+        env = {**os.environ, **engine.env}
+        found = await self._flags.flags(key, lambda: read_help(asking, env))
+        program = f"{spec.engine} {version}".rstrip()
+        if found.flags is None:
+            log.warning("the flags were not checked against %s: %s", program, found.why)
+            return []
+        # Every adapter puts the profile's args last, as given.
+        own = command.argv[len(engine.command) : len(command.argv) - len(spec.args)]
+        return refusals(spec.engine, program, found.flags, own, spec.args)
 
     def _reporter(self, shard: _Shard) -> Callable[[Transition], Awaitable[None]]:
         async def report(t: Transition) -> None:
@@ -486,6 +515,7 @@ class Agent:
                     leftovers.append(record)  # its record goes once they are stopped
                 else:
                     records.remove(config.state_dir, spec)
+                    await _clean_shm(record)
                 log.warning("%s rank %d: %s", spec.replica_id, spec.rank, detail)
                 self.shards[key] = _Shard(spec, ShardState.FAILED, detail)
                 continue
@@ -519,12 +549,14 @@ class Agent:
                 spec.rank,
                 record.pid,
             )
+        else:
+            await _clean_shm(record)
         records.remove(self.config.state_dir, spec)
 
     async def _watch_adopted(self, shard: _Shard, record: records.ShardRecord) -> None:
         assert shard.process is not None
         with shard.scope:
-            await shard.process.adopt(record.pid, record.started)
+            await shard.process.adopt(record.pid, record.started, _shm_before(record))
         records.remove(self.config.state_dir, shard.spec)
         if shard.state is ShardState.STOPPED:
             self._forget_later(shard)
@@ -572,6 +604,18 @@ class Agent:
                 json.dump({"cordoned": self.cordoned, "draining": self.draining}, f)
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
+
+
+def _shm_before(record: records.ShardRecord) -> frozenset[str] | None:
+    return None if record.shm_before is None else frozenset(record.shm_before)
+
+
+async def _clean_shm(record: records.ShardRecord) -> None:
+    """What an engine that ended while the agent was away left in /dev/shm (its group is
+    gone by now)."""
+    before = _shm_before(record)
+    if before is not None:
+        await trio.to_thread.run_sync(clean_after, record.pid, before)
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:

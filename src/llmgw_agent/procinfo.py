@@ -56,6 +56,17 @@ def view(pid: int, marker: str) -> ProcView | None:
     )
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of process group `pgid` remains (a scan of
+    /proc, for the end of an engine, not a hot path)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in "ZX":
+                return True
+    return False
+
+
 def group_members(pgid: int, marker: str) -> list[ProcView]:
     """The live processes of process group `pgid` (a scan of /proc: run it at an agent's
     start, not on a hot path)."""

@@ -2,7 +2,7 @@
 
 One JSON file per shard: its launch spec, the engine's PID, start time and launch
 id (the marker put in its environment: see `adoption`, so a reused PID is never
-mistaken for the engine), its command line and its log.
+mistaken for the engine), its command line, its log and what /dev/shm held before it.
 Written when the engine starts, removed when it is stopped or has failed.
 
 A record holds the shard's engine key, so records, and the key files written
@@ -35,6 +35,9 @@ class ShardRecord:
     argv: tuple[str, ...]
     log: str
     launch_id: str = ""  # "": written by an agent that set no launch marker
+    # What /dev/shm held just before the engine started, to tell what it left there when
+    # it dies (see `shm_leftovers`); None: written by an agent that kept no such list.
+    shm_before: tuple[str, ...] | None = None
 
     def identity(self) -> Identity:
         return Identity(self.pid, self.started, self.launch_id)

@@ -2,7 +2,10 @@
 
 The process runs in its own session (process group), so stopping it reaches
 every process the engine started: SIGTERM to the group, a grace period, then
-SIGKILL. Its output goes to a log file, not a pipe, so the engine outlives a
+SIGKILL. When the main process dies on its own (a crash, a SIGKILL), the rest of
+the group is stopped the same way at once, and what the engine left in /dev/shm
+is removed (`shm_leftovers`) before the failure is reported, so a restart finds
+the node as before. Its output goes to a log file, not a pipe, so the engine outlives a
 restart of the agent and its last lines are still there when it fails. Each
 start writes a fresh log (the previous start's is kept as `.1`), so the lines
 reported with a failure are this attempt's. Each transition is reported
@@ -44,6 +47,7 @@ import trio
 from llmgw_agent import procinfo
 from llmgw_agent.adoption import MARKER, Identity, Verdict, decide
 from llmgw_agent.shard_records import write_private
+from llmgw_agent.shm_leftovers import SHM, clean_after, snapshot
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -180,11 +184,13 @@ def _mtime(path: Path) -> float:
 
 
 class _Child:
-    """A process this agent started: waited on directly."""
+    """A process this agent started: waited on directly. `shm_before`: what /dev/shm held
+    just before it started."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: trio.Process, shm_before: frozenset[str]) -> None:
         self.process = process
         self.pid = process.pid
+        self.shm_before = shm_before
 
     async def wait(self) -> int:
         return await self.process.wait()
@@ -194,11 +200,13 @@ class _Child:
 
 
 class _Adopted:
-    """A process an earlier run of the agent started: watched through /proc."""
+    """A process an earlier run of the agent started: watched through /proc.
+    `shm_before`: /dev/shm before it started, as its record kept it (None: unknown)."""
 
-    def __init__(self, pid: int, started: int) -> None:
+    def __init__(self, pid: int, started: int, shm_before: frozenset[str] | None) -> None:
         self.pid = pid
         self.started = started
+        self.shm_before = shm_before
 
     async def wait(self) -> int | None:
         while not self.exited():
@@ -221,13 +229,16 @@ class EngineProcess:
     health_interval_s: float = 0.5
     settle_s: float = 1.0  # how long a rank without HTTP must stay up to count as ready
     stop_on_cancel: bool = False  # set by a stop command; else cancelling leaves it running
-    on_spawn: Callable[[int], None] | None = None
+    # Told the engine's PID and what /dev/shm held just before it started.
+    on_spawn: Callable[[int, frozenset[str]], None] | None = None
     start_timeout_s: float = 1800.0  # loading weights takes long, but not forever
     api_key: str = attrs.field(default="", repr=False)  # the key the engine requires
     files: Sequence[tuple[str, str]] = attrs.field(default=(), repr=False)  # path, text
     log_max_bytes: int = LOG_MAX_BYTES  # 0: no size cap
     log_keep: int = LOG_KEEP
     log_check_s: float = LOG_CHECK_S
+    shm_dir: Path = SHM  # where the engine's shared memory lives
+    group_poll_s: float = 0.1  # how often the end of the engine's group is looked for
     _gave_up: bool = False
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -235,6 +246,7 @@ class EngineProcess:
         try:
             for path, text in self.files:
                 write_private(Path(path), text)
+            shm_before = snapshot(self.shm_dir)
             with open_fresh_log(self.log_path, self.log_keep) as out:
                 process = await trio.lowlevel.open_process(
                     list(self.argv),
@@ -249,15 +261,17 @@ class EngineProcess:
             task_status.started(0)
             return
         if self.on_spawn is not None:
-            self.on_spawn(process.pid)
+            self.on_spawn(process.pid, shm_before)
         task_status.started(process.pid)
         await self.report(Transition("starting", f"pid {process.pid}", pid=process.pid))
-        await self._supervise(_Child(process))
+        await self._supervise(_Child(process, shm_before))
 
-    async def adopt(self, pid: int, started: int) -> None:
+    async def adopt(
+        self, pid: int, started: int, shm_before: frozenset[str] | None = None
+    ) -> None:
         """Supervise an engine a previous run of the agent started (its shard starts out as
         starting; the first good health check makes it ready, usually before registering)."""
-        await self._supervise(_Adopted(pid, started))
+        await self._supervise(_Adopted(pid, started, shm_before))
 
     async def _supervise(self, handle: _Child | _Adopted) -> None:
         final_reported = False
@@ -268,8 +282,8 @@ class EngineProcess:
                     nursery.start_soon(self._cap_log)
                 code = await handle.wait()
                 nursery.cancel_scope.cancel()
-            _signal_group(handle.pid, signal.SIGKILL)  # whatever the engine left behind
             final_reported = True
+            await self._end_group(handle)
             status = "" if code is None else f" with status {_describe(code)}"
             why = (
                 f"the engine did not become healthy within {self.start_timeout_s:g} s"
@@ -291,9 +305,28 @@ class EngineProcess:
                 with trio.CancelScope(shield=True):
                     if not handle.exited():
                         await self._stop(handle)
-                    else:
-                        _signal_group(handle.pid, signal.SIGKILL)
+                    await self._end_group(handle)
                     await self.report(Transition("stopped", "stopped on request", pid=handle.pid))
+
+    async def _end_group(self, handle: _Child | _Adopted) -> None:
+        """Once the engine's main process is gone: the rest of its group (vLLM's engine
+        core, workers, resource tracker) gets SIGTERM and `stop_grace_s` to end, which lets
+        the tracker remove the shared memory it knows, then SIGKILL; then what the engine
+        left in /dev/shm and nobody holds is removed (`shm_leftovers`; not for an engine
+        adopted from an agent that kept no snapshot of /dev/shm)."""
+        for signum, wait_s in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 5.0)):
+            if not await _group_alive(handle.pid):
+                break
+            _signal_group(handle.pid, signum)
+            with trio.move_on_after(wait_s):
+                while await _group_alive(handle.pid):
+                    await trio.sleep(self.group_poll_s)
+        else:
+            if await _group_alive(handle.pid):
+                log.error("processes of engine group %d outlived SIGKILL", handle.pid)
+                return  # they may still hold what they made
+        if handle.shm_before is not None:
+            await trio.to_thread.run_sync(clean_after, handle.pid, handle.shm_before, self.shm_dir)
 
     async def _cap_log(self) -> None:
         while True:
@@ -356,6 +389,11 @@ async def stop_leftovers(identity: Identity, grace_s: float, poll_s: float = 0.2
             while leftovers(identity):
                 await trio.sleep(poll_s)
     return not leftovers(identity)
+
+
+async def _group_alive(pgid: int) -> bool:
+    # A scan of every process in /proc: off the agent's loop on a node that runs many.
+    return await trio.to_thread.run_sync(procinfo.group_alive, pgid)
 
 
 def _signal_group(pid: int, signum: int) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from llmgw_agent.adapters import KEY_OPTIONS, MULTI_NODE, given, is_hf_repo
+from llmgw_core.engines import context_flag_in
 from llmgw_core.inventory import Inventory, LaunchSpec
 
 
@@ -51,6 +52,13 @@ def problems(
         found.append(
             f"the profile's args set {', '.join(clash)}, which would replace the engine key "
             f"llmgw gives each replica (the router could no longer reach it): remove them"
+        )
+    twice = context_flag_in(spec.engine, spec.args)
+    if spec.max_model_len is not None and twice is not None:
+        # The catalog refuses such a profile; a spec from elsewhere is held to the same rule.
+        found.append(
+            f"the profile's args set {twice}, the context length that max_model_len "
+            f"({spec.max_model_len}) already sets: give it once"
         )
     # llama.cpp takes a path for whatever is not an org/repo[:quant] (adapters.llamacpp).
     a_path = spec.hf_model.startswith(("/", "./", "../")) or (

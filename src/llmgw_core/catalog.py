@@ -25,7 +25,7 @@ from llmgw_core.config_schema import (
     rule_before,
     rules,
 )
-from llmgw_core.engines import ENGINE_KINDS
+from llmgw_core.engines import CONTEXT_FLAGS, ENGINE_KINDS, context_flag_in
 from llmgw_core.tomlshape import Table, type_name
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
@@ -104,6 +104,9 @@ class Profile:
     gpu_model: str | None = attrs.field(default=None, metadata=rules(check=str.strip))
     # Dicts are excluded from the hash so that a frozen Profile stays hashable.
     node_selector: dict[str, str] = attrs.field(factory=dict, hash=False)
+    # The longest context (prompt and answer, in tokens) the engine serves: vLLM's
+    # --max-model-len, llama.cpp's -c, SGLang's --context-length. None: the engine's default.
+    max_model_len: int | None = attrs.field(default=None, metadata=rules(min=1))
     args: tuple[str, ...] = ()  # passed to the engine after the arguments llmgw builds
     # The engine's environment.
     env: dict[str, str] = attrs.field(factory=dict, hash=False, metadata=rules(check=_engine_env))
@@ -111,6 +114,19 @@ class Profile:
     @property
     def gpus(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
+
+
+@rule_after(Profile)
+def _context_said_once(profile: Profile) -> None:
+    # Two context lengths on one command line: the engine takes the last, silently.
+    twice = context_flag_in(profile.engine, profile.args)
+    if profile.max_model_len is not None and twice is not None:
+        flag = CONTEXT_FLAGS[profile.engine][0]
+        raise Problem(
+            f"{twice} sets the context length that max_model_len already sets "
+            f"({flag} {profile.max_model_len}): give it once, as max_model_len",
+            "args",
+        )
 
 
 def _default_replicas(entry: ModelEntry) -> int:

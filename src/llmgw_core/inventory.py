@@ -95,6 +95,8 @@ class LaunchSpec:
     # The key the engine requires on every request (empty: none). It reaches the engine
     # through its environment, never its command line, and the router sends it.
     api_key: str = attrs.field(default="", repr=False)
+    # The profile's max_model_len: the engine's context length (None: its own default).
+    max_model_len: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # A spec travels over the wire: one that cannot describe a shard is refused at
@@ -105,6 +107,8 @@ class LaunchSpec:
             raise ValueError("parallel sizes must be at least 1")
         if not 0 < self.port < 65536 or not 0 <= self.dist_port < 65536:
             raise ValueError(f"port {self.port}/{self.dist_port} is not a TCP port")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len {self.max_model_len} is not a positive length")
 
     @property
     def nnodes(self) -> int:

@@ -177,6 +177,59 @@ def test_profile_errors_name_the_key_path(text: str, message: str) -> None:
     assert error_of(text).startswith(message)
 
 
+BARE = '[[models]]\nname = "q"\n[models.profile]\nengine = "vllm"\nmodel = "org/q"\n'
+
+
+def test_max_model_len_is_read_and_defaults_to_the_engines_own() -> None:
+    (entry,) = catalog_of(BARE + "max_model_len = 2048\n").models
+    assert entry.profile is not None and entry.profile.max_model_len == 2048
+    (entry,) = catalog_of(BARE).models
+    assert entry.profile is not None and entry.profile.max_model_len is None
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("max_model_len = 0", "profile.max_model_len: must be at least 1, not 0"),
+        ("max_model_len = -4096", "profile.max_model_len: must be at least 1, not -4096"),
+        ('max_model_len = "32k"', "profile.max_model_len: must be an integer, not a string"),
+        ("max_model_len = 2048.0", "profile.max_model_len: must be an integer, not a number"),
+        ("max_model_len = true", "profile.max_model_len: must be an integer, not a boolean"),
+    ],
+)
+def test_max_model_len_must_be_a_positive_integer(line: str, message: str) -> None:
+    assert error_of(BARE + line + "\n") == f"llmgw.toml: models[0].{message}"
+
+
+@pytest.mark.parametrize(
+    ("engine", "arg", "flag"),
+    [
+        ("vllm", "--max-model-len", "--max-model-len"),
+        ("vllm", "--max_model_len", "--max-model-len"),
+        ("vllm", "--max-model-len=8192", "--max-model-len"),
+        ("mock", "--max-model-len", "--max-model-len"),
+        ("llamacpp", "-c", "-c"),
+        ("llamacpp", "--ctx-size", "-c"),
+        ("sglang", "--context-length", "--context-length"),
+    ],
+)
+def test_args_that_set_the_context_again_are_refused(engine: str, arg: str, flag: str) -> None:
+    text = BARE.replace('"vllm"', f'"{engine}"') + f'max_model_len = 2048\nargs = ["{arg}", "8192"]\n'
+    assert error_of(text) == (
+        f"llmgw.toml: models[0].profile.args: {arg} sets the context length that "
+        f"max_model_len already sets ({flag} 2048): give it once, as max_model_len"
+    )
+
+
+def test_a_context_flag_in_args_alone_is_still_taken() -> None:
+    """Without max_model_len, args keep saying it as before; another engine's spelling is
+    not this engine's flag."""
+    (entry,) = catalog_of(BARE + 'args = ["--max-model-len", "8192"]\n').models
+    assert entry.profile is not None and entry.profile.args == ("--max-model-len", "8192")
+    (entry,) = catalog_of(BARE + 'max_model_len = 2048\nargs = ["-c", "8192"]\n').models
+    assert entry.profile is not None and entry.profile.max_model_len == 2048
+
+
 @pytest.mark.parametrize(
     ("typo", "suggestion"), [("endpionts", "endpoints"), ("profil", "profile")]
 )

@@ -336,6 +336,20 @@ def test_a_changed_profile_replaces_its_replicas() -> None:
     assert f.commands == [DrainShard("n1", old.replica_id, 0)]
 
 
+def test_a_changed_max_model_len_replaces_its_replicas_and_reaches_the_spec() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=4), nodes=1)
+    f.ready_all()
+    assert f.starts()[0].spec.max_model_len is None
+    f.commands.clear()
+    f.set_catalog(catalog(model("a", 1, tensor_parallel=4, max_model_len=2048)))
+    (start,) = f.commands
+    assert isinstance(start, StartShard) and start.spec.max_model_len == 2048
+    f.commands.clear()
+    f.ready_all()
+    f.set_catalog(catalog(model("a", 1, tensor_parallel=4, max_model_len=2048)))
+    assert not any(isinstance(c, StartShard) for c in f.commands)  # unchanged: no roll
+
+
 def test_unplaceable_models_are_explained() -> None:
     f = fleet_with(model("a", 1, tensor_parallel=8, gpu_memory_gib=90), nodes=2)
     (unplaced,) = f.cp.view().unplaced.values()

@@ -42,6 +42,7 @@ def launch_specs(
             port=port,
             dist_port=port + 1,
             api_key=api_key,
+            max_model_len=profile.max_model_len,
         )
         for rank, shard in enumerate(placed.shards)
     ]

@@ -94,6 +94,7 @@ def matches(records: Sequence[ShardRecord], profile: Profile, nodes: Mapping[str
         spec.engine != profile.engine
         or spec.hf_model != profile.model
         or spec.args != profile.args
+        or spec.max_model_len != profile.max_model_len
         or spec.env != profile.env
         or spec.tensor_parallel != profile.tensor_parallel
         or spec.pipeline_parallel != profile.pipeline_parallel
