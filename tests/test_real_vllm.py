@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from procs import Proc, Procs, answers, free_port, metric
-from real_vllm import RealVllm
+from real_vllm import RealVllm, serving_env
 from test_real_engines import (
     PAUSES_S,
     ROUNDS,
@@ -76,17 +76,8 @@ def vllm_server(
     real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
     run = tmp_path_factory.mktemp("vllm")
-    (run / "tmp").mkdir()
     port = free_port()
-    env = {
-        # Otherwise its internal queues bind the machine's address, --host or not.
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_LOOPBACK_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TMPDIR": str(run / "tmp"),
-        "VLLM_CACHE_ROOT": str(run / "cache"),
-    }
+    env = serving_env(run)
     argv = [
         str(real_vllm.vllm), "serve", str(real_vllm.model), "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--api-key", ENGINE_KEY,

@@ -15,19 +15,17 @@ Run when named, or in a whole run with LLMGW_REAL_VLLM=1 (conftest.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 
-from fleet import SIM, Fleet, wait_until
-from llmgw_core.certs import issue_node
-from procs import Proc
-from real_vllm import RealVllm
+from fleet import Fleet, wait_until
+from real_vllm import RealVllm, serving_env
 from test_llamacpp_managed import cmdline, engine_pid, environ, running
 
 MODEL = "tiny"
@@ -42,20 +40,6 @@ def models(model: Path) -> str:
         f'\n[[models]]\nname = "{MODEL}"\n[models.profile]\nengine = "vllm"\n'
         f'model = "{model}"\nmax_model_len = 2048\nargs = [{args}]\n'
     )
-
-
-def agent_config(fleet: Fleet, name: str, vllm: Path) -> Path:
-    path = fleet.procs.tmp / f"{name}.toml"
-    crt, key, _ = issue_node(fleet.certs, name)
-    path.write_text(
-        f'name = "{name}"\nserver = "wss://127.0.0.1:{fleet.control_port}/v1/agent"\n'
-        f'state_dir = "{fleet.procs.tmp / name}"\ninventory_file = "{SIM / "node-2xl4.toml"}"\n'
-        'bind_host = "127.0.0.1"\nstop_grace_s = 30\n'
-        f'[tls]\nca = "{fleet.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
-        "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
-        f'[engines.vllm]\ncommand = ["{vllm}"]\n'
-    )
-    return path
 
 
 def serving(fleet: Fleet, attempt: int = 0) -> dict[str, Any] | None:
@@ -78,23 +62,10 @@ def shm() -> set[str]:
 
 def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
     fleet.server(models(real_vllm.model))
-    (tmp_path / "tmp").mkdir()
-    env = {
-        # Otherwise vLLM's internal queues bind the machine's address, --host or not.
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_LOOPBACK_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TMPDIR": str(tmp_path / "tmp"),
-        "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
-    }
+    env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
     before = shm()
-    config = agent_config(fleet, "cpu-1", real_vllm.vllm)
-    # The agent's environment, which its engines inherit.
-    agent = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(config)], 0, env)
-    fleet.procs.all.append(agent)
-    fleet.agents["cpu-1"] = agent
-    fleet.every_agent.append(agent)  # the fixture kills the engines its log names at the end
+    # Its engines get the environment vLLM needs here, from [engines.vllm] env.
+    agent = fleet.agent("cpu-1", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
     replica: dict[str, Any] = wait_until(lambda: serving(fleet), ENGINE_UP_S, "a ready vLLM")
     pid = engine_pid(agent)
 
