@@ -57,7 +57,8 @@ def agent_config(fleet: Fleet, name: str, llama_server: Path) -> Path:
 def start_agent(fleet: Fleet, config: Path, tag: str) -> Proc:
     proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(config)], 0)
     fleet.procs.all.append(proc)
-    fleet.agents[tag] = proc  # the fixture kills the engines its log names at the end
+    fleet.agents[tag] = proc
+    fleet.every_agent.append(proc)  # the fixture kills the engines its log names at the end
     return proc
 
 
@@ -91,10 +92,10 @@ def running(pid: int) -> bool:
         return False
 
 
-def chat_streamed(fleet: Fleet) -> str:
+def chat_streamed(fleet: Fleet, model: str = MODEL) -> str:
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, stream=True
+        model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, stream=True
     )
     chunks = list(stream)
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop"), chunks

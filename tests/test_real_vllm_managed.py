@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 
 from fleet import Fleet, wait_until
 from real_vllm import RealVllm, serving_env
-from test_llamacpp_managed import cmdline, engine_pid, environ, running
+from test_llamacpp_managed import chat_streamed, cmdline, engine_pid, environ, running
 
 MODEL = "tiny"
 KV_CACHE_BYTES = 64 * 1024 * 1024
@@ -44,16 +43,6 @@ def models(model: Path) -> str:
 
 def serving(fleet: Fleet, attempt: int = 0) -> dict[str, Any] | None:
     return next((r for r in fleet.serving(MODEL) if r["attempt"] >= attempt), None)
-
-
-def chat_streamed(fleet: Fleet) -> str:
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, stream=True
-    )
-    chunks = list(stream)
-    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop"), chunks
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def shm() -> set[str]:
@@ -83,7 +72,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     headers = {"Authorization": f"Bearer {key}"}
     assert httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code == 200
 
-    assert chat_streamed(fleet)
+    assert chat_streamed(fleet, MODEL)
     first_run = shm() - before
     assert first_run, "vLLM made nothing in /dev/shm: this test would check nothing"
     print(f"\n/dev/shm while the first engine runs: {sorted(first_run)}", flush=True)
@@ -102,7 +91,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
         again = engine_pid(agent, after=attempt)
         assert again != pid and running(again) and not running(pid)
         pid = again
-        assert chat_streamed(fleet)
+        assert chat_streamed(fleet, MODEL)
         now = shm() - before
         assert not (earlier & now), (earlier, now)  # nothing of a killed engine is left
         assert len(now) == len(first_run), (first_run, now)  # the running one's own
