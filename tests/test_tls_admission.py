@@ -217,6 +217,39 @@ async def test_a_client_that_closed_or_reset_is_seen_to_have_left() -> None:
             await stream.aclose()
 
 
+def test_the_control_port_issues_no_session_tickets(tmp_path: Path) -> None:
+    """Agents cannot resume a session (trio's SSLStream takes none), and two TLS 1.3
+    tickets were a third of the server's CPU per handshake (1.56 ms, 1.06 ms without)."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    issue_node(certs, "node-1")
+    tls = AgentsTLS(ca=certs / "ca.crt", cert=certs / "server.crt", key=certs / "server.key")
+    client_context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    client_context.load_cert_chain(certs / "nodes" / "node-1.crt", certs / "nodes" / "node-1.key")
+    for version in (ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2):
+        client_context.maximum_version = version
+        to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+        from_server, from_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+        client = client_context.wrap_bio(to_client, from_client, server_hostname="localhost")
+        server = server_context(tls).wrap_bio(to_server, from_server, server_side=True)
+        done: set[str] = set()
+        for _ in range(10):
+            for name, end in (("client", client), ("server", server)):
+                try:
+                    end.do_handshake()
+                    done.add(name)
+                except ssl.SSLWantReadError:
+                    pass
+            to_server.write(from_client.read())
+            to_client.write(from_server.read())
+        assert done == {"client", "server"} and client.version() == version.name.replace("_", ".")
+        server.write(b"x")  # after the handshake: TLS 1.3's tickets would come first
+        to_client.write(from_server.read())
+        assert client.read(1) == b"x"
+        session = client.session
+        assert session is None or not session.has_ticket, version
+
+
 async def answer(request: Request, responder: Responder) -> None:
     await responder.whole(200, b'{"ok": true}', JSON)
 
@@ -457,7 +490,7 @@ def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
     queue, and after every agent refused before it, one turn per 1 / rate seconds."""
     limits = AdmissionLimits(
         agents_in_flight=(4, 100), agents_queue_s=6.0, min_left_s=0.5, assumed_rate=100,
-        come_back_jitter_s=2.0,
+        come_back_jitter_s=2.0, come_back_overbook=1.0,
     )
     core = TLSAdmission(limits)
     for _ in range(550):
@@ -479,8 +512,24 @@ def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
     assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.77 - 2.0)
 
 
+def test_turns_are_overbooked_since_a_storms_first_rate_is_a_starved_one() -> None:
+    """Turns given at the rate measured in a storm's first seconds kept a 10,000-node
+    fleet coming back at half what the server then served. With come_back_overbook 2
+    (the default) the turns come as if the lane served twice its measured rate."""
+    core = TLSAdmission(AdmissionLimits(agents_queue_s=6.0, min_left_s=0.5, assumed_rate=100))
+    assert core.limits.come_back_overbook == 2.0
+    for _ in range(550):
+        core.hello(AGENTS, 10.0)
+    # 550 queued, served at 200 a second in 2.75 s: half of the queue's 5.5 s deadline
+    # less that is 0, so the first turn is now; then one each 5 ms.
+    waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(3)]
+    assert waits == [pytest.approx(0.0), pytest.approx(0.005), pytest.approx(0.01)]
+
+
 def test_one_address_flooding_holds_no_turn_and_no_wait_is_past_the_cap() -> None:
-    core = TLSAdmission(AdmissionLimits(assumed_rate=10, agents_queue_s=10.5, min_left_s=0.5))
+    core = TLSAdmission(
+        AdmissionLimits(assumed_rate=10, agents_queue_s=10.5, min_left_s=0.5, come_back_overbook=1)
+    )
     for _ in range(100):  # 10 s of queue at 10 a second: half of it served in 5 s
         core.hello(AGENTS, 0.0)
     for _ in range(1000):

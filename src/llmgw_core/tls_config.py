@@ -102,6 +102,10 @@ def server_context(tls: AgentsTLS) -> ssl.SSLContext:
     context.load_cert_chain(str(tls.cert), str(tls.key))
     context.verify_mode = ssl.CERT_OPTIONAL
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # Agents cannot resume a session (trio's SSLStream takes no session), so a
+    # ticket is pure cost: two of them were a third of the server's handshake CPU.
+    context.num_tickets = 0
+    context.options |= ssl.OP_NO_TICKET
     return context
 
 

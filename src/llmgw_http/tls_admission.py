@@ -118,6 +118,14 @@ class AdmissionLimits:
     # A refused agent's come-back time is spread over this much more (stragglers told
     # the same turn never dial at the same instant).
     come_back_jitter_s: float = 2.0
+    # Turns are given as if the lane served this many times its measured rate. Most
+    # agents are refused in a storm's first seconds, when the rate measured is a starved
+    # one (the booting fleet shares the cores), and their turns cannot be taken back:
+    # given at that rate, they kept a 10,000-node fleet coming back at half what the
+    # server then served, and the machine half idle (105 s to register all). Too early
+    # costs a returning agent a place in a queue that holds half a minute of work; a
+    # queue past its bound refuses it again, with a later turn.
+    come_back_overbook: float = 2.0
 
 
 AGENTS, OTHERS = "agents", "others"
@@ -229,16 +237,17 @@ class TLSAdmission:
         lane has served half what it holds (it then still has work for half its queue
         deadline, so the server never idles while refused agents wait, and a returning
         agent waits in the queue well within its patience), and after every agent
-        refused before it, one turn per 1 / rate: the refused come back no faster than
-        the lane serves them, each once. Plus `jitter` (in [0, 1)) of come_back_jitter_s.
-        The rate is the lane's measured one, but never below assumed_rate: a storm's
+        refused before it, one turn per 1 / rate: the refused come back each once, at
+        about the rate the lane serves them. Plus `jitter` (in [0, 1)) of
+        come_back_jitter_s. The rate is the lane's measured one times
+        come_back_overbook, the measured one never below assumed_rate: a storm's
         first second measures few places given back (registrations take seconds), and
         turns given too late leave the server idle, where turns too early cost a
         refused agent one more connect and no handshake. A source refused for its own
         flood is told when the queue is half served, and holds no turn: one address
         must not push the fleet's turns back."""
         held = self.lanes[AGENTS]
-        rate = max(self.limits.assumed_rate, held.rate or 0.0, 1.0)
+        rate = max(self.limits.assumed_rate, held.rate or 0.0, 1.0) * self.limits.come_back_overbook
         half = (self.limits.agents_queue_s - self.limits.min_left_s) / 2
         turn = now + max(0.0, (held.waiting + held.in_flight) / rate - half)
         if why != REFUSED_SOURCE:
