@@ -191,6 +191,26 @@ def test_usage_found_in_answers_and_streams() -> None:
     assert usage_in(b'{"usage": {"prompt_tokens": true}}') is None
     assert usage_in(b'{"usage": {"prompt_tokens": 1, "completion_tokens": "2"}}') is None
     assert usage_in(b'{"usage": [1, 2]}') is None
+    assert usage_in(b'{"usage": {"total_tokens": 3}}') is None
+
+
+def test_usage_of_the_responses_and_messages_apis() -> None:
+    """Responses and Messages count input_tokens / output_tokens; a Messages stream's last
+    event carries only its output (the recorder keeps the input from its first)."""
+    response = b'{"object": "response", "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}'
+    assert usage_in(response) == (9, 4)
+    completed = (
+        b'event: response.created\ndata: {"response": {"usage": null}}\n\n'
+        b'event: response.completed\ndata: {"response": {"usage": '
+        b'{"input_tokens": 9, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 6}}}\n\n'
+    )
+    assert usage_in(completed) == (9, 6)
+    start = b'event: message_start\ndata: {"message": {"usage": {"input_tokens": 12, "output_tokens": 1}}}\n\n'
+    assert usage_in(start) == (12, 1)
+    delta = b'event: message_delta\ndata: {"delta": {}, "usage": {"output_tokens": 15}}\n\n'
+    assert usage_in(delta) == (None, 15)
+    assert usage_in(start + delta) == (12, 15)  # a stream's events in one write
+    assert usage_in(b'{"usage": {"input_tokens": 1, "output_tokens": -2}}') is None
 
 
 def test_access_log_settings_are_checked() -> None:

@@ -27,6 +27,15 @@ def bearer_digest(authorization: bytes | None) -> str | None:
     return None if token is None else digest_of(token)
 
 
+def client_key_digest(authorization: bytes | None, x_api_key: bytes | None) -> str | None:
+    """The digest of a client's API key: the Bearer token, or else Anthropic's `x-api-key`
+    header's value (its clients send the key there); None when neither carries one."""
+    token = bearer_token(authorization)
+    if token is None and x_api_key is not None:
+        token = x_api_key.strip() or None
+    return None if token is None else digest_of(token)
+
+
 def bearer_matches(authorization: bytes | None, digest: str | None) -> bool:
     """Whether the header carries the token kept as `digest` (None: no token is set, so
     none matches); the digests are compared in constant time."""

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 
 import attrs
 
+from llmgw_core.api_paths import valid_extra_path
 from llmgw_core.catalog import Catalog, read_catalog
 from llmgw_core.config_schema import (
     CONVERTER,
@@ -84,6 +85,17 @@ def _workers(value: object) -> int:
 
 
 _HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?")
+
+
+def _extra_paths(value: object) -> tuple[str, ...]:
+    """More POST paths relayed by the JSON body's model, as the built-in ones are."""
+    paths = []
+    for i, text in enumerate(read_texts(value)):
+        try:
+            paths.append(valid_extra_path(text))
+        except ValueError as exc:
+            raise Problem(f"{text!r} {exc}", f"[{i}]") from None
+    return tuple(paths)
 
 
 def _control_hosts(value: object) -> tuple[str, ...]:
@@ -214,6 +226,8 @@ class RouterSection:
     health_interval_s: float = attrs.field(default=5.0, metadata=rules(min=0.01))
     health_timeout_s: float = attrs.field(default=2.0, metadata=rules(min=0.01))
     session_header: str = attrs.field(default="x-session-id", metadata=rules(check=str.lower))
+    # More POST paths relayed by the JSON body's model (the built-in ones: api_paths).
+    extra_paths: tuple[str, ...] = attrs.field(default=(), metadata=rules(parse=_extra_paths))
 
 
 def _digests(value: object) -> tuple[str, ...]:

@@ -1,8 +1,12 @@
-"""Errors in the shape OpenAI clients parse: {"error": {"message", "type", "code"}}."""
+"""Errors in the shapes clients parse: OpenAI's {"error": {"message", "type", "code"}},
+and on Anthropic's Messages API its own {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+
+import attrs
 
 _TYPES = {
     400: "invalid_request_error",
@@ -54,3 +58,39 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
 def sse_error_event(status: int, message: str) -> bytes:
     """The event that ends a stream which broke after its first byte."""
     return b"data: " + error_body(status, message) + b"\n\n"
+
+
+# Anthropic's error types by status (its API's "Errors" page); 503 is its overloaded.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str, code: str | None = None) -> bytes:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def anthropic_sse_error_event(status: int, message: str) -> bytes:
+    """The event that ends a Messages stream which broke after its first byte."""
+    return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
+
+
+@attrs.frozen
+class ErrorShape:
+    """How errors made by llmgw are written on a path: a whole answer's body, and the
+    event that ends a broken stream."""
+
+    body: Callable[[int, str, str | None], bytes]
+    event: Callable[[int, str], bytes]
+
+
+OPENAI = ErrorShape(error_body, sse_error_event)
+ANTHROPIC = ErrorShape(anthropic_error_body, anthropic_sse_error_event)

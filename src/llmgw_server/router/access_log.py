@@ -143,24 +143,32 @@ def format_json(record: AccessRecord) -> str:
 FORMATTERS = {"logfmt": format_logfmt, "json": format_json}
 
 
-def usage_in(data: bytes) -> tuple[int, int | None] | None:
-    """(prompt_tokens, completion_tokens) from the last `"usage": {...}` in `data`, a
-    JSON answer or some server-sent events; None when there is none or it is cut off.
+def usage_in(data: bytes) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) token counts from the last `"usage": {...}` in `data`, a JSON
+    answer or some server-sent events; None when there is none or it is cut off.
 
+    Chat and completions count `prompt_tokens` / `completion_tokens`; the Responses and
+    Messages APIs `input_tokens` / `output_tokens`. Either count may be missing: an
+    embeddings answer has no completion, and a Messages stream's last event carries only
+    its `output_tokens` (the input came in its first): the caller keeps what it had.
     Only the usage object is parsed, never the whole answer: inside a JSON string a quote
-    is escaped, so the bytes `"usage"` followed by a colon can only be a key. An
-    embeddings answer has no completion_tokens.
+    is escaped, so the bytes `"usage"` followed by a colon can only be a key.
     """
+    prompt: int | None = None
+    completion: int | None = None
     at = data.rfind(_USAGE_KEY)
-    while at >= 0:
+    while at >= 0 and (prompt is None or completion is None):
         found = _usage_at(data, at + len(_USAGE_KEY))
-        if found is not None:
-            return found
+        if found is not None:  # the latest count of each kind (events may share a write)
+            prompt = found[0] if prompt is None else prompt
+            completion = found[1] if completion is None else completion
+            if found[0] is not None and found[1] is not None:
+                break  # one object with both: what chat and completions send, once
         at = data.rfind(_USAGE_KEY, 0, at)
-    return None
+    return None if prompt is None and completion is None else (prompt, completion)
 
 
-def _usage_at(data: bytes, after_key: int) -> tuple[int, int | None] | None:
+def _usage_at(data: bytes, after_key: int) -> tuple[int | None, int | None] | None:
     window = data[after_key : after_key + _USAGE_WINDOW]
     stripped = window.lstrip()
     if stripped[:1] != b":":
@@ -174,13 +182,14 @@ def _usage_at(data: bytes, after_key: int) -> tuple[int, int | None] | None:
         return None
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    if not _is_count(prompt):
-        return None
-    if completion is None or _is_count(completion):
-        return prompt, completion
-    return None
+    counts = []
+    for names in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens")):
+        found = [usage[n] for n in names if n in usage and usage[n] is not None]
+        if any(not _is_count(v) for v in found):
+            return None  # a count that is no count: the usage is not believed
+        counts.append(found[0] if found else None)
+    prompt, completion = counts
+    return None if prompt is None and completion is None else (prompt, completion)
 
 
 def _is_count(value: object) -> TypeGuard[int]:

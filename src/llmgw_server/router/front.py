@@ -12,11 +12,11 @@ from typing import Literal
 import attrs
 import trio
 
-from llmgw_core.bearer import bearer_digest
+from llmgw_core.bearer import client_key_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection
 from llmgw_core.logsafe import escaped
-from llmgw_core.openai_errors import error_body, sse_error_event
+from llmgw_core.openai_errors import ANTHROPIC
 from llmgw_core.ratelog import RateLimit
 from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
@@ -31,11 +31,11 @@ from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
+from llmgw_server.router.routes import ANTHROPIC_PATHS, Kind, Routes, form_boundary, form_model
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
 
-INFERENCE_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
 _CHAT = b"/v1/chat/completions"
 _COMPLETIONS = b"/v1/completions"
 _HOP_BY_HOP = frozenset(
@@ -87,6 +87,7 @@ class Router:
         self.config = config
         self.tuning = config.router
         self.keys = config.auth.keys  # digest -> the models it may use (None: all)
+        self.routes = Routes(config.router.extra_paths)
         self.metrics = RouterMetrics()
         self.pools: dict[Endpoint, Pool] = {}
         self.balancers: dict[str, Balancer] = {}
@@ -184,10 +185,8 @@ class Router:
             request_id = new_request_id()
             request.headers = [h for h in request.headers if h[0] != _REQUEST_ID]
             request.headers.append((_REQUEST_ID, request_id.encode()))
-        if request.head_checked:  # hashed by check_head: once a request
-            digest = request.credential
-        else:
-            digest = bearer_digest(request.header(b"authorization"))
+        # Hashed by check_head where it ran: once a request.
+        digest = request.credential if request.head_checked else _client_key(request)
         record = AccessRecord(
             time.time(),
             request_id,
@@ -196,6 +195,8 @@ class Router:
             key_id=None if digest is None else key_id_of(digest),
         )
         recorder = RecordingResponder(responder, record, arrived, self.answer_headers)
+        if request.path in ANTHROPIC_PATHS:
+            recorder.errors = ANTHROPIC
         try:
             await self._route(request, recorder, digest)
         except BaseException as exc:
@@ -259,9 +260,9 @@ class Router:
         """The HTTP server's head check: whether to read the body. An inference request
         without a valid key (where keys are set) is answered 401 from its head, and its
         connection closed unread. The key is hashed here once, for the whole request."""
-        digest = request.credential = bearer_digest(request.header(b"authorization"))
+        digest = request.credential = _client_key(request)
         request.head_checked = True
-        return not self.keys or digest in self.keys or request.path not in INFERENCE_PATHS
+        return not self.keys or digest in self.keys or request.path not in self.routes.relayed
 
     def _metrics_allowed(self, digest: str | None) -> bool:
         if self.metrics_token is None:
@@ -272,11 +273,15 @@ class Router:
         self, request: Request, responder: RecordingResponder, digest: str | None
     ) -> None:
         path = request.path
-        if path in INFERENCE_PATHS:
+        kind = self.routes.kind(path)
+        if kind is Kind.JSON or kind is Kind.FORM:
             if request.method != b"POST":
                 await responder.error(405, f"{path.decode()} takes POST")
                 return
-            await self._proxy(request, responder, digest)
+            await self._proxy(request, responder, digest, kind)
+        elif kind is Kind.MANAGEMENT:
+            what = f"{path.decode()} manages an engine for all its clients"
+            await responder.error(403, f"{what}: llmgw never relays it")
         elif request.method not in (b"GET", b"HEAD"):
             await responder.error(405 if path in _GET_PATHS else 404, "no such route")
         elif path == b"/v1/models":
@@ -321,22 +326,31 @@ class Router:
         }
 
     async def _proxy(
-        self, request: Request, responder: RecordingResponder, digest: str | None
+        self, request: Request, responder: RecordingResponder, digest: str | None, kind: Kind
     ) -> None:
         path = request.path
         allowed = self._authorized(digest)
         if allowed is False:
             await responder.error(401, "a valid API key is required (Authorization: Bearer)")
             return
-        try:
-            body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            await responder.error(400, f"the request body is not valid JSON: {exc}")
-            return
-        if not isinstance(body, dict):
-            await responder.error(400, "the request body must be a JSON object")
-            return
-        model = body.get("model")
+        body: dict[str, object] = {}
+        if kind is Kind.FORM:
+            boundary = form_boundary(request.header(b"content-type"))
+            if boundary is None:
+                await responder.error(400, "the request body must be multipart/form-data")
+                return
+            model: object = form_model(boundary, request.body)
+        else:
+            try:
+                parsed = json.loads(request.body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                await responder.error(400, f"the request body is not valid JSON: {exc}")
+                return
+            if not isinstance(parsed, dict):
+                await responder.error(400, "the request body must be a JSON object")
+                return
+            body = parsed
+            model = body.get("model")
         if model is None:
             await responder.error(404, "no model given: set the 'model' field")
             return
@@ -346,7 +360,8 @@ class Router:
         responder.record.model = model
         if allowed is not None and model not in allowed:  # whether it exists or not
             message = f"this API key may not use the model {model!r}"
-            await responder.whole(403, error_body(403, message, "model_not_allowed"))
+            responder.message = message
+            await responder.whole(403, responder.errors.body(403, message, "model_not_allowed"))
             return
         balancer = self.balancers.get(model)
         if balancer is None:
@@ -373,7 +388,7 @@ class Router:
         model: str,
         balancer: Balancer,
         request: Request,
-        responder: Responder,
+        responder: RecordingResponder,
         stream: bool,
         session: str | None,
         prompt: PromptKey | None,
@@ -407,7 +422,8 @@ class Router:
                     )
                 except UpstreamError as exc:
                     status = 504 if exc.timed_out else 502
-                    last = _Refusal(status, error_body(status, str(exc)), replica, str(exc))
+                    body = responder.errors.body(status, str(exc), None)
+                    last = _Refusal(status, body, replica, str(exc))
                     self._failed(model, balancer, replica, str(exc))
                     continue
                 try:
@@ -418,7 +434,8 @@ class Router:
                         try:
                             text = await exchange.read_body(_ERROR_BODY_LIMIT)
                         except UpstreamError:
-                            text = error_body(502, f"{replica.endpoint} answered {status}")
+                            message = f"{replica.endpoint} answered {status}"
+                            text = responder.errors.body(502, message, None)
                         why = f"answered {status}"
                         retry_after = _header(exchange.headers, b"retry-after")
                         last = _Refusal(status, text, replica, why, retry_after)
@@ -454,7 +471,7 @@ class Router:
         balancer: Balancer,
         replica: Replica,
         exchange: Exchange,
-        responder: Responder,
+        responder: RecordingResponder,
         stream: bool,
     ) -> None:
         headers = _end_to_end(exchange.headers)
@@ -490,7 +507,8 @@ class Router:
             # An error event only where the client's stream is whole so far; an answer
             # that broke HTTP's framing ends with the client's connection closed.
             if sse and not framed and not exc.broken and not exchange.mid_chunk:
-                await responder.send(sse_error_event(502, f"the engine stream broke: {exc}"))
+                event = responder.errors.event(502, f"the engine stream broke: {exc}")
+                await responder.send(event)
                 await responder.end()
             else:
                 await responder.abort()
@@ -537,6 +555,12 @@ class _Refusal:
 def _served_by(responder: Responder, replica: Replica) -> None:
     if isinstance(responder, RecordingResponder):
         responder.record.replica = replica.endpoint.url
+
+
+def _client_key(request: Request) -> str | None:
+    """The digest of a client's API key: `Authorization: Bearer`, or where Anthropic's
+    clients send it, `x-api-key` (the first, when both are given)."""
+    return client_key_digest(request.header(b"authorization"), request.header(b"x-api-key"))
 
 
 def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

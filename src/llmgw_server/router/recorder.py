@@ -12,7 +12,7 @@ from typing import BinaryIO
 
 import trio
 
-from llmgw_core.openai_errors import error_body
+from llmgw_core.openai_errors import OPENAI, ErrorShape
 from llmgw_http.server import JSON, Responder
 from llmgw_server.router.access_log import AccessRecord, usage_in
 
@@ -35,10 +35,11 @@ class RecordingResponder(Responder):
 
     Usage is looked for only in writes that hold the bytes `"usage"`: the whole body of a
     non-streamed answer, and with `stream_options.include_usage` the last event of a
-    stream (engines write each event at once, so it is never split between writes).
+    stream (engines write each event at once, so it is never split between writes); a
+    Messages stream's first event counts its input, its last one its output.
     """
 
-    __slots__ = ("_added", "_arrived", "inner", "message", "record")
+    __slots__ = ("_added", "_arrived", "errors", "inner", "message", "record")
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class RecordingResponder(Responder):
         self.inner = inner
         self.record = record
         self.message: str | None = None  # the error message of an answer made here
+        self.errors: ErrorShape = OPENAI  # the shape of errors made here (the path's API)
         self.chunked = inner.chunked
         self.head = inner.head
         self.closing = inner.closing
@@ -72,7 +74,11 @@ class RecordingResponder(Responder):
         if _USAGE_KEY in data:
             usage = usage_in(data)
             if usage is not None:
-                record.prompt_tokens, record.completion_tokens = usage
+                prompt, completion = usage
+                if prompt is not None:
+                    record.prompt_tokens = prompt
+                if completion is not None:
+                    record.completion_tokens = completion
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.record.status = status
@@ -100,7 +106,7 @@ class RecordingResponder(Responder):
 
     async def error(self, status: int, message: str) -> None:
         self.message = message
-        await self.whole(status, error_body(status, message))
+        await self.whole(status, self.errors.body(status, message, None))
 
     async def abort(self) -> None:
         await self.inner.abort()
