@@ -12,7 +12,7 @@ from typing import Literal
 import attrs
 import trio
 
-from llmgw_core.bearer import client_key_digest
+from llmgw_core.bearer import bearer_digest, client_key_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection
 from llmgw_core.logsafe import escaped
@@ -560,7 +560,10 @@ def _served_by(responder: Responder, replica: Replica) -> None:
 def _client_key(request: Request) -> str | None:
     """The digest of a client's API key: `Authorization: Bearer`, or where Anthropic's
     clients send it, `x-api-key` (the first, when both are given)."""
-    return client_key_digest(request.header(b"authorization"), request.header(b"x-api-key"))
+    digest = bearer_digest(request.header(b"authorization"))
+    if digest is not None:  # most requests: one look through the headers
+        return digest
+    return client_key_digest(None, request.header(b"x-api-key"))
 
 
 def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
