@@ -171,3 +171,48 @@ def procs_idle(seconds: float) -> None:
     import time
 
     time.sleep(seconds)
+
+
+def test_llama_server_behind_every_endpoint_clients_call(
+    procs: Procs, real_engine: RealEngine
+) -> None:
+    """Issue 21 against llama.cpp itself: the Responses API and Anthropic's Messages with
+    their own clients, plain and streamed, tokens counted for both; /tokenize relayed;
+    rerank and audio, which this llama-server was not started to serve, come back as
+    llama-server's own answers, not the router's."""
+    import anthropic
+
+    engine = llama_server(procs, real_engine)
+    router = procs.router(models_toml({"g": [engine.url]}))
+    client = client_of(router)
+    answer = client.responses.create(model="g", input="Say hi", max_output_tokens=8)
+    assert answer.status == "completed" and answer.output_text is not None
+    stream = client.responses.create(model="g", input="Hi", max_output_tokens=4, stream=True)
+    events = [e.type for e in stream]
+    assert events[0] == "response.created" and events[-1] == "response.completed", events
+
+    claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0, timeout=60)
+    ask = {"model": "g", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi"}]}
+    message = claude.messages.create(**ask)  # type: ignore[call-overload]
+    assert message.type == "message" and message.usage.input_tokens > 0
+    with claude.messages.stream(**ask) as events_of:  # type: ignore[arg-type]
+        streamed = events_of.get_final_message()
+    assert streamed.usage.output_tokens > 0
+
+    tokenize = {"model": "g", "content": "hello world"}
+    tokenized = httpx.post(router.url + "/tokenize", json=tokenize, timeout=30)
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"], tokenized.text
+    rerank = httpx.post(
+        router.url + "/v1/rerank", json={"model": "g", "query": "a", "documents": ["b"]}, timeout=30
+    )
+    assert rerank.status_code == 501 and "--reranking" in rerank.text, rerank.text
+    audio = ("a.wav", b"RIFF0000WAVE", "audio/wav")
+    url = router.url + "/v1/audio/transcriptions"
+    heard = httpx.post(url, data={"model": "g"}, files={"file": audio}, timeout=30)
+    # The form reached it whole: llama-server read its model and its file, then refused.
+    assert heard.status_code == 501 and "audio input" in heard.text, heard.text
+
+    page = httpx.get(router.url + "/metrics").text
+    # Two Responses and two Messages requests each counted their prompt tokens.
+    assert metric(page, "llmgw_tokens_total", model="g", kind="prompt") > 0
+    assert metric(page, "llmgw_tokens_total", model="g", kind="completion") > 0
