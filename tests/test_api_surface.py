@@ -103,12 +103,16 @@ class ApiEngine:
     """Answers each API in its own shape and records every request that reached it."""
 
     seen: list[Request] = attrs.field(factory=list)
+    healthy: bool = True
+    listing: bytes = b'{"detail":"Not Found"}'  # its /v1/models (404 unless set)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         self.seen.append(request)
         path = request.path
         if path == b"/health":
-            await responder.whole(200, b"{}")
+            await responder.whole(200 if self.healthy else 503, b"{}")
+        elif path == b"/v1/models":
+            await responder.whole(200 if self.listing.startswith(b'{"object"') else 404, self.listing)
         elif path == b"/metrics":
             await responder.whole(200, b"", [(b"content-type", b"text/plain")])
         elif path in (b"/v1/responses", b"/v1/messages"):
@@ -137,25 +141,27 @@ class ApiEngine:
 
 
 @asynccontextmanager
-async def router_before(engine: ApiEngine) -> AsyncIterator[Running]:
+async def router_before(engine: ApiEngine, *more: ApiEngine) -> AsyncIterator[Running]:
     async with trio.open_nursery() as nursery:
-        server = HTTPServer(engine.handle, ServerLimits())
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        await nursery.start(server.serve, listeners)
-        url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        urls = []
+        for each in (engine, *more):
+            server = HTTPServer(each.handle, ServerLimits())
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            await nursery.start(server.serve, listeners)
+            urls.append(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
         config = parse_config(
             {
                 "server": {"listen": "127.0.0.1:0"},
                 "router": {"health_interval_s": 0.2, "extra_paths": ["/v1/custom"]},
                 "auth": {"keys": [{"env": "CLIENT_KEY"}]},
-                "models": [{"name": "m", "endpoints": [url]}],
+                "models": [{"name": "m", "endpoints": urls}],
             },
             "server.toml",
             environ={"CLIENT_KEY": CLIENT_KEY},
         )
         stop = trio.Event()
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-        while not running.router.balancers["m"].healthy_count:
+        while running.router.balancers["m"].healthy_count < len(urls):
             await trio.sleep(0.01)
         yield running
         stop.set()
@@ -319,3 +325,47 @@ async def test_management_paths_never_reach_an_engine_and_other_paths_route_by_m
                 assert keyless.status_code == 401
     paths = {r.path for r in engine.seen}
     assert not paths & {b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter", b"/slots", b"/lora-adapters"}
+
+
+VLLM_LISTING = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": "m", "object": "model", "created": 1764800000, "owned_by": "vllm",
+                "root": "/models/m", "parent": None, "max_model_len": 2048,
+                "permission": [{"id": "modelperm-1", "allow_sampling": True}],
+            },
+            {"id": "m-lora", "object": "model", "root": "/lora", "parent": "m"},
+        ],
+    }
+).encode()  # fmt: skip
+
+
+async def test_models_are_listed_as_their_engines_describe_them_and_outlive_a_replica() -> None:
+    """/v1/models carries the engine's max_model_len, root and owner (clients size prompts
+    from it), cached: the replica that described it may go down, the entry stays."""
+    describing, silent = ApiEngine(listing=VLLM_LISTING), ApiEngine()
+    with trio.fail_after(30):
+        async with router_before(describing, silent) as running:
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{running.port}/v1", api_key=CLIENT_KEY, max_retries=0
+            )
+            while "m" not in running.router.cards:
+                await trio.sleep(0.02)
+            (model,) = (await in_thread(client.models.list)).data
+            assert model.id == "m" and (model.model_extra or {})["max_model_len"] == 2048
+            base = f"http://127.0.0.1:{running.port}/v1/models"
+            auth = {"authorization": f"Bearer {CLIENT_KEY}"}
+            async with httpx.AsyncClient(headers=auth) as raw:
+                (card,) = (await raw.get(base)).json()["data"]
+                assert card == {
+                    "id": "m", "object": "model", "created": 1764800000, "owned_by": "vllm",
+                    "root": "/models/m", "parent": None, "max_model_len": 2048,
+                }  # fmt: skip
+                describing.healthy = False  # down: the other replica serves, the card stays
+                while running.router.balancers["m"].healthy_count != 1:
+                    await trio.sleep(0.02)
+                assert (await raw.get(base)).json()["data"] == [card]
+            described = len(describing.requests(b"/v1/models"))
+            assert described == 1 and len(silent.requests(b"/v1/models")) == 1

@@ -29,6 +29,7 @@ from llmgw_server.router.access_log import (
 )
 from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
 from llmgw_server.router.metrics import RouterMetrics
+from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.router.routes import ANTHROPIC_PATHS, Kind, Routes, form_boundary, form_model
@@ -91,6 +92,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.pools: dict[Endpoint, Pool] = {}
         self.balancers: dict[str, Balancer] = {}
+        # Each model's description from its engines (health.py reads them): /v1/models.
+        self.cards: dict[str, dict[str, object]] = {}
         self.ready = False  # the first health probe round is done
         self.draining = False
         self._5xx_log = RateLimit(period_s=10.0)
@@ -119,6 +122,7 @@ class Router:
         for name in plan.models_removed:
             self.set_endpoints(name, ())
             del self.balancers[name]
+            self.cards.pop(name, None)
         return plan
 
     def render_metrics(self) -> bytes:
@@ -312,7 +316,7 @@ class Router:
 
     def _models(self, allowed: frozenset[str] | None) -> bytes:
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+            self.cards.get(name) or plain_card(name)
             for name, balancer in self.balancers.items()
             if balancer.healthy_count and (allowed is None or name in allowed)
         ]

@@ -1,11 +1,13 @@
 """The router's view of its replicas, off the request path.
 
 Health probes: GET /health on every replica each interval, ejected ones after their
-cooldown. Engine load, where the balancing is cache_aware (the one policy that reads
-it): GET /metrics on every available engine each `[router.cache_aware]
-metrics_interval_s`, once per engine however many models it serves, with the engine
-key; a reading is used for `metrics_max_age_s`, after which (or when the engine cannot
-be read) the router balances on its own counts.
+cooldown. Model cards: GET /v1/models on a healthy replica each `CARD_REFRESH_S`, the
+engine's own description of its model for the router's /v1/models (model_cards.py).
+Engine load, where the balancing is cache_aware (the one policy that reads it): GET
+/metrics on every available engine each `[router.cache_aware] metrics_interval_s`, once
+per engine however many models it serves, with the engine key; a reading is used for
+`metrics_max_age_s`, after which (or when the engine cannot be read) the router balances
+on its own counts.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.front import Router
 from llmgw_server.router.load_signals import parse_load
+from llmgw_server.router.model_cards import MAX_LISTING_BYTES, card_of
 
 log = logging.getLogger("llmgw.health")
+
+CARD_REFRESH_S = 60.0  # an engine's description changes with its restart, if at all
 
 
 async def probe_forever(
@@ -62,6 +67,7 @@ async def _health_forever(
 ) -> None:
     interval = router.tuning.health_interval_s
     first = True
+    cards_read: dict[tuple[str, Endpoint], float] = {}  # when each replica's card was read
     while True:
         async with trio.open_nursery() as nursery:
             now = trio.current_time()
@@ -69,6 +75,13 @@ async def _health_forever(
                 for replica in balancer.replicas:
                     if balancer.due_for_probe(replica, now):
                         nursery.start_soon(_probe, client, model, balancer, replica)
+                    read = cards_read.get((model, replica.endpoint))
+                    if replica.available and (read is None or now - read >= CARD_REFRESH_S):
+                        cards_read[(model, replica.endpoint)] = now
+                        nursery.start_soon(_read_card, router, client, model, replica.endpoint)
+        live = {(m, r.endpoint) for m, b in router.balancers.items() for r in b.replicas}
+        for gone in cards_read.keys() - live:
+            del cards_read[gone]
         if first:
             router.ready = True
             task_status.started()
@@ -98,6 +111,28 @@ async def _probe(
             log.info("%s for %s is healthy again", replica.endpoint, model)
         else:
             log.warning("%s for %s is unhealthy: %s", replica.endpoint, model, why)
+
+
+async def _read_card(
+    router: Router, client: httpx.AsyncClient, model: str, endpoint: Endpoint
+) -> None:
+    """The engine's description of `model`, kept for the router's /v1/models; an engine
+    that cannot say leaves the last one (or none) in place."""
+    url = endpoint.url + "/v1/models"
+    body = bytearray()
+    try:
+        async with client.stream("GET", url, headers=_auth(endpoint)) as response:
+            if response.status_code != 200:
+                return
+            async for data in response.aiter_bytes():
+                body += data
+                if len(body) > MAX_LISTING_BYTES:
+                    return  # read no further than the limit
+    except httpx.HTTPError:
+        return
+    card = card_of(bytes(body), model)
+    if card is not None and model in router.balancers:
+        router.cards[model] = card
 
 
 async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
