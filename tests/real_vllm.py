@@ -105,6 +105,13 @@ def serving_env(run: Path) -> dict[str, str]:
         "VLLM_HOST_IP": "127.0.0.1",
         "VLLM_LOOPBACK_IP": "127.0.0.1",
         "VLLM_NO_USAGE_STATS": "1",
+        # vLLM for CPU pins each engine's worker to a core it picks alone ("auto": core 0
+        # of two, the other kept for the rest): a second engine on the machine (a drain's
+        # replacement, another test's) was pinned to the same core as a busy one and got
+        # 0.2 s of CPU in 2 minutes. Unpinned, the kernel spreads them; passive OpenMP
+        # threads sleep instead of spinning on cores that the tests share.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_WAIT_POLICY": "PASSIVE",
         "HF_HUB_OFFLINE": "1",
         "TMPDIR": str(run / "tmp"),
         "VLLM_CACHE_ROOT": str(run / "cache"),

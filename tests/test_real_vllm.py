@@ -34,6 +34,9 @@ from test_real_engines import (
     procs_idle,
 )
 
+# One vLLM for the module's tests (the session fixture below): they go to one worker.
+pytestmark = pytest.mark.xdist_group("real-vllm")
+
 MODEL = "tiny"
 ENGINE_KEY = "sk-vllm-engine-test-key"
 KV_CACHE_BYTES = 4 * 1024 * 1024  # 1 KiB per token of the tiny model
