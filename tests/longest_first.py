@@ -19,6 +19,12 @@ from typing import TypeVar
 T = TypeVar("T")
 
 SECONDS: dict[str, float] = {
+    # Real vLLM: each start takes about a minute of a core (seven in the managed test).
+    "tests/test_real_vllm_managed.py::test_a_managed_vllm": 480,
+    "tests/test_real_vllm.py::test_chat_and_completions_plain_and_streamed_with_usage_and_token_counts_logged": 90,
+    "tests/test_real_vllm.py::test_idle_pauses_across_vllms_keep_alive_fail_nothing": 40,
+    "tests/test_real_vllm.py::test_the_router_sees_vllm_queueing_from_its_real_metrics": 30,
+    "tests/test_real_vllm.py::test_the_tiny_model_and_its_adapter_are_made_the_same_twice": 30,
     "tests/control/test_control_machine.py::TestControlMachine::runTest": 44,
     "tests/test_real_engines.py::test_llama_server_streams_idle_pauses_and_501": 41,
     "tests/test_reconnect_storm.py::test_200_agents_come_back_spread_by_jitter_and_are_all_admitted": 35,
