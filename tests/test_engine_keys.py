@@ -309,7 +309,8 @@ async def test_the_engine_key_goes_to_its_engine_and_the_clients_key_never_does(
     for _, headers in keyed.seen:
         assert b"x-api-key" not in headers and b"api-key" not in headers
         assert not any(CLIENT_KEY.encode() in value for value in headers.values())
-    # Every refusal was the keyless endpoint's: its probes, and nothing of the keyed one's.
-    assert set(keyed.refused) <= {b"/health", b"/metrics", b"/v1/chat/completions"}
+    # Every refusal was the keyless endpoint's: its probes (health, load, its model's
+    # card), and nothing of the keyed one's.
+    assert set(keyed.refused) <= {b"/health", b"/metrics", b"/v1/models", b"/v1/chat/completions"}
     assert b"/health" in keyed.refused
     assert len(keyed.refused) == sum(1 for _, h in keyed.seen if b"authorization" not in h)

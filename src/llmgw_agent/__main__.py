@@ -108,7 +108,11 @@ def run_cli(argv: list[str]) -> int:
         "node %s: %d GPUs, engines %s",
         inventory.name,
         len(inventory.gpus),
-        ", ".join(f"{e.name}={'ok' if e.found else 'missing'}" for e in inventory.engines),
+        # A missing engine says why (not found, timed out, its exit status).
+        ", ".join(
+            f"{e.name}=ok" if e.found else f"{e.name}=missing ({e.version})"
+            for e in inventory.engines
+        ),
     )
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(_run_until_signal, Agent(config, inventory))

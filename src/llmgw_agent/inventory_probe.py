@@ -156,7 +156,14 @@ def version_from(lines: Sequence[str]) -> str:
     return (bare or list(lines) or [""])[-1][:100]
 
 
-def engine_info(name: str, command: Sequence[str], timeout_s: float = 20.0) -> EngineInfo:
+# `vllm --version` imports vLLM (torch, transformers): 20 s was not enough on a busy
+# machine, and the node then said it had no vLLM until the agent restarted.
+VERSION_TIMEOUT_S = 120.0
+
+
+def engine_info(
+    name: str, command: Sequence[str], timeout_s: float = VERSION_TIMEOUT_S
+) -> EngineInfo:
     """Whether the engine's program exists and runs, and the version it prints."""
     program = command[0]
     if shutil.which(program) is None:
