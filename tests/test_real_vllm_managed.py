@@ -54,10 +54,30 @@ def shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def held(pgid: int) -> set[str]:
+    """What the processes of one engine's group map from /dev/shm (its segments and
+    semaphores): an engine's own, told apart from another test's vLLM running beside it."""
+    names: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            maps = Path(f"/proc/{entry}/maps").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1]
+            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                names.add(path.removeprefix("/dev/shm/"))
+    return names
+
+
 def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
     fleet.server(models(real_vllm.model))
     env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
-    before = shm()
     # Its engines get the environment vLLM needs here, from [engines.vllm] env.
     agent = fleet.agent("cpu-1", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
     replica: dict[str, Any] = wait_until(lambda: serving(fleet), ENGINE_UP_S, "a ready vLLM")
@@ -78,7 +98,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     assert httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code == 200
 
     assert chat_streamed(fleet, MODEL)
-    first_run = shm() - before
+    first_run = held(pid)
     assert first_run, "vLLM made nothing in /dev/shm: this test would check nothing"
     print(f"\n/dev/shm while the first engine runs: {sorted(first_run)}", flush=True)
 
@@ -111,8 +131,8 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
         assert again != pid and running(again) and not running(pid)
         pid = again
         assert chat_streamed(fleet, MODEL)
-        now = shm() - before
-        assert not (earlier & now), (earlier, now)  # nothing of a killed engine is left
+        now = held(pid)
+        assert not (earlier & shm()), (earlier, shm())  # nothing of a killed engine is left
         assert len(now) == len(first_run), (first_run, now)  # the running one's own
         earlier |= now
 
@@ -140,16 +160,18 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     assert moved["shards"][0]["node"] == "cpu-2"
     wait_until(lambda: not group_alive(pid), 60.0, "the drained engine's group stopped")
     pid = engine_pid(second)
-    now = shm() - before
-    assert not (earlier & now) and len(now) == len(first_run), (earlier, now)
+    now = held(pid)
+    assert not (earlier & shm()) and len(now) == len(first_run), (earlier, now)
+    earlier |= now
 
     # The agents gone (engines outlive them, by design), the last engine stopped as an
-    # operator would, by SIGTERM to its group: /dev/shm is as it was before the first.
+    # operator would, by SIGTERM to its group: nothing of any engine of this test is left
+    # in /dev/shm (other tests' vLLM may run beside it, so not "as it was before").
     agent.signal(signal.SIGKILL)
     second.signal(signal.SIGKILL)
     os.killpg(pid, signal.SIGTERM)
     wait_until(lambda: not group_alive(pid), 60.0, "the last vLLM's group stopped")
-    assert shm() == before
+    assert not (earlier & shm()), (earlier, shm())
 
 
 class ChatLoop:
