@@ -27,12 +27,30 @@ from llmgw_server.router.access_log import (
     logfmt_value,
     valid_request_id,
 )
-from llmgw_server.router.balancer import Balancer, Replica, Verdict, busy_pause_s, judge
+from llmgw_server.router.balancer import (
+    Balancer,
+    Choice,
+    Decision,
+    Replica,
+    Verdict,
+    busy_pause_s,
+    judge,
+)
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.router.routes import ANTHROPIC_PATHS, Kind, Routes, form_boundary, form_model
+from llmgw_server.router.stored import (
+    RESPONSES,
+    Holder,
+    holder_of,
+    is_stored_path,
+    mint,
+    model_tag,
+    stored_path_id,
+    with_response_id,
+)
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -266,7 +284,10 @@ class Router:
         connection closed unread. The key is hashed here once, for the whole request."""
         digest = request.credential = _client_key(request)
         request.head_checked = True
-        return not self.keys or digest in self.keys or request.path not in self.routes.relayed
+        if not self.keys or digest in self.keys:
+            return True
+        path = request.path
+        return path not in self.routes.relayed and not is_stored_path(path)
 
     def _metrics_allowed(self, digest: str | None) -> bool:
         if self.metrics_token is None:
@@ -286,6 +307,8 @@ class Router:
         elif kind is Kind.MANAGEMENT:
             what = f"{path.decode()} manages an engine for all its clients"
             await responder.error(403, f"{what}: llmgw never relays it")
+        elif is_stored_path(path):
+            await self._stored(request, responder, digest)
         elif request.method not in (b"GET", b"HEAD"):
             await responder.error(405 if path in _GET_PATHS else 404, "no such route")
         elif path == b"/v1/models":
@@ -371,6 +394,22 @@ class Router:
         if balancer is None:
             await responder.error(404, f"the model {model!r} does not exist")
             return
+        pinned: Replica | None = None
+        body_for: Callable[[Replica], bytes] | None = None
+        if path == RESPONSES:
+            # A follow-up goes where the response it continues is stored; each response
+            # is given an id that names its replica (stored.py).
+            previous = body.get("previous_response_id")
+            holder = holder_of(previous)
+            if holder is not None:
+                pinned = _holder(model, balancer, holder)
+                if pinned is None:
+                    await _response_gone(responder, str(previous))
+                    return
+
+            def body_for(replica: Replica) -> bytes:
+                return with_response_id(body, mint(model, replica.rid))
+
         session_value = request.header(self.tuning.session_header.encode())
         session = session_value.decode("latin-1") if session_value else None
         prompt: PromptKey | None = None
@@ -382,10 +421,60 @@ class Router:
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
             await self._forward(
-                model, balancer, request, responder, body.get("stream") is True, session, prompt
+                model,
+                balancer,
+                request,
+                responder,
+                body.get("stream") is True,
+                session,
+                prompt,
+                pinned=pinned,
+                body_for=body_for,
             )
         finally:
             metrics.in_flight[model] -= 1
+
+    async def _stored(
+        self, request: Request, responder: RecordingResponder, digest: str | None
+    ) -> None:
+        """`GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: relayed to
+        the replica that stored the response, as its id names it, and nowhere else."""
+        allowed = self._authorized(digest)
+        if allowed is False:
+            await responder.error(401, "a valid API key is required (Authorization: Bearer)")
+            return
+        response_id = stored_path_id(request.path)
+        if response_id is None:
+            await responder.error(404, f"no route {request.path.decode(errors='replace')}")
+            return
+        if request.method not in (b"GET", b"DELETE", b"POST"):
+            await responder.error(405, "a stored response takes GET, DELETE or POST")
+            return
+        holder = holder_of(response_id)
+        found = None if holder is None else self._holding(holder, allowed)
+        if found is None:
+            await _response_gone(responder, response_id)
+            return
+        model, balancer, replica = found
+        responder.record.model = model
+        self.metrics.in_flight[model] += 1
+        try:
+            await self._forward(
+                model, balancer, request, responder, False, None, None, pinned=replica
+            )
+        finally:
+            self.metrics.in_flight[model] -= 1
+
+    def _holding(
+        self, holder: Holder, allowed: frozenset[str] | None
+    ) -> tuple[str, Balancer, Replica] | None:
+        """The replica `holder` names, of a model the key may use."""
+        for model, balancer in self.balancers.items():
+            if allowed is None or model in allowed:
+                replica = _holder(model, balancer, holder)
+                if replica is not None:
+                    return model, balancer, replica
+        return None
 
     async def _forward(
         self,
@@ -396,15 +485,24 @@ class Router:
         stream: bool,
         session: str | None,
         prompt: PromptKey | None,
+        *,
+        pinned: Replica | None = None,
+        body_for: Callable[[Replica], bytes] | None = None,
     ) -> int:
+        """Relay the request to a replica, retrying others before the first byte. A
+        `pinned` replica is tried alone (it holds what the request names); `body_for`
+        gives the body each replica tried is sent, the request's own by default."""
         tuning = self.tuning
         headers = _end_to_end(request.headers)
         tried: list[Replica] = []
         last: _Refusal | None = None
         for attempt in range(1 + tuning.retries):
-            choice = balancer.choose(
-                exclude=tried, session=session, now=trio.current_time(), prompt=prompt
-            )
+            if pinned is not None:
+                choice = None if tried else Choice(pinned, Decision.STORED_RESPONSE)
+            else:
+                choice = balancer.choose(
+                    exclude=tried, session=session, now=trio.current_time(), prompt=prompt
+                )
             if choice is None:
                 break
             replica = choice.replica
@@ -421,7 +519,7 @@ class Router:
                         request.method,
                         request.target,
                         headers,
-                        request.body,
+                        request.body if body_for is None else body_for(replica),
                         tuning.first_byte_timeout_s,
                     )
                 except UpstreamError as exc:
@@ -554,6 +652,33 @@ class _Refusal:
     replica: Replica
     why: str
     retry_after: bytes = b""
+
+
+def _holder(model: str, balancer: Balancer, holder: Holder) -> Replica | None:
+    """The model's replica that `holder` names, available or not: only it holds the
+    response, and what it answers (or its failure) is the truth."""
+    if holder.model_tag != model_tag(model):
+        return None
+    for replica in balancer.replicas:
+        if replica.rid == holder.rid:
+            return replica
+    return None
+
+
+async def _response_gone(responder: RecordingResponder, response_id: str) -> None:
+    if holder_of(response_id) is None:
+        message = (
+            f"the response id {response_id[:128]!r} was not given by llmgw, which cannot "
+            "tell which replica stored it"
+        )
+    else:
+        message = (
+            f"no replica serving now holds the response {response_id!r}: the one that "
+            "stored it is gone (a response lives in its engine's memory), or this API key "
+            "may not use its model"
+        )
+    responder.message = message
+    await responder.whole(404, responder.errors.body(404, message, "response_not_found"))
 
 
 def _served_by(responder: Responder, replica: Replica) -> None:

@@ -19,6 +19,7 @@ class Decision(enum.Enum):
     LOAD_OVERRIDE = "load_override"  # another held it but was loaded beyond the bound
     FALLBACK = "fallback"  # nobody held it: rendezvous, or load for a shared prefix
     SESSION = "session"  # the session header's rendezvous
+    STORED_RESPONSE = "stored_response"  # the replica that stored the response it names
     LEAST_OUTSTANDING = "least_outstanding"
     ROUND_ROBIN = "round_robin"
 
