@@ -113,6 +113,8 @@ def serving_env(run: Path) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_WAIT_POLICY": "PASSIVE",
         "HF_HUB_OFFLINE": "1",
+        # Stored responses (kept in the API server's memory), for previous_response_id.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "TMPDIR": str(run / "tmp"),
         "VLLM_CACHE_ROOT": str(run / "cache"),
     }

@@ -9,6 +9,7 @@ router sees vLLM's own `vllm:num_requests_waiting` rise. The client never retrie
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -78,7 +79,18 @@ def _stop_group(proc: Proc) -> None:
 def vllm_server(
     real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
-    run = tmp_path_factory.mktemp("vllm")
+    yield from _serve(real_vllm, tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="session")
+def second_vllm(
+    real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory, vllm_server: VllmServer
+) -> Iterator[VllmServer]:
+    """Another replica, for what must reach the one replica that holds it."""
+    yield from _serve(real_vllm, tmp_path_factory.mktemp("vllm-second"))
+
+
+def _serve(real_vllm: RealVllm, run: Path) -> Iterator[VllmServer]:
     port = free_port()
     env = serving_env(run)
     argv = [
@@ -105,11 +117,9 @@ def key_file(tmp_path: Path, key: str = ENGINE_KEY, name: str = "vllm.key") -> P
     return path
 
 
-def keyed_models(vllm: VllmServer, key: Path) -> str:
-    return (
-        f'\n[[models]]\nname = "{MODEL}"\n'
-        f'endpoints = [{{ url = "{vllm.url}", key_file = "{key}" }}]\n'
-    )
+def keyed_models(vllm: VllmServer, key: Path, *more: VllmServer) -> str:
+    endpoints = ", ".join(f'{{ url = "{v.url}", key_file = "{key}" }}' for v in (vllm, *more))
+    return f'\n[[models]]\nname = "{MODEL}"\nendpoints = [{endpoints}]\n'
 
 
 def client_of(router: Proc) -> openai.OpenAI:
@@ -293,3 +303,131 @@ def test_the_tiny_model_and_its_adapter_are_made_the_same_twice(
         assert sorted(p.name for p in made.iterdir()) == names
         for name in names:
             assert (made / name).read_bytes() == (cached / name).read_bytes(), name
+
+
+def test_a_responses_chain_stays_on_the_replica_that_stored_it(
+    procs: Procs, vllm_server: VllmServer, second_vllm: VllmServer, tmp_path: Path
+) -> None:
+    """Issue 21: a previous_response_id chain of 5 turns over 2 vLLM replicas under
+    round robin, through 2 routers apart, one of them with 2 workers: vLLM keeps each
+    response in its API server's memory and answers 404 for an id it does not hold, so
+    every turn answered is a turn that reached the replica that stored the one before.
+    GET /v1/responses/{id} and its cancel reach it from either router and every worker."""
+    config = keyed_models(vllm_server, key_file(tmp_path), second_vllm)
+    config += '\n[router]\nbalancing = "round_robin"\n'
+    routers = [procs.router(config, server="workers = 2"), procs.router(config)]
+    replicas = [vllm_server, second_vllm]
+
+    def holders(response_id: str) -> list[int]:
+        """The replicas that hold the response, asked directly."""
+        auth = {"authorization": f"Bearer {ENGINE_KEY}"}
+        found = [
+            httpx.get(f"{v.url}/v1/responses/{response_id}", headers=auth, timeout=30)
+            for v in replicas
+        ]
+        assert all(f.status_code in (200, 404) for f in found), [f.text for f in found]
+        return [i for i, f in enumerate(found) if f.status_code == 200]
+
+    first = client_of(routers[0]).responses.create(model=MODEL, input="Say hi", max_output_tokens=8)
+    assert first.status in ("completed", "incomplete") and first.usage is not None
+    (home,) = holders(first.id)
+    previous, chain = first.id, [first.id]
+    for turn in range(1, 5):
+        # A new client each turn: a new connection, which the kernel may give either worker.
+        answer = client_of(routers[turn % 2]).responses.create(
+            model=MODEL, input=f"And {turn}?", previous_response_id=previous, max_output_tokens=8
+        )
+        assert answer.previous_response_id == previous and answer.output_text is not None
+        assert holders(answer.id) == [home], turn
+        previous = answer.id
+        chain.append(previous)
+    assert len(set(chain)) == 5
+    streamed = list(
+        client_of(routers[1]).responses.create(
+            model=MODEL, input="Last", previous_response_id=previous, max_output_tokens=4,
+            stream=True,
+        )
+    )  # fmt: skip
+    assert streamed[0].type == "response.created" and streamed[-1].type == "response.completed"
+    assert holders(streamed[-1].response.id) == [home]
+
+    # The stored response, read through every worker of the first router and the second.
+    workers: set[str] = set()
+    for attempt in range(60):
+        raw = httpx.get(
+            f"{routers[attempt % 2].url}/v1/responses/{previous}", timeout=30
+        )  # a new connection each time
+        assert raw.status_code == 200 and raw.json()["id"] == previous, raw.text
+        if attempt % 2 == 0:
+            workers.add(raw.headers["x-llmgw-worker"])
+        if len(workers) == 2 and attempt >= 3:
+            break
+    assert len(workers) == 2, workers
+    cancel = httpx.post(f"{routers[1].url}/v1/responses/{previous}/cancel", timeout=30)
+    # vLLM's own answer for a response that is not running in the background, relayed.
+    direct = httpx.post(
+        f"{replicas[home].url}/v1/responses/{previous}/cancel",
+        headers={"authorization": f"Bearer {ENGINE_KEY}"}, timeout=30,
+    )  # fmt: skip
+    assert (cancel.status_code, cancel.json()) == (direct.status_code, direct.json())
+    # Under round robin, nothing of the chain went to the other replica.
+    page = httpx.get(routers[1].url + "/metrics").text
+    assert metric(page, "llmgw_balancing_decisions_total", model=MODEL, kind="stored_response") >= 3
+
+
+def test_vllm_behind_every_endpoint_clients_call(
+    procs: Procs, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    """Issue 21 against vLLM itself: the Responses API and Anthropic's Messages (its key in
+    x-api-key) with their own clients, plain and streamed, tokens counted for both;
+    /tokenize relayed; rerank and audio, which this model does not serve, come back as
+    vLLM's own answers, byte for byte what vLLM says when asked directly."""
+    import anthropic
+
+    client_key = "sk-client-every-endpoint"
+    digest = "sha256:" + hashlib.sha256(client_key.encode()).hexdigest()
+    router = procs.router(
+        keyed_models(vllm_server, key_file(tmp_path))
+        + f'\n[auth]\nkeys = [{{ digest = "{digest}" }}]\n'
+    )
+    client = openai.OpenAI(
+        base_url=router.url + "/v1", api_key=client_key, max_retries=0, timeout=120
+    )
+    answer = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=8)
+    assert answer.status in ("completed", "incomplete") and answer.usage is not None
+    stream = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True)
+    events = [e.type for e in stream]
+    assert events[0] == "response.created" and events[-1] == "response.completed", events
+
+    claude = anthropic.Anthropic(base_url=router.url, api_key=client_key, max_retries=0)
+    ask = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    message = claude.messages.create(**ask)  # type: ignore[call-overload]
+    assert message.type == "message" and message.usage.input_tokens > 0
+    with claude.messages.stream(**ask) as events_of:  # type: ignore[arg-type]
+        streamed = events_of.get_final_message()
+    assert streamed.usage.output_tokens > 0
+    keyless = anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        keyless.messages.create(**ask)  # type: ignore[call-overload]
+
+    auth = {"authorization": f"Bearer {client_key}"}
+    engine_auth = {"authorization": f"Bearer {ENGINE_KEY}"}
+    tokenized = httpx.post(
+        router.url + "/tokenize", json={"model": MODEL, "prompt": "hello world"},
+        headers=auth, timeout=30,
+    )  # fmt: skip
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"], tokenized.text
+    audio = ("a.wav", b"RIFF0000WAVE", "audio/wav")
+    for path, kwargs in (
+        ("/v1/rerank", {"json": {"model": MODEL, "query": "a", "documents": ["b"]}}),
+        ("/v1/score", {"json": {"model": MODEL, "text_1": "a", "text_2": "b"}}),
+        ("/v1/audio/transcriptions", {"data": {"model": MODEL}, "files": {"file": audio}}),
+    ):
+        through = httpx.post(router.url + path, headers=auth, timeout=30, **kwargs)
+        direct = httpx.post(vllm_server.url + path, headers=engine_auth, timeout=30, **kwargs)
+        assert 400 <= direct.status_code < 500, (path, direct.text)
+        assert (through.status_code, through.text) == (direct.status_code, direct.text), path
+
+    page = httpx.get(router.url + "/metrics").text
+    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="prompt") > 0
+    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="completion") > 0
