@@ -1,0 +1,53 @@
+"""`[models.autoscale]`: how many replicas a placed model may have, and what they aim at.
+
+Shared vocabulary: the catalog reads it, the control plane's autoscaler
+(llmgw_server/control/autoscale.py) decides on it. A model has either a fixed `replicas`
+or an `[models.autoscale]`, never both.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from llmgw_core.config_schema import Problem, rule_after, rules
+
+# The HPA's default: a replica is given back only after the load said so for this long.
+DEFAULT_SCALE_DOWN_AFTER_S = 300.0
+DEFAULT_IDLE_TO_ZERO_S = 600.0
+MAX_REPLICAS = 1000  # a bound on what one model may ask of the fleet
+
+
+@attrs.frozen
+class Autoscale:
+    """Between `min` and `max` replicas, as many as the targets need.
+
+    Targets (at least one): `target_in_flight`, requests in flight per replica (routers'
+    count, all routers together); `target_kv_use`, the engines' own KV-cache use (0-1];
+    `ttft_p90_ms`, an objective for the time to first byte's 90th percentile: above it,
+    one more replica. Up at once; down only after every reading of
+    `scale_down_after_s` said fewer would do; to zero (`min = 0`) after `idle_to_zero_s`
+    without a request, and back on the next one.
+    """
+
+    max: int = attrs.field(metadata=rules(min=1, max=MAX_REPLICAS))
+    min: int = attrs.field(default=1, metadata=rules(min=0, max=MAX_REPLICAS))
+    target_in_flight: float | None = attrs.field(default=None, metadata=rules(min=0.01))
+    target_kv_use: float | None = attrs.field(default=None, metadata=rules(min=0.01, max=1.0))
+    ttft_p90_ms: float | None = attrs.field(default=None, metadata=rules(min=1.0))
+    scale_down_after_s: float = attrs.field(
+        default=DEFAULT_SCALE_DOWN_AFTER_S, metadata=rules(min=0.0, max=86400.0)
+    )
+    idle_to_zero_s: float = attrs.field(
+        default=DEFAULT_IDLE_TO_ZERO_S, metadata=rules(min=1.0, max=7 * 86400.0)
+    )
+
+
+@rule_after(Autoscale)
+def _sound(spec: Autoscale) -> None:
+    if spec.min > spec.max:
+        raise Problem(f"is more than max ({spec.max})", "min")
+    if spec.target_in_flight is None and spec.target_kv_use is None and spec.ttft_p90_ms is None:
+        raise Problem(
+            "needs a target: target_in_flight (requests per replica), target_kv_use "
+            "(the engines' KV-cache use, 0-1) or ttft_p90_ms (an objective)"
+        )
