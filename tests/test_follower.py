@@ -12,7 +12,7 @@ import secrets
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from llmgw_server.route_feed.messages import (
     decode_up,
     encode,
 )
+from llmgw_server.route_feed.relay import TableRelay
 from llmgw_server.route_feed.remote import feed_target
 from llmgw_server.router.front import Router
 from llmgw_server.router.replica import Replica
@@ -117,6 +118,7 @@ class FakeTarget:
     draining: frozenset[Endpoint] = frozenset()
     skipped: frozenset[str] = frozenset()
     counts: dict[Endpoint, int] = attrs.field(factory=dict)
+    adapters: dict[str, str] = attrs.field(factory=dict)
 
     def static_models(self) -> frozenset[str]:
         return self.static
@@ -126,6 +128,9 @@ class FakeTarget:
 
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
         self.draining, self.skipped = draining, skip
+
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
+        self.adapters = dict(adapters)
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         return {e.url: n for e, n in self.counts.items() if e in endpoints and n}
@@ -192,6 +197,26 @@ async def test_while_an_endpoint_drains_its_count_is_reported_as_it_changes(
         assert quiet.cancelled_caught
 
 
+async def test_a_tables_lora_adapters_reach_the_router_but_never_shadow_its_static_models(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(static=frozenset({"static"}))
+    async with fake_following(target) as (_, peer):
+        # Adapting the config's static model (whose engines are not the feed's): not here.
+        models = {"chat": (A,), "static": (B,)}
+        adapters = {"chat-sql": "chat", "static-sql": "static"}
+        await peer.table(RouteTable(1, models, frozenset(), True, adapters))
+        assert await peer.next_up() == InFlight(1, {})
+        assert target.adapters == {"chat-sql": "chat"}
+        # Named like the static model: not here either; one gone from the table, gone.
+        await peer.table(RouteTable(2, {"chat": (A,)}, frozenset(), True, {"static": "chat"}))
+        assert await peer.next_up() == InFlight(2, {})
+        assert target.adapters == {}
+        await peer.table(RouteTable(3, {"chat": (A,)}, frozenset(), True, {"chat-a": "chat"}))
+        assert await peer.next_up() == InFlight(3, {})
+        assert target.adapters == {"chat-a": "chat"}
+
+
 async def test_a_frame_the_follower_cannot_use_ends_the_feed_with_why() -> None:
     follower = Follower(FakeTarget(), "fake")
     hub_end, router_end = local_pair()
@@ -249,6 +274,37 @@ async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> N
         hub.publish({}, frozenset(), complete=True)  # the model is no longer placed
         await until(lambda: not endpoints(router, "chat"), "the model to lose its endpoints")
         assert endpoints(router, "static") == [STATIC]  # the config's own stay
+
+
+async def test_adapters_reach_the_router_and_an_incomplete_table_keeps_them() -> None:
+    router = Router(config())
+    follower = Follower(router, "test")
+    first = RouteHub()
+    version = first.publish({"chat": (A,)}, frozenset(), complete=True, adapters={"chat-sql": "chat"})
+    assert first.publish({"chat": (A,)}, frozenset(), complete=True) == version + 1  # a change
+    version = first.publish({"chat": (A,)}, frozenset(), complete=True, adapters={"chat-sql": "chat"})
+    async with following(first, follower):
+        await until(lambda: first.followers and first.caught_up(version), "the table", first)
+        assert router.adapters == {"chat-sql": "chat"}
+    # A control plane that just started (incomplete table) may not know them yet.
+    second = RouteHub()
+    version = second.publish({"chat": (A,)}, frozenset(), complete=False)
+    async with following(second, follower):
+        await until(lambda: second.followers and second.caught_up(version), "the report", second)
+        assert router.adapters == {"chat-sql": "chat"}
+
+
+async def test_a_workers_parent_relays_the_adapters_to_its_workers() -> None:
+    plane, local = RouteHub(), RouteHub()  # the control plane's, the parent's for its workers
+    relay, worker = TableRelay(local, "relay"), FakeTarget()
+    async with trio.open_nursery() as nursery:
+        up_plane, up_relay = local_pair()
+        nursery.start_soon(plane.serve, up_plane, "relay")
+        nursery.start_soon(relay.follow, up_relay)
+        async with following(local, Follower(worker, "worker")):
+            plane.publish({"chat": (A,)}, frozenset(), complete=True, adapters={"chat-sql": "chat"})
+            await until(lambda: worker.adapters == {"chat-sql": "chat"}, "the adapters", local)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_follower_that_leaves_drops_out_of_the_counts() -> None:

@@ -68,6 +68,8 @@ KNOWN_KEYS = sorted(
         "url", "key_env", "key_file",
         # simulated inventory
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
+        # a profile's context and LoRA adapters
+        "max_model_len", "lora", "path", "max_lora_rank",
     }
 )  # fmt: skip
 
@@ -120,6 +122,8 @@ VALID_SERVER: dict[str, Any] = {
                 "node_selector": {"pool": "prod"},
                 "args": ["--x"],
                 "env": {"A": "1"},
+                "max_lora_rank": 8,
+                "lora": [{"name": "b-sql", "path": "/lora/sql"}],
             },
         },
     ],
@@ -215,6 +219,7 @@ def _only_config_error(parse: Callable[[Any, str], object], data: Any) -> object
 def test_the_valid_bases_load() -> None:
     config = parse_config(_copy(VALID_SERVER), "<base>")
     assert [m.name for m in config.catalog.models] == ["a", "b"]
+    assert config.catalog.adapters == {"b-sql": "b"}
     assert parse_agent_config(_copy(VALID_AGENT), "<base>").name == "n1"
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import pytest
 import trio
 
-from llmgw_mock_engine.engine import parse_args
+from llmgw_mock_engine.engine import answer_text, main, parse_args
 from llmgw_mock_engine.scheduler import EngineModel
 from procs import Procs, metric
 
@@ -26,6 +27,57 @@ def test_accepts_the_vllm_command_line() -> None:
     assert settings.model == "Qwen/Qwen2.5-7B"
     assert settings.served_model_names == ["qwen"]
     assert (settings.host, settings.port, settings.tokens) == ("0.0.0.0", 8123, 7)
+
+
+def test_takes_vllms_lora_flags_and_refuses_adapters_vllm_could_not_load() -> None:
+    settings = parse_args(
+        ["serve", "org/m", "--served-model-name", "m", "--enable-lora",
+         "--lora-modules", "m-sql=/l/sql", "m-chat=org/chat", "--max-lora-rank", "8"],
+        {},
+    )  # fmt: skip
+    assert settings.lora_modules == {"m-sql": "/l/sql", "m-chat": "org/chat"}
+    assert parse_args(["serve", "m"], {}).lora_modules == {}
+    for bad in (
+        ["--lora-modules", "m-sql=/l"],  # without --enable-lora vLLM cannot load it
+        ["--enable-lora", "--lora-modules", "no-path"],
+        ["--enable-lora", "--lora-modules", "a=/x,y"],  # vLLM would read it as JSON
+        ["--enable-lora", "--lora-modules", "a=/x", "--max-lora-rank", "7"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "m", *bad], {})
+
+
+async def test_each_adapter_answers_under_its_name_otherwise_than_its_base_and_is_listed() -> None:
+    settings = parse_args(
+        ["serve", "org/m", "--served-model-name", "m", "--port", "0", "--mock-tokens", "6",
+         "--enable-lora", "--lora-modules", "m-sql=/l/sql"],
+        {},
+    )  # fmt: skip
+    messages = [{"role": "user", "content": "the same prompt"}]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(main, settings)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}/v1") as client:
+                answers = {}
+                for model in ("m", "m-sql"):
+                    body = {"model": model, "messages": messages}
+                    got = (await client.post("/chat/completions", json=body)).json()
+                    assert got["model"] == model
+                    answers[model] = got["choices"][0]["message"]["content"]
+                    assert answers[model] == answer_text(body, 6, settings.lora_modules)
+                    async with client.stream(
+                        "POST", "/chat/completions", json={**body, "stream": True}
+                    ) as stream:
+                        events = [line async for line in stream.aiter_lines() if line]
+                    assert all(json.loads(e[6:])["model"] == model for e in events[:-1])
+                assert answers["m"] != answers["m-sql"] and len(answers["m-sql"].split()) == 6
+                gone = await client.post("/chat/completions", json={"model": "m-x", "messages": messages})
+                assert gone.status_code == 404
+                listing = (await client.get("/models")).json()["data"]
+                assert [(c["id"], c.get("parent"), c["root"]) for c in listing] == [
+                    ("m", None, "org/m"), ("m-sql", "m", "/l/sql")
+                ]
+            nursery.cancel_scope.cancel()
 
 
 def test_startup_delay_then_ready(procs: Procs) -> None:

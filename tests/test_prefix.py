@@ -171,6 +171,29 @@ def test_a_completion_conversation_continues_where_a_shared_header_does_not() ->
     assert not index.continues(first, index.depth(first, now=1), now=1)
 
 
+def test_a_lora_adapter_and_its_base_share_no_prefix_but_each_continues_its_own() -> None:
+    """An adapter is routed to its base model's replicas, whose prefix index it shares;
+    the engine caches their prompts apart (the adapter is part of vLLM's block hash)."""
+    index = PrefixIndex(capacity=1000, ttl_s=60)
+    bodies = turns()
+    base = [key_of({**body, "model": "m"}) for body in bodies[:2]]
+    adapter = [key_of({**body, "model": "m-sql"}) for body in bodies[:2]]
+    assert not set(base[0].chain) & set(adapter[0].chain)
+    assert base[0].ends == adapter[0].ends  # the same cuts of the same text
+    index.record(base[0], now=0)
+    assert index.depth(adapter[0], now=1) == 0 and index.depth(adapter[1], now=1) == 0
+    depth = index.depth(base[1], now=1)  # the base's next turn continues its first
+    assert depth == len(base[0].chain) and index.continues(base[1], depth, now=1)
+    index.record(adapter[0], now=1)
+    depth = index.depth(adapter[1], now=2)
+    assert depth == len(adapter[0].chain) and index.continues(adapter[1], depth, now=2)
+    # A prompt shorter than a block continues from the model's own origin too.
+    short = key_of({"prompt": "Q: one?", "model": "m-sql"}, chat_api=False)
+    index.record(short, now=2)
+    turn = key_of({"prompt": "Q: one?\nA: yes.\nQ: two?", "model": "m-sql"}, chat_api=False)
+    assert index.continues(turn, index.depth(turn, now=3), now=3)
+
+
 def test_entries_older_than_the_ttl_are_forgotten() -> None:
     index = PrefixIndex(capacity=1000, ttl_s=10)
     first, second = (key_of(body) for body in turns()[:2])

@@ -5,14 +5,15 @@ agent with a simulated inventory, and the agent runs vLLM through the adapter's 
 One test walks the replica's life, since each start of vLLM costs a minute or more on
 two cores (seven starts in all): the exact command line and the engine key in its
 environment only, a direct request without the key refused, a streamed chat through the
-router with a client that never retries, a restarted agent adopting the engine with its
+router with a client that never retries, the profile's LoRA adapter answering under its
+own name otherwise than the base, a restarted agent adopting the engine with its
 PID, five SIGKILLs of the API server, each reported and restarted, leaving nothing of
 the killed engines in /dev/shm (vLLM's processes share memory there: two segments and a
 semaphore, which its resource tracker removes only when it is not killed first), and a
 drain that moves the replica to a second node make-before-break while a client that
 never retries keeps asking.
 
-Run when named, or in a whole run with LLMGW_REAL_VLLM=1 (conftest.py).
+Collected by every run (make test and CI); it fails, never skips, without the vLLM cache.
 """
 
 from __future__ import annotations
@@ -32,18 +33,35 @@ from real_vllm import RealVllm, serving_env
 from test_llamacpp_managed import chat_streamed, cmdline, engine_pid, environ, running, start_agent
 
 MODEL = "tiny"
+ADAPTER = "tiny-lora"  # the tiny model's LoRA adapter (tests/tiny_llama.py), a model of its own
 KV_CACHE_BYTES = 64 * 1024 * 1024
 ENGINE_UP_S = 420.0  # 35-143 s seen on this machine; a loaded one takes longer
 PACE_S = 0.5  # between the chat loop's requests
 PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
 
 
-def models(model: Path) -> str:
+def models(model: Path, lora: Path) -> str:
     args = ", ".join(f'"{a}"' for a in PROFILE_ARGS)
     return (
         f'\n[[models]]\nname = "{MODEL}"\n[models.profile]\nengine = "vllm"\n'
-        f'model = "{model}"\nmax_model_len = 2048\nargs = [{args}]\n'
+        f'model = "{model}"\nmax_model_len = 2048\nmax_lora_rank = 8\nargs = [{args}]\n'
+        f'[[models.profile.lora]]\nname = "{ADAPTER}"\npath = "{lora}"\n'
     )
+
+
+def chat_plain(fleet: Fleet, model: str) -> str:
+    """The same chat for the base and its adapter: greedy, a fixed number of tokens."""
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    answer = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"min_tokens": 8, "ignore_eos": True},  # vLLM's: all 8 tokens, always
+    )
+    assert answer.model == model, answer  # vLLM answers under the adapter's own name
+    assert answer.usage is not None and answer.usage.completion_tokens == 8, answer.usage
+    return answer.choices[0].message.content or ""
 
 
 def serving(fleet: Fleet, attempt: int = 0) -> dict[str, Any] | None:
@@ -76,7 +94,7 @@ def held(pgid: int) -> set[str]:
 
 
 def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
-    fleet.server(models(real_vllm.model))
+    fleet.server(models(real_vllm.model, real_vllm.lora))
     env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
     # Its engines get the environment vLLM needs here, from [engines.vllm] env.
     agent = fleet.agent("cpu-1", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
@@ -88,6 +106,8 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     assert argv[1:4] == [str(real_vllm.vllm), "serve", str(real_vllm.model)], argv
     assert argv[argv.index("--max-model-len") + 1] == "2048"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "1"
+    lora = argv.index("--enable-lora")
+    assert argv[lora : lora + 5] == ["--enable-lora", "--lora-modules", f"{ADAPTER}={real_vllm.lora}", "--max-lora-rank", "8"]
     assert argv[-3:] == list(PROFILE_ARGS)
     # The engine key is in its environment, never on its command line.
     key = environ(pid)["VLLM_API_KEY"]
@@ -95,9 +115,21 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     url = replica["url"]
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
     headers = {"Authorization": f"Bearer {key}"}
-    assert httpx.get(f"{url}/v1/models", headers=headers, timeout=30).status_code == 200
+    listed = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    assert listed.status_code == 200
+    assert {c["id"]: c["parent"] for c in listed.json()["data"]} == {MODEL: None, ADAPTER: MODEL}
 
     assert chat_streamed(fleet, MODEL)
+    # The adapter, started with the engine, answers under its own name through the
+    # router, otherwise than its base to the same greedy request.
+    base, adapted = chat_plain(fleet, MODEL), chat_plain(fleet, ADAPTER)
+    print(f"\nthe base says {base!r}, its adapter {adapted!r}", flush=True)
+    assert base and adapted and base != adapted
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    assert {m.id: (m.model_extra or {}).get("parent") for m in client.models.list()} == {
+        MODEL: None,
+        ADAPTER: MODEL,
+    }
     first_run = held(pid)
     assert first_run, "vLLM made nothing in /dev/shm: this test would check nothing"
     print(f"\n/dev/shm while the first engine runs: {sorted(first_run)}", flush=True)

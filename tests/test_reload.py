@@ -97,6 +97,25 @@ def test_a_change_of_replicas_alone_is_named_as_such_not_as_a_roll(tmp_path: Pat
     assert both.summary() == "profiles changed (rolled): placed; replicas changed: placed 1 -> 2"
 
 
+def test_a_change_of_lora_adapters_rolls_the_profile_and_the_served_catalog_has_them(
+    tmp_path: Path,
+) -> None:
+    sql = '[[models.profile.lora]]\nname = "placed-sql"\npath = "/lora/sql"\n'
+    with_lora = PROFILED.replace("[agents]", sql + "[agents]")
+    old = config(PROFILED, tmp_path)
+    for new_text in (with_lora, with_lora.replace("/lora/sql", "/lora/sql-2")):
+        new = config(new_text, tmp_path)
+        plan = plan_reload(old, new)
+        assert plan.profiles_changed == ("placed",) and plan.needs_restart == ()
+        served = reloaded_config(old, new)
+        assert served.catalog.adapters == {"placed-sql": "placed"}
+        old = served
+    # Removed again: rolled again, and the adapter is gone.
+    plan = plan_reload(old, config(PROFILED, tmp_path))
+    assert plan.profiles_changed == ("placed",)
+    assert reloaded_config(old, config(PROFILED, tmp_path)).catalog.adapters == {}
+
+
 def test_a_model_that_changes_between_static_and_placed_waits_for_a_restart(
     tmp_path: Path,
 ) -> None:

@@ -38,6 +38,19 @@ tables = st.builds(
     draining=st.frozensets(endpoints, max_size=4),
     complete=st.booleans(),
 )
+
+
+
+@st.composite
+def tables_with_adapters(draw: st.DrawFn) -> RouteTable:
+    """A table whose adapters each adapt one of its models and are named like none."""
+    table = draw(tables)
+    names = st.text(min_size=1, max_size=20).filter(lambda n: n not in table.models)
+    bases = st.sampled_from(sorted(table.models)) if table.models else st.nothing()
+    adapters = draw(st.dictionaries(names, bases, max_size=4)) if table.models else {}
+    return RouteTable(table.version, table.models, table.draining, table.complete, adapters)
+
+
 ups = st.one_of(
     st.builds(Hello, protocol=st.just(PROTOCOL), router=st.text(max_size=30)),
     st.builds(
@@ -52,6 +65,24 @@ ups = st.one_of(
 @given(tables)
 def test_routes_round_trip(table: RouteTable) -> None:
     assert decode_down(encode(Routes(table))) == Routes(table)
+
+
+@settings(max_examples=profile_times(2))
+@given(tables_with_adapters())
+def test_routes_with_lora_adapters_round_trip(table: RouteTable) -> None:
+    assert decode_down(encode(Routes(table))) == Routes(table)
+
+
+def test_a_table_carries_each_adapter_and_its_model_and_one_without_still_decodes() -> None:
+    endpoint = Endpoint("10.0.0.5", 8000)
+    table = RouteTable(3, {"qwen": (endpoint,)}, frozenset(), adapters={"qwen-sql": "qwen"})
+    frame = encode(Routes(table))
+    assert json.loads(frame)["table"]["adapters"] == {"qwen-sql": "qwen"}
+    assert decode_down(frame).table.adapters == {"qwen-sql": "qwen"}
+    # A control plane from before adapters sends none: the table decodes without them.
+    older = json.loads(frame)
+    del older["table"]["adapters"]
+    assert decode_down(json.dumps(older)).table == RouteTable(3, {"qwen": (endpoint,)}, frozenset())
 
 
 @settings(max_examples=profile_times(2))
@@ -115,8 +146,16 @@ def _routes(table: object) -> str:
         (_routes({"version": 1, "complete": "yes"}), "expected bool"),
         (_routes({"version": 1, "models": {"m": "http://h:1"}}), "malformed"),
         (_routes([]), "malformed"),
+        (_routes({"version": 1, "adapters": {"a": 1}}), "expected str"),
+        (_routes({"version": 1, "adapters": ["a"]}), "malformed"),
+        (_routes({"version": 1, "models": {"m": []}, "adapters": {"a": "n"}}),
+         "the adapter 'a' adapts 'n', which the table lacks"),
+        (_routes({"version": 1, "models": {"m": []}, "adapters": {"m": "m"}}),
+         "names the adapter 'm', which is no adapter's name"),
+        (_routes({"version": 1, "models": {"m": []}, "adapters": {"": "m"}}),
+         "names the adapter '', which is no adapter's name"),
     ],
-)
+)  # fmt: skip
 def test_bad_tables_say_why(frame: str, reason: str) -> None:
     with pytest.raises(FeedError, match=reason):
         decode_down(frame)
@@ -159,6 +198,7 @@ endpoint_like = st.fixed_dictionaries(
                 ),
                 "draining": st.lists(endpoint_like) | json_values,
                 "complete": json_values,
+                "adapters": st.dictionaries(st.text(max_size=5), json_values) | json_values,
             },
         ),
     ),

@@ -14,7 +14,7 @@ import signal
 import ssl
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -128,6 +128,9 @@ class Routed:
         self.endpoints[model] = tuple(endpoints)
 
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
+        pass
+
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
         pass
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:

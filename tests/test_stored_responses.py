@@ -268,3 +268,15 @@ def test_minted_ids_name_their_replica_and_nothing_else_passes_for_one() -> None
     ):
         assert stored_path_id(path) is None, path
     assert stored_path_id(b"/v1/responses/" + b"a" * 129) is None
+
+
+async def test_an_adapters_stored_response_is_found_under_its_name() -> None:
+    engines = [StoringEngine(), StoringEngine()]
+    with trio.fail_after(30):
+        async with routers_before(engines, routers=1) as (running,):
+            running.router.set_adapters({"m-lora": "m"})  # as the route table says
+            client = client_of(running)
+            made = await in_thread(lambda: client.responses.create(model="m-lora", input="hi"))
+            holder = holder_of(made.id)
+            assert holder is not None and holder.model_tag == model_tag("m-lora")
+            assert (await in_thread(lambda: client.responses.retrieve(made.id))).id == made.id

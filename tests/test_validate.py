@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from llmgw_agent.validate import problems
+from llmgw_core.catalog import LoraAdapter
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec
 from procs import free_port
 
@@ -118,3 +120,27 @@ def test_a_context_length_given_twice_is_refused() -> None:
 def test_a_spec_with_no_positive_context_length_is_refused_at_decoding() -> None:
     with pytest.raises(ValueError, match="max_model_len 0 is not a positive length"):
         spec(max_model_len=0)
+
+
+def test_lora_adapters_are_checked_as_the_catalog_does_with_their_paths_here(tmp_path: Path) -> None:
+    here = LoraAdapter("m-sql", str(tmp_path))
+    assert problems(spec(lora=(here, LoraAdapter("m-hub", "org/m-lora"))), NODE, set(), "127.0.0.1") == []
+    absent = LoraAdapter("m-gone", str(tmp_path / "absent"))
+    assert problems(spec(lora=(here, absent)), NODE, set(), "127.0.0.1") == [
+        f"the LoRA adapter path {tmp_path / 'absent'} does not exist on this node"
+    ]
+    twice = spec(lora=(here,), args=("--lora-modules", "x=/y"))
+    assert problems(twice, NODE, set(), "127.0.0.1") == [
+        "the profile's args set --lora-modules, which the LoRA adapters llmgw passes already "
+        "set: give them once"
+    ]
+    llama = Inventory(name="gpu-1", gpus=NODE.gpus, engines=(EngineInfo("llamacpp", True, "0.5.0"),))
+    (refused,) = problems(spec(engine="llamacpp", hf_model="org/m", lora=(here,)), llama, set(), "127.0.0.1")
+    assert refused.startswith("llamacpp cannot serve LoRA adapters under their names: llama-server's --lora")
+
+
+def test_a_spec_with_lora_that_cannot_describe_adapters_is_refused_at_decoding() -> None:
+    with pytest.raises(ValueError, match="max_lora_rank 0 is not a positive rank"):
+        spec(max_lora_rank=0)
+    with pytest.raises(ValueError, match="must be distinct and not empty"):
+        spec(lora=(LoraAdapter("a", "/x"), LoraAdapter("a", "/y")))

@@ -19,7 +19,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
-from llmgw_core.engines import CONTEXT_FLAGS
+from llmgw_core.catalog import LoraAdapter
+from llmgw_core.engines import CONTEXT_FLAGS, LORA_RANK_FLAG
 
 
 @attrs.frozen
@@ -45,6 +46,10 @@ class EngineLaunch:
     # Where an engine that reads its key only from a file gets that file (SGLang).
     key_file: str = ""
     max_model_len: int | None = None  # the context length; None: the engine's default
+    # LoRA adapters served under their own names, and their highest rank (None: the
+    # engine's default); engines other than vLLM (and the mock) are refused them earlier.
+    lora: tuple[LoraAdapter, ...] = ()
+    max_lora_rank: int | None = None
 
     @property
     def is_head(self) -> bool:
@@ -82,6 +87,20 @@ def _context(launch: EngineLaunch) -> list[str]:
     return [CONTEXT_FLAGS[launch.engine][0], str(launch.max_model_len)]
 
 
+def _vllm_lora(launch: EngineLaunch) -> list[str]:
+    """vLLM 0.32.0's static adapters: --enable-lora (vllm/engine/arg_utils.py:1572),
+    --lora-modules name=path ... (one flag, nargs +: vllm/entrypoints/launchers/
+    cli_args.py:38-69, read as name=path when it holds no comma, :55; its entries are
+    served under their names and listed in /v1/models with the base as parent,
+    vllm/entrypoints/openai/models/serving.py:149-160), --max-lora-rank (arg_utils.py:1578)."""
+    if not launch.lora:
+        return []
+    argv = ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in launch.lora)]
+    if launch.max_lora_rank is not None:
+        argv += [LORA_RANK_FLAG, str(launch.max_lora_rank)]
+    return argv
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -106,6 +125,7 @@ def vllm(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         "--pipeline-parallel-size",
         str(launch.pipeline_parallel),
         *_context(launch),  # --max-model-len: vllm/engine/arg_utils.py
+        *_vllm_lora(launch),
     ]
     if launch.nnodes > 1:
         argv += [

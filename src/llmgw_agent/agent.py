@@ -415,6 +415,8 @@ class Agent:
                 api_key=spec.api_key,
                 key_file=str(records.key_path(config.state_dir, spec)),
                 max_model_len=spec.max_model_len,
+                lora=spec.lora,
+                max_lora_rank=spec.max_lora_rank,
             ),
         )
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))

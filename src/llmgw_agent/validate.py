@@ -12,7 +12,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from llmgw_agent.adapters import KEY_OPTIONS, MULTI_NODE, given, is_hf_repo
-from llmgw_core.engines import context_flag_in
+from llmgw_core.engines import LORA_REFUSED, context_flag_in, lora_flag_in
 from llmgw_core.inventory import Inventory, LaunchSpec
 
 
@@ -60,6 +60,7 @@ def problems(
             f"the profile's args set {twice}, the context length that max_model_len "
             f"({spec.max_model_len}) already sets: give it once"
         )
+    found += _lora_problems(spec)
     # llama.cpp takes a path for whatever is not an org/repo[:quant] (adapters.llamacpp).
     a_path = spec.hf_model.startswith(("/", "./", "../")) or (
         spec.engine == "llamacpp" and not is_hf_repo(spec.hf_model)
@@ -70,6 +71,29 @@ def problems(
         reason = port_taken(bind_host, spec.port)
         if reason:
             found.append(reason)
+    return found
+
+
+def _lora_problems(spec: LaunchSpec) -> list[str]:
+    """The catalog's rules on adapters (catalog._lora_served), for a spec from elsewhere,
+    and whether their paths exist here (a Hugging Face id is the engine's to fetch)."""
+    if not spec.lora:
+        return []
+    refused = LORA_REFUSED.get(spec.engine)
+    if refused is not None:
+        return [f"{spec.engine} cannot serve LoRA adapters under their names: {refused}"]
+    found = []
+    twice = lora_flag_in(
+        spec.engine, spec.args, adapters=True, rank=spec.max_lora_rank is not None
+    )
+    if twice is not None:
+        found.append(
+            f"the profile's args set {twice}, which the LoRA adapters llmgw passes already "
+            "set: give them once"
+        )
+    for adapter in spec.lora:
+        if adapter.path.startswith(("/", "./", "../")) and not Path(adapter.path).exists():
+            found.append(f"the LoRA adapter path {adapter.path} does not exist on this node")
     return found
 
 

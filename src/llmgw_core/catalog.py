@@ -25,11 +25,21 @@ from llmgw_core.config_schema import (
     rule_before,
     rules,
 )
-from llmgw_core.engines import CONTEXT_FLAGS, ENGINE_KINDS, context_flag_in
+from llmgw_core.engines import (
+    CONTEXT_FLAGS,
+    ENGINE_KINDS,
+    LORA_RANKS,
+    LORA_REFUSED,
+    context_flag_in,
+    lora_flag_in,
+)
 from llmgw_core.tomlshape import Table, type_name
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# The adapters one profile may declare: each is a model name clients see, and vLLM loads
+# every one at start (static adapters), so a profile is not an adapter registry.
+MAX_LORA_ADAPTERS = 64
 
 # The agent sets these from the GPUs it assigns; a profile that set them would
 # let two replicas share a GPU.
@@ -90,6 +100,44 @@ def _engine_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def _model_name(name: str) -> str:
+    if not _MODEL_NAME.match(name):
+        raise Problem(f"{name!r} is not a valid model name (letters, digits, ._:/@+-)")
+    return name
+
+
+def _lora_path(path: str) -> str:
+    if "," in path:
+        # vLLM reads `--lora-modules name=path` as name=path only without a comma; with
+        # one, as JSON (vllm/entrypoints/launchers/cli_args.py:55), which it is not.
+        raise Problem(f"{path!r} holds a comma, which vLLM's --lora-modules cannot take")
+    return path
+
+
+@attrs.frozen
+class LoraAdapter:
+    """A LoRA adapter of a profile's model (`[[models.profile.lora]]`), which clients call
+    by its own name: it starts with every replica of the model and is routed to them."""
+
+    name: str = attrs.field(metadata=rules(check=_model_name))
+    # The adapter's weights, as the engine loads them: a local path on the nodes or a
+    # Hugging Face id (as the profile's `model`).
+    path: str = attrs.field(metadata=rules(check=_lora_path))
+
+
+def _lora_adapters(adapters: tuple[LoraAdapter, ...]) -> tuple[LoraAdapter, ...]:
+    if len(adapters) > MAX_LORA_ADAPTERS:
+        count, most = len(adapters), MAX_LORA_ADAPTERS
+        raise Problem(f"lists {count} adapters: a profile takes {most} at most")
+    return adapters
+
+
+def _lora_rank(rank: int) -> int:
+    if rank not in LORA_RANKS:
+        raise Problem(f"must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's), not {rank}")
+    return rank
+
+
 @attrs.frozen
 class Profile:
     """How the control plane runs a model: engine, weights, parallelism, where it may go."""
@@ -110,6 +158,11 @@ class Profile:
     args: tuple[str, ...] = ()  # passed to the engine after the arguments llmgw builds
     # The engine's environment.
     env: dict[str, str] = attrs.field(factory=dict, hash=False, metadata=rules(check=_engine_env))
+    # LoRA adapters the engine loads at start, each a model name of its own (vLLM's
+    # --enable-lora --lora-modules name=path).
+    lora: tuple[LoraAdapter, ...] = attrs.field(default=(), metadata=rules(check=_lora_adapters))
+    # The highest rank among the adapters: vLLM's --max-lora-rank (None: vLLM's 16).
+    max_lora_rank: int | None = attrs.field(default=None, metadata=rules(check=_lora_rank))
 
     @property
     def gpus(self) -> int:
@@ -117,7 +170,7 @@ class Profile:
 
 
 @rule_after(Profile)
-def _context_said_once(profile: Profile) -> None:
+def _said_once(profile: Profile) -> None:
     # Two context lengths on one command line: the engine takes the last, silently.
     twice = context_flag_in(profile.engine, profile.args)
     if profile.max_model_len is not None and twice is not None:
@@ -127,16 +180,35 @@ def _context_said_once(profile: Profile) -> None:
             f"({flag} {profile.max_model_len}): give it once, as max_model_len",
             "args",
         )
+    _lora_served(profile)
+
+
+def _lora_served(profile: Profile) -> None:
+    """Adapters only where the engine serves them under their names, said once."""
+    if not profile.lora and profile.max_lora_rank is None:
+        return
+    refused = LORA_REFUSED.get(profile.engine)
+    if refused is not None:
+        raise Problem(f"cannot be served by engine {profile.engine!r}: {refused}", "lora")
+    if not profile.lora:
+        raise Problem(
+            "is the rank of the profile's LoRA adapters, and it declares none "
+            "([[models.profile.lora]])",
+            "max_lora_rank",
+        )
+    twice = lora_flag_in(
+        profile.engine, profile.args, adapters=True, rank=profile.max_lora_rank is not None
+    )
+    if twice is not None:
+        raise Problem(
+            f"{twice} says again what lora and max_lora_rank make llmgw pass the engine "
+            "(a second --lora-modules would replace the adapters): give them once, there",
+            "args",
+        )
 
 
 def _default_replicas(entry: ModelEntry) -> int:
     return 1 if entry.profile is not None else 0
-
-
-def _model_name(name: str) -> str:
-    if not _MODEL_NAME.match(name):
-        raise Problem(f"{name!r} is not a valid model name (letters, digits, ._:/@+-)")
-    return name
 
 
 # What a header value may carry: visible ASCII (a key with a line break would add headers).
@@ -289,17 +361,44 @@ class Catalog:
                 return model
         return None
 
+    @property
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter of a profile -> the name of the model it adapts."""
+        return {
+            adapter.name: entry.name
+            for entry in self.models
+            if entry.profile is not None
+            for adapter in entry.profile.lora
+        }
+
 
 @rule_after(Catalog)
 def _names_once(catalog: Catalog) -> None:
-    seen: dict[str, int] = {}
+    """A name clients call is one model's or one adapter's, across the whole catalog."""
+    models: dict[str, int] = {}
     for i, entry in enumerate(catalog.models):
-        if entry.name in seen:
+        if entry.name in models:
             raise Problem(
-                f"duplicates the model name {entry.name!r} of models[{seen[entry.name]}]",
+                f"duplicates the model name {entry.name!r} of models[{models[entry.name]}]",
                 f"models[{i}].name",
             )
-        seen[entry.name] = i
+        models[entry.name] = i
+    adapters: dict[str, str] = {}  # name -> where it was declared
+    for i, entry in enumerate(catalog.models):
+        for j, adapter in enumerate(entry.profile.lora if entry.profile else ()):
+            name, where = adapter.name, f"models[{i}].profile.lora[{j}]"
+            if name in models:
+                taken = f"the model models[{models[name]}]"
+            elif name in adapters:
+                taken = f"the adapter {adapters[name]}"
+            else:
+                adapters[name] = where
+                continue
+            raise Problem(
+                f"{name!r} is already the name of {taken}: clients call an adapter by its "
+                "name, which must be no other model's or adapter's",
+                f"{where}.name",
+            )
 
 
 def read_catalog(root: Table, environ: Mapping[str, str] | None = None) -> Catalog:

@@ -310,7 +310,8 @@ def _each_key_once(section: AuthSection) -> None:
 
 
 def _check_auth_models(auth: AuthSection, catalog: Catalog, t: Table) -> None:
-    known = {m.name for m in catalog.models}
+    # A key limited to a LoRA adapter names it as a model: clients call it so.
+    known = {m.name for m in catalog.models} | catalog.adapters.keys()
     for i, entry in enumerate(auth.entries):
         for j, name in enumerate(entry.model_names or ()):
             if name not in known:

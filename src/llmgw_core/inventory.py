@@ -15,6 +15,8 @@ import enum
 
 import attrs
 
+from llmgw_core.catalog import LoraAdapter
+
 
 @attrs.frozen
 class Gpu:
@@ -97,6 +99,10 @@ class LaunchSpec:
     api_key: str = attrs.field(default="", repr=False)
     # The profile's max_model_len: the engine's context length (None: its own default).
     max_model_len: int | None = None
+    # The profile's LoRA adapters, each served under its own name, and their highest rank
+    # (None: the engine's default). An older control plane's spec has none.
+    lora: tuple[LoraAdapter, ...] = ()
+    max_lora_rank: int | None = None
 
     def __attrs_post_init__(self) -> None:
         # A spec travels over the wire: one that cannot describe a shard is refused at
@@ -109,6 +115,11 @@ class LaunchSpec:
             raise ValueError(f"port {self.port}/{self.dist_port} is not a TCP port")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len {self.max_model_len} is not a positive length")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank {self.max_lora_rank} is not a positive rank")
+        names = [a.name for a in self.lora]
+        if not all(names) or len(set(names)) != len(names):
+            raise ValueError(f"the adapter names {names} must be distinct and not empty")
 
     @property
     def nnodes(self) -> int:

@@ -26,12 +26,13 @@ import sys
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from typing import Any
 
 import attrs
 import trio
 
+from llmgw_core.engines import LORA_RANKS
 from llmgw_core.openai_errors import error_body
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_mock_engine.scheduler import (
@@ -81,6 +82,9 @@ class MockSettings:
     prefill_tps: float = 8000.0
     decode_tps: float = 0.0  # 0: tokens_per_second
     max_seqs: int = 16
+    # LoRA adapters, as vLLM's --lora-modules name=path: each name is served too, with
+    # answers of its own, and listed with the base as its parent.
+    lora_modules: dict[str, str] = attrs.field(factory=dict)
 
     def engine_model(self) -> EngineModel | None:
         if self.kv_blocks <= 0:
@@ -116,6 +120,20 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     )
     parser.add_argument(
         "--headless", action="store_true", help="accepted, as vLLM's worker ranks take it"
+    )
+    # vLLM's LoRA flags (vllm/engine/arg_utils.py, vllm/entrypoints/launchers/cli_args.py):
+    # adapters without --enable-lora are refused, as vLLM fails to load them.
+    parser.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve the --lora-modules adapters (as vLLM, which needs it to load them)",
+    )
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=[], help="name=path of each adapter it serves"
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=int, choices=LORA_RANKS, help="accepted, within vLLM's choices"
     )
     e = env.get
     parser.add_argument(
@@ -228,6 +246,14 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     for flag in unknown:
         if flag.startswith("-"):
             log.info("mock engine: accepting and ignoring %s", flag)
+    lora_modules = {}
+    for item in args.lora_modules:
+        name, equals, path = item.partition("=")
+        if not equals or not name or "," in item:
+            parser.error(f"--lora-modules takes name=path, not {item!r}")
+        lora_modules[name] = path
+    if lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora (vLLM cannot load them without it)")
     settings = MockSettings(
         model=args.model,
         served_model_names=args.served_model_name or [args.model],
@@ -251,6 +277,7 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         prefill_tps=args.mock_prefill_tps,
         decode_tps=args.mock_decode_tps,
         max_seqs=args.mock_max_seqs,
+        lora_modules=lora_modules,
     )
     try:
         settings.engine_model()
@@ -265,9 +292,18 @@ def _words(seed_text: str, count: int) -> Iterator[str]:
     return (_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(count))
 
 
-def answer_text(body: dict[str, Any], count: int) -> str:
-    """The answer of `count` tokens the mock engine gives to a request `body`."""
-    return " ".join(_words(_prompt_of(body), count))
+def answer_text(body: dict[str, Any], count: int, adapters: Collection[str] = ()) -> str:
+    """The answer of `count` tokens the mock engine gives to a request `body`, serving
+    the LoRA adapters named `adapters`."""
+    return " ".join(_words(_seed_of(body, adapters), count))
+
+
+def _seed_of(body: dict[str, Any], adapters: Collection[str]) -> str:
+    """What an answer's words are drawn from: the prompt, and for an adapter its name too
+    (an adapter answers otherwise than its base, as a real one does)."""
+    model = body.get("model")
+    prompt = _prompt_of(body)
+    return f"{model}\x1f{prompt}" if model in adapters else prompt
 
 
 def _prompt_of(body: dict[str, Any]) -> str:
@@ -425,7 +461,7 @@ class MockEngine:
             await responder.error(400, f"invalid JSON: {exc}")
             return
         model = body.get("model")
-        if model not in settings.served_model_names:
+        if model not in settings.served_model_names and model not in settings.lora_modules:
             await responder.error(404, f"the model {model!r} does not exist")
             return
         self.running += 1
@@ -547,7 +583,7 @@ class MockEngine:
     ) -> None:
         settings = self.settings
         prompt = _prompt_of(body)
-        words = _words(prompt, count)
+        words = _words(_seed_of(body, settings.lora_modules), count)
         prompt_tokens = turn.prompt_tokens if turn else len(prompt.split())
         self.counter += 1
         base = {
@@ -671,6 +707,18 @@ class MockEngine:
                 "root": self.settings.model,
             }
             for name in self.settings.served_model_names
+        ]
+        # As vLLM lists its adapters (vllm/entrypoints/openai/models/serving.py:149-160).
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llmgw-mock",
+                "root": path,
+                "parent": self.settings.served_model_names[0],
+            }
+            for name, path in self.settings.lora_modules.items()
         ]
         return json.dumps({"object": "list", "data": data}).encode()
 

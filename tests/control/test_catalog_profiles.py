@@ -324,3 +324,93 @@ def test_control_errors_name_the_key_path(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         control_of("[control]\n" + text)
     assert str(info.value).startswith(f"llmgw.toml: {message}")
+
+
+# -- LoRA adapters ----------------------------------------------------------------------
+
+LORA = BARE + 'max_lora_rank = 8\n[[models.profile.lora]]\nname = "q-sql"\npath = "/data/lora/sql"\n'
+
+
+def lora(name: str, path: str = "/data/lora/x") -> str:
+    return f'[[models.profile.lora]]\nname = "{name}"\npath = "{path}"\n'
+
+
+def test_lora_adapters_are_read_with_their_rank_and_named_by_the_catalog() -> None:
+    catalog = catalog_of(LORA + lora("q-chat", "org/q-chat-lora") + '\n[[models]]\nname = "r"\nendpoints = ["http://a:1"]\n')
+    profile = catalog.models[0].profile
+    assert profile is not None and profile.max_lora_rank == 8
+    assert [(a.name, a.path) for a in profile.lora] == [("q-sql", "/data/lora/sql"), ("q-chat", "org/q-chat-lora")]
+    assert catalog.adapters == {"q-sql": "q", "q-chat": "q"}
+    (entry,) = catalog_of(BARE).models
+    assert entry.profile is not None and (entry.profile.lora, entry.profile.max_lora_rank) == ((), None)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # An adapter's name is no model's, its own model's included...
+        (BARE + lora("q"), "models[0].profile.lora[0].name: 'q' is already the name of the model models[0]"),
+        (LORA + '[[models]]\nname = "q-sql"\nendpoints = ["http://a:1"]\n',
+         "models[0].profile.lora[0].name: 'q-sql' is already the name of the model models[1]"),
+        # ... and no other adapter's, of the same profile or another model's.
+        (LORA + lora("q-sql"), "models[0].profile.lora[1].name: 'q-sql' is already the name of the adapter models[0].profile.lora[0]"),
+        (LORA + BARE.replace('"q"', '"r"') + lora("q-sql"),
+         "models[1].profile.lora[0].name: 'q-sql' is already the name of the adapter models[0].profile.lora[0]"),
+    ],
+)  # fmt: skip
+def test_an_adapter_name_that_collides_is_refused_where_it_is_given(text: str, message: str) -> None:
+    assert error_of(text).startswith(f"llmgw.toml: {message}: clients call an adapter by its name")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (BARE + lora("q sql"), "lora[0].name: 'q sql' is not a valid model name (letters, digits, ._:/@+-)"),
+        (BARE + lora("-q"), "lora[0].name: '-q' is not a valid model name (letters, digits, ._:/@+-)"),
+        (BARE + lora(""), "lora[0].name: must not be empty"),
+        (BARE + lora("s", "/a,b"), "lora[0].path: '/a,b' holds a comma, which vLLM's --lora-modules cannot take"),
+        (BARE + '[[models.profile.lora]]\nname = "s"\n', "lora[0].path: is required"),
+        (BARE + '[[models.profile.lora]]\nname = "s"\npath = "/a"\npaht = "/b"\n',
+         "lora[0].paht: is not a known key (did you mean 'path'?)"),
+        (BARE + 'lora = "s=/a"\n', "lora: must be an array of tables ([[lora]]), not a string"),
+        (BARE + "".join(lora(f"s{i}") for i in range(65)), "lora: lists 65 adapters: a profile takes 64 at most"),
+        (LORA.replace("max_lora_rank = 8", "max_lora_rank = 4"),
+         "max_lora_rank: must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512 (vLLM's), not 4"),
+        (BARE + "max_lora_rank = 8\n",
+         "max_lora_rank: is the rank of the profile's LoRA adapters, and it declares none ([[models.profile.lora]])"),
+    ],
+)  # fmt: skip
+def test_bad_adapters_are_refused_at_their_key_path(text: str, message: str) -> None:
+    assert error_of(text) == f"llmgw.toml: models[0].profile.{message}"
+
+
+def test_sixty_four_adapters_fit_one_profile() -> None:
+    (entry,) = catalog_of(BARE + "".join(lora(f"s{i}") for i in range(64))).models
+    assert entry.profile is not None and len(entry.profile.lora) == 64
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "sglang"])
+def test_engines_that_cannot_serve_an_adapter_under_its_name_are_refused_it(engine: str) -> None:
+    message = error_of(LORA.replace('"vllm"', f'"{engine}"'))
+    assert message.startswith(f"llmgw.toml: models[0].profile.lora: cannot be served by engine {engine!r}: ")
+    assert "never" in message  # the reason: how that engine picks an adapter instead
+    # The mock takes vLLM's command line, adapters included.
+    assert catalog_of(LORA.replace('"vllm"', '"mock"')).adapters == {"q-sql": "q"}
+
+
+@pytest.mark.parametrize(
+    "arg", ["--lora-modules", "--lora_modules=x=/y", "--enable-lora", "--no-enable-lora", "--max-lora-rank"]
+)
+def test_args_that_say_the_adapters_or_rank_again_are_refused(arg: str) -> None:
+    # (args before the array of tables: after it, they would be the adapter's keys)
+    text = BARE + f'max_lora_rank = 8\nargs = ["{arg}", "1"]\n' + lora("q-sql")
+    assert error_of(text) == (
+        f"llmgw.toml: models[0].profile.args: {arg} says again what lora and max_lora_rank "
+        "make llmgw pass the engine (a second --lora-modules would replace the adapters): "
+        "give them once, there"
+    )
+
+
+def test_the_rank_in_args_alone_is_still_taken() -> None:
+    (entry,) = catalog_of(BARE + 'args = ["--max-lora-rank", "32"]\n' + lora("q-sql")).models
+    assert entry.profile is not None and entry.profile.args == ("--max-lora-rank", "32")

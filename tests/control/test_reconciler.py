@@ -9,7 +9,7 @@ import attrs
 import pytest
 from fleetsim import FAST, Fleet, catalog, gpu_node, model
 
-from llmgw_core.catalog import Endpoint, ModelEntry
+from llmgw_core.catalog import Endpoint, LoraAdapter, ModelEntry
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import LaunchSpec, ShardState
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
@@ -347,6 +347,29 @@ def test_a_changed_max_model_len_replaces_its_replicas_and_reaches_the_spec() ->
     f.commands.clear()
     f.ready_all()
     f.set_catalog(catalog(model("a", 1, tensor_parallel=4, max_model_len=2048)))
+    assert not any(isinstance(c, StartShard) for c in f.commands)  # unchanged: no roll
+
+
+def test_changed_lora_adapters_replace_their_replicas_and_reach_the_spec() -> None:
+    sql, chat = LoraAdapter("a-sql", "/lora/sql"), LoraAdapter("a-chat", "/lora/chat")
+    f = fleet_with(model("a", 1, tensor_parallel=4, lora=(sql,)), nodes=1)
+    f.ready_all()
+    (first,) = f.starts()
+    assert (first.spec.lora, first.spec.max_lora_rank) == ((sql,), None)
+    assert f.cp.catalog.adapters == {"a-sql": "a"}
+    for lora, rank in [((sql, chat), None), ((sql, chat), 32), ((chat,), 32)]:
+        f.commands.clear()
+        f.set_catalog(catalog(model("a", 1, tensor_parallel=4, lora=lora, max_lora_rank=rank)))
+        (start,) = f.commands  # each change rolls the replica, make before break
+        assert isinstance(start, StartShard)
+        assert (start.spec.lora, start.spec.max_lora_rank) == (lora, rank)
+        f.commands.clear()
+        f.ready_all()
+        (drain,) = f.commands  # the old one, once the new one serves
+        assert isinstance(drain, DrainShard)
+        f.feed(f.cp.replica_drained(drain.replica_id, f.now))
+    f.commands.clear()
+    f.set_catalog(catalog(model("a", 1, tensor_parallel=4, lora=(chat,), max_lora_rank=32)))
     assert not any(isinstance(c, StartShard) for c in f.commands)  # unchanged: no roll
 
 

@@ -43,6 +43,8 @@ def launch_specs(
             dist_port=port + 1,
             api_key=api_key,
             max_model_len=profile.max_model_len,
+            lora=profile.lora,
+            max_lora_rank=profile.max_lora_rank,
         )
         for rank, shard in enumerate(placed.shards)
     ]

@@ -95,6 +95,8 @@ def matches(records: Sequence[ShardRecord], profile: Profile, nodes: Mapping[str
         or spec.hf_model != profile.model
         or spec.args != profile.args
         or spec.max_model_len != profile.max_model_len
+        or spec.lora != profile.lora
+        or spec.max_lora_rank != profile.max_lora_rank
         or spec.env != profile.env
         or spec.tensor_parallel != profile.tensor_parallel
         or spec.pipeline_parallel != profile.pipeline_parallel

@@ -284,7 +284,9 @@ class ControlPlane:
                 models[model] = (*models.get(model, ()), endpoint)
         draining = frozenset(endpoint for _, endpoint in self._draining.values())
         complete = trio.current_time() >= self._settled_at
-        return self.routes.publish(models, draining, complete=complete)
+        # Each adapter is served by its model's replicas, under its own name.
+        adapters = self.reconciler.catalog.adapters
+        return self.routes.publish(models, draining, complete=complete, adapters=adapters)
 
 
 def _peer(stream: trio.abc.Stream) -> str:

@@ -21,14 +21,14 @@ heard from every agent yet) does not replace a complete one; only its drain
 intents are applied.
 
 Models named in the router's own config with static endpoints are the config's:
-the feed never changes them.
+the feed never changes them, nor gives their names to adapters.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -66,6 +66,11 @@ class RouteTarget(Protocol):
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
         """Mark the replicas of `draining` endpoints (and unmark the others) in every
         model but `skip`."""
+        ...
+
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
+        """Serve each LoRA adapter (the key) from the replicas of its model (the value),
+        under its own name; the adapters before are served no more."""
         ...
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
@@ -173,8 +178,9 @@ def apply_table(
     ignored: set[str] | None = None,
     log_changes: bool = True,
 ) -> None:
-    """Give the router the table's endpoints (a model gone from it gets none) and mark the
-    replicas that drain. `static` models are left alone (named in `ignored` once)."""
+    """Give the router the table's endpoints (a model gone from it gets none), mark the
+    replicas that drain and give it the adapters. `static` models are left alone, and an
+    adapter named like one or adapting one is not served (each named in `ignored` once)."""
     ignored = set() if ignored is None else ignored
     for model, endpoints in table.models.items():
         if model in static:
@@ -196,3 +202,25 @@ def apply_table(
                 log.info("%s is no longer placed by the control plane", model)
             router.set_endpoints(model, ())
     router.set_draining(table.draining, skip=static)
+    adapters = {}
+    for adapter, model in table.adapters.items():
+        clash = adapter if adapter in static else model if model in static else None
+        if clash is None:
+            adapters[adapter] = model
+        elif adapter not in ignored:
+            ignored.add(adapter)
+            log.warning(
+                "the control plane serves the LoRA adapter %s of %s, but this router's "
+                "config serves %s from static endpoints: the adapter is not served here",
+                adapter,
+                model,
+                clash,
+            )
+    before = previous.adapters if previous is not None else {}
+    if log_changes:
+        for adapter, model in adapters.items():
+            if before.get(adapter) != model:
+                log.info("%s is a LoRA adapter of %s, served by its replicas", adapter, model)
+        for adapter in before.keys() - adapters.keys() - static:
+            log.info("the LoRA adapter %s is no longer served", adapter)
+    router.set_adapters(adapters)

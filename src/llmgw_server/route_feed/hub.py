@@ -78,13 +78,16 @@ class RouteHub:
         draining: frozenset[Endpoint],
         *,
         complete: bool,
+        adapters: Mapping[str, str] | None = None,
     ) -> int:
         """Make this the table every follower gets; returns its version (unchanged when
-        the table is)."""
+        the table is). `adapters`: LoRA adapter -> its model (None: none)."""
         old = self.table
-        if (dict(old.models), old.draining, old.complete) == (dict(models), draining, complete):
+        adapters = dict(adapters or {})
+        same = (dict(old.models), old.draining, old.complete, dict(old.adapters))
+        if same == (dict(models), draining, complete, adapters):
             return old.version
-        self.table = RouteTable(old.version + 1, dict(models), draining, complete)
+        self.table = RouteTable(old.version + 1, dict(models), draining, complete, adapters)
         self._published.set()
         self._published = trio.Event()
         return self.table.version

@@ -46,12 +46,15 @@ class RouteTable:
     `complete`: False while a control plane that just started may not yet have heard
     from every agent; a router that serves a complete table keeps its endpoints until
     a complete one comes (it still applies the drain intents).
+    `adapters`: every LoRA adapter of the placed models -> the model it adapts, whose
+    replicas serve it under its own name (a table from before adapters has none).
     """
 
     version: int
     models: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict, hash=False)
     draining: frozenset[Endpoint] = frozenset()
     complete: bool = True
+    adapters: Mapping[str, str] = attrs.field(factory=dict, hash=False)
 
 
 EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
@@ -176,6 +179,13 @@ def _check_table(table: RouteTable) -> None:
             _check_endpoint(endpoint, f"model {model!r}")
     for endpoint in table.draining:
         _check_endpoint(endpoint, "draining")
+    for adapter, base in table.adapters.items():
+        # The catalog's rule (catalog._names_once), held by the table too: a name clients
+        # call is one model's or one adapter's, and an adapter's model is in the table.
+        if not adapter or adapter in table.models:
+            raise FeedError(f"a table names the adapter {adapter!r}, which is no adapter's name")
+        if base not in table.models:
+            raise FeedError(f"the adapter {adapter!r} adapts {base!r}, which the table lacks")
 
 
 def _check_endpoint(endpoint: Endpoint, where: str) -> None:

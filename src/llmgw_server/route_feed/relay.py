@@ -36,7 +36,9 @@ class TableRelay:
 
     def _received_table(self, table: RouteTable) -> None:
         self.table = table
-        local = self.hub.publish(table.models, table.draining, complete=table.complete)
+        local = self.hub.publish(
+            table.models, table.draining, complete=table.complete, adapters=table.adapters
+        )
         self._versions[local] = table.version
         self._wake.set()
 

@@ -6,7 +6,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -112,6 +112,8 @@ class Router:
         self.balancers: dict[str, Balancer] = {}
         # Each model's description from its engines (health.py reads them): /v1/models.
         self.cards: dict[str, dict[str, object]] = {}
+        # LoRA adapter -> the model whose replicas serve it under its name (route feed).
+        self.adapters: dict[str, str] = {}
         self.ready = False  # the first health probe round is done
         self.draining = False
         self._5xx_log = RateLimit(period_s=10.0)
@@ -182,6 +184,9 @@ class Router:
             if model not in skip:
                 balancer.mark_draining(draining)
 
+    def set_adapters(self, adapters: Mapping[str, str]) -> None:
+        self.adapters = dict(adapters)
+
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         counts: dict[str, int] = {}
         for balancer in self.balancers.values():
@@ -236,7 +241,8 @@ class Router:
         status = record.status
         if status in (200, 503) and record.path in _PROBES and record.method in ("GET", "HEAD"):
             return  # health probes and metrics scrapes
-        model = record.model if record.model in self.balancers else "-"
+        named = record.model
+        model = named if named in self.balancers or named in self.adapters else "-"
         metrics = self.metrics
         metrics.requests[(model, status)] += 1
         if record.prompt_tokens is not None:
@@ -343,6 +349,14 @@ class Router:
             for name, balancer in self.balancers.items()
             if balancer.healthy_count and (allowed is None or name in allowed)
         ]
+        # An adapter while its model is listed, as vLLM lists one: its parent, and its
+        # name as its root (its path is the node's business).
+        for name, base in self.adapters.items():
+            balancer = self.balancers.get(base)
+            listed = balancer is not None and balancer.healthy_count > 0
+            if listed and name not in self.balancers and (allowed is None or name in allowed):
+                owner = (self.cards.get(base) or plain_card(base))["owned_by"]
+                data.append({**plain_card(name), "owned_by": owner, "root": name, "parent": base})
         return json.dumps({"object": "list", "data": data}).encode()
 
     def _readiness(self) -> dict[str, object]:
@@ -390,7 +404,7 @@ class Router:
             responder.message = message
             await responder.whole(403, responder.errors.body(403, message, "model_not_allowed"))
             return
-        balancer = self.balancers.get(model)
+        balancer = self.balancers.get(model) or self.balancers.get(self.adapters.get(model, ""))
         if balancer is None:
             await responder.error(404, f"the model {model!r} does not exist")
             return
@@ -468,8 +482,12 @@ class Router:
     def _holding(
         self, holder: Holder, allowed: frozenset[str] | None
     ) -> tuple[str, Balancer, Replica] | None:
-        """The replica `holder` names, of a model the key may use."""
-        for model, balancer in self.balancers.items():
+        """The replica `holder` names, of a model (or an adapter: its base's replicas)
+        the key may use."""
+        served = [*self.balancers.items()]
+        served += [(name, self.balancers[base]) for name, base in self.adapters.items()
+                   if base in self.balancers]  # fmt: skip
+        for model, balancer in served:
             if allowed is None or model in allowed:
                 replica = _holder(model, balancer, holder)
                 if replica is not None:

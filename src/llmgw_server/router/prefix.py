@@ -7,6 +7,10 @@ previous one; for completions, the prompt itself. The text is cut every `block_b
 bytes and at the end of every message and of the prompt, and each cut gets the hash of
 the whole text before it: CRC-32 and Adler-32 carried from cut to cut (one pass over the
 bytes in C, the same in every process). Only the first `MAX_BLOCKS` blocks are hashed.
+The hashes start from the hash of the request's `model` rather than of no text: a LoRA
+adapter is served by its base model's replicas (one balancer, one index per replica),
+and its prompts share no cached prefix with the base's (vLLM's block hashes include the
+adapter: vllm/v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`).
 
 The anchor is the cut that names a conversation: for chat, the end of its first message
 that is not a system (or developer) message, which stays the same on every turn; for
@@ -50,6 +54,7 @@ class PromptKey:
     anchor: int  # the index of the anchor's cut in `chain`
     block: int  # the block size it was cut with
     text: bytes = attrs.field(repr=False, eq=False)  # the canonical text, up to `size`
+    origin: int = _EMPTY  # the hash the chain starts from: the model's (`model_origin`)
 
     def base(self, depth: int) -> tuple[int, int]:
         """The offset and hash of the last block boundary among the first `depth` cuts."""
@@ -57,7 +62,7 @@ class PromptKey:
         for i in range(depth - 1, -1, -1):
             if ends[i] % block == 0:
                 return ends[i], self.chain[i]
-        return 0, _EMPTY
+        return 0, self.origin
 
     def hash_at(self, offset: int, base: tuple[int, int]) -> int:
         """The hash of the text before `offset`, carried on from a boundary before it."""
@@ -91,7 +96,8 @@ def prompt_key(body: dict[str, Any], chat: bool, block_bytes: int) -> PromptKey 
     cuts.add(limit)
     ends = sorted(cuts)
     data = memoryview(text)
-    crc, adler, start = 0, 1, 0
+    origin = model_origin(body.get("model"))
+    crc, adler, start = origin >> 32, origin & 0xFFFFFFFF, 0
     chain = []
     for end in ends:
         piece = data[start:end]
@@ -102,8 +108,22 @@ def prompt_key(body: dict[str, Any], chat: bool, block_bytes: int) -> PromptKey 
     anchor_at = min(anchor_at, limit)
     anchor = next(i for i, end in enumerate(ends) if end >= anchor_at)
     return PromptKey(
-        chain=tuple(chain), ends=tuple(ends), anchor=anchor, block=block_bytes, text=text
+        chain=tuple(chain),
+        ends=tuple(ends),
+        anchor=anchor,
+        block=block_bytes,
+        text=text,
+        origin=origin,
     )
+
+
+def model_origin(model: object) -> int:
+    """The hash a prompt's chain starts from: that of the model's name and a separator
+    (of no text for a request without one), so that no two models share a prefix."""
+    if not isinstance(model, str):
+        return _EMPTY
+    name = _encode(model + "\x1e")
+    return zlib.crc32(name) << 32 | zlib.adler32(name)
 
 
 def _render_chat(messages: object, tools: object) -> tuple[bytes, list[int], int]:
