@@ -258,9 +258,11 @@ def test_the_router_sees_vllm_queueing_from_its_real_metrics(
 
     def long_one(i: int) -> int:
         # About 600 prompt tokens and 200 generated: 24 of them need three times the 4,096
-        # tokens the KV cache holds, so some wait.
+        # tokens the KV cache holds, so some wait. Each prompt starts with its own number:
+        # a shared head would be one cached prefix for all (once, on a busy machine:
+        # 7 running, none waiting).
         done = client.completions.create(
-            model=MODEL, prompt="word " * 300 + str(i), max_tokens=200,
+            model=MODEL, prompt=f"{i} " + "word " * 300, max_tokens=200,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         assert done.usage is not None
