@@ -64,7 +64,8 @@ async def test_the_router_serves_an_adapter_from_its_models_replicas_within_key_
     )
     router = Router(config)
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery, httpx.AsyncClient() as probes:
+        # The client outlives the nursery: its probe task ends before the client closes.
+        async with httpx.AsyncClient() as probes, trio.open_nursery() as nursery:
             listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
             await nursery.start(HTTPServer(engine.handle, ServerLimits()).serve, listeners)
             replica = Endpoint("127.0.0.1", listeners[0].socket.getsockname()[1])
