@@ -172,7 +172,7 @@ def test_a_map_batch_is_read_too() -> None:
     assert (batch.ts, batch.dp_rank, batch.events) == (2.5, 1, (AllBlocksCleared(),))
 
 
-# -- the positional encoding (before vLLM PR 42892) --------------------------------------
+# -- the positional encoding (vLLM before the map form) ----------------------------------
 
 
 def test_positional_events_by_the_field_order() -> None:
