@@ -98,6 +98,21 @@ def test_ejection_after_consecutive_failures_and_probe_back() -> None:
     assert bad.available and bad.failures == 0
 
 
+def test_a_probe_sent_before_the_ejection_does_not_lift_it() -> None:
+    """A health probe in flight while requests eject the replica answers about the replica
+    as it was: seen in CI, where it lifted an ejection 0.1 s old."""
+    rs = replicas(2)
+    balancer = Balancer(rs, eject_after_failures=2, eject_cooldown_s=10)
+    bad = rs[0]
+    asked_at = 1.0  # the probe goes out; two failures eject before it answers
+    assert not balancer.failed(bad, now=1.1)
+    assert balancer.failed(bad, now=1.2)
+    balancer.probed(bad, ok=True, now=1.3, asked_at=asked_at)
+    assert bad.ejected and not bad.available
+    balancer.probed(bad, ok=True, now=11.5, asked_at=11.2)  # sent after the cooldown
+    assert bad.available
+
+
 def test_probes_mark_replicas_unhealthy_and_back() -> None:
     rs = replicas(1)
     balancer = Balancer(rs)

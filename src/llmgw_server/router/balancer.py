@@ -157,8 +157,13 @@ class Balancer:
     def due_for_probe(self, replica: Replica, now: float) -> bool:
         return not replica.ejected or now >= replica.probe_after
 
-    def probed(self, replica: Replica, ok: bool, now: float) -> None:
+    def probed(self, replica: Replica, ok: bool, now: float, asked_at: float | None = None) -> None:
+        """What a health probe sent at `asked_at` (default `now`) answered at `now`."""
         if replica.ejected:
+            if (now if asked_at is None else asked_at) < replica.probe_after:
+                # Sent before the ejection (or its cooldown) ended: an answer about the
+                # replica as it was then, which must not lift it early.
+                return
             if ok:
                 replica.ejected = False
                 replica.failures = 0

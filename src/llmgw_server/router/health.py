@@ -97,6 +97,7 @@ async def _probe(
     client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica
 ) -> None:
     endpoint = replica.endpoint
+    asked_at = trio.current_time()
     try:
         response = await client.get(endpoint.url + "/health", headers=_auth(endpoint))
         ok = response.status_code == 200
@@ -105,7 +106,7 @@ async def _probe(
         ok = False
         why = f"{type(exc).__name__}: {exc}"
     was = replica.available
-    balancer.probed(replica, ok, trio.current_time())
+    balancer.probed(replica, ok, trio.current_time(), asked_at)
     if replica.available != was:
         if replica.available:
             log.info("%s for %s is healthy again", replica.endpoint, model)
