@@ -79,7 +79,8 @@ def test_the_status_json_has_the_fields_it_always_had() -> None:
     assert list(shard) == ["node", "rank", "state", "gpus", "detail", "retiring", "output_tail"]
     assert isinstance(shard["gpus"], list) and shard["output_tail"] == []
     models = {m["name"]: m for m in data["models"]}
-    assert list(models["a"]) == ["name", "desired", "kept", "unplaced"]
+    assert list(models["a"]) == ["name", "desired", "kept", "unplaced", "autoscale"]
+    assert models["a"]["autoscale"] is None  # a fixed replicas count
     assert models["a"]["unplaced"] is None
     unplaced = models["huge"]["unplaced"]
     assert list(unplaced) == ["count", "explanation", "waiting"]

@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from fleet import Fleet, wait_until
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, digest_of, parse_config
 from llmgw_core.dial import Target
@@ -31,10 +32,12 @@ from llmgw_server.route_feed.connection import LocalConnection, local_pair
 from llmgw_server.route_feed.follower import COUNT_INTERVAL_S, Follower, RouteTarget
 from llmgw_server.route_feed.hub import RouteHub, refusal
 from llmgw_server.route_feed.messages import (
+    LOAD_INTERVAL_S,
     PROTOCOL,
     FeedError,
     Hello,
     InFlight,
+    Load,
     Routes,
     RouteTable,
     decode_up,
@@ -119,9 +122,22 @@ class FakeTarget:
     skipped: frozenset[str] = frozenset()
     counts: dict[Endpoint, int] = attrs.field(factory=dict)
     adapters: dict[str, str] = attrs.field(factory=dict)
+    autoscaled: frozenset[str] = frozenset()
+    load: dict[str, RouterLoad] = attrs.field(factory=dict)
+    load_wanted: trio.Event = attrs.field(factory=trio.Event)
 
     def static_models(self) -> frozenset[str]:
         return self.static
+
+    def set_autoscaled(self, models: frozenset[str]) -> None:
+        self.autoscaled = models
+
+    def load_report(self) -> Mapping[str, RouterLoad]:
+        return dict(self.load)
+
+    async def wait_load_wanted(self) -> None:
+        await self.load_wanted.wait()
+        self.load_wanted = trio.Event()
 
     def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
         self.endpoints[model] = tuple(endpoints)
@@ -145,7 +161,7 @@ class Peer:
     async def table(self, table: RouteTable) -> None:
         await self.end.send(encode(Routes(table)))
 
-    async def next_up(self) -> Hello | InFlight:
+    async def next_up(self) -> Hello | InFlight | Load:
         return decode_up(await self.end.receive())
 
 
@@ -195,6 +211,35 @@ async def test_while_an_endpoint_drains_its_count_is_reported_as_it_changes(
         with trio.move_on_after(3600) as quiet:
             await peer.next_up()
         assert quiet.cancelled_caught
+
+
+async def test_autoscaled_models_load_is_reported_on_its_interval_and_at_once_when_held(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    target = FakeTarget(static=frozenset({"static"}))
+    target.load = {"chat": RouterLoad(in_flight=3, ttft_p90_ms=40.0, idle_s=0.5)}
+    async with fake_following(target) as (_, peer):
+        # A table that autoscales nothing: no load is ever sent.
+        await peer.table(RouteTable(1, {"chat": (A,)}, frozenset(), True))
+        assert await peer.next_up() == InFlight(1, {})
+        with trio.move_on_after(60) as quiet:
+            await peer.next_up()
+        assert quiet.cancelled_caught and target.autoscaled == frozenset()
+        models = {"chat": (A,), "static": (B,)}
+        table = RouteTable(2, models, frozenset(), True, autoscaled=frozenset({"chat", "static"}))
+        await peer.table(table)
+        assert await peer.next_up() == InFlight(2, {})
+        assert target.autoscaled == frozenset({"chat"})  # never the config's static model
+        start = trio.current_time()
+        assert await peer.next_up() == Load(dict(target.load))
+        assert trio.current_time() - start <= LOAD_INTERVAL_S
+        # A request held: reported at once, not at the next interval.
+        await trio.sleep(LOAD_INTERVAL_S / 4)
+        target.load = {"chat": RouterLoad(held=1, idle_s=0.0)}
+        start = trio.current_time()
+        target.load_wanted.set()
+        assert await peer.next_up() == Load(dict(target.load))
+        assert trio.current_time() - start < LOAD_INTERVAL_S / 4
 
 
 async def test_a_tables_lora_adapters_reach_the_router_but_never_shadow_its_static_models(

@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from fleet import Fleet, wait_until
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
 from llmgw_core.certs import init_ca
 from llmgw_core.config import digest_of, parse_config
@@ -135,6 +136,15 @@ class Routed:
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         return {}
+
+    def set_autoscaled(self, models: frozenset[str]) -> None:
+        pass
+
+    def load_report(self) -> Mapping[str, RouterLoad]:
+        return {}
+
+    async def wait_load_wanted(self) -> None:
+        await trio.sleep_forever()
 
 
 @asynccontextmanager

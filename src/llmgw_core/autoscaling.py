@@ -7,6 +7,8 @@ or an `[models.autoscale]`, never both.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 
 from llmgw_core.config_schema import Problem, rule_after, rules
@@ -51,3 +53,35 @@ def _sound(spec: Autoscale) -> None:
             "needs a target: target_in_flight (requests per replica), target_kv_use "
             "(the engines' KV-cache use, 0-1) or ttft_p90_ms (an objective)"
         )
+
+
+@attrs.frozen(slots=True)
+class RouterLoad:
+    """One router's view of one model over its last report interval, as it reports it to
+    the control plane over the route feed (route_feed.messages.Load)."""
+
+    in_flight: int = 0  # requests sent to replicas and not finished
+    held: int = 0  # requests held while no replica serves
+    ttft_p90_ms: float | None = None  # of requests that got their first byte; None: none did
+    idle_s: float | None = None  # since a request for the model last arrived; None: never
+    kv_use: float | None = None  # the engines' own KV-cache use (0-1), as this router read it
+
+
+def combine(reports: Iterable[RouterLoad]) -> RouterLoad:
+    """Several routers' reports of one model as one: counts summed; the slowest p90 and
+    the fullest KV cache (each router sees its own share of the requests: any of them
+    missing the objective is a miss); the latest request anywhere."""
+    in_flight = held = 0
+    ttft: float | None = None
+    kv: float | None = None
+    idle: float | None = None
+    for r in reports:
+        in_flight += r.in_flight
+        held += r.held
+        if r.ttft_p90_ms is not None:
+            ttft = r.ttft_p90_ms if ttft is None else max(ttft, r.ttft_p90_ms)
+        if r.kv_use is not None:
+            kv = r.kv_use if kv is None else max(kv, r.kv_use)
+        if r.idle_s is not None:
+            idle = r.idle_s if idle is None else min(idle, r.idle_s)
+    return RouterLoad(in_flight, held, ttft, idle, kv)

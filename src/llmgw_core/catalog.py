@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from llmgw_core.autoscaling import Autoscale
 from llmgw_core.config_schema import (
     Problem,
     read_item,
@@ -208,6 +209,9 @@ def _lora_served(profile: Profile) -> None:
 
 
 def _default_replicas(entry: ModelEntry) -> int:
+    if entry.autoscale is not None:
+        # Where its autoscaler starts (control.scaling): at min, and serving at least one.
+        return max(entry.autoscale.min, 1)
     return 1 if entry.profile is not None else 0
 
 
@@ -314,8 +318,10 @@ class ModelEntry:
     # Empty for a model with a profile.
     endpoints: tuple[Endpoint, ...] = attrs.field(default=(), metadata=rules(parse=_endpoints))
     profile: Profile | None = None
+    # Replicas that follow the load (issue 23); None: a fixed `replicas`.
+    autoscale: Autoscale | None = None
     # Replicas the control plane keeps running: 1 by default with a profile,
-    # 0 for a router-only model.
+    # 0 for a router-only model; with `autoscale`, where it starts.
     replicas: int = attrs.field(
         default=attrs.Factory(_default_replicas, takes_self=True), metadata=rules(min=0)
     )
@@ -332,6 +338,18 @@ def _endpoints_or_profile(data: Mapping[str, object]) -> None:
     if "endpoints" in data and "replicas" in data:
         raise Problem(
             "only applies to a model with a profile; endpoints list every engine", "replicas"
+        )
+    if "autoscale" in data and "profile" not in data:
+        raise Problem(
+            "only applies to a model with a profile: the control plane scales the replicas "
+            "it places, not engines you run (endpoints)",
+            "autoscale",
+        )
+    if "autoscale" in data and "replicas" in data:
+        raise Problem(
+            "cannot be combined with [models.autoscale]: give a fixed replicas count, or "
+            "autoscale's min and max",
+            "replicas",
         )
 
 

@@ -228,6 +228,11 @@ class RouterSection:
     session_header: str = attrs.field(default="x-session-id", metadata=rules(check=str.lower))
     # More POST paths relayed by the JSON body's model (the built-in ones: api_paths).
     extra_paths: tuple[str, ...] = attrs.field(default=(), metadata=rules(parse=_extra_paths))
+    # An autoscaled model that no replica serves (scaled to zero, waking): its requests
+    # wait this long for one, at most `hold_max_per_model` of them; past either, 503 with
+    # Retry-After. Long enough for an engine to start on a node that has its weights.
+    hold_timeout_s: float = attrs.field(default=300.0, metadata=rules(min=0.1, max=3600.0))
+    hold_max_per_model: int = attrs.field(default=256, metadata=rules(min=1, max=100_000))
 
 
 def _digests(value: object) -> tuple[str, ...]:

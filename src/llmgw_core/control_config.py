@@ -52,6 +52,10 @@ class ControlSection:
     # reconnecting at once, costs a few reconciles rather than one per node.
     # 0 reconciles on every event.
     reconcile_interval_s: float = attrs.field(default=0.2, metadata=rules(min=0))
+    # How often autoscaled models ([models.autoscale]) are decided on the routers' loads
+    # (which they report every 2 s); a request held for a model at zero replicas is
+    # decided on at once.
+    autoscale_interval_s: float = attrs.field(default=5.0, metadata=rules(min=0.1, max=300.0))
     # Ports the control plane assigns to engines (HTTP and rendezvous) on every node.
     engine_port_min: int = attrs.field(default=20000, metadata=rules(min=1024))
     engine_port_max: int = attrs.field(default=20999, metadata=rules(min=1024, max=65535))

@@ -113,6 +113,10 @@ class Decider:
         # rank): a heap by model, beside the records.
         self._due = Deadlines[str]()
         self._settle_due: float | None = None
+        # Autoscaled models whose autoscaler has not started (control.scaling) -> the most
+        # running replicas kept beyond their count: a restarted control plane keeps what
+        # runs until it has measured the load.
+        self.holding: dict[str, int] = {}
 
     def next_due(self) -> float | None:
         times = (self._due.next(), self._settle_due)
@@ -231,7 +235,8 @@ class Decider:
         staying = sorted(
             (c for c in candidates if not on_draining_node(c[1], nodes)), key=self._order
         )
-        keep, surplus = staying[:desired], staying[desired:]
+        keeping = max(desired, min(len(staying), self.holding.get(name, 0)))
+        keep, surplus = staying[:keeping], staying[keeping:]
         out.retiring += [(rid, records, "surplus") for rid, records in surplus]
         record = self._record(name)
         record.kept = len(keep)
@@ -239,7 +244,7 @@ class Decider:
         # A roll replaces serving stale replicas one at a time: a replacement is placed
         # only while no kept replica of the model is starting; replicas beyond the stale
         # ones (a scale-up with the change) are placed at once.
-        missing = desired - len(keep)
+        missing = max(desired - len(keep), 0)
         rolling = min(len(stale), max(missing, 0))
         placed_now = 1 if rolling and len(keep) == ready else 0
         self._set_missing(name, record, missing - rolling + placed_now)

@@ -100,11 +100,24 @@ class UnplacedDoc:
 
 
 @attrs.define
+class AutoscaleDoc:
+    """[models.autoscale]: its bounds and target, what the last cycle said (`now`), and
+    the last change of `desired` with its reason."""
+
+    min: int
+    max: int
+    target: str
+    now: str | None
+    last_change: str | None
+
+
+@attrs.define
 class ModelDoc:
     name: str
     desired: int
     kept: int  # replicas counted toward `desired`
     unplaced: UnplacedDoc | None
+    autoscale: AutoscaleDoc | None = None
 
 
 @attrs.define

@@ -14,19 +14,22 @@ docs/control-plane.md, "How the control core decides".
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import attrs
 
 from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
+from llmgw_server.control.autoscale import ModelLoad
 from llmgw_server.control.commands import Command
 from llmgw_server.control.decide import Decider, endpoint
 from llmgw_server.control.drains import DrainRefused, Stuck, drain_notes, replicas_on, stuck
 from llmgw_server.control.known import Change, Known
 from llmgw_server.control.lifecycle import NodeTransition
 from llmgw_server.control.placement import Assignment, Explanation, explain
+from llmgw_server.control.scaling import Change as ScaleChange
+from llmgw_server.control.scaling import Scaling
 from llmgw_server.control.views import ControlView, control_view
 from llmgw_server.control.work import Work
 
@@ -63,6 +66,11 @@ class Reconciler:
         starts (the shell passes a few random hex digits). `engine_keys` makes the key
         of each new replica's engines (tests pass a deterministic one)."""
         self.settings = settings
+        # The catalog as written, and as the decider reads it: each autoscaled model's
+        # replicas as its autoscaler decided (`scaling`).
+        self.file_catalog = catalog
+        self.scaling = Scaling()
+        self.scaling.follow(catalog)
         self.catalog = catalog
         self.started_at = now
         self.work = Work()
@@ -76,6 +84,7 @@ class Reconciler:
         self._last_reconcile: float | None = None
         self._batch_at: float | None = None  # a burst of events is reconciled by then
         self._wake: float | None = None  # the last Step's wake_at, for steps that change nothing
+        self._decider.holding = self.scaling.unstarted()
         # With no node and no shard yet this yields no command, only what is unplaced.
         self._decider.reconcile(catalog, [m.name for m in catalog.profiled], now)
 
@@ -135,9 +144,42 @@ class Reconciler:
     def set_catalog(self, catalog: Catalog, now: float) -> Step:
         """O(models and replicas): every model is judged again."""
         now = self._clock(now)
-        self.catalog = catalog
+        self.file_catalog = catalog
+        self.scaling.follow(catalog)
+        self._scaled()
         models = {m.name for m in catalog.models} | set(self.known.store.models())
         return self._step(now, Change(frozenset(models)))
+
+    def autoscale(self, loads: Mapping[str, ModelLoad], now: float) -> Step:
+        """One autoscaling cycle on the routers' merged loads (control.scaling): each
+        autoscaled model whose count changes is judged again."""
+        now = self._clock(now)
+        changes = self.scaling.decide(loads, self._decider.kept(), now)
+        return self._rescaled(changes, now)
+
+    def wake(self, model: str, now: float) -> Step:
+        """A router holds a request for `model`, scaled to zero: a replica now."""
+        now = self._clock(now)
+        change = self.scaling.wake(model, now)
+        return self._rescaled([change] if change else [], now)
+
+    def _rescaled(self, changes: Sequence[ScaleChange], now: float) -> Step:
+        self._scaled()
+        notes = tuple(
+            f"scaling {c.model} from {c.before} to {c.after} replicas: {c.decision.detail}"
+            for c in changes
+        )
+        return self._step(now, Change(frozenset(c.model for c in changes), notes=notes))
+
+    def _scaled(self) -> None:
+        """The decider's catalog: the file's, with the autoscalers' counts."""
+        counts = self.scaling.counts()
+        models = tuple(
+            attrs.evolve(m, replicas=counts[m.name]) if m.name in counts else m
+            for m in self.file_catalog.models
+        )
+        self.catalog = attrs.evolve(self.file_catalog, models=models)
+        self._decider.holding = self.scaling.unstarted()
 
     def cordon(self, node: str, on: bool, now: float) -> Step:
         """No new placements on the node (raises KeyError for an unknown node)."""
@@ -207,7 +249,14 @@ class Reconciler:
         those and the replicas on them."""
         d = self._decider
         return control_view(
-            self.known, d.status, d.kept(), d.short(), self.catalog, self.explain, nodes
+            self.known,
+            d.status,
+            d.kept(),
+            d.short(),
+            self.catalog,
+            self.explain,
+            nodes,
+            self.scaling.view,
         )
 
     def node_names(self) -> list[str]:

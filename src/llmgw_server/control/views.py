@@ -16,6 +16,7 @@ from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.known import Known
 from llmgw_server.control.lifecycle import NodeStatus
 from llmgw_server.control.replicas import Status
+from llmgw_server.control.scaling import ScaleView
 from llmgw_server.control.shards import Classified, Failure, Phase, ShardRecord
 
 
@@ -82,6 +83,7 @@ class ModelView:
     name: str
     desired: int
     kept: int  # replicas counted toward `desired`
+    autoscale: ScaleView | None = None  # [models.autoscale]: its bounds, target and reasons
 
 
 @attrs.frozen
@@ -136,6 +138,7 @@ def control_view(
     catalog: Catalog,
     explain: Callable[[str], Explanation | None],
     only: Collection[str] | None = None,
+    scaling: Callable[[str], ScaleView | None] = lambda _: None,
 ) -> ControlView:
     """Everything, for the admin API: O(nodes and shards, and an explanation for each
     model short of replicas). With `only`, just those nodes (the known ones among them)
@@ -182,7 +185,10 @@ def control_view(
             crash_loop_after=known.settings.crash_loop_after,
         )
         replicas.append(view)
-    models = tuple(ModelView(m.name, m.replicas, kept.get(m.name, 0)) for m in catalog.profiled)
+    models = tuple(
+        ModelView(m.name, m.replicas, kept.get(m.name, 0), scaling(m.name))
+        for m in catalog.profiled
+    )
     unplaced = {}
     for name, (count, waiting) in short.items():
         why = explain(name)

@@ -36,6 +36,7 @@ from llmgw_core.openai_errors import error_body
 from llmgw_core.tomlshape import ConfigError
 from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import (
+    AutoscaleDoc,
     EngineDoc,
     ExplainDoc,
     GpuDoc,
@@ -434,6 +435,7 @@ def status_doc(
                     unplaced[m.name].explanation.text,
                     unplaced[m.name].waiting,
                 ),
+                None if m.autoscale is None else AutoscaleDoc(*attrs.astuple(m.autoscale)),
             )
             for m in view.models
         ),

@@ -10,6 +10,7 @@ ends when every follower reports nothing in flight there (or `drain_timeout_s`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -27,6 +28,7 @@ from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
+from llmgw_server.control.scaling import merge
 from llmgw_server.control_shell.agents import AgentService
 from llmgw_server.control_shell.fleet_feed import FleetFeed
 from llmgw_server.control_shell.metrics import ControlMetrics
@@ -76,6 +78,8 @@ class ControlPlane:
             self._nursery = nursery
             self._run(lambda: self.reconciler.tick(trio.current_time()))
             nursery.start_soon(self._publish_when_settled)
+            nursery.start_soon(self._autoscale)
+            nursery.start_soon(self._wake_held)
             task_status.started()
             while True:
                 self._sleep_until = trio.current_time() + _MAX_SLEEP_S
@@ -104,6 +108,31 @@ class ControlPlane:
     async def _publish_when_settled(self) -> None:
         await trio.sleep_until(self._settled_at)
         self._publish()
+
+    # -- autoscaling ------------------------------------------------------------
+
+    async def _autoscale(self) -> None:
+        """Each autoscale_interval_s once settled: the autoscaled models decided on what
+        the routers report (autoscalers start at the replicas then running)."""
+        await trio.sleep_until(self._settled_at)
+        interval = self.config.control.autoscale_interval_s
+        while True:
+            if self.reconciler.scaling.specs:
+                self._run(self._autoscale_step)
+            await trio.sleep(interval)
+
+    def _autoscale_step(self) -> Step:
+        now = trio.current_time()
+        loads = {m: merge(r, now) for m, r in self.routes.loads().items()}
+        return self.reconciler.autoscale(loads, now)
+
+    async def _wake_held(self) -> None:
+        """A router holds a request for a model scaled to zero: a replica at once."""
+        while True:
+            await self.routes.wait_held()
+            held = [m for m, reports in self.routes.loads().items() if any(r.held for r in reports)]
+            for model in held:
+                self._run(functools.partial(self.reconciler.wake, model, trio.current_time()))
 
     # -- events from agent streams ------------------------------------------
 
@@ -286,7 +315,10 @@ class ControlPlane:
         complete = trio.current_time() >= self._settled_at
         # Each adapter is served by its model's replicas, under its own name.
         adapters = self.reconciler.catalog.adapters
-        return self.routes.publish(models, draining, complete=complete, adapters=adapters)
+        autoscaled = frozenset(self.reconciler.scaling.specs)
+        return self.routes.publish(
+            models, draining, complete=complete, adapters=adapters, autoscaled=autoscaled
+        )
 
 
 def _peer(stream: trio.abc.Stream) -> str:

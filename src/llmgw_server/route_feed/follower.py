@@ -34,12 +34,15 @@ from typing import Protocol
 import attrs
 import trio
 
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
+    LOAD_INTERVAL_S,
     PROTOCOL,
     Hello,
     InFlight,
+    Load,
     RouteTable,
     decode_down,
     encode,
@@ -50,6 +53,8 @@ log = logging.getLogger("llmgw.follower")
 # While an endpoint drains, how often its in-flight count is looked at. The count is a
 # plain integer the request path updates; reading it here keeps that path untouched.
 COUNT_INTERVAL_S = 0.05
+# At most one load report this often: far within what the hub takes (hub._RATE).
+LOAD_MIN_GAP_S = 0.1
 
 
 class RouteTarget(Protocol):
@@ -75,6 +80,18 @@ class RouteTarget(Protocol):
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         """Requests in flight on each of `endpoints` it holds, by URL, all models summed."""
+        ...
+
+    def set_autoscaled(self, models: frozenset[str]) -> None:
+        """Meter these models, and hold their requests while no replica serves them."""
+        ...
+
+    def load_report(self) -> Mapping[str, RouterLoad]:
+        """Each autoscaled model's load since the last report."""
+        ...
+
+    async def wait_load_wanted(self) -> None:
+        """Until the control plane should hear the load at once (a request was held)."""
         ...
 
 
@@ -150,6 +167,19 @@ class Follower:
         return self.router.in_flight(draining) if draining else {}
 
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._report_load, connection, scope)
+            await self._report_in_flight(connection, scope)
+            nursery.cancel_scope.cancel()
+
+    async def _report_load(self, connection: Connection, scope: trio.CancelScope) -> None:
+        async def load() -> Mapping[str, RouterLoad]:
+            await self.router.wait_load_wanted()
+            return self.router.load_report()
+
+        await report_load(connection, scope, lambda: self.table, self.router.load_report, load)
+
+    async def _report_in_flight(self, connection: Connection, scope: trio.CancelScope) -> None:
         sent: InFlight | None = None
         try:
             while True:
@@ -168,6 +198,31 @@ class Follower:
         except Exception as exc:
             self._report_failure = exc
             scope.cancel()
+
+
+async def report_load(
+    connection: Connection,
+    scope: trio.CancelScope,
+    table: Callable[[], RouteTable | None],
+    now: Callable[[], Mapping[str, RouterLoad]],
+    wanted: Callable[[], Awaitable[Mapping[str, RouterLoad]]],
+) -> None:
+    """While the table autoscales models, send `Load` every LOAD_INTERVAL_S (`now()`),
+    and at once whenever `wanted()` returns one (a request was held)."""
+    try:
+        while True:
+            report: Mapping[str, RouterLoad] | None = None
+            with trio.move_on_after(LOAD_INTERVAL_S):
+                report = await wanted()
+            current = table()
+            if current is None or not current.autoscaled:
+                continue
+            if report is None:
+                report = now()
+            await connection.send(encode(Load(dict(report))))
+            await trio.sleep(LOAD_MIN_GAP_S)  # held requests in a burst: one report
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        scope.cancel()  # the peer went: the receiving side says how
 
 
 def apply_table(
@@ -224,3 +279,4 @@ def apply_table(
         for adapter in before.keys() - adapters.keys() - static:
             log.info("the LoRA adapter %s is no longer served", adapter)
     router.set_adapters(adapters)
+    router.set_autoscaled(table.autoscaled - static)

@@ -25,6 +25,7 @@ import attrs
 import trio
 import trio_websocket
 
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.logsafe import escaped
@@ -36,6 +37,7 @@ from llmgw_server.route_feed.messages import (
     FeedError,
     Hello,
     InFlight,
+    Load,
     Routes,
     RouteTable,
     decode_up,
@@ -58,6 +60,7 @@ class _Follower:
     peer: str
     version: int = -1  # of the table its last report answers; -1: none yet
     counts: Mapping[str, int] = attrs.field(factory=dict)
+    load: Mapping[str, RouterLoad] = attrs.field(factory=dict)  # its last Load
 
 
 class RouteHub:
@@ -67,6 +70,7 @@ class RouteHub:
         self._ids = itertools.count()
         self._published = trio.Event()
         self._reported = trio.Event()
+        self._held = trio.Event()
 
     @property
     def followers(self) -> int:
@@ -79,15 +83,18 @@ class RouteHub:
         *,
         complete: bool,
         adapters: Mapping[str, str] | None = None,
+        autoscaled: frozenset[str] = frozenset(),
     ) -> int:
         """Make this the table every follower gets; returns its version (unchanged when
         the table is). `adapters`: LoRA adapter -> its model (None: none)."""
         old = self.table
         adapters = dict(adapters or {})
-        same = (dict(old.models), old.draining, old.complete, dict(old.adapters))
-        if same == (dict(models), draining, complete, adapters):
+        same = (dict(old.models), old.draining, old.complete, dict(old.adapters), old.autoscaled)
+        if same == (dict(models), draining, complete, adapters, autoscaled):
             return old.version
-        self.table = RouteTable(old.version + 1, dict(models), draining, complete, adapters)
+        self.table = RouteTable(
+            old.version + 1, dict(models), draining, complete, adapters, autoscaled
+        )
         self._published.set()
         self._published = trio.Event()
         return self.table.version
@@ -100,6 +107,18 @@ class RouteHub:
     def caught_up(self, version: int) -> bool:
         """Whether every follower has reported on table `version` or a later one."""
         return all(f.version >= version for f in self._followers.values())
+
+    def loads(self) -> dict[str, list[RouterLoad]]:
+        """Each model's load as every follower last reported it (those that report)."""
+        out: dict[str, list[RouterLoad]] = {}
+        for follower in self._followers.values():
+            for model, load in follower.load.items():
+                out.setdefault(model, []).append(load)
+        return out
+
+    async def wait_held(self) -> None:
+        """Until a follower reports a request it holds (a model no replica serves)."""
+        await self._held.wait()
 
     async def wait_reported(self) -> None:
         """Until a follower reports, joins or leaves."""
@@ -170,6 +189,12 @@ class RouteHub:
                     f"more than {_BURST} reports in a burst (at most {_RATE:g} a second)"
                 )
             tokens -= 1
+            if isinstance(message, Load):
+                follower.load = dict(message.models)
+                if any(load.held for load in message.models.values()):
+                    self._held.set()
+                    self._held = trio.Event()
+                continue
             if not isinstance(message, InFlight):
                 raise FeedError("hello is sent once, first")
             if message.version > self.table.version:

@@ -9,7 +9,10 @@ Down (control plane -> router): `Routes`, the whole table, each time it changes.
 Up (router -> control plane): `Hello` first, then `InFlight`: the requests the
 router has in flight on each draining endpoint, for the table version it has
 applied, so the control plane stops a drained replica only once no router is
-still using it.
+still using it. While the table names autoscaled models, `Load` too: each one's
+load as this router sees it (every `LOAD_INTERVAL_S`, and at once when it holds a
+request for a model that no replica serves), for the control plane's autoscaler.
+A control plane from before autoscaling names none, and is sent none.
 
 A frame is one JSON text with a "type" tag. Decoding never raises anything but
 `FeedError`, whose text says what was wrong.
@@ -18,6 +21,7 @@ A frame is one JSON text with a "type" tag. Decoding never raises anything but
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +30,13 @@ import cattrs
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
 
 PROTOCOL = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a table of thousands of replicas still fits
+LOAD_INTERVAL_S = 2.0  # how often a router reports its autoscaled models' load
+MAX_LOAD_MODELS = 10_000  # models one load frame may name
 
 
 class FeedError(Exception):
@@ -48,6 +55,8 @@ class RouteTable:
     a complete one comes (it still applies the drain intents).
     `adapters`: every LoRA adapter of the placed models -> the model it adapts, whose
     replicas serve it under its own name (a table from before adapters has none).
+    `autoscaled`: the models whose replicas follow the load: routers report their load
+    (`Load`) and hold their requests while no replica serves (scaled to zero).
     """
 
     version: int
@@ -55,6 +64,7 @@ class RouteTable:
     draining: frozenset[Endpoint] = frozenset()
     complete: bool = True
     adapters: Mapping[str, str] = attrs.field(factory=dict, hash=False)
+    autoscaled: frozenset[str] = frozenset()
 
 
 EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
@@ -88,11 +98,19 @@ class InFlight:
     counts: Mapping[str, int] = attrs.field(factory=dict, hash=False)
 
 
-UpMessage = Hello | InFlight
+@attrs.frozen
+class Load:
+    """Each autoscaled model's load as this router (or a workers' parent, its workers
+    summed) sees it now; a model left out has none."""
+
+    models: Mapping[str, RouterLoad] = attrs.field(factory=dict, hash=False)
+
+
+UpMessage = Hello | InFlight | Load
 DownMessage = Routes
 
-_TAGS: dict[type, str] = {Hello: "hello", InFlight: "in_flight", Routes: "routes"}
-_UP_TAGS = frozenset({"hello", "in_flight"})
+_TAGS: dict[type, str] = {Hello: "hello", InFlight: "in_flight", Load: "load", Routes: "routes"}
+_UP_TAGS = frozenset({"hello", "in_flight", "load"})
 _DOWN_TAGS = frozenset({"routes"})
 
 
@@ -111,6 +129,15 @@ def _strict(kind: type) -> Any:
 
 for _kind in (int, bool, str):
     converter.register_structure_hook(_kind, _strict(_kind))
+
+
+def _number(value: object, _: type) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise TypeError(f"expected a finite number, got {value!r}"[:80])
+    return float(value)  # type: ignore[arg-type]
+
+
+converter.register_structure_hook(float, _number)
 configure_tagged_union(UpMessage, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
 
 
@@ -132,7 +159,7 @@ def decode_down(frame: str | bytes) -> DownMessage:
 
 def decode_up(frame: str | bytes) -> UpMessage:
     message = _decode(frame, UpMessage, _UP_TAGS)
-    assert isinstance(message, Hello | InFlight)
+    assert isinstance(message, Hello | InFlight | Load)
     if isinstance(message, Hello) and message.protocol != PROTOCOL:
         raise FeedError(
             f"route feed protocol {message.protocol} is not supported (this control plane "
@@ -144,7 +171,23 @@ def decode_up(frame: str | bytes) -> UpMessage:
         for url, count in message.counts.items():
             if count < 0:
                 raise FeedError(f"an in_flight count must not be negative: {url!r} has {count}")
+    if isinstance(message, Load):
+        _check_load(message)
     return message
+
+
+def _check_load(message: Load) -> None:
+    if len(message.models) > MAX_LOAD_MODELS:
+        raise FeedError(f"a load frame names {len(message.models)} models, over {MAX_LOAD_MODELS}")
+    for model, load in message.models.items():
+        if load.in_flight < 0 or load.held < 0:
+            raise FeedError(f"a load count must not be negative: {model!r}")
+        if load.ttft_p90_ms is not None and load.ttft_p90_ms < 0:
+            raise FeedError(f"a TTFT must not be negative: {model!r}")
+        if load.idle_s is not None and load.idle_s < 0:
+            raise FeedError(f"an idle time must not be negative: {model!r}")
+        if load.kv_use is not None and not 0 <= load.kv_use <= 1:
+            raise FeedError(f"a KV-cache use is a share, 0-1: {model!r} has {load.kv_use}")
 
 
 def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> object:
@@ -186,6 +229,9 @@ def _check_table(table: RouteTable) -> None:
             raise FeedError(f"a table names the adapter {adapter!r}, which is no adapter's name")
         if base not in table.models:
             raise FeedError(f"the adapter {adapter!r} adapts {base!r}, which the table lacks")
+    for model in table.autoscaled:
+        if model not in table.models:
+            raise FeedError(f"a table autoscales {model!r}, which it does not place")
 
 
 def _check_endpoint(endpoint: Endpoint, where: str) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import trio
 
+from llmgw_core.autoscaling import RouterLoad, combine
 from llmgw_server.route_feed.connection import Connection
-from llmgw_server.route_feed.follower import run_feed
+from llmgw_server.route_feed.follower import report_load, run_feed
 from llmgw_server.route_feed.hub import RouteHub
 from llmgw_server.route_feed.messages import InFlight, RouteTable, encode
 
@@ -37,7 +38,11 @@ class TableRelay:
     def _received_table(self, table: RouteTable) -> None:
         self.table = table
         local = self.hub.publish(
-            table.models, table.draining, complete=table.complete, adapters=table.adapters
+            table.models,
+            table.draining,
+            complete=table.complete,
+            adapters=table.adapters,
+            autoscaled=table.autoscaled,
         )
         self._versions[local] = table.version
         self._wake.set()
@@ -59,10 +64,21 @@ class TableRelay:
         counts = {e.url: n for e in self.table.draining if (n := hub.in_flight(e))}
         return InFlight(self._versions[latest], counts)
 
+    def load(self) -> dict[str, RouterLoad]:
+        """Each autoscaled model's load, every worker's last report combined."""
+        return {model: combine(loads) for model, loads in self.hub.loads().items()}
+
+    async def _load_held(self) -> dict[str, RouterLoad]:
+        await self.hub.wait_held()
+        return self.load()
+
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
         """Tell the control plane what the workers report, each time it changes."""
         sent: InFlight | None = None
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                report_load, connection, scope, lambda: self.table, self.load, self._load_held
+            )
             nursery.start_soon(self._wake_on_reports)
             try:
                 while True:

@@ -39,6 +39,7 @@ class AccessRecord:
     bytes_sent: int = 0  # body bytes written to the client
     prompt_tokens: int | None = None  # from the engine's usage, when it sent one
     completion_tokens: int | None = None
+    queued_s: float | None = None  # held while no replica served its model (autoscaling)
 
 
 def key_id_of(digest_hex: str) -> str:
@@ -116,7 +117,8 @@ def format_logfmt(record: AccessRecord) -> str:
         f"replica={_repeating(record.replica)} duration_ms={_ms(record.duration_s)} "
         f"ttfb_ms={_ms(record.ttfb_s)} bytes={record.bytes_sent} "
         f"key_id={_repeating(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
-        f"completion_tokens={_count(record.completion_tokens)}\n"
+        f"completion_tokens={_count(record.completion_tokens)} "
+        f"queued_ms={_ms(record.queued_s)}\n"
     )
 
 
@@ -136,6 +138,7 @@ def format_json(record: AccessRecord) -> str:
         "key_id": record.key_id,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
+        "queued_ms": None if record.queued_s is None else round(record.queued_s * 1000, 3),
     }
     return json.dumps(line, separators=(",", ":")) + "\n"
 

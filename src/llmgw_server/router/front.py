@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 import trio
 
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.bearer import bearer_digest, client_key_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection
@@ -36,6 +37,7 @@ from llmgw_server.router.balancer import (
     busy_pause_s,
     judge,
 )
+from llmgw_server.router.meter import ModelMeter
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
@@ -85,6 +87,9 @@ _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"}
 _ERROR_BODY_LIMIT = 1024 * 1024
 _WHOLE_LIMIT = 1024 * 1024
 _REQUEST_ID = b"x-request-id"
+# A held request refused (its model's queue full, or no replica in hold_timeout_s) is
+# told to come back this much later: a waking engine may serve by then.
+HOLD_RETRY_AFTER_S = 5
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered, neither logged nor counted
 _CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 
@@ -114,6 +119,9 @@ class Router:
         self.cards: dict[str, dict[str, object]] = {}
         # LoRA adapter -> the model whose replicas serve it under its name (route feed).
         self.adapters: dict[str, str] = {}
+        # Each autoscaled model's meter and held requests (route feed; router.meter).
+        self.meters: dict[str, ModelMeter] = {}
+        self._load_wanted = trio.Event()  # set when a request is held: report at once
         self.ready = False  # the first health probe round is done
         self.draining = False
         self._5xx_log = RateLimit(period_s=10.0)
@@ -170,6 +178,9 @@ class Router:
                     self.tuning.upstream_idle_s,
                 )
         balancer.set_endpoints(endpoints)
+        meter = self.meters.get(model)
+        if meter is not None and endpoints:
+            meter.may_serve()
         in_use = {r.endpoint for b in self.balancers.values() for r in b.replicas}
         for endpoint in [e for e in self.pools if e not in in_use]:
             self.pools.pop(endpoint).close()
@@ -186,6 +197,38 @@ class Router:
 
     def set_adapters(self, adapters: Mapping[str, str]) -> None:
         self.adapters = dict(adapters)
+
+    def set_autoscaled(self, models: frozenset[str]) -> None:
+        """Meter these models for the autoscaler, and hold their requests while none of
+        their replicas serves; a model no longer autoscaled releases what it held."""
+        for model in [m for m in self.meters if m not in models]:
+            self.meters.pop(model).may_serve()
+        for model in models:
+            if model not in self.meters:
+                self.meters[model] = ModelMeter()
+
+    def load_report(self) -> dict[str, RouterLoad]:
+        """Each autoscaled model's load since the last report (route_feed.messages.Load)."""
+        now = trio.current_time()
+        report = {}
+        for model, meter in self.meters.items():
+            balancer = self.balancers.get(model)
+            readings = [
+                r.engine_load.kv_usage
+                for r in (balancer.replicas if balancer else ())
+                if r.engine_load is not None and r.engine_load.kv_usage is not None
+            ]
+            kv = sum(readings) / len(readings) if readings else None
+            in_flight = self.metrics.in_flight
+            sent = in_flight[model] + sum(
+                in_flight[a] for a, m in self.adapters.items() if m == model
+            )
+            report[model] = meter.report(now, sent, kv)
+        return report
+
+    async def wait_load_wanted(self) -> None:
+        """Until a request is held (the control plane should hear of it at once)."""
+        await self._load_wanted.wait()
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -344,16 +387,18 @@ class Router:
         return False if digest is None else self.keys.get(digest, False)
 
     def _models(self, allowed: frozenset[str] | None) -> bytes:
+        # An autoscaled model scaled to zero is listed: a request for it wakes it.
+        meters = self.meters
         data = [
             self.cards.get(name) or plain_card(name)
             for name, balancer in self.balancers.items()
-            if balancer.healthy_count and (allowed is None or name in allowed)
+            if (balancer.healthy_count or name in meters) and (allowed is None or name in allowed)
         ]
         # An adapter while its model is listed, as vLLM lists one: its parent, and its
         # name as its root (its path is the node's business).
         for name, base in self.adapters.items():
             balancer = self.balancers.get(base)
-            listed = balancer is not None and balancer.healthy_count > 0
+            listed = balancer is not None and (balancer.healthy_count > 0 or base in meters)
             if listed and name not in self.balancers and (allowed is None or name in allowed):
                 owner = (self.cards.get(base) or plain_card(base))["owned_by"]
                 data.append({**plain_card(name), "owned_by": owner, "root": name, "parent": base})
@@ -404,10 +449,14 @@ class Router:
             responder.message = message
             await responder.whole(403, responder.errors.body(403, message, "model_not_allowed"))
             return
-        balancer = self.balancers.get(model) or self.balancers.get(self.adapters.get(model, ""))
+        base = model if model in self.balancers else self.adapters.get(model, "")
+        balancer = self.balancers.get(base)
         if balancer is None:
             await responder.error(404, f"the model {model!r} does not exist")
             return
+        meter = self.meters.get(base)
+        if meter is not None:
+            meter.arrived(trio.current_time())
         pinned: Replica | None = None
         body_for: Callable[[Replica], bytes] | None = None
         if path == RESPONSES:
@@ -434,6 +483,9 @@ class Router:
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
+            waits = meter is not None and not balancer.healthy_count
+            if waits and not await self._held(model, balancer, meter, responder):  # type: ignore[arg-type]
+                return
             await self._forward(
                 model,
                 balancer,
@@ -447,6 +499,42 @@ class Router:
             )
         finally:
             metrics.in_flight[model] -= 1
+
+    async def _held(
+        self, model: str, balancer: Balancer, meter: ModelMeter, responder: RecordingResponder
+    ) -> bool:
+        """Hold a request for an autoscaled model that no replica serves (scaled to zero,
+        or all starting) until one does, oldest first: True once one may serve it; False
+        when it was answered 503 with Retry-After (the model's queue is full, or
+        `hold_timeout_s` passed)."""
+        tuning = self.tuning
+        if meter.held >= tuning.hold_max_per_model:
+            message = (
+                f"no replica of the model {model!r} serves yet and {meter.held} requests "
+                "wait for one already: try again shortly"
+            )
+            return await self._unheld(model, responder, message)
+        meter.held += 1
+        self._load_wanted.set()
+        self._load_wanted = trio.Event()
+        started = trio.current_time()
+        try:
+            with trio.move_on_after(tuning.hold_timeout_s):
+                while self.meters.get(model) is meter and not balancer.healthy_count:
+                    await meter.wait_served()
+                return True
+        finally:
+            meter.held -= 1
+            responder.record.queued_s = trio.current_time() - started
+        message = f"no replica of the model {model!r} served within {tuning.hold_timeout_s:g} s"
+        return await self._unheld(model, responder, message)
+
+    async def _unheld(self, model: str, responder: RecordingResponder, message: str) -> bool:
+        self._log_5xx(model, None, 503, message)
+        body = responder.errors.body(503, message, None)
+        retry = (b"retry-after", b"%d" % HOLD_RETRY_AFTER_S)
+        await responder.whole(503, body, [*_content_type_of(body), retry])
+        return False
 
     async def _stored(
         self, request: Request, responder: RecordingResponder, digest: str | None
@@ -566,6 +654,10 @@ class Router:
                             balancer.busy(replica, pause, trio.current_time())
                         continue
                     self.metrics.ttfb[model].observe(ttfb)
+                    if self.meters:
+                        meter = self.meters.get(self.adapters.get(model, model))
+                        if meter is not None:
+                            meter.first_byte(ttfb)
                     await self._relay(model, balancer, replica, exchange, responder, stream)
                     self.metrics.latency[model].observe(time.monotonic() - started)
                     return status

@@ -1,0 +1,52 @@
+"""What a router measures of an autoscaled model for the control plane's autoscaler, and
+the requests it holds while no replica serves the model (scaled to zero, or waking).
+
+One `ModelMeter` per autoscaled model (the route table names them), owned by the router;
+the request path writes it (`arrived`, `first_byte`, `hold` ... `released`), the route
+feed's reporter reads it (`report`) every `LOAD_INTERVAL_S` and at once when a request is
+held. Bounds: `MAX_TTFB_SAMPLES` first-byte times a report interval (the latest kept),
+and at most `[router] hold_max_per_model` requests held, each at most `hold_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import trio
+
+from llmgw_core.autoscaling import RouterLoad
+
+MAX_TTFB_SAMPLES = 4096
+
+
+class ModelMeter:
+    def __init__(self) -> None:
+        self.held = 0  # requests waiting for a replica to serve
+        self.last_request_at: float | None = None  # trio time of the latest arrival
+        self._ttfb_s: deque[float] = deque(maxlen=MAX_TTFB_SAMPLES)
+        self._served = trio.Event()  # set (and replaced) each time replicas may serve
+
+    def arrived(self, now: float) -> None:
+        self.last_request_at = now
+
+    def first_byte(self, seconds: float) -> None:
+        self._ttfb_s.append(seconds)
+
+    def may_serve(self) -> None:
+        """The model's replicas changed: held requests look again, oldest first."""
+        self._served.set()
+        self._served = trio.Event()
+
+    async def wait_served(self) -> None:
+        await self._served.wait()
+
+    def report(self, now: float, in_flight: int, kv_use: float | None) -> RouterLoad:
+        """This interval's load (its first-byte samples are consumed)."""
+        samples = sorted(self._ttfb_s)
+        self._ttfb_s.clear()
+        p90 = None
+        if samples:
+            p90 = samples[min(len(samples) - 1, math.ceil(0.9 * len(samples)) - 1)] * 1000
+        idle = None if self.last_request_at is None else max(now - self.last_request_at, 0.0)
+        return RouterLoad(max(in_flight - self.held, 0), self.held, p90, idle, kv_use)

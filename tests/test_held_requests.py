@@ -1,0 +1,140 @@
+"""A router holds the requests of an autoscaled model that no replica serves (scaled to
+zero, waking) until one does, oldest first: bounded per model, timed out with 503 and
+Retry-After, held only for a key that may use the model, counted in the access log
+(`queued_ms`) and reported to the control plane (`held`). In process, real sockets: the
+route feed's calls (`set_autoscaled`, `set_endpoints`) are made on the router directly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import trio
+
+from llmgw_core.config import parse_config
+from llmgw_http.limits import ServerLimits
+from llmgw_http.request import Request
+from llmgw_http.responder import Responder
+from llmgw_http.server import HTTPServer
+from llmgw_server.router.front import HOLD_RETRY_AFTER_S
+from llmgw_server.wiring import Running, main
+
+KEY, OTHER_KEY = "sk-held-all", "sk-held-other"
+
+
+class Engine:
+    """Answers each chat with the content it was sent, and keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        if request.path != b"/v1/chat/completions":
+            await responder.whole(200 if request.path == b"/health" else 404, b"{}")
+            return
+        content = json.loads(request.body)["messages"][0]["content"]
+        self.order.append(content)
+        answer = {"choices": [{"message": {"role": "assistant", "content": content}}]}
+        await responder.whole(200, json.dumps(answer).encode())
+
+
+@asynccontextmanager
+async def router_and_engine(tmp_path: Path) -> AsyncIterator[tuple[Running, Engine, str]]:
+    engine = Engine()
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        await nursery.start(HTTPServer(engine.handle, ServerLimits()).serve, listeners)
+        engine_url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        config = parse_config(
+            {
+                "server": {
+                    "listen": "127.0.0.1:0",
+                    "access_log": True,
+                    "access_log_format": "json",
+                    "access_log_file": str(tmp_path / "access.log"),
+                },
+                "router": {"hold_timeout_s": 1.5, "hold_max_per_model": 3},
+                "auth": {"keys": [{"env": "KEY"}, {"env": "OTHER_KEY", "models": ["other"]}]},
+                "models": [{"name": "other", "endpoints": [engine_url]}],
+            },
+            "server.toml",
+            environ={"KEY": KEY, "OTHER_KEY": OTHER_KEY},
+        )
+        stop = trio.Event()
+        running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
+        router = running.router
+        router.set_endpoints("chat", ())  # placed by the control plane, scaled to zero
+        router.set_autoscaled(frozenset({"chat"}))
+        yield running, engine, engine_url
+        stop.set()
+        nursery.cancel_scope.cancel()
+
+
+def chat(content: str) -> dict[str, object]:
+    return {"model": "chat", "messages": [{"role": "user", "content": content}]}
+
+
+async def test_held_until_a_replica_serves_in_order_and_bounded(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with router_and_engine(tmp_path) as (running, engine, engine_url):
+            router = running.router
+            meter = router.meters["chat"]
+            base = f"http://127.0.0.1:{running.port}"
+            auth = {"authorization": f"Bearer {KEY}"}
+            answers: dict[str, httpx.Response] = {}
+            async with httpx.AsyncClient(base_url=base, headers=auth, timeout=20) as client:
+                listed = await client.get("/v1/models")
+                assert [m["id"] for m in listed.json()["data"]] == ["other", "chat"]
+
+                async def ask(content: str) -> None:
+                    answers[content] = await client.post("/v1/chat/completions", json=chat(content))
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(3):
+                        nursery.start_soon(ask, f"held-{i}")
+                        while meter.held < i + 1:  # each held before the next is sent
+                            await trio.sleep(0.01)
+                    # The model's queue is full: the next one is told to come back.
+                    full = await client.post("/v1/chat/completions", json=chat("fourth"))
+                    assert full.status_code == 503, full.text
+                    assert full.headers["retry-after"] == str(HOLD_RETRY_AFTER_S)
+                    assert "3 requests wait" in full.json()["error"]["message"]
+                    # A key that may not use the model is refused, never held.
+                    other = await client.post(
+                        "/v1/chat/completions",
+                        json=chat("not mine"),
+                        headers={"authorization": f"Bearer {OTHER_KEY}"},
+                    )
+                    assert other.status_code == 403 and meter.held == 3
+                    report = router.load_report()["chat"]
+                    assert (report.held, report.in_flight) == (3, 0)
+                    await trio.sleep(0.5)
+                    endpoint = router.balancers["other"].replicas[0].endpoint
+                    router.set_endpoints("chat", [endpoint])  # a replica serves: released
+                assert [answers[f"held-{i}"].status_code for i in range(3)] == [200, 200, 200]
+                # Released together once it serves (each then dials the engine on its own
+                # connection, so the engine may see them in any order).
+                assert sorted(engine.order) == ["held-0", "held-1", "held-2"]
+                assert meter.held == 0
+                # No replica again, and none comes: 503 after hold_timeout_s.
+                router.set_endpoints("chat", ())
+                started = trio.current_time()
+                late = await client.post("/v1/chat/completions", json=chat("late"))
+                waited = trio.current_time() - started
+                assert late.status_code == 503 and late.headers["retry-after"] == "5"
+                assert 1.5 <= waited < 5, waited
+                assert "within 1.5 s" in late.json()["error"]["message"]
+            lines: list[dict[str, object]] = []
+            log = tmp_path / "access.log"
+            while len(lines) < 7:  # the writer puts lines out every half second
+                await trio.sleep(0.05)
+                lines = [json.loads(x) for x in log.read_text().splitlines() if x]
+            queued = {str(line["status"]): line["queued_ms"] for line in lines}
+            held = [line for line in lines if line["status"] == 200 and line["path"] != "/v1/models"]
+            waits = [float(str(h["queued_ms"])) for h in held]
+            assert len(held) == 3 and min(waits) >= 400, waits
+            assert queued["403"] is None  # never held
+            assert engine_url
