@@ -5,16 +5,21 @@ from __future__ import annotations
 import json
 
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hypothesis_profiles import profile_times
+from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
+from llmgw_server.route_feed.connection import local_pair
+from llmgw_server.route_feed.hub import RouteHub
 from llmgw_server.route_feed.messages import (
     PROTOCOL,
     FeedError,
     Hello,
     InFlight,
+    Load,
     Routes,
     RouteTable,
     decode_down,
@@ -99,6 +104,50 @@ def test_the_engine_key_travels_with_its_endpoint() -> None:
     assert decoded.draining == {endpoint}
 
 
+def test_a_load_frame_and_an_autoscaling_table_round_trip() -> None:
+    load = Load({"chat": RouterLoad(3, 1, 120.5, 0.25, 0.4, 17), "idle": RouterLoad()})
+    assert decode_up(encode(load)) == load
+    table = RouteTable(2, {"chat": ()}, frozenset(), autoscaled=frozenset({"chat"}))
+    assert decode_down(encode(Routes(table))) == Routes(table)
+    # A table from before autoscaling still decodes: it autoscales nothing.
+    old = json.loads(encode(Routes(table)))
+    del old["table"]["autoscaled"]
+    assert decode_down(json.dumps(old)).table.autoscaled == frozenset()
+
+
+async def test_the_hub_keeps_the_loads_of_autoscaled_models_only_and_hears_a_held_one(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hub = RouteHub()
+    hub.publish({"chat": (), "fixed": ()}, frozenset(), complete=True, autoscaled=frozenset({"chat"}))
+    router_end, hub_end = local_pair()
+    held_heard: list[float] = []
+
+    async def hear_held() -> None:
+        await hub.wait_held()
+        held_heard.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hub.serve, hub_end, "peer")
+        nursery.start_soon(hear_held)
+        await router_end.send(encode(Hello(PROTOCOL, "r1")))
+        await router_end.receive()  # the table
+        models = {m: RouterLoad(in_flight=2, ttft_p90_ms=90.0, requests=5) for m in ("chat", "fixed", "x" * 50)}
+        await router_end.send(encode(Load(models)))
+        await trio.sleep(1)
+        assert hub.loads() == {"chat": [models["chat"]]}  # what the table does not autoscale: not kept
+        assert dict(hub.arrived) == {"chat": 5} and not held_heard
+        assert hub.ttft_peak("chat", since=0.0) == 90.0 and hub.ttft_peak("fixed", since=0.0) is None
+        await router_end.send(encode(Load({"chat": RouterLoad(held=1, ttft_p90_ms=40.0, requests=1)})))
+        await trio.sleep(1)
+        assert held_heard and hub.loads()["chat"][0].held == 1 and hub.arrived["chat"] == 6
+        assert hub.ttft_peak("chat", since=0.0) == 90.0  # the worst since then
+        assert hub.ttft_peak("chat", since=trio.current_time() - 0.5) is None
+        assert hub.ttft_peak("chat", since=trio.current_time() - 1.5) == 40.0
+        router_end.close()
+    assert hub.loads() == {}  # a follower gone: its load goes with it
+
+
 def test_up_and_down_do_not_mix() -> None:
     with pytest.raises(FeedError, match="unknown message type 'routes'"):
         decode_up(encode(Routes(RouteTable(1))))
@@ -122,6 +171,19 @@ def test_up_and_down_do_not_mix() -> None:
         (b"\x00\x01", "binary frames"),
         ('"' + "x" * (17 * 1024 * 1024) + '"', "exceeds"),
         ("[" * 100000 + "]" * 100000, "not JSON"),
+        ('{"type": "load", "models": {"m": {"in_flight": -1}}}', "must not be negative"),
+        ('{"type": "load", "models": {"m": {"held": 1.5}}}', "expected int"),
+        ('{"type": "load", "models": {"m": {"kv_use": 1.5}}}', "a share, 0-1"),
+        ('{"type": "load", "models": {"m": {"kv_use": "0.5"}}}', "expected float"),
+        ('{"type": "load", "models": {"m": {"ttft_p90_ms": 1e999}}}', "expected float"),
+        ('{"type": "load", "models": {"m": {"ttft_p90_ms": -3}}}', "must not be negative"),
+        ('{"type": "load", "models": {"m": {"idle_s": -1}}}', "must not be negative"),
+        ('{"type": "load", "models": {"m": {"requests": true}}}', "expected int"),
+        ('{"type": "load", "models": [1]}', "malformed"),
+        (
+            json.dumps({"type": "load", "models": {str(i): {} for i in range(10_001)}}),
+            "names 10001 models, over 10000",
+        ),
     ],
 )
 def test_bad_up_frames_say_why(frame: str | bytes, reason: str) -> None:
@@ -154,6 +216,8 @@ def _routes(table: object) -> str:
          "names the adapter 'm', which is no adapter's name"),
         (_routes({"version": 1, "models": {"m": []}, "adapters": {"": "m"}}),
          "names the adapter '', which is no adapter's name"),
+        (_routes({"version": 1, "models": {"m": []}, "autoscaled": ["n"]}),
+         "autoscales 'n', which it does not place"),
     ],
 )  # fmt: skip
 def test_bad_tables_say_why(frame: str, reason: str) -> None:

@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import attrs
 import httpx
+import openai
 import pytest
 import trio
 from cryptography import x509
@@ -31,6 +33,7 @@ from selenium.webdriver.common.by import By
 
 from fleet import Fleet, wait_until
 from llmgw_http.server import Responder
+from llmgw_server.control.history import History, Point
 from llmgw_server.control.reconciler import Step
 from llmgw_server.control_shell import ui_server
 from llmgw_server.control_shell.fleet_feed import FleetFeed
@@ -99,6 +102,49 @@ async def test_the_stream_sends_a_change_within_a_second_and_coalesces_a_storm(
         assert all(b - a >= ui_server.COALESCE_S for a, b in itertools.pairwise(sent))
         assert out.lines[-1][1]["status"] == {"n": feed.version}  # the last change shown
         nursery.cancel_scope.cancel()
+
+
+async def test_the_stream_sends_the_charts_whole_first_then_each_new_point(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    feed = FleetFeed(wall_clock=lambda: 0.0)
+    history = History()
+    history.record(0.0, {"chat": Point(100.0, 2.0, 50.0, 1, 1)}, {"chat"})
+    history.record(10.0, {"chat": Point(110.0, 3.0, 60.0, 2, 2)}, {"chat"})
+    out = Lines()
+
+    def since(seq: int) -> tuple[int, dict[str, Any]]:
+        return history.seq, {m: [attrs.asdict(p) for p in ps] for m, ps in history.since(seq).items()}
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ui_server.stream, feed, lambda: {}, cast(Responder, out), since)
+        await trio.sleep(1)
+        first = out.lines[0][1]["history"]
+        assert first["full"] and [p["rps"] for p in first["models"]["chat"]] == [2.0, 3.0]
+        history.record(20.0, {"chat": Point(120.0, 4.0, None, 2, 2)}, {"chat"})
+        feed.bump()
+        await trio.sleep(1)
+        update = out.lines[-1][1]["history"]
+        assert not update["full"] and update["models"]["chat"] == [
+            {"at": 120.0, "rps": 4.0, "ttft_p90_ms": None, "serving": 2, "desired": 2}
+        ]
+        feed.bump()  # a change with no new point: no history in the line
+        await trio.sleep(1)
+        assert "history" not in out.lines[-1][1] and "status" in out.lines[-1][1]
+        nursery.cancel_scope.cancel()
+
+
+def test_history_is_an_hour_a_model_and_forgets_models_no_longer_autoscaled() -> None:
+    history = History(every_s=10.0, keep=360)
+    assert history.due(0.0)
+    for i in range(400):
+        history.record(i * 10.0, {"a": Point(i, i, None, 1, 1), "b": Point(i, 0, None, 0, 0)}, {"a", "b"})
+    assert not history.due(3995.0) and history.due(4000.0)
+    assert [len(v) for v in history.since(0).values()] == [360, 360]
+    assert history.since(0)["a"][0].rps == 40
+    seq = history.seq
+    history.record(4000.0, {"a": Point(400, 400, None, 1, 1)}, {"a"})
+    assert list(history.since(seq)) == ["a"] and "b" not in history.since(0)
 
 
 def test_recent_transitions_are_bounded() -> None:
@@ -335,6 +381,73 @@ def test_open_status_needs_no_token(fleet: Fleet, browser: webdriver.Chrome) -> 
     ):
         assert response.status_code == 200
         assert "status" in json.loads(next(response.iter_lines()))
+
+
+AUTOSCALED = """
+[[models]]
+name = "chat"
+[models.profile]
+engine = "vllm"
+model = "org/chat"
+gpu_memory_gib = 20
+[models.autoscale]
+min = 1
+max = 2
+target_in_flight = 4
+"""
+
+# The autoscaled model's row and charts, as the page shows them.
+READ_CHARTS = """
+const row = document.querySelector('#models tr[data-model="chat"]');
+const charts = [...document.querySelectorAll('#charts .chart-row[data-model="chat"] figure')];
+return {
+  autoscale: row ? row.querySelector('.autoscale').textContent : null,
+  load_shown: !document.getElementById('load').hidden,
+  charts: Object.fromEntries(charts.map((f) => [f.dataset.chart, {
+    caption: f.querySelector('figcaption').textContent,
+    points: (f.querySelector('polyline')?.getAttribute('points') || '').split(' ').filter(Boolean).length,
+  }])),
+};
+"""
+
+
+def test_the_page_charts_an_autoscaled_models_last_hour_live(
+    fleet: Fleet, browser: webdriver.Chrome
+) -> None:
+    fleet.server(
+        f'\n[admin]\ntoken_digest = "{DIGEST}"\nopen_status = true\n' + AUTOSCALED,
+        control="autoscale_interval_s = 0.5",
+    )
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    wait_until(lambda: fleet.serving("chat"), 30, what="a replica of chat")
+    browser.get(fleet.control + "/ui")
+
+    def charts() -> dict[str, Any]:
+        data: dict[str, Any] = browser.execute_script(READ_CHARTS)
+        return data
+
+    first = wait_until(
+        lambda: (c := charts())["load_shown"] and c["charts"].get("replicas", {}).get("points") and c,
+        30,
+        what="the page to chart chat",
+    )
+    assert "1 to 2 replicas; target 4 in flight a replica" in first["autoscale"]
+    assert set(first["charts"]) == {"requests/s", "TTFT p90", "replicas"}
+    # The first point may be from before the replica served (recorded at the first cycle).
+    assert re.fullmatch(r"replicas: [01] now, [01] at most", first["charts"]["replicas"]["caption"])
+    # Requests through the router: the next point (every 10 s) charts them, sent live.
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(20):
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
+    later = wait_until(
+        lambda: (c := charts())["charts"]["requests/s"]["caption"] != "requests/s: 0 now, 0 at most"
+        and c,
+        30,
+        what="a point with the requests",
+    )
+    assert later["charts"]["replicas"]["points"] > first["charts"]["replicas"]["points"]
+    assert later["charts"]["replicas"]["caption"] == "replicas: 1 now, 1 at most"
+    assert "ms now" in later["charts"]["TTFT p90"]["caption"]
 
 
 # -- the demo, as `make demo` runs it -------------------------------------------

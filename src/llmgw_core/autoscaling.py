@@ -65,6 +65,7 @@ class RouterLoad:
     ttft_p90_ms: float | None = None  # of requests that got their first byte; None: none did
     idle_s: float | None = None  # since a request for the model last arrived; None: never
     kv_use: float | None = None  # the engines' own KV-cache use (0-1), as this router read it
+    requests: int = 0  # requests that arrived since this router's previous report
 
 
 def combine(reports: Iterable[RouterLoad]) -> RouterLoad:
@@ -75,7 +76,9 @@ def combine(reports: Iterable[RouterLoad]) -> RouterLoad:
     ttft: float | None = None
     kv: float | None = None
     idle: float | None = None
+    requests = 0
     for r in reports:
+        requests += r.requests
         in_flight += r.in_flight
         held += r.held
         if r.ttft_p90_ms is not None:
@@ -84,4 +87,4 @@ def combine(reports: Iterable[RouterLoad]) -> RouterLoad:
             kv = r.kv_use if kv is None else max(kv, r.kv_use)
         if r.idle_s is not None:
             idle = r.idle_s if idle is None else min(idle, r.idle_s)
-    return RouterLoad(in_flight, held, ttft, idle, kv)
+    return RouterLoad(in_flight, held, ttft, idle, kv, requests)

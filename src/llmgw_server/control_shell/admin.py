@@ -180,6 +180,7 @@ class AdminAPI:
                     )
                 ),
                 responder,
+                lambda seq: (plane.history.seq, to_json(plane.history.since(seq))),
             )
         elif request.method == b"GET" and len(rest) == 2 and rest[0] == "explain":
             explanation = self.plane.reconciler.explain(rest[1])

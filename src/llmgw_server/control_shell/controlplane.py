@@ -27,6 +27,7 @@ from llmgw_core.logsafe import escaped
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
+from llmgw_server.control.history import History, Point
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
 from llmgw_server.control.scaling import merge
 from llmgw_server.control_shell.agents import AgentService
@@ -47,6 +48,9 @@ class ControlPlane:
         self.routes = RouteHub()  # what routers follow
         self.metrics = ControlMetrics()
         self.feed = FleetFeed()  # what the fleet page follows
+        self.history = History()  # each autoscaled model's last hour, for the page
+        self._arrived_at_point: tuple[float, dict[str, int]] | None = None
+        self._cycle_at = trio.current_time()  # the last autoscaling cycle's time
         self.reconciler = Reconciler(
             config.control,
             config.catalog,
@@ -119,11 +123,39 @@ class ControlPlane:
         while True:
             if self.reconciler.scaling.specs:
                 self._run(self._autoscale_step)
+                if self.history.due(trio.current_time()):
+                    self._record_history()
             await trio.sleep(interval)
+
+    def _record_history(self) -> None:
+        reconciler = self.reconciler
+        specs = reconciler.scaling.specs
+        serving = reconciler.serving()
+        desired = {m.name: m.replicas for m in reconciler.catalog.profiled}
+        now, arrived = trio.current_time(), dict(self.routes.arrived)
+        before_at, before = self._arrived_at_point or (now, arrived)
+        self._arrived_at_point = now, arrived
+        points = {}
+        for model in specs:
+            new = arrived.get(model, 0) - before.get(model, 0)
+            points[model] = Point(
+                time.time(),
+                new / (now - before_at) if now > before_at else 0.0,
+                self.routes.ttft_peak(model, before_at),
+                len(serving.get(model, ())),
+                desired.get(model, 0),
+            )
+        self.history.record(now, points, specs)
+        self.feed.bump()
 
     def _autoscale_step(self) -> Step:
         now = trio.current_time()
-        loads = {m: merge(r, now) for m, r in self.routes.loads().items()}
+        since, self._cycle_at = self._cycle_at, now
+        loads = {}
+        for model, reports in self.routes.loads().items():
+            # Every report since the last cycle counts, not only each router's latest.
+            ttft = self.routes.ttft_peak(model, since)
+            loads[model] = attrs.evolve(merge(reports, now), ttft_p90_ms=ttft)
         return self.reconciler.autoscale(loads, now)
 
     async def _wake_held(self) -> None:

@@ -68,9 +68,14 @@ async def page(request: Request, responder: Responder) -> None:
 
 
 async def stream(
-    feed: FleetFeed, snapshot: Callable[[], dict[str, Any]], responder: Responder
+    feed: FleetFeed,
+    snapshot: Callable[[], dict[str, Any]],
+    responder: Responder,
+    history: Callable[[int], tuple[int, dict[str, Any]]] | None = None,
 ) -> None:
-    """Follow the fleet until the client goes away (which cancels this handler)."""
+    """Follow the fleet until the client goes away (which cancels this handler).
+    `history(seq)` gives the charts' points recorded after cursor `seq` (0: all kept) and
+    the new cursor: the first line carries every point kept, later ones the new points."""
     await responder.start(
         200,
         [
@@ -80,12 +85,18 @@ async def stream(
         ],
     )
     version = -1
+    seq = 0
     while True:
         sent_at = trio.current_time()
         if feed.version != version:
             version = feed.version
             recent = [to_json(r) for r in feed.recent]
             line = {"status": snapshot(), "recent": recent, "version": version}
+            if history is not None:
+                first = seq == 0
+                seq, points = history(seq)
+                if points or first:
+                    line["history"] = {"full": first, "models": points}
         else:
             line = {"keepalive": True, "version": version}
         with trio.move_on_after(SEND_TIMEOUT_S) as sending:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+from collections import Counter, deque
 from collections.abc import Mapping
 
 import attrs
@@ -52,6 +53,7 @@ HELLO_TIMEOUT_S = 10.0
 KEEPALIVE_INTERVAL_S = 5.0  # a silent follower is pinged after 10 s and cut after 20 s
 _RATE = 100.0  # reports a second, sustained: a follower sends one per table and change
 _BURST = 1000
+TTFT_KEPT = 256  # TTFT reports kept a model, all followers together (a minute of 2 s ones)
 
 
 @attrs.define
@@ -71,6 +73,12 @@ class RouteHub:
         self._published = trio.Event()
         self._reported = trio.Event()
         self._held = trio.Event()
+        # Requests that arrived at the followers, by model, as their loads said: a count
+        # that only grows (readers take differences: the page's requests a second).
+        self.arrived: Counter[str] = Counter()
+        # Each model's TTFT p90s as followers reported them, with when (a report covers
+        # its follower's last interval; readers ask for the worst since their last look).
+        self._ttft: dict[str, deque[tuple[float, float]]] = {}
 
     @property
     def followers(self) -> int:
@@ -115,6 +123,10 @@ class RouteHub:
             for model, load in follower.load.items():
                 out.setdefault(model, []).append(load)
         return out
+
+    def ttft_peak(self, model: str, since: float) -> float | None:
+        """The worst TTFT p90 a follower reported for `model` at or after `since`."""
+        return max((p90 for at, p90 in self._ttft.get(model, ()) if at >= since), default=None)
 
     async def wait_held(self) -> None:
         """Until a follower reports a request it holds (a model no replica serves)."""
@@ -190,7 +202,14 @@ class RouteHub:
                 )
             tokens -= 1
             if isinstance(message, Load):
-                follower.load = dict(message.models)
+                # Only the models the table autoscales: what a follower names is bounded.
+                scaled = self.table.autoscaled
+                follower.load = {m: v for m, v in message.models.items() if m in scaled}
+                for model, load in follower.load.items():
+                    self.arrived[model] += load.requests
+                    if load.ttft_p90_ms is not None:
+                        seen = self._ttft.setdefault(model, deque(maxlen=TTFT_KEPT))
+                        seen.append((now, load.ttft_p90_ms))
                 if any(load.held for load in message.models.values()):
                     self._held.set()
                     self._held = trio.Event()

@@ -4,6 +4,7 @@ does, and relays each table to the workers through a hub of its own."""
 
 from __future__ import annotations
 
+import attrs
 import trio
 
 from llmgw_core.autoscaling import RouterLoad, combine
@@ -29,6 +30,7 @@ class TableRelay:
         self.table: RouteTable | None = None  # the last table received
         self._versions: dict[int, int] = {}  # hub version -> the control plane's
         self._wake = trio.Event()
+        self._arrived_before: dict[str, int] = {}  # hub.arrived when load() last read it
 
     async def follow(self, connection: Connection) -> None:
         """Follow until the peer closes the connection (see route_feed.follower)."""
@@ -65,8 +67,16 @@ class TableRelay:
         return InFlight(self._versions[latest], counts)
 
     def load(self) -> dict[str, RouterLoad]:
-        """Each autoscaled model's load, every worker's last report combined."""
-        return {model: combine(loads) for model, loads in self.hub.loads().items()}
+        """Each autoscaled model's load, every worker's last report combined, with the
+        requests that arrived since the last time it was read."""
+        arrived = self.hub.arrived
+        load = {}
+        for model, loads in self.hub.loads().items():
+            combined = combine(loads)
+            new = arrived[model] - self._arrived_before.get(model, 0)
+            load[model] = attrs.evolve(combined, requests=new)
+        self._arrived_before = dict(arrived)
+        return load
 
     async def _load_held(self) -> dict[str, RouterLoad]:
         await self.hub.wait_held()

@@ -24,11 +24,13 @@ class ModelMeter:
     def __init__(self) -> None:
         self.held = 0  # requests waiting for a replica to serve
         self.last_request_at: float | None = None  # trio time of the latest arrival
+        self._arrived = 0  # since the last report
         self._ttfb_s: deque[float] = deque(maxlen=MAX_TTFB_SAMPLES)
         self._served = trio.Event()  # set (and replaced) each time replicas may serve
 
     def arrived(self, now: float) -> None:
         self.last_request_at = now
+        self._arrived += 1
 
     def first_byte(self, seconds: float) -> None:
         self._ttfb_s.append(seconds)
@@ -42,11 +44,12 @@ class ModelMeter:
         await self._served.wait()
 
     def report(self, now: float, in_flight: int, kv_use: float | None) -> RouterLoad:
-        """This interval's load (its first-byte samples are consumed)."""
+        """This interval's load (its first-byte samples and arrivals are consumed)."""
         samples = sorted(self._ttfb_s)
         self._ttfb_s.clear()
         p90 = None
         if samples:
             p90 = samples[min(len(samples) - 1, math.ceil(0.9 * len(samples)) - 1)] * 1000
         idle = None if self.last_request_at is None else max(now - self.last_request_at, 0.0)
-        return RouterLoad(max(in_flight - self.held, 0), self.held, p90, idle, kv_use)
+        arrived, self._arrived = self._arrived, 0
+        return RouterLoad(max(in_flight - self.held, 0), self.held, p90, idle, kv_use, arrived)

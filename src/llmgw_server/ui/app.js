@@ -7,11 +7,14 @@ const TOKEN_KEY = "llmgw-admin-token";
 const STREAM = "/v1/admin/stream";
 const SILENCE_MS = 45000; // the server sends a keep-alive every 15 s
 const GIB = 1024;
+const KEEP_POINTS = 360; // the control plane keeps an hour a model, a point every 10 s
+const SVG = "http://www.w3.org/2000/svg";
 
 const $ = (id) => document.getElementById(id);
 const openDetails = new Set(); // engine output panes the operator opened
 let ages = []; // [{node, base}] silent nodes, aged between updates
 let receivedAt = 0;
+let history = {}; // model -> [{at, rps, ttft_p90_ms, serving, desired}], oldest first
 
 // An element with properties (className, title, dataset) and children (text or nodes).
 function el(tag, props, ...children) {
@@ -163,14 +166,83 @@ function modelRow(m, replicas) {
     );
   }
   const serving = replicas.filter((r) => r.model === m.name && r.serving).length;
+  const scaling = el("td", { className: "autoscale" });
+  const a = m.autoscale;
+  if (a) {
+    scaling.append(
+      el("div", {}, a.min + " to " + a.max + " replicas; target " + text(a.target)),
+      a.now ? el("div", { className: "muted" }, "now: " + text(a.now)) : null,
+      a.last_change ? el("div", { className: "last-change" }, "last change: " + text(a.last_change)) : null,
+    );
+  } else {
+    scaling.append(el("span", { className: "muted" }, "fixed"));
+  }
   return el(
     "tr",
     { dataset: { model: m.name } },
     el("td", { className: "name" }, text(m.name)),
     el("td", { className: "desired" }, String(m.desired)),
     el("td", { className: "running" }, m.kept + " placed, " + serving + " serving"),
+    scaling,
     why,
   );
+}
+
+// -- charts: drawn as SVG polylines, no charting library -----------------------
+
+function svg(tag, attributes) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, String(value));
+  return node;
+}
+
+// One small chart of `values` (null: no reading) over the hour that ends at `end`.
+function chart(title, points, value, unit, end) {
+  const width = 240, height = 48, pad = 2;
+  const readings = points.map((p) => [p.at, value(p)]).filter(([, v]) => v !== null && v !== undefined);
+  const top = Math.max(1e-9, ...readings.map(([, v]) => v));
+  const x = (at) => pad + ((at - (end - 3600)) / 3600) * (width - 2 * pad);
+  const y = (v) => height - pad - (v / top) * (height - 2 * pad);
+  const figure = svg("svg", { width, height, viewBox: "0 0 " + width + " " + height, class: "chart" });
+  figure.append(svg("rect", { x: 0, y: 0, width, height, class: "chart-frame" }));
+  if (readings.length) {
+    const line = svg("polyline", {
+      points: readings.map(([at, v]) => x(at).toFixed(1) + "," + y(v).toFixed(1)).join(" "),
+      class: "chart-line",
+    });
+    figure.append(line);
+  }
+  const last = readings.length ? readings[readings.length - 1][1] : null;
+  const label = last === null ? "no reading" : (Math.round(last * 10) / 10) + unit + " now, " +
+    (Math.round(top * 10) / 10) + unit + " at most";
+  return el("figure", { className: "chart-box", dataset: { chart: title } },
+    el("figcaption", {}, title + ": " + label), figure);
+}
+
+function renderCharts() {
+  const models = Object.keys(history).sort();
+  $("load").hidden = models.length === 0;
+  const end = Date.now() / 1000;
+  $("charts").replaceChildren(
+    ...models.map((name) => {
+      const points = history[name];
+      return el("div", { className: "chart-row", dataset: { model: name } },
+        el("h3", {}, text(name)),
+        chart("requests/s", points, (p) => p.rps, "", end),
+        chart("TTFT p90", points, (p) => p.ttft_p90_ms, " ms", end),
+        chart("replicas", points, (p) => p.serving, "", end),
+      );
+    }),
+  );
+}
+
+function takeHistory(update) {
+  if (update.full) history = {};
+  for (const [name, points] of Object.entries(update.models)) {
+    const series = (history[name] || []).concat(points);
+    history[name] = series.slice(Math.max(0, series.length - KEEP_POINTS));
+  }
+  // A model no longer autoscaled: the full update leaves it out; later ones say nothing.
 }
 
 function replaceRows(tableId, rows) {
@@ -186,6 +258,10 @@ function render(line) {
   receivedAt = performance.now();
   const users = usedBy(status.replicas);
   replaceRows("models", status.models.map((m) => modelRow(m, status.replicas)));
+  if (line.history) takeHistory(line.history);
+  const scaled = new Set(status.models.filter((m) => m.autoscale).map((m) => m.name));
+  for (const name of Object.keys(history)) if (!scaled.has(name)) delete history[name];
+  renderCharts();
   replaceRows("nodes", status.nodes.map((n) => nodeRow(n, users)));
   replaceRows("replicas", status.replicas.map(replicaRow));
   $("node-count").textContent = "(" + status.nodes.length + ")";
