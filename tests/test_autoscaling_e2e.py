@@ -74,7 +74,7 @@ def models_status(fleet: Fleet) -> dict[str, object]:
 def test_a_model_scales_up_down_to_zero_and_wakes_without_a_failed_request(
     fleet: Fleet,
 ) -> None:
-    fleet.server(MODEL, control="autoscale_interval_s = 0.5")
+    fleet.server(MODEL, control="autoscale_interval_s = 0.5", workers=2)
     fleet.agent("gpu-1", "node-2xl4.toml")
     fleet.agent("gpu-2", "node-2xl4.toml")
     wait_until(lambda: len(fleet.serving("chat")) == 1, what="the first replica", timeout=30)

@@ -15,6 +15,7 @@ from llmgw_core.catalog import Endpoint
 from llmgw_server.route_feed.connection import local_pair
 from llmgw_server.route_feed.hub import RouteHub
 from llmgw_server.route_feed.messages import (
+    LOAD_INTERVAL_S,
     PROTOCOL,
     FeedError,
     Hello,
@@ -26,6 +27,7 @@ from llmgw_server.route_feed.messages import (
     decode_up,
     encode,
 )
+from llmgw_server.route_feed.relay import TableRelay
 
 endpoints = st.builds(
     Endpoint,
@@ -274,3 +276,40 @@ def test_typed_garbage_decodes_or_raises_feed_error(tag: str, fields: dict[str, 
             decode(frame)
         except FeedError:
             pass
+
+
+async def test_a_workers_parent_forwards_its_workers_loads_combined_and_a_held_one_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    control = RouteHub()  # the control plane's
+    control.publish({"chat": ()}, frozenset(), complete=True, autoscaled=frozenset({"chat"}))
+    relay = TableRelay(RouteHub(), "parent")
+    up_relay, up_control = local_pair()
+    workers = [local_pair() for _ in range(2)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(control.serve, up_control, "parent")
+        nursery.start_soon(relay.follow, up_relay)
+        while relay.table is None:
+            await trio.sleep(0.01)
+        for i, (worker, parent_end) in enumerate(workers):
+            nursery.start_soon(relay.hub.serve, parent_end, f"worker {i}")
+            await worker.send(encode(Hello(PROTOCOL, f"worker {i}")))
+            table = decode_down(await worker.receive()).table
+            assert table.autoscaled == frozenset({"chat"})  # relayed to the workers
+            await worker.send(encode(InFlight(table.version, {})))
+        await workers[0][0].send(encode(Load({"chat": RouterLoad(2, 0, 80.0, 3.0, None, 4)})))
+        await workers[1][0].send(encode(Load({"chat": RouterLoad(1, 0, 120.0, 1.0, None, 2)})))
+        await trio.sleep(LOAD_INTERVAL_S + 0.5)
+        (combined,) = control.loads()["chat"]
+        assert combined == RouterLoad(3, 0, 120.0, 1.0, None, 6)
+        assert control.arrived["chat"] == 6
+        # Nothing new arrived since: the next report forwards no request twice.
+        await trio.sleep(LOAD_INTERVAL_S)
+        assert control.arrived["chat"] == 6
+        # A worker holds a request: the control plane hears it at once, not a report later.
+        start = trio.current_time()
+        await workers[1][0].send(encode(Load({"chat": RouterLoad(held=1, requests=1)})))
+        await control.wait_held()
+        assert trio.current_time() - start < LOAD_INTERVAL_S / 2
+        assert control.loads()["chat"][0].held == 1
+        nursery.cancel_scope.cancel()
