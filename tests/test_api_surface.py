@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anthropic
@@ -29,6 +30,16 @@ from llmgw_http.server import HTTPServer
 from llmgw_server.wiring import Running, main
 
 CLIENT_KEY = "sk-client-api-surface"
+# The engines' management paths issue 21 names (vLLM's and llama-server's), never relayed.
+MANAGEMENT = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/lora-adapters",
+    "/slots",
+    "/props",
+    "/v1/chat/completions/control",
+    "/reset_prefix_cache",
+)
 T = TypeVar("T")
 
 RESPONSE = {
@@ -141,7 +152,11 @@ class ApiEngine:
 
 
 @asynccontextmanager
-async def router_before(engine: ApiEngine, *more: ApiEngine) -> AsyncIterator[Running]:
+async def router_before(
+    engine: ApiEngine, *more: ApiEngine, access_log: Path | None = None
+) -> AsyncIterator[Running]:
+    """A router in front of the engines; `access_log`: a file for its access log (JSON
+    lines), else its lines go to stderr as by default."""
     async with trio.open_nursery() as nursery:
         urls = []
         for each in (engine, *more):
@@ -149,9 +164,12 @@ async def router_before(engine: ApiEngine, *more: ApiEngine) -> AsyncIterator[Ru
             listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
             await nursery.start(server.serve, listeners)
             urls.append(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+        settings: dict[str, object] = {"listen": "127.0.0.1:0"}
+        if access_log is not None:
+            settings |= {"access_log_file": str(access_log), "access_log_format": "json"}
         config = parse_config(
             {
-                "server": {"listen": "127.0.0.1:0"},
+                "server": settings,
                 "router": {"health_interval_s": 0.2, "extra_paths": ["/v1/custom"]},
                 "auth": {"keys": [{"env": "CLIENT_KEY"}]},
                 "models": [{"name": "m", "endpoints": urls}],
@@ -177,6 +195,19 @@ def tokens(running: Running, kind: str) -> float:
     return sum(v for (model, _, k), v in running.router.metrics.tokens.items() if k == kind)
 
 
+async def logged(path: Path, count: int) -> list[tuple[str, int, int | None, int | None]]:
+    """The access log's lines (path, status, prompt and completion tokens), once it holds
+    `count` (the writer puts them out every half second)."""
+    with trio.fail_after(10):
+        while True:
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+            if len(lines) >= count:
+                break
+            await trio.sleep(0.05)
+    assert len(lines) == count, lines
+    return [(r["path"], r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in lines]
+
+
 async def counted(running: Running) -> tuple[float, float]:
     """The prompt and completion tokens counted so far, once no request is in flight (a
     client has its answer's last byte a moment before the router ends the request)."""
@@ -185,10 +216,14 @@ async def counted(running: Running) -> tuple[float, float]:
     return tokens(running, "prompt"), tokens(running, "completion")
 
 
-async def test_the_responses_api_plain_and_streamed_with_its_tokens_counted() -> None:
+async def test_the_responses_api_plain_and_streamed_with_its_tokens_counted(
+    tmp_path: Path,
+) -> None:
     engine = ApiEngine()
+    access_log = tmp_path / "access.log"
+    access_log.touch()
     with trio.fail_after(30):
-        async with router_before(engine) as running:
+        async with router_before(engine, access_log=access_log) as running:
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{running.port}/v1", api_key=CLIENT_KEY, max_retries=0
             )
@@ -203,14 +238,22 @@ async def test_the_responses_api_plain_and_streamed_with_its_tokens_counted() ->
             kinds = await in_thread(streamed)
             assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
             assert await counted(running) == (22, 7)
+            # One access-log line each, with the tokens of its own usage: the answer's, and
+            # the stream's response.completed (output 5, not the plain answer's 2).
+            assert await logged(access_log, 2) == [
+                ("/v1/responses", 200, 11, 2),
+                ("/v1/responses", 200, 11, 5),
+            ]
     (plain, stream) = engine.requests(b"/v1/responses")
     assert json.loads(plain.body)["model"] == "m" and json.loads(stream.body)["stream"] is True
 
 
-async def test_anthropics_messages_with_x_api_key_plain_and_streamed() -> None:
+async def test_anthropics_messages_with_x_api_key_plain_and_streamed(tmp_path: Path) -> None:
     engine = ApiEngine()
+    access_log = tmp_path / "access.log"
+    access_log.touch()
     with trio.fail_after(30):
-        async with router_before(engine) as running:
+        async with router_before(engine, access_log=access_log) as running:
             base = f"http://127.0.0.1:{running.port}"
             client = anthropic.Anthropic(base_url=base, api_key=CLIENT_KEY, max_retries=0)
             ask: dict[str, Any] = {
@@ -247,6 +290,15 @@ async def test_anthropics_messages_with_x_api_key_plain_and_streamed() -> None:
             )  # fmt: skip
             assert unknown.status_code == 404
             assert unknown.json()["error"]["type"] == "not_found_error"
+            # The access log: the plain answer's usage; the stream's input from its
+            # message_start (7), its output from its message_delta (9, not message_start's
+            # 1); the refused requests reached no engine and count nothing.
+            assert await logged(access_log, 4) == [
+                ("/v1/messages", 200, 7, 2),
+                ("/v1/messages", 200, 7, 9),
+                ("/v1/messages", 401, None, None),
+                ("/v1/messages", 404, None, None),
+            ]
     for request in engine.seen:  # the client's key never reaches the engine
         assert CLIENT_KEY.encode() not in b"".join(v for _, v in request.headers)
 
@@ -306,10 +358,14 @@ async def test_management_paths_never_reach_an_engine_and_other_paths_route_by_m
         async with router_before(engine) as running:
             base = f"http://127.0.0.1:{running.port}"
             async with httpx.AsyncClient(base_url=base, headers=auth) as client:
-                for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/slots", "/lora-adapters"):
+                for path in MANAGEMENT:
                     refused = await client.post(path, json={"model": "m", "lora_name": "x"})
                     assert refused.status_code == 403, path
                     assert "never relays" in refused.json()["error"]["message"]
+                # llama-server's read-only ones are GETs: refused all the same.
+                for path in ("/props", "/slots", "/lora-adapters"):
+                    refused = await client.get(path, params={"model": "m"})
+                    assert refused.status_code == 403, path
                 for path in ("/tokenize", "/v1/rerank", "/v1/custom"):
                     routed = await client.post(path, json={"model": "m", "prompt": "x"})
                     assert routed.json() == {"path": path, "model": "m"}
@@ -324,7 +380,7 @@ async def test_management_paths_never_reach_an_engine_and_other_paths_route_by_m
                 keyless = await client.post("/v1/rerank", json={"model": "m"}, headers={"authorization": ""})
                 assert keyless.status_code == 401
     paths = {r.path for r in engine.seen}
-    assert not paths & {b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter", b"/slots", b"/lora-adapters"}
+    assert not paths & {p.encode() for p in MANAGEMENT}
 
 
 VLLM_LISTING = json.dumps(

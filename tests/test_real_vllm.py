@@ -15,9 +15,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 import httpx
@@ -38,6 +39,7 @@ from test_real_engines import (
 # One vLLM for the module's tests (the session fixture below): they go to one worker.
 pytestmark = pytest.mark.xdist_group("real-vllm")
 
+T = TypeVar("T")
 MODEL = "tiny"
 ENGINE_KEY = "sk-vllm-engine-test-key"
 KV_CACHE_BYTES = 4 * 1024 * 1024  # 1 KiB per token of the tiny model
@@ -188,9 +190,39 @@ def test_chat_and_completions_plain_and_streamed_with_usage_and_token_counts_log
     assert all(isinstance(p, int) and p > 0 for _, _, p, t in usage if t is not None)
 
 
-def test_models_through_the_router(procs: Procs, vllm_server: VllmServer, tmp_path: Path) -> None:
+def test_models_through_the_router(
+    procs: Procs, vllm_server: VllmServer, real_vllm: RealVllm, tmp_path: Path
+) -> None:
+    """The model as vLLM describes it: the --max-model-len it was started with (2048, not
+    the model's own 8,192), its path as root, vLLM as owner, read from its /v1/models."""
     router = procs.router(keyed_models(vllm_server, key_file(tmp_path)))
-    assert [m.id for m in client_of(router).models.list().data] == [MODEL]
+    client = client_of(router)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    def described() -> dict[str, object] | None:
+        (model,) = client.models.list().data
+        extra = model.model_extra or {}
+        return extra if "max_model_len" in extra else None
+
+    # The router reads the card at its first health probe of the replica, which may come
+    # a moment after it answers /readyz.
+    card = wait_for(described, 30.0, "the engine's own card")
+    assert card["max_model_len"] == 2048, card
+    assert (card["root"], card["parent"]) == (str(real_vllm.model), None), card
+    engine_auth = {"authorization": f"Bearer {ENGINE_KEY}"}
+    direct = httpx.get(vllm_server.url + "/v1/models", headers=engine_auth, timeout=30)
+    (own,) = direct.json()["data"]
+    assert own["max_model_len"] == 2048 and own["owned_by"] == "vllm"
+    (through,) = client.models.list().data
+    assert through.owned_by == own["owned_by"] and through.created == own["created"]
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while (found := check()) is None:
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.2)
+    return found
 
 
 def test_the_engine_key_is_what_lets_the_router_through(
@@ -388,18 +420,24 @@ def test_vllm_behind_every_endpoint_clients_call(
 
     client_key = "sk-client-every-endpoint"
     digest = "sha256:" + hashlib.sha256(client_key.encode()).hexdigest()
+    log = tmp_path / "access.log"
     router = procs.router(
         keyed_models(vllm_server, key_file(tmp_path))
-        + f'\n[auth]\nkeys = [{{ digest = "{digest}" }}]\n'
+        + f'\n[auth]\nkeys = [{{ digest = "{digest}" }}]\n',
+        server=f'access_log_file = "{log}"\naccess_log_format = "json"',
     )
     client = openai.OpenAI(
         base_url=router.url + "/v1", api_key=client_key, max_retries=0, timeout=120
     )
     answer = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=8)
     assert answer.status in ("completed", "incomplete") and answer.usage is not None
-    stream = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True)
+    stream = list(
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, stream=True)
+    )
     events = [e.type for e in stream]
     assert events[0] == "response.created" and events[-1] == "response.completed", events
+    streamed_usage = stream[-1].response.usage  # type: ignore[union-attr]
+    assert streamed_usage is not None
 
     claude = anthropic.Anthropic(base_url=router.url, api_key=client_key, max_retries=0)
     ask = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
@@ -407,7 +445,7 @@ def test_vllm_behind_every_endpoint_clients_call(
     assert message.type == "message" and message.usage.input_tokens > 0
     with claude.messages.stream(**ask) as events_of:  # type: ignore[arg-type]
         streamed = events_of.get_final_message()
-    assert streamed.usage.output_tokens > 0
+    assert streamed.usage.output_tokens > 0 and streamed.usage.input_tokens > 0
     keyless = anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         keyless.messages.create(**ask)  # type: ignore[call-overload]
@@ -430,6 +468,25 @@ def test_vllm_behind_every_endpoint_clients_call(
         assert 400 <= direct.status_code < 500, (path, direct.text)
         assert (through.status_code, through.text) == (direct.status_code, direct.text), path
 
+    # Each API's tokens, as vLLM counted them in the usage it sent (the Responses stream's
+    # in its response.completed, the Messages stream's input in message_start and output
+    # in message_delta): in the access log line by line, and in the token metrics summed.
+    counts = [
+        ("/v1/responses", answer.usage.input_tokens, answer.usage.output_tokens),
+        ("/v1/responses", streamed_usage.input_tokens, streamed_usage.output_tokens),
+        ("/v1/messages", message.usage.input_tokens, message.usage.output_tokens),
+        ("/v1/messages", streamed.usage.input_tokens, streamed.usage.output_tokens),
+    ]
+    assert all(i > 0 and o > 0 for _, i, o in counts), counts
     page = httpx.get(router.url + "/metrics").text
-    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="prompt") > 0
-    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="completion") > 0
+    prompt, completion = sum(i for _, i, _ in counts), sum(o for _, _, o in counts)
+    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="prompt") == prompt
+    assert metric(page, "llmgw_tokens_total", model=MODEL, kind="completion") == completion
+    router.stop()  # the access log is flushed at exit
+    lines = access_lines(log)
+    tokened = [(r["path"], r["prompt_tokens"], r["completion_tokens"]) for r in lines
+               if r["prompt_tokens"] is not None or r["completion_tokens"] is not None]  # fmt: skip
+    assert tokened == counts, lines
+    assert [r["status"] for r in lines if r["path"] in ("/v1/responses", "/v1/messages")] == [
+        200, 200, 200, 200, 401,
+    ]  # fmt: skip

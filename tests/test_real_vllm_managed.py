@@ -7,11 +7,14 @@ two cores (seven starts in all): the exact command line and the engine key in it
 environment only, a direct request without the key refused, a streamed chat through the
 router with a client that never retries, the profile's LoRA adapter answering under its
 own name otherwise than the base, a restarted agent adopting the engine with its
-PID, five SIGKILLs of the API server, each reported and restarted, leaving nothing of
-the killed engines in /dev/shm (vLLM's processes share memory there: two segments and a
-semaphore, which its resource tracker removes only when it is not killed first), and a
-drain that moves the replica to a second node make-before-break while a client that
-never retries keeps asking.
+PID, five SIGKILLs of the API server, each reported (by the agent and the control plane)
+and restarted with a fresh log, none of the killed engine's processes (EngineCore, the
+resource tracker) left alive, nothing of the killed engines left in /dev/shm (vLLM's
+processes share memory there: two segments and a semaphore, which its resource tracker
+removes only when it is not killed first), the engine key in no log; a drain that moves
+the replica to a second node make-before-break while a client that never retries keeps
+asking; and a profile flag this vLLM's `serve --help=all` does not list, refused before
+any launch (the agents read that help once for their own launches; the check reuses it).
 
 Collected by every run (make test and CI); it fails, never skips, without the vLLM cache.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -29,6 +33,7 @@ import httpx
 import openai
 
 from fleet import Fleet, wait_until
+from procs import Proc
 from real_vllm import RealVllm, serving_env
 from test_llamacpp_managed import chat_streamed, cmdline, engine_pid, environ, running, start_agent
 
@@ -38,6 +43,10 @@ KV_CACHE_BYTES = 64 * 1024 * 1024
 ENGINE_UP_S = 420.0  # 35-143 s seen on this machine; a loaded one takes longer
 PACE_S = 0.5  # between the chat loop's requests
 PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
+# A model whose profile, once reloaded, has a typo in its args: vLLM 0.32.0 takes
+# --max-model-len, not this (argparse would refuse it only after a minute of imports).
+TYPO = "typo"
+TYPO_FLAG = "--max-model-length"
 
 
 def models(model: Path, lora: Path) -> str:
@@ -46,6 +55,9 @@ def models(model: Path, lora: Path) -> str:
         f'\n[[models]]\nname = "{MODEL}"\n[models.profile]\nengine = "vllm"\n'
         f'model = "{model}"\nmax_model_len = 2048\nmax_lora_rank = 8\nargs = [{args}]\n'
         f'[[models.profile.lora]]\nname = "{ADAPTER}"\npath = "{lora}"\n'
+        # No replica until the end of the test, where a reload asks for one.
+        f'\n[[models]]\nname = "{TYPO}"\nreplicas = 0\n[models.profile]\nengine = "vllm"\n'
+        f'model = "{model}"\nargs = ["--enforce-eager"]\n'
     )
 
 
@@ -70,6 +82,31 @@ def serving(fleet: Fleet, attempt: int = 0) -> dict[str, Any] | None:
 
 def shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def group_members(pgid: int) -> list[str]:
+    """The live (not zombie) processes of a process group, each as "pid command line"
+    (vLLM titles its engine process VLLM::EngineCore)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] in ("Z", "X"):
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        found.append(f"{entry} {argv.decode(errors='replace').strip()}")
+    return found
+
+
+def lines_with(proc: Proc, phrase: str, count: int) -> list[str] | None:
+    """The lines of a process's output that hold `phrase`, once there are `count`."""
+    lines = [line for line in proc.output().splitlines() if phrase in line]
+    assert len(lines) <= count, lines
+    return lines if len(lines) == count else None
 
 
 def held(pgid: int) -> set[str]:
@@ -136,6 +173,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
 
     # A restarted agent adopts the engine it launched through the launcher script: the
     # same PID and replica, nothing started again, the key still its own.
+    first_agent = agent
     agent.signal(signal.SIGTERM)
     assert agent.popen.wait(30) == 0
     assert running(pid)  # vLLM serves on without its agent
@@ -150,10 +188,33 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
 
     # The API server killed, five times: each time the agent stops the rest of its group,
     # removes what it left in /dev/shm, reports the failure, and the control plane
-    # starts it again. Only the engine running now holds anything there.
+    # starts it again with a fresh log. Only the engine running now holds anything there.
+    rid = replica["replica_id"]
+    log = fleet.procs.tmp / "cpu-1" / "logs" / f"{rid}.0.log"
+    assert f" pid={pid})" in log.read_text()  # vLLM's own lines name their process
+    server = fleet.server_proc
+    assert server is not None
     earlier = set(first_run)
     for attempt in range(1, 6):
+        group = group_members(pid)
+        # The API server and its EngineCore at least: the check below means something.
+        assert len(group) >= 2 and any("EngineCore" in p for p in group), group
         os.kill(pid, signal.SIGKILL)
+        # Reported once the agent has ended the rest of the group. The engine adopted from
+        # the first agent is no child of this one: its exit status is not this agent's to read.
+        status = "" if attempt == 1 else " with status -9 (SIGKILL)"
+        reports = wait_until(
+            lambda attempt=attempt: lines_with(agent, f"{rid} rank 0 failed: ", attempt),  # type: ignore[misc]
+            60.0, f"the agent's report of kill {attempt}",
+        )  # fmt: skip
+        assert reports[-1].endswith(f"{rid} rank 0 failed: the engine exited{status}"), reports
+        assert group_members(pid) == [], f"of the killed engine's {group}, some are left alive"
+        notes = wait_until(
+            lambda attempt=attempt: lines_with(server, f"replica {rid} of {MODEL} failed on ", attempt),  # type: ignore[misc]
+            30.0, f"the control plane's note of kill {attempt}",
+        )  # fmt: skip
+        noted = rf"replica {rid} of {MODEL} failed on cpu-1( \(crash loop\))?: the engine exited"
+        assert re.search(rf"{noted}{re.escape(status)}; restart in ", notes[-1]), notes
         wait_until(
             lambda attempt=attempt: serving(fleet, attempt),  # type: ignore[misc]
             ENGINE_UP_S,
@@ -161,6 +222,12 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
         )
         again = engine_pid(agent, after=attempt - 1)  # this agent started none before
         assert again != pid and running(again) and not running(pid)
+        # A fresh log for the new engine; the killed one's is kept as .1.
+        fresh, kept = log.read_text(), log.with_name(log.name + ".1").read_text()
+        assert f" pid={again})" in fresh and f" pid={pid})" not in fresh
+        assert f" pid={pid})" in kept and f" pid={again})" not in kept
+        for text in (fresh, kept, agent.output(), first_agent.output(), server.output()):
+            assert key not in text
         pid = again
         assert chat_streamed(fleet, MODEL)
         now = held(pid)
@@ -195,6 +262,34 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     now = held(pid)
     assert not (earlier & shm()) and len(now) == len(first_run), (earlier, now)
     earlier |= now
+
+    # A profile whose args name a flag this vLLM does not take is refused before launch,
+    # from the help the second agent read for its own launch: one replica of the typo
+    # model asked for by a reload, placed on cpu-2 (cpu-1 is drained), never started.
+    # The reload changes the profile with the count: one that changes `replicas` alone
+    # is logged but never reaches the control plane (reload.with_control_plane).
+    config = fleet.procs.tmp / "server.toml"
+    text = config.read_text()
+    typo = f'name = "{TYPO}"\nreplicas = 0\n'
+    assert text.count(typo) == 1 and text.count('args = ["--enforce-eager"]\n') == 1
+    config.write_text(
+        text.replace(typo, f'name = "{TYPO}"\nreplicas = 1\n').replace(
+            'args = ["--enforce-eager"]\n', f'args = ["--enforce-eager", "{TYPO_FLAG}", "2048"]\n'
+        )
+    )
+    launched = second.output().count(": starting pid ")
+    server.signal(signal.SIGHUP)
+    refused = re.compile(
+        rf"(\S+) rank 0 failed: the profile does not fit this node: the profile's args name "
+        rf"{TYPO_FLAG}, which vllm( \S+)? does not take \(did you mean --max-model-len\?\)"
+    )
+    found = wait_until(lambda: refused.search(second.output()), 60.0, "the typo refused")
+    typo_rid = found.group(1)
+    noted = f"replica {typo_rid} of {TYPO} failed on cpu-2"
+    wait_until(lambda: noted in server.output(), 30.0, "the control plane's note of it")
+    assert second.output().count(": starting pid ") == launched  # nothing launched
+    assert not list((fleet.procs.tmp / "cpu-2" / "logs").glob(f"{typo_rid}.*"))
+    assert "the flags were not checked" not in second.output() + agent.output()
 
     # The agents gone (engines outlive them, by design), the last engine stopped as an
     # operator would, by SIGTERM to its group: nothing of any engine of this test is left
