@@ -107,6 +107,16 @@ def test_idle_scales_to_zero_and_a_held_request_wakes_it() -> None:
     assert not fleet.cp.wake("chat", fleet.now).commands
 
 
+def test_a_wake_asks_for_as_many_replicas_as_the_held_requests_need() -> None:
+    fleet = fleet_of(scaled(idle_to_zero_s=10.0))
+    cycle(fleet, chat=ModelLoad(last_request_at=fleet.now))
+    fleet.advance(11)
+    cycle(fleet, chat=ModelLoad(last_request_at=fleet.now - 11))
+    assert fleet.cp.view().models[0].desired == 0
+    fleet.feed(fleet.cp.wake("chat", fleet.now, held=9))  # target 4 a replica
+    assert fleet.cp.view().models[0].desired == 3
+
+
 def test_a_restarted_control_plane_keeps_what_runs_until_its_first_cycle() -> None:
     fleet = fleet_of(scaled())
     cycle(fleet, chat=ModelLoad(in_flight=10, last_request_at=fleet.now))

@@ -6,7 +6,8 @@ cycle (the routers' in-flight and held requests and TTFT, all routers together; 
 engines' own KV-cache use and queues).
 
 The rule, after Kubernetes' HPA and llm-d's saturation scaler:
-- each target gives the replicas it needs now: in flight / target_in_flight; KV use
+- each target gives the replicas it needs now: in flight (held ones too: they will be
+  once a replica serves) / target_in_flight; KV use
   spread over target_kv_use; one more than now while the TTFT p90 misses its objective
   (and none fewer while it is within 80% of it);
 - up at once, to what the most demanding target needs (within `max`);
@@ -87,8 +88,9 @@ def need_now(spec: Autoscale, load: ModelLoad, current: int, now: float) -> Need
         woken = Need(floor, Reason.STEADY, "at its floor")
     needs = [woken]
     if spec.target_in_flight is not None:
-        count = math.ceil(load.in_flight / spec.target_in_flight - 1e-9)
-        detail = f"{load.in_flight} in flight, target {spec.target_in_flight:g} a replica"
+        count = math.ceil((load.in_flight + load.held) / spec.target_in_flight - 1e-9)
+        held = f" and {load.held} held" if load.held else ""
+        detail = f"{load.in_flight} in flight{held}, target {spec.target_in_flight:g} a replica"
         needs.append(Need(count, Reason.IN_FLIGHT, detail))
     if spec.target_kv_use is not None and load.kv_use is not None and current:
         count = math.ceil(current * load.kv_use / spec.target_kv_use - 1e-9)

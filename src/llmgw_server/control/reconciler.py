@@ -157,10 +157,10 @@ class Reconciler:
         changes = self.scaling.decide(loads, self._decider.kept(), now)
         return self._rescaled(changes, now)
 
-    def wake(self, model: str, now: float) -> Step:
-        """A router holds a request for `model`, scaled to zero: a replica now."""
+    def wake(self, model: str, now: float, held: int = 1) -> Step:
+        """Routers hold `held` requests for `model`, scaled to zero: replicas now."""
         now = self._clock(now)
-        change = self.scaling.wake(model, now)
+        change = self.scaling.wake(model, now, held)
         return self._rescaled([change] if change else [], now)
 
     def _rescaled(self, changes: Sequence[ScaleChange], now: float) -> Step:

@@ -117,13 +117,14 @@ class Scaling:
         self.changes.update((c.model, c) for c in changes)
         return changes
 
-    def wake(self, model: str, now: float) -> Change | None:
-        """A router holds a request for `model`, which has no replica: decide it now."""
+    def wake(self, model: str, now: float, held: int = 1) -> Change | None:
+        """Routers hold `held` requests for `model`, which has no replica: decide it now
+        (as many replicas as they need at once)."""
         scaler = self.autoscalers.get(model)
         if scaler is None or scaler.desired:
             return None
         before = scaler.desired
-        decision = scaler.decide(ModelLoad(held=1, last_request_at=now), now)
+        decision = scaler.decide(ModelLoad(held=held, last_request_at=now), now)
         if decision.desired == before:
             return None
         change = self.changes[model] = Change(model, before, decision.desired, decision)

@@ -162,9 +162,11 @@ class ControlPlane:
         """A router holds a request for a model scaled to zero: a replica at once."""
         while True:
             await self.routes.wait_held()
-            held = [m for m, reports in self.routes.loads().items() if any(r.held for r in reports)]
-            for model in held:
-                self._run(functools.partial(self.reconciler.wake, model, trio.current_time()))
+            for model, reports in self.routes.loads().items():
+                held = sum(r.held for r in reports)
+                if held:
+                    now = trio.current_time()
+                    self._run(functools.partial(self.reconciler.wake, model, now, held))
 
     # -- events from agent streams ------------------------------------------
 
