@@ -266,8 +266,6 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     # A profile whose args name a flag this vLLM does not take is refused before launch,
     # from the help the second agent read for its own launch: one replica of the typo
     # model asked for by a reload, placed on cpu-2 (cpu-1 is drained), never started.
-    # The reload changes the profile with the count: one that changes `replicas` alone
-    # is logged but never reaches the control plane (reload.with_control_plane).
     config = fleet.procs.tmp / "server.toml"
     text = config.read_text()
     typo = f'name = "{TYPO}"\nreplicas = 0\n'

@@ -18,10 +18,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
-from llmgw_core.catalog import parse_endpoint
+from llmgw_core.catalog import Catalog, parse_endpoint
 from llmgw_core.config import Config, parse_config
 from llmgw_core.tomlshape import load_toml
-from llmgw_server.reload import plan_reload, reloaded_config
+from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config, with_control_plane
 from procs import Proc, Procs, free_port, models_toml
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello reload"}]
@@ -95,6 +95,30 @@ def test_a_change_of_replicas_alone_is_named_as_such_not_as_a_roll(tmp_path: Pat
     assert plan.as_json()["models"]["replicas_changed"] == {"placed": [1, 2]}
     both = plan_reload(old, config(more.replace("org/placed", "org/other"), tmp_path))
     assert both.summary() == "profiles changed (rolled): placed; replicas changed: placed 1 -> 2"
+
+
+async def test_replicas_or_autoscaling_alone_reach_the_control_plane(tmp_path: Path) -> None:
+    old = config(PROFILED, tmp_path)
+    more = PROFILED.replace('name = "placed"\n', 'name = "placed"\nreplicas = 2\n')
+    scaled = PROFILED.replace("[agents]", "[models.autoscale]\nmax = 4\ntarget_in_flight = 8\n[agents]")
+    bigger = scaled.replace("max = 4", "max = 6")
+    for before, after, summary in (
+        (PROFILED, more, "replicas changed: placed 1 -> 2"),
+        (PROFILED, scaled, "autoscaling changed: placed"),
+        (scaled, bigger, "autoscaling changed: placed"),
+    ):
+        plan = plan_reload(config(before, tmp_path), new := config(after, tmp_path))
+        assert plan.summary() == summary and plan.profiles_changed == ()
+        given: list[Catalog] = []
+
+        async def applied(config: Config, plan: ReloadPlan) -> None:
+            pass
+
+        await with_control_plane(applied, lambda c: given.append(c))(new, plan)  # noqa: B023
+        assert given == [new.catalog], summary
+    assert plan_reload(old, config(bigger, tmp_path)).as_json()["models"]["autoscale_changed"] == [
+        "placed"
+    ]
 
 
 def test_a_change_of_lora_adapters_rolls_the_profile_and_the_served_catalog_has_them(

@@ -52,6 +52,9 @@ class ReloadPlan:
     # replicas, nothing rolls).
     profiles_changed: tuple[str, ...] = ()
     replicas_changed: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)
+    # Those whose [models.autoscale] changed (bounds, targets, windows; or one added or
+    # removed): their autoscalers follow, keeping their counts within the new bounds.
+    autoscale_changed: tuple[str, ...] = ()
     needs_restart: tuple[str, ...] = ()  # such as "server.listen", "models.chat (profile)"
 
     @property
@@ -64,9 +67,13 @@ class ReloadPlan:
             or self.models_added
             or self.models_changed
             or self.models_removed
-            or self.profiles_changed
-            or self.replicas_changed
+            or self.control_plane_changes
         )
+
+    @property
+    def control_plane_changes(self) -> bool:
+        """Whether the control plane must take the reloaded catalog."""
+        return bool(self.profiles_changed or self.replicas_changed or self.autoscale_changed)
 
     def summary(self) -> str:
         parts = []
@@ -89,6 +96,8 @@ class ReloadPlan:
         if self.replicas_changed:
             counts = (f"{name} {a} -> {b}" for name, (a, b) in self.replicas_changed.items())
             parts.append(f"replicas changed: {', '.join(counts)}")
+        if self.autoscale_changed:
+            parts.append(f"autoscaling changed: {', '.join(self.autoscale_changed)}")
         return "; ".join(parts) or "nothing to apply"
 
     def as_json(self) -> dict[str, Any]:
@@ -105,6 +114,7 @@ class ReloadPlan:
                 "removed": list(self.models_removed),
                 "profiles_changed": list(self.profiles_changed),
                 "replicas_changed": {k: list(v) for k, v in self.replicas_changed.items()},
+                "autoscale_changed": list(self.autoscale_changed),
             },
             "needs_restart": list(self.needs_restart),
         }
@@ -118,6 +128,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     restart = [*_differing_fields(old, new)]
     rolled = []
     replicas = {}
+    autoscaled = []
     for name in sorted(set(old_profiled) | set(new_profiled)):
         was, now = old_profiled.get(name), new_profiled.get(name)
         if was != now:
@@ -129,6 +140,8 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
                 rolled.append(name)
             if was.replicas != now.replicas:
                 replicas[name] = (was.replicas, now.replicas)
+            if was.autoscale != now.autoscale:
+                autoscaled.append(name)
     return ReloadPlan(
         keys_added=len(new_keys.keys() - old_keys.keys()),
         keys_removed=len(old_keys.keys() - new_keys.keys()),
@@ -152,6 +165,7 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         ),
         profiles_changed=tuple(rolled),
         replicas_changed=replicas,
+        autoscale_changed=tuple(autoscaled),
         needs_restart=tuple(restart),
     )
 
@@ -245,12 +259,12 @@ class Reloader:
 
 
 def with_control_plane(apply: Apply, set_catalog: Callable[[Catalog], None]) -> Apply:
-    """`apply`, then the reloaded catalog to this process's control plane when a profile
-    or a replicas count changed (it rolls the changed models)."""
+    """`apply`, then the reloaded catalog to this process's control plane when a profile,
+    a replicas count or an [models.autoscale] changed (it rolls the changed profiles)."""
 
     async def both(config: Config, plan: ReloadPlan) -> None:
         await apply(config, plan)
-        if plan.profiles_changed:
+        if plan.control_plane_changes:
             set_catalog(config.catalog)
 
     return both
