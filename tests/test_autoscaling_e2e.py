@@ -88,6 +88,9 @@ def test_a_model_scales_up_down_to_zero_and_wakes_without_a_failed_request(
         status = models_status(fleet)
         assert status["desired"] == 3, status
         assert "in flight" in str(status["autoscale"]), status
+        cli = fleet.cli("status")
+        assert cli.returncode == 0, cli.stderr
+        assert "AUTOSCALING" in cli.stdout and "0-3, target 2 in flight a replica" in cli.stdout
         # One client left: one replica does; the others drain while it sends.
         loops.stop(5)
         wait_until(lambda: len(fleet.serving("chat")) == 1, what="scaling down to 1", timeout=40)

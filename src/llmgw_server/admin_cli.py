@@ -102,13 +102,14 @@ def render_status(status: StatusDoc) -> str:
         ],
     )
     models = table(
-        ["MODEL", "DESIRED", "PLACED", "SERVING", "WHY NOT"],
+        ["MODEL", "DESIRED", "PLACED", "SERVING", "AUTOSCALING", "WHY NOT"],
         [
             [
                 m.name,
                 m.desired,
                 m.kept,
                 sum(r.serving for r in status.replicas if r.model == m.name),
+                _autoscaling(m),
                 "; ".join(_why_not(m, status.replicas)) or "-",
             ]
             for m in status.models
@@ -118,6 +119,15 @@ def render_status(status: StatusDoc) -> str:
     if status.guard:
         out += ["", f"mass-loss guard: {status.guard}"]
     return "\n".join(out)
+
+
+def _autoscaling(model: ModelDoc) -> str:
+    """`1-4, target 8 in flight a replica; last: 1 -> 3 (...)`; `-` for a fixed count."""
+    a = model.autoscale
+    if a is None:
+        return "-"
+    said = f"{a.min}-{a.max}, target {a.target}"
+    return f"{said}; last: {a.last_change}" if a.last_change else said
 
 
 def _why_not(model: ModelDoc, replicas: Sequence[ReplicaDoc]) -> list[str]:
