@@ -58,15 +58,31 @@ class Server:
 
     def still_serves(self) -> None:
         assert self.proc.popen.poll() is None, f"the router died:\n{self.proc.output()}"
-        health = self.client.get(self.proc.url + "/healthz")
+        health = self._asked(lambda: self.client.get(self.proc.url + "/healthz"))
         assert health.status_code == 200, health.text
-        chat = self.client.post(self.proc.url + "/v1/chat/completions", content=CHAT)
+        chat = self._asked(
+            lambda: self.client.post(self.proc.url + "/v1/chat/completions", content=CHAT)
+        )
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["content"]
         log = self.proc.output()
         new, self.log_seen = log[self.log_seen :], len(log)
         for record in _RECORD.split(new):
             assert "Traceback" not in record and " ERROR " not in record, record
+
+
+    @staticmethod
+    def _asked(ask: Callable[[], httpx.Response]) -> httpx.Response:
+        """A well-formed request's answer; a 408 is asked again (twice at most): httpx
+        sends the head at once, so a 408 there is the 0.4 s header timer firing while a
+        loaded machine (CI's, with vLLM beside) starved the router, not a fuzzed input's
+        doing."""
+        answer = ask()
+        for _ in range(2):
+            if answer.status_code != 408:
+                break
+            answer = ask()
+        return answer
 
 
 _RECORD = re.compile(r"\n(?=\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")

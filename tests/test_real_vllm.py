@@ -214,7 +214,8 @@ def test_models_through_the_router(
     (own,) = direct.json()["data"]
     assert own["max_model_len"] == 2048 and own["owned_by"] == "vllm"
     (through,) = client.models.list().data
-    assert through.owned_by == own["owned_by"] and through.created == own["created"]
+    # vLLM stamps `created` with the time of each listing: the router's card is a reading.
+    assert through.owned_by == own["owned_by"] and abs(through.created - own["created"]) < 300
 
 
 def wait_for(check: Callable[[], T | None], timeout: float, what: str) -> T:
