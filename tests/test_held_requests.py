@@ -111,6 +111,8 @@ async def test_held_until_a_replica_serves_in_order_and_bounded(tmp_path: Path) 
                     assert other.status_code == 403 and meter.held == 3
                     report = router.load_report()["chat"]
                     assert (report.held, report.in_flight) == (3, 0)
+                    page = router.render_metrics().decode()
+                    assert 'llmgw_requests_held{model="chat"} 3' in page
                     await trio.sleep(0.5)
                     endpoint = router.balancers["other"].replicas[0].endpoint
                     router.set_endpoints("chat", [endpoint])  # a replica serves: released
@@ -127,6 +129,10 @@ async def test_held_until_a_replica_serves_in_order_and_bounded(tmp_path: Path) 
                 assert late.status_code == 503 and late.headers["retry-after"] == "5"
                 assert 1.5 <= waited < 5, waited
                 assert "within 1.5 s" in late.json()["error"]["message"]
+                page = router.render_metrics().decode()
+                assert 'llmgw_requests_held{model="chat"} 0' in page
+                # The three released and the one timed out; the refused ones were never held.
+                assert 'llmgw_request_queued_seconds_count{model="chat"} 4' in page
             lines: list[dict[str, object]] = []
             log = tmp_path / "access.log"
             while len(lines) < 7:  # the writer puts lines out every half second

@@ -139,3 +139,13 @@ def test_a_reload_keeps_the_count_within_the_new_bounds() -> None:
     assert fleet.cp.view().models[0].desired == 2
     fleet.set_catalog(catalog(ModelEntry(name="chat", profile=profile(tensor_parallel=1))))
     assert fleet.cp.view().models[0].desired == 1  # a fixed count again
+
+
+def test_a_scale_up_that_does_not_fit_is_explained() -> None:
+    fleet = fleet_of(scaled(max=8))  # two nodes of two GPUs: four replicas at most
+    cycle(fleet, chat=ModelLoad(in_flight=30, last_request_at=fleet.now))
+    view = fleet.cp.view()
+    assert (view.models[0].desired, view.models[0].kept) == (8, 4)
+    unplaced = view.unplaced["chat"]
+    assert unplaced.count == 4
+    assert unplaced.explanation.text.startswith("0 of 2 nodes fit"), unplaced.explanation.text

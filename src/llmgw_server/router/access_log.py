@@ -185,13 +185,16 @@ def _usage_at(data: bytes, after_key: int) -> tuple[int | None, int | None] | No
         return None
     if not isinstance(usage, dict):
         return None
-    counts = []
-    for names in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens")):
-        found = [usage[n] for n in names if n in usage and usage[n] is not None]
-        if any(not _is_count(v) for v in found):
-            return None  # a count that is no count: the usage is not believed
-        counts.append(found[0] if found else None)
-    prompt, completion = counts
+    # Chat's names, else the Responses and Messages APIs'; a count that is no count
+    # (under either name) and the usage is not believed.
+    get = usage.get
+    prompt, given_in = get("prompt_tokens"), get("input_tokens")
+    completion, given_out = get("completion_tokens"), get("output_tokens")
+    for count in (prompt, given_in, completion, given_out):
+        if count is not None and not _is_count(count):
+            return None
+    prompt = given_in if prompt is None else prompt
+    completion = given_out if completion is None else completion
     return None if prompt is None and completion is None else (prompt, completion)
 
 

@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from llmgw_core.autoscaling import RouterLoad
-from llmgw_core.bearer import bearer_digest, client_key_digest
+from llmgw_core.bearer import client_key_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Config, ServerSection
 from llmgw_core.logsafe import escaped
@@ -515,6 +515,8 @@ class Router:
             )
             return await self._unheld(model, responder, message)
         meter.held += 1
+        metrics = self.metrics
+        metrics.held[model] += 1
         self._load_wanted.set()
         self._load_wanted = trio.Event()
         started = trio.current_time()
@@ -525,7 +527,9 @@ class Router:
                 return True
         finally:
             meter.held -= 1
-            responder.record.queued_s = trio.current_time() - started
+            metrics.held[model] -= 1
+            queued = responder.record.queued_s = trio.current_time() - started
+            metrics.queued[model].observe(queued)
         message = f"no replica of the model {model!r} served within {tuning.hold_timeout_s:g} s"
         return await self._unheld(model, responder, message)
 
@@ -799,10 +803,14 @@ def _served_by(responder: Responder, replica: Replica) -> None:
 def _client_key(request: Request) -> str | None:
     """The digest of a client's API key: `Authorization: Bearer`, or where Anthropic's
     clients send it, `x-api-key` (the first, when both are given)."""
-    digest = bearer_digest(request.header(b"authorization"))
-    if digest is not None:  # most requests: one look through the headers
-        return digest
-    return client_key_digest(None, request.header(b"x-api-key"))
+    authorization = x_api_key = None
+    for name, value in request.headers:  # one look through the headers
+        if name == b"authorization":
+            if authorization is None:
+                authorization = value
+        elif name == b"x-api-key" and x_api_key is None:
+            x_api_key = value
+    return client_key_digest(authorization, x_api_key)
 
 
 def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

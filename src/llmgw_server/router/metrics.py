@@ -16,6 +16,8 @@ from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.upstream import Pool
 
 _BYTE_BUCKETS = (0.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
+# A held request waits for an engine to start: seconds to minutes.
+_HELD_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class RouterMetrics:
@@ -33,6 +35,9 @@ class RouterMetrics:
         self.matched_bytes: defaultdict[str, int] = defaultdict(int)
         self.match: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_BYTE_BUCKETS))
         self.engine_errors: defaultdict[str, int] = defaultdict(int)
+        # Requests held while no replica of their autoscaled model served (router.meter).
+        self.held: defaultdict[str, int] = defaultdict(int)
+        self.queued: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_HELD_BUCKETS))
 
     def chose(self, model: str, choice: Choice, prompt: PromptKey | None, *, first: bool) -> None:
         self.decisions[(model, choice.decision.value)] += 1
@@ -66,6 +71,21 @@ class RouterMetrics:
         family("llmgw_requests_in_flight", "gauge", "Requests being answered now.")
         for model, n in sorted(self.in_flight.items()):
             out.append(f"llmgw_requests_in_flight{_labels(model=model)} {n}")
+        family(
+            "llmgw_requests_held",
+            "gauge",
+            "Requests held now because no replica of their autoscaled model serves.",
+        )
+        for model, n in sorted(self.held.items()):
+            out.append(f"llmgw_requests_held{_labels(model=model)} {n}")
+        family(
+            "llmgw_request_queued_seconds",
+            "histogram",
+            "How long requests were held for a replica of their autoscaled model (released "
+            "or refused with 503).",
+        )
+        for model, hist in sorted(self.queued.items()):
+            out.extend(hist.render("llmgw_request_queued_seconds", _labels(model=model)))
         family("llmgw_upstream_retries_total", "counter", "Attempts made on another replica.")
         for model, n in sorted(self.retries.items()):
             out.append(f"llmgw_upstream_retries_total{_labels(model=model)} {n}")
