@@ -12,6 +12,11 @@ those costs, reports each request's time to first token (the `x-mock-ttft-ms`
 response header, `GET /mock/stats`, and vLLM's TTFT histogram on /metrics) and
 publishes vLLM's scheduler and prefix-cache metrics. `POST /mock/reset` empties the
 cache and the records while nothing runs. Off (the default), none of it costs anything.
+
+With vLLM's `--kv-events-config` (and the scheduler model on) it publishes vLLM's
+KV-cache events over ZMQ as the model stores and evicts blocks
+(llmgw_mock_engine.kv_publisher), and `POST /tokenize` gives a prompt's token ids as those
+events carry them (llmgw_mock_engine.kv_events.token_id).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -35,6 +40,7 @@ import trio
 from llmgw_core.engines import LORA_RANKS
 from llmgw_core.openai_errors import error_body
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_mock_engine.kv_events import ENCODINGS, BatchEncoder, KvEventsConfig, token_ids
 from llmgw_mock_engine.scheduler import (
     Admission,
     EngineModel,
@@ -42,6 +48,9 @@ from llmgw_mock_engine.scheduler import (
     Scheduler,
     prompt_tokens,
 )
+
+if TYPE_CHECKING:
+    from llmgw_mock_engine.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("llmgw.mock_engine")
 
@@ -85,6 +94,15 @@ class MockSettings:
     # LoRA adapters, as vLLM's --lora-modules name=path: each name is served too, with
     # answers of its own, and listed with the base as its parent.
     lora_modules: dict[str, str] = attrs.field(factory=dict)
+    # vLLM's --kv-events-config, when it enables events (they need the scheduler model).
+    kv_events: KvEventsConfig | None = None
+    kv_events_encoding: str = "map"  # "map" (vLLM 0.32.0) or "array" (the versions before)
+
+    @property
+    def max_model_len(self) -> int:
+        """What /tokenize reports: the longest prompt plus answer the model's cache holds
+        (4096 with the model off)."""
+        return self.kv_blocks * self.block_size if self.kv_blocks > 0 else 4096
 
     def engine_model(self) -> EngineModel | None:
         if self.kv_blocks <= 0:
@@ -242,6 +260,19 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         default=int(e("LLMGW_MOCK_MAX_SEQS", "16")),
         help="sequences running at once; the rest wait in arrival order (default 16)",
     )
+    model.add_argument(
+        "--kv-events-config",
+        default=e("LLMGW_MOCK_KV_EVENTS_CONFIG"),
+        help="vLLM's JSON: with enable_kv_cache_events and publisher zmq, publish vLLM's "
+        "KV-cache events from the scheduler model (needs --mock-kv-blocks)",
+    )
+    model.add_argument(
+        "--mock-kv-events-encoding",
+        choices=ENCODINGS,
+        default=e("LLMGW_MOCK_KV_EVENTS_ENCODING", "map"),
+        help="events as maps tagged by type (map: vLLM 0.32.0, the default) or as the "
+        "older positional arrays (array)",
+    )
     args, unknown = parser.parse_known_args(list(argv))
     for flag in unknown:
         if flag.startswith("-"):
@@ -254,6 +285,22 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         lora_modules[name] = path
     if lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora (vLLM cannot load them without it)")
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KvEventsConfig.parse(args.kv_events_config)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if not kv_events.enabled:
+            kv_events = None
+        elif args.mock_kv_blocks <= 0:
+            parser.error(
+                "--kv-events-config enables KV-cache events, which come from the scheduler "
+                "model: give --mock-kv-blocks N (N > 0) too"
+            )
+    if args.mock_kv_events_encoding not in ENCODINGS:  # from the environment: unchecked
+        encoding = args.mock_kv_events_encoding
+        parser.error(f"--mock-kv-events-encoding takes map or array, not {encoding!r}")
     settings = MockSettings(
         model=args.model,
         served_model_names=args.served_model_name or [args.model],
@@ -278,6 +325,8 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
         decode_tps=args.mock_decode_tps,
         max_seqs=args.mock_max_seqs,
         lora_modules=lora_modules,
+        kv_events=kv_events,
+        kv_events_encoding=args.mock_kv_events_encoding,
     )
     try:
         settings.engine_model()
@@ -347,9 +396,9 @@ class _Modelled:
     """The scheduler model inside the engine: the pure scheduler, the requests waiting for
     it to admit them, and what is reported about them."""
 
-    def __init__(self, model: EngineModel) -> None:
+    def __init__(self, model: EngineModel, scheduler: Scheduler | None = None) -> None:
         self.model = model
-        self.scheduler = Scheduler(model)
+        self.scheduler = scheduler or Scheduler(model)
         self.wakeups: dict[int, trio.Event] = {}
         self.admitted: dict[int, Admission] = {}
         self.records: deque[dict[str, Any]] = deque(maxlen=_RECORDS_KEPT)
@@ -398,7 +447,19 @@ class MockEngine:
         self.counter = 0
         self.fingerprint = f"mock:{settings.port}"
         model = settings.engine_model()
-        self.modelled = _Modelled(model) if model is not None else None
+        self.modelled = None
+        if model is not None:
+            recording = settings.kv_events is not None
+            self.modelled = _Modelled(model, Scheduler(model, record_events=recording))
+        self.kv_publisher: KvEventPublisher | None = None  # set by main() once open
+
+    def _publish_kv_events(self) -> None:
+        """Publish what the scheduler model's cache did in the step just taken, as one
+        message (nothing when it did nothing)."""
+        if self.modelled is not None:
+            events = self.modelled.scheduler.take_events()
+            if events and self.kv_publisher is not None:
+                self.kv_publisher.publish(events)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         path = request.path
@@ -422,10 +483,19 @@ class MockEngine:
             return
         if path == b"/mock/stats" and request.method == b"GET":
             stats = self.modelled.stats() if self.modelled else {"model": None, "requests": []}
+            if self.kv_publisher is not None:
+                stats["kv_events"] = self.kv_publisher.stats()
             await responder.whole(200, json.dumps(stats).encode())
             return
         if path == b"/mock/reset" and request.method == b"POST":
             await self._reset(responder)
+            return
+        if path == b"/tokenize" and "/tokenize" not in self.settings.unsupported:
+            # Outside /v1, so open without the key, as vLLM guards only /v1 (and /v2, ...).
+            if request.method != b"POST":
+                await responder.error(405, "use POST")
+            else:
+                await self._tokenize(request, responder)
             return
         if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
             await responder.error(404, f"no route {path.decode(errors='replace')}")
@@ -498,8 +568,47 @@ class MockEngine:
         if modelled.scheduler.running or modelled.scheduler.waiting:
             await responder.error(409, "requests are still scheduled: reset when idle")
             return
-        self.modelled = _Modelled(modelled.model)
+        modelled.scheduler.reset()
+        self._publish_kv_events()  # AllBlocksCleared
+        self.modelled = _Modelled(modelled.model, modelled.scheduler)
         await responder.whole(200, b"{}")
+
+    async def _tokenize(self, request: Request, responder: Responder) -> None:
+        """vLLM's POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.32.0):
+        `{"model", "prompt"}` or `{"model", "messages", "add_generation_prompt"}` (true by
+        default), answered `{"count", "max_model_len", "tokens", "token_strs"}`; the
+        tokens are the ids of the words the scheduler model sees, token_strs the words
+        with `return_token_strs`."""
+        settings = self.settings
+        try:
+            body = json.loads(request.body)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            await responder.error(400, f"invalid JSON: {exc}")
+            return
+        model = body.get("model")
+        if model is not None and model not in settings.served_model_names and (
+            model not in settings.lora_modules
+        ):
+            await responder.error(404, f"The model `{model}` does not exist.")
+            return
+        if isinstance(body.get("messages"), list):
+            words = prompt_tokens({"messages": body["messages"]})
+            if body.get("add_generation_prompt", True) is False:
+                words.pop()  # the generation prompt <|assistant|> comes last
+        elif isinstance(body.get("prompt"), str):
+            words = prompt_tokens({"prompt": body["prompt"]})
+        else:
+            await responder.error(400, "give a string prompt or a list of messages")
+            return
+        answer = {
+            "count": len(words),
+            "max_model_len": settings.max_model_len,
+            "tokens": token_ids(words),
+            "token_strs": words if body.get("return_token_strs") else None,
+        }
+        await responder.whole(200, json.dumps(answer).encode(), list(_JSON))
 
     async def _generate(self, chat: bool, body: dict[str, Any], responder: Responder) -> None:
         count = self.settings.tokens
@@ -510,15 +619,17 @@ class MockEngine:
             await self._answer(chat, body, responder, count, limit, None)
             return
         tokens = prompt_tokens(body)
+        model = body.get("model")
+        lora = model if isinstance(model, str) and model in self.settings.lora_modules else None
         try:
-            async with self._scheduled(self.modelled, tokens, count) as turn:
+            async with self._scheduled(self.modelled, tokens, count, lora) as turn:
                 await self._answer(chat, body, responder, count, limit, turn)
         except PromptTooLong as exc:
             await responder.error(400, str(exc))
 
     @contextlib.asynccontextmanager
     async def _scheduled(
-        self, modelled: _Modelled, tokens: list[str], count: int
+        self, modelled: _Modelled, tokens: list[str], count: int, lora: str | None
     ) -> AsyncIterator[_Turn]:
         """Queue for the scheduler model, sleep through the prefill, then decode; on the
         way out (done, broken or gone), leave the scheduler and record the request."""
@@ -529,10 +640,11 @@ class MockEngine:
         arrival_wall = time.monotonic()  # one clock for every process on the machine
         wakeup = modelled.wakeups[seq_id] = trio.Event()
         try:
-            admissions = scheduler.submit(seq_id, tokens, count, arrival)
+            admissions = scheduler.submit(seq_id, tokens, count, arrival, lora)
         except PromptTooLong:
             del modelled.wakeups[seq_id]
             raise
+        self._publish_kv_events()  # blocks evicted to admit it
         turn: _Turn | None = None
         admission: Admission | None = None
         try:
@@ -541,6 +653,7 @@ class MockEngine:
             admission = modelled.admitted.pop(seq_id)
             await trio.sleep_until(admission.first_token_at)
             scheduler.prefilled(seq_id)
+            self._publish_kv_events()  # its prompt's blocks stored
             now = trio.current_time()
             turn = _Turn(
                 first_token_at=now,
@@ -558,6 +671,7 @@ class MockEngine:
             emitted = turn.emitted if turn else []
             modelled.generation_tokens += len(emitted)
             modelled.dispatch(scheduler.finish(seq_id, emitted, trio.current_time()))
+            self._publish_kv_events()  # its answer's blocks stored, others' evictions
             modelled.records.append(
                 {
                     "id": seq_id,
@@ -797,6 +911,18 @@ async def main(
     port = listeners[0].socket.getsockname()[1]
     engine.fingerprint = f"mock:{port}"
     async with trio.open_nursery() as nursery:
+        if settings.kv_events is not None:
+            # Imported here: pyzmq costs nothing to an engine that publishes no events.
+            from llmgw_mock_engine.kv_publisher import KvEventPublisher
+
+            encoder = BatchEncoder(
+                block_size=settings.block_size,
+                encoding=settings.kv_events_encoding,
+                adapters=tuple(settings.lora_modules),
+            )
+            publisher = KvEventPublisher(settings.kv_events, encoder)
+            await nursery.start(publisher.run)
+            engine.kv_publisher = publisher
         await nursery.start(server.serve, listeners)
         if settings.exit_after_s > 0:
             nursery.start_soon(_exit_after, settings.exit_after_s)
@@ -824,6 +950,8 @@ def serve(argv: Sequence[str]) -> None:
     if not argv or argv[0] != "serve":
         argv = ["serve", *argv]
     settings = parse_args(argv, dict(os.environ))
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         trio.run(main, settings)
+    except* KeyboardInterrupt:  # trio raises it inside a group: suppress() missed it
+        pass
 

@@ -30,6 +30,15 @@ The model, and where it follows vLLM (v1, automatic prefix caching):
   `decode_tps` on its own, whatever the batch size (up to `max_seqs`).
 - Prefix-cache queries and hits are counted in tokens when a sequence is admitted, as
   vLLM's `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits`.
+- A LoRA adapter's blocks are its own: its name is part of each block's hash, as vLLM
+  puts it in the block's extra keys, so an adapter never hits its base's blocks.
+
+With `record_events`, the cache records what it did, as vLLM's block pool queues its
+KV-cache events: full blocks made reusable (`StoredBlocks`: their hashes, their parent's,
+their tokens), evicted blocks (`RemovedBlocks`, one event per block as vLLM), and a reset
+(`CacheCleared`), in order, until `Scheduler.take_events` drains them (the mock engine
+does after each call, and publishes what one call produced as one batch). Without it,
+nothing is recorded.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import json
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
@@ -65,14 +74,43 @@ def prompt_tokens(body: dict[str, Any]) -> list[str]:
     return (prompt if isinstance(prompt, str) else json.dumps(prompt)).split()
 
 
-def block_hashes(tokens: Sequence[str], block_size: int) -> list[int]:
-    """The chained hash of each full block of `tokens`, from the start."""
+def block_hashes(tokens: Sequence[str], block_size: int, lora: str | None = None) -> list[int]:
+    """The chained hash of each full block of `tokens`, from the start; a LoRA adapter's
+    name is hashed into each of its blocks."""
     hashes: list[int] = []
     parent = 0
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        block = tuple(tokens[start : start + block_size])
+        parent = hash((parent, block) if lora is None else (parent, block, lora))
         hashes.append(parent)
     return hashes
+
+
+@attrs.frozen
+class StoredBlocks:
+    """Full blocks made reusable, a chain: `hashes` in order, `parent` the hash of the
+    block before the first (None at the prompt's start), `tokens` every token of them
+    (`len(hashes) * block_size`), `lora` the adapter whose blocks they are."""
+
+    hashes: tuple[int, ...]
+    parent: int | None
+    tokens: tuple[str, ...]
+    lora: str | None = None
+
+
+@attrs.frozen
+class RemovedBlocks:
+    """Cached blocks evicted to make room."""
+
+    hashes: tuple[int, ...]
+
+
+@attrs.frozen
+class CacheCleared:
+    """Every cached block dropped (a reset)."""
+
+
+CacheEvent: TypeAlias = StoredBlocks | RemovedBlocks | CacheCleared
 
 
 @attrs.define
@@ -89,6 +127,8 @@ class BlockCache:
     _free: OrderedDict[int, None] = attrs.field(init=False, factory=OrderedDict)
     anonymous: int = attrs.field(init=False, default=0)
     evictions: int = attrs.field(init=False, default=0)
+    # What it did, in order, when recording (None: not recording).
+    events: list[CacheEvent] | None = attrs.field(default=None, kw_only=True)
 
     @property
     def used(self) -> int:
@@ -140,8 +180,10 @@ class BlockCache:
                 self._held[block] += 1
         empty = self.capacity - self.used - len(self._free)
         for _ in range(max(0, fresh - empty)):
-            self._free.popitem(last=False)
+            evicted, _ = self._free.popitem(last=False)
             self.evictions += 1
+            if self.events is not None:
+                self.events.append(RemovedBlocks((evicted,)))
         self.anonymous += fresh
 
     def commit(self, block: int) -> bool:
@@ -217,6 +259,7 @@ class _Sequence:
     tokens: Sequence[str]
     output_tokens: int
     hashes: list[int]
+    lora: str | None
     # Once running: for each block of prompt + answer, the hash it holds or None.
     blocks: list[int | None] = attrs.field(factory=list)
 
@@ -224,6 +267,7 @@ class _Sequence:
 @attrs.define
 class Scheduler:
     model: EngineModel
+    record_events: bool = attrs.field(default=False, kw_only=True)
     cache: BlockCache = attrs.field(init=False)
     _waiting: deque[_Sequence] = attrs.field(init=False, factory=deque)
     _running: dict[int, _Sequence] = attrs.field(init=False, factory=dict)
@@ -232,7 +276,7 @@ class Scheduler:
     hit_tokens: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self.cache = BlockCache(self.model.kv_blocks)
+        self.cache = BlockCache(self.model.kv_blocks, events=[] if self.record_events else None)
 
     @property
     def running(self) -> int:
@@ -249,10 +293,36 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.model.block_size)
 
+    def take_events(self) -> list[CacheEvent]:
+        """What the cache did since the last call, in order (nothing unless recording)."""
+        events = self.cache.events
+        if not events:
+            return []
+        self.cache.events = []
+        return events
+
+    def reset(self) -> None:
+        """Start afresh, as a new scheduler (nothing may be scheduled): every cached block
+        dropped (`CacheCleared` recorded after what is still undrained), counters zeroed."""
+        if self._running or self._waiting:
+            raise ValueError("sequences are still scheduled")
+        events = self.cache.events
+        self.cache = BlockCache(self.model.kv_blocks, events=events)
+        self.prefill_free_at = -math.inf
+        self.queried_tokens = self.hit_tokens = 0
+        if events is not None:
+            events.append(CacheCleared())
+
     def submit(
-        self, seq_id: int, tokens: Sequence[str], output_tokens: int, now: float
+        self,
+        seq_id: int,
+        tokens: Sequence[str],
+        output_tokens: int,
+        now: float,
+        lora: str | None = None,
     ) -> list[Admission]:
-        """A new request joins the queue; returns the sequences admitted now."""
+        """A new request joins the queue (`lora`: the adapter it names); returns the
+        sequences admitted now."""
         if seq_id in self._running or any(s.seq_id == seq_id for s in self._waiting):
             raise ValueError(f"sequence {seq_id} is already scheduled")
         total = len(tokens) + output_tokens
@@ -265,16 +335,19 @@ class Scheduler:
                 f"{output_tokens} in the completion). Please reduce the length of the "
                 "messages or completion."
             )
-        hashes = block_hashes(tokens, self.model.block_size)
-        self._waiting.append(_Sequence(seq_id, tokens, output_tokens, hashes))
+        hashes = block_hashes(tokens, self.model.block_size, lora)
+        self._waiting.append(_Sequence(seq_id, tokens, output_tokens, hashes, lora))
         return self._schedule(now)
 
     def prefilled(self, seq_id: int) -> None:
         """The sequence's prefill is done: its prompt's full blocks become reusable."""
         seq = self._running[seq_id]
+        stored = []
         for index, block in enumerate(seq.hashes):
             if seq.blocks[index] is None and self.cache.commit(block):
                 seq.blocks[index] = block
+                stored.append(index)
+        self._record_stored(seq, seq.tokens, seq.hashes, stored)
 
     def finish(self, seq_id: int, output: Sequence[str], now: float) -> list[Admission]:
         """The sequence leaves (finished with `output`, or gone before that, waiting or
@@ -286,13 +359,41 @@ class Scheduler:
         seq = self._running.pop(seq_id)
         if output:
             size = self.model.block_size
-            full = block_hashes([*seq.tokens, *output], size)
+            tokens = [*seq.tokens, *output]
+            full = block_hashes(tokens, size, seq.lora)
+            stored = []
             for index in range(len(seq.hashes), min(len(full), len(seq.blocks))):
                 if seq.blocks[index] is None and self.cache.commit(full[index]):
                     seq.blocks[index] = full[index]
+                    stored.append(index)
+            self._record_stored(seq, tokens, full, stored)
         held = [block for block in seq.blocks if block is not None]
         self.cache.release(held, len(seq.blocks) - len(held))
         return self._schedule(now)
+
+    def _record_stored(
+        self, seq: _Sequence, tokens: Sequence[str], hashes: Sequence[int], stored: list[int]
+    ) -> None:
+        """Record the blocks `stored` (indexes into `hashes`, ascending) as one chain per
+        run of consecutive blocks."""
+        events = self.cache.events
+        if events is None or not stored:
+            return
+        size = self.model.block_size
+        start = 0
+        for i in range(1, len(stored) + 1):
+            if i < len(stored) and stored[i] == stored[i - 1] + 1:
+                continue
+            first, last = stored[start], stored[i - 1]
+            events.append(
+                StoredBlocks(
+                    hashes=tuple(hashes[first : last + 1]),
+                    parent=hashes[first - 1] if first else None,
+                    tokens=tuple(tokens[first * size : (last + 1) * size]),
+                    lora=seq.lora,
+                )
+            )
+            start = i
 
     def _schedule(self, now: float) -> list[Admission]:
         admitted: list[Admission] = []
