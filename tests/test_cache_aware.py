@@ -300,7 +300,7 @@ def test_config_mistakes_name_the_key() -> None:
 
     cases = {
         '[router]\nbalancing = "cache-aware"\n': "r.toml: router.balancing: must be one of "
-        "cache_aware, least_outstanding, round_robin, not 'cache-aware' (did you mean "
+        "cache_aware, precise, least_outstanding, round_robin, not 'cache-aware' (did you mean "
         "'cache_aware'?)",
         "[router.cache_aware]\nblock_byte = 128\n": "router.cache_aware.block_byte: is not a "
         "known key (did you mean 'block_bytes'?)",

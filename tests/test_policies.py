@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import BALANCING, Balancing, CacheAwareSection
+from llmgw_core.kv_events import BlockStored, KvBatch
 from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.policies import Decision, policy_for
 from llmgw_server.router.policies.cache_aware import CacheAware
+from llmgw_server.router.policies.precise import Precise
 from llmgw_server.router.prefix import PromptKey, prompt_key
 
 
@@ -27,6 +31,7 @@ def prompt(text: str) -> PromptKey:
 # What each name's policy decides with no prompt and equal loads, and what it reads.
 EXPECTED: dict[str, tuple[Decision, bool]] = {
     "cache_aware": (Decision.FALLBACK, True),
+    "precise": (Decision.FALLBACK, True),  # no token ids, no events: cache_aware's choice
     "least_outstanding": (Decision.LEAST_OUTSTANDING, False),
     "round_robin": (Decision.ROUND_ROBIN, False),
 }
@@ -101,3 +106,47 @@ def test_outstanding_is_counted_by_the_balancer() -> None:
     assert (a.outstanding, b.outstanding) == (1, 1)
     balancer.sent(b)
     assert balancer.pick() is a  # least outstanding reads what the balancer counted
+
+
+def _stored(index: KvIndex, replica: Replica, tokens: list[int], seq: int) -> None:
+    blocks = len(tokens) // 4
+    event = BlockStored(tuple(range(100 * seq, 100 * seq + blocks)), None, tokens, 4)
+    index.apply(replica.endpoint.url, KvBatch("kv", seq, 0.0, None, (event,)), 0.0)
+
+
+def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
+    index = KvIndex()
+    balancer = Balancer([Replica(e) for e in endpoints(3)], balancing="precise", kv=index)
+    policy = balancer.policy
+    assert isinstance(policy, Precise) and policy.tokenizes
+    a, b, c = balancer.replicas
+    tokens = list(range(1, 33))  # 8 blocks of 4
+    key = attrs.evolve(prompt("the conversation"), tokens=tuple(tokens))
+    # No engine has published yet: cache_aware decides, as cache_aware.
+    assert balancer.choose(now=0.0, prompt=key).decision is Decision.FALLBACK  # type: ignore[union-attr]
+    _stored(index, a, tokens[:16], 0)  # a holds 4 blocks
+    _stored(index, b, tokens[:28], 0)  # b holds 7
+    _stored(index, c, [99] * 8, 0)  # c holds something else
+    choice = policy.choose(balancer.replicas, key, 0.0)
+    assert (choice.replica, choice.decision) == (b, Decision.PRECISE_HIT)
+    assert choice.matched_bytes == key.size * 28 // 32  # 7 of its 8 blocks, in its bytes
+    assert choice.matched_tokens == 28
+    # b loaded past the bound (least + load_slack): the holder within it that holds most.
+    b.outstanding = 10
+    choice = policy.choose(balancer.replicas, key, 0.0)
+    assert (choice.replica, choice.decision) == (a, Decision.PRECISE_LOAD_OVERRIDE)
+    b.outstanding = 0
+    # A prompt no engine holds a block of: placed as cache_aware would, counted as a miss.
+    other = attrs.evolve(prompt("another one"), tokens=tuple(range(500, 540)))
+    assert policy.choose(balancer.replicas, other, 0.0).decision is Decision.PRECISE_MISS
+    # Chosen: held there speculatively until its events come (2 s).
+    policy.chosen(c, other, 10.0)
+    assert policy.choose(balancer.replicas, other, 11.0).replica is c
+    assert policy.choose(balancer.replicas, other, 12.5).decision is Decision.PRECISE_MISS
+    # Without token ids (the engine could not tokenize): cache_aware decides.
+    assert policy.choose(balancer.replicas, prompt("x"), 0.0).decision is not Decision.PRECISE_HIT
+    # The whole prompt held: the engine still computes its last token (one block less).
+    _stored(index, c, tokens, 1)
+    c.outstanding = -5  # the least loaded
+    assert policy.choose(balancer.replicas, key, 0.0).matched_tokens == 28
+    c.outstanding = 0

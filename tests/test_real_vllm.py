@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -51,6 +52,8 @@ STOP_GRACE_S = 30.0  # SIGTERM to the API server stops its three processes in 2.
 class VllmServer:
     proc: Proc
     ready_s: float  # from launch to /health answering 200
+    kv_events: int = 0  # the port of its KV-cache events (ZMQ PUB), and of their replay
+    kv_replay: int = 0
 
     @property
     def url(self) -> str:
@@ -93,19 +96,26 @@ def second_vllm(
 
 
 def _serve(real_vllm: RealVllm, run: Path) -> Iterator[VllmServer]:
-    port = free_port()
+    port, events, replay = free_port(), free_port(), free_port()
     env = serving_env(run)
+    # Its KV-cache events published (vLLM binds a wildcard endpoint) for precise routing,
+    # and the cached tokens of each request in its usage, to check the router's guesses.
+    kv_events = {
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": f"tcp://*:{events}", "replay_endpoint": f"tcp://*:{replay}",
+    }  # fmt: skip
     argv = [
         str(real_vllm.vllm), "serve", str(real_vllm.model), "--served-model-name", MODEL,
         "--host", "127.0.0.1", "--port", str(port), "--api-key", ENGINE_KEY,
         "--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--max-model-len", "2048",
+        "--max-model-len", "2048", "--kv-events-config", json.dumps(kv_events),
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     started = time.monotonic()
     proc = Proc(argv, port, env)
     try:
         proc.wait_http("/health", timeout=READY_TIMEOUT_S)
-        server = VllmServer(proc, time.monotonic() - started)
+        server = VllmServer(proc, time.monotonic() - started, events, replay)
         print(f"\nvLLM ready in {server.ready_s:.1f} s", flush=True)
         yield server
     finally:
@@ -491,3 +501,60 @@ def test_vllm_behind_every_endpoint_clients_call(
     assert [r["status"] for r in lines if r["path"] in ("/v1/responses", "/v1/messages")] == [
         200, 200, 200, 200, 401,
     ]  # fmt: skip
+
+
+def test_precise_predicts_vllms_cached_tokens_request_by_request(
+    procs: Procs, tmp_path: Path, vllm_server: VllmServer, second_vllm: VllmServer
+) -> None:
+    """Two vLLM replicas with 4 MiB KV caches (32 blocks of 128 tokens each: they evict),
+    a router with `balancing = "precise"` following their KV-cache events: for each of 200
+    requests, the tokens it predicted cached on the replica it chose (the access log's
+    cached_predicted) are what vLLM then reports (usage.prompt_tokens_details)."""
+    key = key_file(tmp_path)
+    items = ", ".join(
+        f'{{ url = "{v.url}", key_file = "{key}", kv_events = "tcp://127.0.0.1:{v.kv_events}", '
+        f'kv_replay = "tcp://127.0.0.1:{v.kv_replay}" }}'
+        for v in (vllm_server, second_vllm)
+    )
+    log = tmp_path / "access.log"
+    router = procs.router(
+        f'[router]\nbalancing = "precise"\n[[models]]\nname = "{MODEL}"\nendpoints = [{items}]\n',
+        server=f'access_log = true\naccess_log_format = "json"\naccess_log_file = "{log}"\n',
+    )
+    client = client_of(router)
+    rng = random.Random(22)
+    # 40 conversations of five turns, in a random order: each turn carries the ones
+    # before, so the engines hold (and evict) prefixes that later requests reuse.
+    openings = [" ".join(f"topic {c} part {i}" for i in range(60)) for c in range(40)]
+    turns = [(c, t) for c in range(40) for t in range(5)]
+    rng.shuffle(turns)
+    sent: dict[int, int] = {}  # conversation -> turns sent
+    reported: list[tuple[str, int]] = []
+    for c, _ in turns:
+        done = sent.get(c, 0)
+        words = " ".join(f"follow up {c} {t} " * 12 for t in range(done))
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"{openings[c]} {words}"}],
+            max_tokens=2,
+            extra_headers={"x-request-id": f"precise-{len(reported)}"},
+        )
+        sent[c] = done + 1
+        details = answer.usage.prompt_tokens_details if answer.usage else None
+        reported.append((f"precise-{len(reported)}", (details.cached_tokens or 0) if details else 0))
+    def logged() -> list[dict[str, object]] | None:
+        found = access_lines(log)
+        return found if len(found) >= len(reported) else None
+
+    lines = wait_for(logged, 10.0, "every request's access-log line")
+    predicted = {str(line["request_id"]): line["cached_predicted"] for line in lines}
+    pairs = [(predicted[rid], cached) for rid, cached in reported]
+    # None: routed before either engine had published anything (cache_aware's choice).
+    guessed = [(guess, cached) for guess, cached in pairs if guess is not None]
+    exact = sum(1 for guess, cached in guessed if guess == cached)
+    hits = sum(1 for _, cached in pairs if cached)
+    wrong = [(i, p) for i, p in enumerate(pairs) if p[0] != p[1]]
+    print(f"\nprecise on vLLM: {exact} of {len(guessed)} predicted exactly ({len(pairs)} sent); "
+          f"{hits} with cached tokens; (request, (predicted, cached)) where not: {wrong}")  # fmt: skip
+    assert len(pairs) == 200 and len(guessed) >= 190 and hits >= 40, pairs
+    assert exact >= 0.99 * len(guessed), wrong

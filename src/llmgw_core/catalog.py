@@ -57,6 +57,11 @@ class Endpoint:
     # Sent as `Authorization: Bearer` on every request and health probe (empty: none).
     # Part of equality: a new key is a new engine, so no pooled connection carries over.
     api_key: str = attrs.field(default="", repr=False)
+    # Where the engine publishes its KV-cache events (vLLM's --kv-events-config
+    # `endpoint`, ZMQ: tcp://host:port) and answers replays (`replay_endpoint`); empty:
+    # none, and `balancing = "precise"` routes it as cache_aware does.
+    kv_events: str = ""
+    kv_replay: str = ""
 
     @property
     def url(self) -> str:
@@ -246,6 +251,18 @@ def _key_from_file(path: Path) -> str:
     return _engine_key(secret, f"the file {str(path)!r}")
 
 
+_ZMQ_ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+
+
+def _zmq_address(text: str) -> str:
+    """`tcp://host:port`, where a subscriber connects (never `*`: that is the engine's
+    own side, where it binds)."""
+    found = _ZMQ_ADDRESS.match(text)
+    if not found or not 0 < int(found.group(2)) < 65536 or found.group(1) == "*":
+        raise Problem(f"must be tcp://host:port, the address the engine publishes on, not {text!r}")
+    return text
+
+
 @attrs.frozen
 class _KeyedEndpoint:
     """An item of `endpoints` given as a table: `{url = "...", key_env = "VLLM_KEY"}`, or
@@ -262,6 +279,9 @@ class _KeyedEndpoint:
         repr=False,
         metadata=rules(key="key_file", parse=read_path, check=_key_from_file),
     )
+    # The engine's KV-cache events, for `balancing = "precise"` (router.kv_feed).
+    kv_events: str = attrs.field(default="", metadata=rules(parse=read_text, check=_zmq_address))
+    kv_replay: str = attrs.field(default="", metadata=rules(parse=read_text, check=_zmq_address))
 
 
 _KEY_IN_TEXT = ("api_key", "key", "token", "bearer")
@@ -284,16 +304,21 @@ def _endpoint_item(item: object, index: int) -> Endpoint:
     if isinstance(item, dict):
         keyed = read_item(item, _KeyedEndpoint, index)
         url, key = keyed.url, keyed.key_from_env or keyed.key_from_file or ""
+        if keyed.kv_replay and not keyed.kv_events:
+            what = "needs kv_events: a replay answers for the events missed"
+            raise Problem(what, f"[{index}].kv_replay")
+        events, replay = keyed.kv_events, keyed.kv_replay
         where = f"[{index}].url"
     elif isinstance(item, str):
-        url, key, where = item, "", f"[{index}]"
+        url, key, where, events, replay = item, "", f"[{index}]", "", ""
     else:
         raise Problem(
             f"must be an engine URL or a table {{url = ..., key_env = ...}}, not {type_name(item)}",
             f"[{index}]",
         )
     try:
-        return attrs.evolve(parse_endpoint(url), api_key=key)
+        endpoint = parse_endpoint(url)
+        return attrs.evolve(endpoint, api_key=key, kv_events=events, kv_replay=replay)
     except ValueError as exc:
         raise Problem(str(exc), where) from None
 

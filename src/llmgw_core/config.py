@@ -153,7 +153,7 @@ class ServerSection:
     workers: int = attrs.field(default=1, metadata=rules(parse=_workers, min=1))
 
 
-Balancing = Literal["cache_aware", "least_outstanding", "round_robin"]
+Balancing = Literal["cache_aware", "precise", "least_outstanding", "round_robin"]
 BALANCING: tuple[Balancing, ...] = get_args(Balancing)
 
 

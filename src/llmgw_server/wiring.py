@@ -199,6 +199,12 @@ async def serve_router(
                 if router.access_log is not None:
                     await nursery.start(router.access_log.run)
                 await nursery.start(http.serve, listeners)
+                if router.kv is not None:
+                    # balancing = "precise": what the engines hold, from their events
+                    # (pyzmq is imported by such a router alone).
+                    from llmgw_server.router.kv_feed import follow_kv_events
+
+                    await nursery.start(follow_kv_events, router.kv, router.endpoints)
                 if followed is None:
                     await nursery.start(probe_forever, router, client)
                 else:

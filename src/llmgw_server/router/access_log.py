@@ -40,6 +40,9 @@ class AccessRecord:
     prompt_tokens: int | None = None  # from the engine's usage, when it sent one
     completion_tokens: int | None = None
     queued_s: float | None = None  # held while no replica served its model (autoscaling)
+    # The prompt tokens the chosen engine should find cached, by its KV-cache events
+    # (balancing = "precise"); None otherwise.
+    cached_predicted: int | None = None
 
 
 def key_id_of(digest_hex: str) -> str:
@@ -118,7 +121,7 @@ def format_logfmt(record: AccessRecord) -> str:
         f"ttfb_ms={_ms(record.ttfb_s)} bytes={record.bytes_sent} "
         f"key_id={_repeating(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
         f"completion_tokens={_count(record.completion_tokens)} "
-        f"queued_ms={_ms(record.queued_s)}\n"
+        f"queued_ms={_ms(record.queued_s)} cached_predicted={_count(record.cached_predicted)}\n"
     )
 
 
@@ -139,6 +142,7 @@ def format_json(record: AccessRecord) -> str:
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "queued_ms": None if record.queued_s is None else round(record.queued_s * 1000, 3),
+        "cached_predicted": record.cached_predicted,
     }
     return json.dumps(line, separators=(",", ":")) + "\n"
 

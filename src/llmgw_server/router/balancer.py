@@ -22,6 +22,7 @@ import attrs
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import Balancing, CacheAwareSection
+from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.policies import Choice, Decision, Policy, policy_for
 from llmgw_server.router.prefix import PromptKey, rendezvous, stable_hash
 from llmgw_server.router.replica import Replica
@@ -71,11 +72,12 @@ class Balancer:
     # A bare Balancer balances by least outstanding; the config's default is cache_aware.
     balancing: Balancing = "least_outstanding"
     tuning: CacheAwareSection = attrs.field(factory=CacheAwareSection)
+    kv: KvIndex | None = None  # what the engines hold, by their events (precise)
     policy: Policy = attrs.field(init=False)
     _busy_until: float = 0.0  # the latest busy_until of any replica: no filter after it
 
     def __attrs_post_init__(self) -> None:
-        self.policy = policy_for(self.balancing, self.tuning, self.rng)
+        self.policy = policy_for(self.balancing, self.tuning, self.rng, self.kv)
         self.policy.follow(self.replicas)
 
     def pick(

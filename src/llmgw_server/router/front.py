@@ -37,6 +37,7 @@ from llmgw_server.router.balancer import (
     busy_pause_s,
     judge,
 )
+from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.meter import ModelMeter
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
@@ -53,6 +54,7 @@ from llmgw_server.router.stored import (
     stored_path_id,
     with_response_id,
 )
+from llmgw_server.router.tokenizer import Tokenizer
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -121,6 +123,10 @@ class Router:
         self.adapters: dict[str, str] = {}
         # Each autoscaled model's meter and held requests (route feed; router.meter).
         self.meters: dict[str, ModelMeter] = {}
+        # What each engine holds, by its own KV-cache events (router.kv_feed), for
+        # `balancing = "precise"`; with another policy, None.
+        self.kv = KvIndex() if config.router.balancing == "precise" else None
+        self.tokenizer = Tokenizer()
         self._load_wanted = trio.Event()  # set when a request is held: report at once
         self.ready = False  # the first health probe round is done
         self.draining = False
@@ -168,6 +174,7 @@ class Router:
                 eject_cooldown_s=self.tuning.eject_cooldown_s,
                 balancing=self.tuning.balancing,
                 tuning=self.tuning.cache_aware,
+                kv=self.kv,
             )
         for endpoint in endpoints:
             if endpoint not in self.pools:
@@ -238,6 +245,10 @@ class Router:
                     url = replica.endpoint.url
                     counts[url] = counts.get(url, 0) + replica.outstanding
         return counts
+
+    def endpoints(self) -> set[Endpoint]:
+        """Every replica's endpoint, all models."""
+        return {r.endpoint for b in self.balancers.values() for r in b.replicas}
 
     def replica(self, model: str, endpoint: Endpoint) -> Replica | None:
         balancer = self.balancers.get(model)
@@ -480,6 +491,8 @@ class Router:
         if policy.reads_prompt and session is None and path in (_CHAT, _COMPLETIONS):
             # Hashed once per request, and only where the policy reads it.
             prompt = policy.prompt_key(body, path == _CHAT)
+            if prompt is not None and policy.tokenizes:
+                prompt = await self._tokenized(model, balancer, body, path == _CHAT, prompt)
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
@@ -499,6 +512,19 @@ class Router:
             )
         finally:
             metrics.in_flight[model] -= 1
+
+    async def _tokenized(
+        self, model: str, balancer: Balancer, body: dict[str, object], chat: bool, prompt: PromptKey
+    ) -> PromptKey:
+        """The prompt with its token ids, as an engine of the model tokenizes it (None
+        when none could say: the policy then decides without them)."""
+        lora = model if model in self.adapters else None
+        replicas = [r for r in balancer.replicas if r.available]
+        if not replicas:
+            return prompt
+        ask = self.pools[replicas[0].endpoint]
+        tokens = await self.tokenizer.tokens(ask, model, body, chat, prompt)
+        return attrs.evolve(prompt, tokens=tokens, lora=lora)
 
     async def _held(
         self, model: str, balancer: Balancer, meter: ModelMeter, responder: RecordingResponder
@@ -617,6 +643,7 @@ class Router:
                 break
             replica = choice.replica
             self.metrics.chose(model, choice, prompt, first=not attempt)
+            responder.record.cached_predicted = choice.matched_tokens
             if attempt:
                 self.metrics.retries[model] += 1
             tried.append(replica)

@@ -55,6 +55,10 @@ class PromptKey:
     block: int  # the block size it was cut with
     text: bytes = attrs.field(repr=False, eq=False)  # the canonical text, up to `size`
     origin: int = _EMPTY  # the hash the chain starts from: the model's (`model_origin`)
+    # The prompt's token ids as its engine tokenizes it, where a policy reads them
+    # (precise; set by the router after asking the engine), and the LoRA adapter named.
+    tokens: tuple[int, ...] | None = attrs.field(default=None, eq=False, repr=False)
+    lora: str | None = None
 
     def base(self, depth: int) -> tuple[int, int]:
         """The offset and hash of the last block boundary among the first `depth` cuts."""

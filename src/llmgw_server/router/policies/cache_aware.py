@@ -72,6 +72,7 @@ class _Held:
 class CacheAware:
     reads_prompt = True
     reads_engine_load = True
+    tokenizes = False
 
     def __init__(self, tuning: CacheAwareSection) -> None:
         self.tuning = tuning

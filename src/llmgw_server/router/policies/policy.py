@@ -21,6 +21,9 @@ class Decision(enum.Enum):
     SESSION = "session"  # the session header's rendezvous
     STORED_RESPONSE = "stored_response"  # the replica that stored the response it names
     LEAST_OUTSTANDING = "least_outstanding"
+    PRECISE_HIT = "precise_hit"  # its engine says it holds the longest prefix
+    PRECISE_LOAD_OVERRIDE = "precise_load_override"  # a holder was loaded beyond the bound
+    PRECISE_MISS = "precise_miss"  # no engine holds a block of it: placed as cache_aware
     ROUND_ROBIN = "round_robin"
 
 
@@ -29,6 +32,9 @@ class Choice:
     replica: Replica
     decision: Decision
     matched_bytes: int = 0  # how much of the prompt this router believes the replica holds
+    # The prompt tokens its engine should find cached, as its KV-cache events say (precise;
+    # None where no policy read them): the access log's `cached_predicted`.
+    matched_tokens: int | None = None
 
 
 class Policy(Protocol):
@@ -40,6 +46,9 @@ class Policy(Protocol):
     # load (the router reads their /metrics only then).
     reads_prompt: bool
     reads_engine_load: bool
+    # Whether it reads the prompt's token ids (`PromptKey.tokens`: the router asks the
+    # engine's /tokenize first, router.tokenizer).
+    tokenizes: bool
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         """The key of a request's prompt, as this policy reads it (asked only if it does)."""
@@ -75,6 +84,7 @@ class Oblivious:
 
     reads_prompt = False
     reads_engine_load = False
+    tokenizes = False
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return None

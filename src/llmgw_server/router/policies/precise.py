@@ -1,0 +1,118 @@
+"""`balancing = "precise"`: the replica whose engine says it holds the prompt's blocks.
+
+Like cache_aware, but what each replica holds comes from its engine's own KV-cache
+events (router.kv_feed feeds the process's `KvIndex`), not from what this router sent:
+another router's or a direct client's traffic counts, an eviction counts, a restarted
+router knows what the engines hold as soon as their replay came in. The request's prompt
+is tokenized as the engine will see it (the router asks the engine's own `/tokenize`,
+router.tokenizer) and its full blocks are looked up by the router's own chained hash.
+
+1. The replicas holding the longest prefix, within the load bound cache_aware uses
+   (`max(least * max_load_ratio, least + load_slack)`), the least loaded of them:
+   `precise_hit`. A holder past the bound loses to the replica within it holding the
+   most (`precise_load_override`): a hot prefix never collapses onto one replica.
+2. No replica holds a block of it: the approximate policy places it (rendezvous of the
+   conversation's opening within load bounds, as cache_aware), counted `precise_miss`.
+3. The prompt could not be tokenized, or no candidate's engine has published events yet
+   (llama.cpp publishes none; a feed that never started): cache_aware decides alone, and
+   its own decisions are counted (`cache_hit`, `fallback`, ...).
+
+A request sent to a replica counts as held there for `speculative_ttl_s` (2 s), until the
+engine's events say so (KvIndex.speculate). The approximate policy keeps its own state
+throughout, so that it decides well when the events are missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmgw_core.config import CacheAwareSection
+from llmgw_server.router.kv_index import KvIndex, block_chain
+from llmgw_server.router.policies.cache_aware import CacheAware, load_of
+from llmgw_server.router.policies.policy import Choice, Decision
+from llmgw_server.router.prefix import PromptKey
+from llmgw_server.router.replica import Replica
+
+
+class Precise:
+    reads_prompt = True
+    reads_engine_load = True
+    tokenizes = True
+
+    def __init__(self, tuning: CacheAwareSection, index: KvIndex) -> None:
+        self.tuning = tuning
+        self.index = index
+        self.approximate = CacheAware(tuning)
+
+    def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
+        return self.approximate.prompt_key(body, chat)
+
+    def fed(self, replica: Replica) -> bool:
+        """Whether the replica's engine events route it: some came, none unusable."""
+        name = replica.endpoint.url
+        index = self.index
+        return index.last_seq(name) is not None and index.unusable(name) is None
+
+    def choose(
+        self, candidates: Sequence[Replica], prompt: PromptKey | None, now: float | None
+    ) -> Choice:
+        tokens = None if prompt is None else prompt.tokens
+        fed = [r for r in candidates if self.fed(r)]
+        if prompt is None or tokens is None or not fed:
+            return self.approximate.choose(candidates, prompt, now)
+        at = 0.0 if now is None else now
+        held = self.held(fed, tokens, prompt.lora, at)
+        if not any(held.values()):
+            choice = self.approximate.choose(candidates, prompt, now)
+            return Choice(choice.replica, Decision.PRECISE_MISS, 0, 0)
+        tuning = self.tuning
+        loads = {r: load_of(r, tuning, now) for r in candidates}
+        least = min(loads.values())
+        bound = max(least * tuning.max_load_ratio, least + tuning.load_slack)
+        top = max(held.values())
+        within = [r for r in candidates if loads[r] <= bound]
+        best = max((held.get(r, 0) for r in within), default=0)
+        pool = [r for r in within if held.get(r, 0) == best]
+        chosen = min(pool, key=lambda r: loads[r])
+        decision = Decision.PRECISE_HIT if best == top else Decision.PRECISE_LOAD_OVERRIDE
+        # The metrics count bytes of the prompt: its cached tokens' share of them.
+        matched = prompt.size * held.get(chosen, 0) // max(len(tokens), 1)
+        return Choice(chosen, decision, matched, held.get(chosen, 0))
+
+    def held(
+        self, replicas: Sequence[Replica], tokens: Sequence[int], lora: str | None, now: float
+    ) -> dict[Replica, int]:
+        """The tokens of the prompt's leading full blocks each replica holds, as its
+        engine will count them cached: never the prompt's last token (an engine always
+        computes at least one, as vLLM does)."""
+        index = self.index
+        out: dict[Replica, int] = {}
+        by_size: dict[int, list[Replica]] = {}
+        for r in replicas:
+            size = index.block_size(r.endpoint.url)
+            if size:
+                by_size.setdefault(size, []).append(r)
+        for size, group in by_size.items():
+            depths = index.lookup(tokens, size, lora, now)
+            most = (len(tokens) - 1) // size
+            for r in group:
+                out[r] = min(depths.get(r.endpoint.url, 0), most) * size
+        return out
+
+    def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
+        self.approximate.chosen(replica, prompt, now)
+        if prompt is None or prompt.tokens is None or now is None:
+            return
+        size = self.index.block_size(replica.endpoint.url)
+        if size:
+            chain = block_chain(prompt.tokens, size, prompt.lora)
+            self.index.speculate_chain(replica.endpoint.url, chain, now)
+
+    def follow(self, replicas: Sequence[Replica]) -> None:
+        self.approximate.follow(replicas)
+
+    def forget(self, replica: Replica) -> None:
+        self.approximate.forget(replica)
+
+    def remembered(self, replica: Replica) -> int | None:
+        return self.index.held(replica.endpoint.url)
