@@ -68,8 +68,11 @@ class Fleet:
         self.certs = procs.tmp / "certs"
         init_ca(self.certs)
 
-    def server(self, models: str, control: str = "", agents: str = "", workers: int = 1) -> Proc:
-        """`workers`: router processes under the server's parent ([server] workers)."""
+    def server(
+        self, models: str, control: str = "", agents: str = "", workers: int = 1, router: str = ""
+    ) -> Proc:
+        """`workers`: router processes under the server's parent ([server] workers);
+        `router`: more lines for its [router] table."""
         path = self.procs.tmp / "server.toml"
         path.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.port}"\ncontrol_listen = "127.0.0.1:{self.control_port}"\n'
@@ -77,7 +80,7 @@ class Fleet:
             f'[agents]\nca = "{self.certs}/ca.crt"\ncert = "{self.certs}/server.crt"\n'
             f'key = "{self.certs}/server.key"\n{agents}\n'
 
-            "[router]\nhealth_interval_s = 0.5\n"
+            f"[router]\nhealth_interval_s = 0.5\n{router}\n"
             "[control]\nunreachable_after_s = 1.5\nlost_after_s = 4\nsettle_after_start_s = 1\n"
             f"restart_backoff_s = 0.5\ndrain_timeout_s = 2\nengine_port_min = {self.ports[0]}\n"
             f"engine_port_max = {self.ports[1]}\n{control}\n{models}"

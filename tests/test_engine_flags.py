@@ -10,6 +10,7 @@ The help texts under engine_help/ were saved from the programs `make real-engine
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -83,12 +84,22 @@ def test_what_is_not_an_option_line_is_not_a_flag() -> None:
                      node_rank=0, master_addr="10.0.0.7", master_port=20002),
         EngineLaunch("vllm", "org/m", "m", "10.0.0.8", 20001, (0,), pipeline_parallel=2, nnodes=2,
                      node_rank=1, master_addr="10.0.0.7", master_port=20002, api_key="k"),
+        EngineLaunch("vllm", "org/m", "m", "0.0.0.0", 20001, (0,), kv_events_port=20003,
+                     kv_replay_port=20004),
     ],
 )  # fmt: skip
 def test_every_flag_the_vllm_adapter_writes_is_in_vllm_0_32(launch: EngineLaunch) -> None:
     argv = build_command(("vllm",), launch).argv[1:]
     assert unknown("vllm", VLLM, argv) == []
     assert sum(a.startswith("-") for a in argv) >= 6
+    if launch.kv_events_port:
+        config = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert config == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:20003",
+            "replay_endpoint": "tcp://*:20004",
+        }
 
 
 @pytest.mark.parametrize("model", ["/models/m.gguf", "ggml-org/gemma-3-270m-GGUF:Q8_0"])

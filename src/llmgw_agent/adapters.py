@@ -50,6 +50,10 @@ class EngineLaunch:
     # engine's default); engines other than vLLM (and the mock) are refused them earlier.
     lora: tuple[LoraAdapter, ...] = ()
     max_lora_rank: int | None = None
+    # Where the head publishes its KV-cache events (ZMQ) and answers replays, on every
+    # address of the node; 0: it publishes none.
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
 
     @property
     def is_head(self) -> bool:
@@ -101,6 +105,20 @@ def _vllm_lora(launch: EngineLaunch) -> list[str]:
     return argv
 
 
+def _vllm_kv_events(launch: EngineLaunch) -> list[str]:
+    """vLLM 0.32.0's --kv-events-config (vllm/config/kv_events.py): a wildcard endpoint is
+    bound (an explicit host would be connected to), the replay endpoint always bound."""
+    if not launch.kv_events_port or not launch.is_head:
+        return []
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{launch.kv_events_port}",
+        "replay_endpoint": f"tcp://*:{launch.kv_replay_port}",
+    }
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -126,6 +144,7 @@ def vllm(prefix: Sequence[str], launch: EngineLaunch) -> Command:
         str(launch.pipeline_parallel),
         *_context(launch),  # --max-model-len: vllm/engine/arg_utils.py
         *_vllm_lora(launch),
+        *_vllm_kv_events(launch),
     ]
     if launch.nnodes > 1:
         argv += [

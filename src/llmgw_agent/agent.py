@@ -417,6 +417,8 @@ class Agent:
                 max_model_len=spec.max_model_len,
                 lora=spec.lora,
                 max_lora_rank=spec.max_lora_rank,
+                kv_events_port=spec.ports[2] if spec.kv_events else 0,
+                kv_replay_port=spec.ports[3] if spec.kv_events else 0,
             ),
         )
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))

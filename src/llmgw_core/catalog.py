@@ -36,6 +36,8 @@ from llmgw_core.engines import (
 )
 from llmgw_core.tomlshape import Table, type_name
 
+# The engines that publish vLLM's KV-cache events (the mock engine as vLLM does).
+KV_EVENT_ENGINES = ("vllm", "mock")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The adapters one profile may declare: each is a model name clients see, and vLLM loads
@@ -169,6 +171,9 @@ class Profile:
     lora: tuple[LoraAdapter, ...] = attrs.field(default=(), metadata=rules(check=_lora_adapters))
     # The highest rank among the adapters: vLLM's --max-lora-rank (None: vLLM's 16).
     max_lora_rank: int | None = attrs.field(default=None, metadata=rules(check=_lora_rank))
+    # Publish the engine's KV-cache events (vLLM's --kv-events-config, ZMQ) on two more
+    # ports the control plane assigns, for routers with balancing = "precise".
+    kv_events: bool = False
 
     @property
     def gpus(self) -> int:
@@ -187,6 +192,12 @@ def _said_once(profile: Profile) -> None:
             "args",
         )
     _lora_served(profile)
+    if profile.kv_events and profile.engine not in KV_EVENT_ENGINES:
+        raise Problem(
+            f"is for engines that publish KV-cache events ({', '.join(KV_EVENT_ENGINES)}), "
+            f"not {profile.engine!r}",
+            "kv_events",
+        )
 
 
 def _lora_served(profile: Profile) -> None:

@@ -103,6 +103,9 @@ class LaunchSpec:
     # (None: the engine's default). An older control plane's spec has none.
     lora: tuple[LoraAdapter, ...] = ()
     max_lora_rank: int | None = None
+    # The engine publishes its KV-cache events on port + 2 and answers replays on port +
+    # 3 (the profile's kv_events); an older control plane's spec has none.
+    kv_events: bool = False
 
     def __attrs_post_init__(self) -> None:
         # A spec travels over the wire: one that cannot describe a shard is refused at
@@ -120,6 +123,13 @@ class LaunchSpec:
         names = [a.name for a in self.lora]
         if not all(names) or len(set(names)) != len(names):
             raise ValueError(f"the adapter names {names} must be distinct and not empty")
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        """The ports the replica holds on its nodes: HTTP, rendezvous, and with kv_events
+        the events' and their replay's."""
+        width = 4 if self.kv_events else 2
+        return tuple(range(self.port, self.port + width))
 
     @property
     def nnodes(self) -> int:

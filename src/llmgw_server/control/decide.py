@@ -307,7 +307,10 @@ class Decider:
             notes = self.known.failed(failed, now)
             failure = self.known.failures[rid]
         spec = failed.spec
-        port = lambda: self.known.free_port(spec.nodes, after=spec.port + 2, ignore=rid)  # noqa: E731
+        width = len(spec.ports)
+        port = lambda: self.known.free_port(  # noqa: E731
+            spec.nodes, after=spec.port + width, ignore=rid, width=width
+        )
         sent, due = restart(records, failure, now, self._nodes, port)
         self._issue(sent, now)
         if any(isinstance(c, StartShard) for c in sent):
@@ -339,7 +342,7 @@ class Decider:
         self._seq += 1
         rid = f"{_UNSAFE.sub('_', a.model)}-{self._instance}-{self._seq}"
         nodes = [s.node for s in a.shards]
-        port = self.known.free_port(nodes)
+        port = self.known.free_port(nodes, width=4 if profile.kv_events else 2)
         head = self._nodes[nodes[0]].inventory.host
         key = self._engine_keys()
         starts: list[Command] = [
@@ -417,4 +420,9 @@ class Decider:
 
 
 def endpoint(spec: LaunchSpec) -> Endpoint:
-    return attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)
+    found = attrs.evolve(parse_endpoint(spec.url), api_key=spec.api_key)
+    if not spec.kv_events:
+        return found
+    host = f"[{found.host}]" if ":" in found.host else found.host
+    events, replay = spec.ports[2:]
+    return attrs.evolve(found, kv_events=f"tcp://{host}:{events}", kv_replay=f"tcp://{host}:{replay}")

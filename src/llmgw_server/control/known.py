@@ -184,8 +184,11 @@ class Known:
             for n in chosen
         ]
 
-    def free_port(self, nodes: Sequence[str], *, after: int | None = None, ignore: str = "") -> int:
-        """A port pair free on every node of a replica (`ignore`: the replica itself).
+    def free_port(
+        self, nodes: Sequence[str], *, after: int | None = None, ignore: str = "", width: int = 2
+    ) -> int:
+        """`width` ports in a row free on every node of a replica (`ignore`: the replica
+        itself): its HTTP and rendezvous ports, and its KV events' two with kv_events.
 
         Ports belong to an address, not a node name: several simulated nodes on
         one machine share one port space. O(shards at those addresses)."""
@@ -194,7 +197,7 @@ class Known:
         names = self.lifecycle.on_hosts(hosts) | {h for h in hosts if h not in known}
         used = self.store.ports(sorted(names), ignore=ignore)
         s = self.settings
-        return free_port(used, s.engine_port_min, s.engine_port_max, after=after)
+        return free_port(used, s.engine_port_min, s.engine_port_max, after=after, width=width)
 
     def failed(self, record: ShardRecord, now: float) -> list[str]:
         """Note a failure once per failed start and schedule the restart."""

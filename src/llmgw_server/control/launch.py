@@ -45,23 +45,26 @@ def launch_specs(
             max_model_len=profile.max_model_len,
             lora=profile.lora,
             max_lora_rank=profile.max_lora_rank,
+            kv_events=profile.kv_events,
         )
         for rank, shard in enumerate(placed.shards)
     ]
 
 
-def free_port(used: Iterable[int], lo: int, hi: int, *, after: int | None = None) -> int:
-    """The first port P from `after` on (wrapping within lo..hi) with P and P+1 unused.
+def free_port(
+    used: Iterable[int], lo: int, hi: int, *, after: int | None = None, width: int = 2
+) -> int:
+    """The first port P from `after` on (wrapping within lo..hi) with P .. P+width-1 unused.
 
-    The HTTP port and the rendezvous port go in pairs. A restart searches from
-    after the failed attempt's port, so that a port some other process took
-    costs one failed start, not a crash loop.
+    The HTTP port and the rendezvous port go in pairs (and the KV events' two after
+    them, `width` 4). A restart searches from after the failed attempt's ports, so
+    that a port some other process took costs one failed start, not a crash loop.
     """
     taken = set(used)
-    span = hi - lo  # candidates lo .. hi-1, so that P+1 <= hi
-    start = after - lo if after is not None and lo <= after < hi else 0
+    span = max(hi - lo - (width - 2), 1)  # candidates whose last port is at most hi
+    start = after - lo if after is not None and lo <= after < lo + span else 0
     for i in range(span):
         port = lo + (start + i) % span
-        if port not in taken and port + 1 not in taken:
+        if all(port + j not in taken for j in range(width)):
             return port
     return lo + start  # every port is taken: the agent reports the clash

@@ -136,5 +136,4 @@ class ShardStore:
         for node in nodes:
             for r in self.on_node(node):
                 if r.spec.replica_id != ignore:
-                    yield r.spec.port
-                    yield r.spec.dist_port
+                    yield from r.spec.ports

@@ -161,7 +161,7 @@ class Router:
 
     def render_metrics(self) -> bytes:
         return self.metrics.render(
-            self.balancers, self.pools, trio.current_time(), self.tuning.cache_aware
+            self.balancers, self.pools, trio.current_time(), self.tuning.cache_aware, self.kv
         )
 
     def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:

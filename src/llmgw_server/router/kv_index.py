@@ -188,6 +188,7 @@ class _Replica:
     engine: dict[EngineKey, int] = attrs.Factory(dict)  # engine's name -> own hash
     speculated: deque[tuple[float, tuple[int, ...]]] = attrs.Factory(deque)
     last_seq: int | None = None
+    batches: int = 0  # batches applied since the router started
     pending: dict[int, KvBatch] = attrs.Factory(dict)
     pending_tokens: int = 0
     awaiting: bool = False  # a gap is open: replay_from was reported
@@ -233,6 +234,11 @@ class KvIndex:
         """Why the replica's events cannot route it, or None."""
         rep = self._replicas.get(replica)
         return rep.unusable if rep is not None else None
+
+    def batches(self, replica: str) -> int:
+        """The replica's event batches applied (its engine's steps that changed its cache)."""
+        rep = self._replicas.get(replica)
+        return rep.batches if rep is not None else 0
 
     def last_seq(self, replica: str) -> int | None:
         rep = self._replicas.get(replica)
@@ -448,6 +454,7 @@ class KvIndex:
 
     def _apply_batch(self, rep: _Replica, batch: KvBatch, out: ApplyResult) -> None:
         rep.last_seq = batch.seq
+        rep.batches += 1
         out.applied += 1
         out.skipped += batch.skipped
         for event in batch.events:

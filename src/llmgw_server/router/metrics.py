@@ -11,6 +11,7 @@ from llmgw_core.prometheus import Histogram
 from llmgw_core.prometheus import family as family_header
 from llmgw_core.prometheus import labels as _labels
 from llmgw_server.router.balancer import Balancer, Choice
+from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.load_signals import LoadSignal
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.upstream import Pool
@@ -52,6 +53,7 @@ class RouterMetrics:
         pools: dict[Endpoint, Pool],
         now: float = 0.0,
         tuning: CacheAwareSection | None = None,
+        kv: KvIndex | None = None,
     ) -> bytes:
         out: list[str] = []
 
@@ -126,7 +128,7 @@ class RouterMetrics:
             for r in balancer.replicas:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_outstanding{labels} {r.outstanding}")
-        self._render_balancing(out, family, balancers, now, tuning or CacheAwareSection())
+        self._render_balancing(out, family, balancers, now, tuning or CacheAwareSection(), kv)
         return ("\n".join(out) + "\n").encode()
 
     def _render_access(self, out: list[str], family: Callable[[str, str, str], None]) -> None:
@@ -154,6 +156,7 @@ class RouterMetrics:
         balancers: dict[str, Balancer],
         now: float,
         tuning: CacheAwareSection,
+        kv: KvIndex | None,
     ) -> None:
         family(
             "llmgw_balancing_decisions_total",
@@ -204,6 +207,15 @@ class RouterMetrics:
                 if entries is not None:
                     labels = _labels(model=model, endpoint=r.endpoint.url)
                     out.append(f"llmgw_prefix_index_entries{labels} {entries}")
+        if kv is not None:
+            family(
+                "llmgw_kv_event_batches_total",
+                "counter",
+                "KV-cache event batches applied from each engine (balancing = precise).",
+            )
+            for url in sorted({r.endpoint.url for b in balancers.values() for r in b.replicas}):
+                batches = kv.batches(url)
+                out.append(f"llmgw_kv_event_batches_total{_labels(endpoint=url)} {batches}")
         fresh = [
             (model, r)
             for model, balancer in sorted(balancers.items())
