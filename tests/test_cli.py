@@ -284,8 +284,8 @@ def test_status_names_a_crash_loop_and_its_reason(fleet: Any) -> None:
         return line if exited in line else None
 
     line = wait_until(models_line, timeout=30, what="the crash loop and its exit in the models table")
-    name, desired, placed, serving, why = line.split(None, 4)
-    assert (name, desired, placed, serving) == ("chat", "1", "1", "0")
+    name, desired, placed, serving, autoscaling, why = line.split(None, 5)
+    assert (name, desired, placed, serving, autoscaling) == ("chat", "1", "1", "0", "-")
     assert why.startswith(exited)
     assert " failures" in why
 
