@@ -69,6 +69,16 @@ def cached(answer: httpx.Response) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
+def fed(client: httpx.Client, router: Proc, engines: list[tuple[Proc, int, int]]) -> bool:
+    """Whether the router holds blocks of every engine, from that engine's own events."""
+    page = client.get(router.url + "/metrics").text
+    return all(
+        metric(page, "llmgw_kv_event_batches_total", endpoint=e.url) > 0
+        and metric(page, "llmgw_prefix_index_entries", model="m", endpoint=e.url) > 0
+        for e, _, _ in engines
+    )
+
+
 def test_precise_sends_a_prompt_where_its_engine_says_it_is_cached(
     procs: Procs, engines: list[tuple[Proc, int, int]]
 ) -> None:
@@ -82,14 +92,7 @@ def test_precise_sends_a_prompt_where_its_engine_says_it_is_cached(
             assert client.post(engine.url + "/v1/chat/completions", json=chat(prompt)).is_success
             home[prompt] = engine.url
 
-        def fed() -> bool:
-            page = client.get(router.url + "/metrics").text
-            return all(
-                metric(page, "llmgw_prefix_index_entries", model="m", endpoint=e.url) > 0
-                for e, _, _ in engines
-            )
-
-        wait_until(fed, 10, what="the router to hold both engines' events")
+        wait_until(lambda: fed(client, router, engines), 10, what="both engines' events")
         for prompt in warm:
             answer = client.post(router.url + "/v1/chat/completions", json=chat(prompt))
             assert answer.is_success, answer.text
@@ -100,14 +103,7 @@ def test_precise_sends_a_prompt_where_its_engine_says_it_is_cached(
 
         # A router started now knows the same within a second of its start: the replay.
         late = router_of(procs, engines, "precise")
-        def replayed() -> bool:
-            page = client.get(late.url + "/metrics").text
-            return all(
-                metric(page, "llmgw_prefix_index_entries", model="m", endpoint=e.url) > 0
-                for e, _, _ in engines
-            )
-
-        wait_until(replayed, 5, what="the late router to replay both engines' events")
+        wait_until(lambda: fed(client, late, engines), 5, what="the late router's replay")
         for prompt in warm:
             answer = client.post(late.url + "/v1/chat/completions", json=chat(prompt))
             assert cached(answer) >= (WORDS // BLOCK - 1) * BLOCK

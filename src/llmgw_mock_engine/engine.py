@@ -523,23 +523,19 @@ class MockEngine:
                 headers.append((b"retry-after", str(settings.retry_after).encode()))
             await responder.whole(settings.fail_status, body, headers)
             return
-        try:
-            body = json.loads(request.body)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as exc:
-            await responder.error(400, f"invalid JSON: {exc}")
+        asked = await _json_object(request, responder)
+        if asked is None:
             return
-        model = body.get("model")
+        model = asked.get("model")
         if model not in settings.served_model_names and model not in settings.lora_modules:
             await responder.error(404, f"the model {model!r} does not exist")
             return
         self.running += 1
         try:
             if path == b"/v1/embeddings":
-                await self._embeddings(body, responder)
+                await self._embeddings(asked, responder)
             else:
-                await self._generate(path == b"/v1/chat/completions", body, responder)
+                await self._generate(path == b"/v1/chat/completions", asked, responder)
             self.served += 1
         finally:
             self.running -= 1
@@ -580,12 +576,8 @@ class MockEngine:
         tokens are the ids of the words the scheduler model sees, token_strs the words
         with `return_token_strs`."""
         settings = self.settings
-        try:
-            body = json.loads(request.body)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as exc:
-            await responder.error(400, f"invalid JSON: {exc}")
+        body = await _json_object(request, responder)
+        if body is None:
             return
         model = body.get("model")
         if model is not None and model not in settings.served_model_names and (
@@ -955,3 +947,14 @@ def serve(argv: Sequence[str]) -> None:
     except* KeyboardInterrupt:  # trio raises it inside a group: suppress() missed it
         pass
 
+
+async def _json_object(request: Request, responder: Responder) -> dict[str, Any] | None:
+    """The request's JSON object; None once a 400 said why it is none."""
+    try:
+        body = json.loads(request.body)
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+    except ValueError as exc:
+        await responder.error(400, f"invalid JSON: {exc}")
+        return None
+    return body
