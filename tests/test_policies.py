@@ -118,7 +118,7 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     index = KvIndex()
     balancer = Balancer([Replica(e) for e in endpoints(3)], balancing="precise", kv=index)
     policy = balancer.policy
-    assert isinstance(policy, Precise) and policy.tokenizes
+    assert isinstance(policy, Precise) and not policy.wants_tokens(balancer.replicas)
     a, b, c = balancer.replicas
     tokens = list(range(1, 33))  # 8 blocks of 4
     key = attrs.evolve(prompt("the conversation"), tokens=tuple(tokens))
@@ -127,6 +127,7 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     _stored(index, a, tokens[:16], 0)  # a holds 4 blocks
     _stored(index, b, tokens[:28], 0)  # b holds 7
     _stored(index, c, [99] * 8, 0)  # c holds something else
+    assert policy.wants_tokens(balancer.replicas)  # their engines publish: tokenize
     choice = policy.choose(balancer.replicas, key, 0.0)
     assert (choice.replica, choice.decision) == (b, Decision.PRECISE_HIT)
     assert choice.matched_bytes == key.size * 28 // 32  # 7 of its 8 blocks, in its bytes

@@ -491,7 +491,7 @@ class Router:
         if policy.reads_prompt and session is None and path in (_CHAT, _COMPLETIONS):
             # Hashed once per request, and only where the policy reads it.
             prompt = policy.prompt_key(body, path == _CHAT)
-            if prompt is not None and policy.tokenizes:
+            if prompt is not None and policy.wants_tokens(balancer.replicas):
                 prompt = await self._tokenized(model, balancer, body, path == _CHAT, prompt)
         metrics = self.metrics
         metrics.in_flight[model] += 1

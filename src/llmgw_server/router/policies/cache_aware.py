@@ -72,7 +72,6 @@ class _Held:
 class CacheAware:
     reads_prompt = True
     reads_engine_load = True
-    tokenizes = False
 
     def __init__(self, tuning: CacheAwareSection) -> None:
         self.tuning = tuning
@@ -84,6 +83,9 @@ class CacheAware:
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return prompt_key(body, chat, self.tuning.block_bytes)
+
+    def wants_tokens(self, candidates: Sequence[Replica]) -> bool:
+        return False
 
     def choose(
         self, candidates: Sequence[Replica], prompt: PromptKey | None, now: float | None

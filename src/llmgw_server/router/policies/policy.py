@@ -46,12 +46,14 @@ class Policy(Protocol):
     # load (the router reads their /metrics only then).
     reads_prompt: bool
     reads_engine_load: bool
-    # Whether it reads the prompt's token ids (`PromptKey.tokens`: the router asks the
-    # engine's /tokenize first, router.tokenizer).
-    tokenizes: bool
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         """The key of a request's prompt, as this policy reads it (asked only if it does)."""
+        ...
+
+    def wants_tokens(self, candidates: Sequence[Replica]) -> bool:
+        """Whether it would read the prompt's token ids (`PromptKey.tokens`) to choose
+        among `candidates`: the router then asks an engine's /tokenize first."""
         ...
 
     def choose(
@@ -84,13 +86,15 @@ class Oblivious:
 
     reads_prompt = False
     reads_engine_load = False
-    tokenizes = False
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return None
 
     def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
         pass
+
+    def wants_tokens(self, candidates: Sequence[Replica]) -> bool:
+        return False
 
     def follow(self, replicas: Sequence[Replica]) -> None:
         pass

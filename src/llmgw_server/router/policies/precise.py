@@ -37,7 +37,6 @@ from llmgw_server.router.replica import Replica
 class Precise:
     reads_prompt = True
     reads_engine_load = True
-    tokenizes = True
 
     def __init__(self, tuning: CacheAwareSection, index: KvIndex) -> None:
         self.tuning = tuning
@@ -46,6 +45,11 @@ class Precise:
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return self.approximate.prompt_key(body, chat)
+
+    def wants_tokens(self, candidates: Sequence[Replica]) -> bool:
+        """Only where an engine's events can route: no /tokenize call is spent otherwise
+        (llama.cpp, which publishes none, or a feed not started yet)."""
+        return any(self.fed(r) for r in candidates)
 
     def fed(self, replica: Replica) -> bool:
         """Whether the replica's engine events route it: some came, none unusable."""
