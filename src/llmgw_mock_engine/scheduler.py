@@ -362,7 +362,11 @@ class Scheduler:
             tokens = [*seq.tokens, *output]
             full = block_hashes(tokens, size, seq.lora)
             stored = []
-            for index in range(len(seq.hashes), min(len(full), len(seq.blocks))):
+            # From the prompt's first block: one that was a copy of a cached block (left
+            # anonymous at its prefill) is committed now if that block was evicted since,
+            # so that the answer's blocks hang from a chain the cache holds, as vLLM's
+            # (whose request keeps its own copy) do.
+            for index in range(min(len(full), len(seq.blocks))):
                 if seq.blocks[index] is None and self.cache.commit(full[index]):
                     seq.blocks[index] = full[index]
                     stored.append(index)
