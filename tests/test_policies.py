@@ -140,6 +140,12 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     # A prompt no engine holds a block of: placed as cache_aware would, counted as a miss.
     other = attrs.evolve(prompt("another one"), tokens=tuple(range(500, 540)))
     assert policy.choose(balancer.replicas, other, 0.0).decision is Decision.PRECISE_MISS
+    # ... by load: never the busy replica, whatever this router sent there before.
+    b.outstanding = 10
+    for text in ("x", "y", "z", "w"):
+        miss = attrs.evolve(prompt(text), tokens=tuple(range(600, 640)))
+        assert policy.choose(balancer.replicas, miss, 0.0).replica is not b
+    b.outstanding = 0
     # Chosen: held there speculatively until its events come (2 s).
     policy.chosen(c, other, 10.0)
     assert policy.choose(balancer.replicas, other, 11.0).replica is c

@@ -127,6 +127,7 @@ class Router:
         # `balancing = "precise"`; with another policy, None.
         self.kv = KvIndex() if config.router.balancing == "precise" else None
         self.tokenizer = Tokenizer()
+        self._tokenize_turn = 0
         self._load_wanted = trio.Event()  # set when a request is held: report at once
         self.ready = False  # the first health probe round is done
         self.draining = False
@@ -522,7 +523,9 @@ class Router:
         replicas = [r for r in balancer.replicas if r.available]
         if not replicas:
             return prompt
-        ask = self.pools[replicas[0].endpoint]
+        # In turn: one engine does not tokenize the whole fleet's prompts.
+        self._tokenize_turn += 1
+        ask = self.pools[replicas[self._tokenize_turn % len(replicas)].endpoint]
         tokens = await self.tokenizer.tokens(ask, model, body, chat, prompt)
         return attrs.evolve(prompt, tokens=tokens, lora=lora)
 

@@ -89,12 +89,14 @@ class Tokenizer:
             tokens = json.loads(body).get("tokens")
         except (ValueError, AttributeError, RecursionError):
             tokens = None
-        if not isinstance(tokens, list) or not all(
-            type(t) is int and 0 <= t < 1 << 32 for t in tokens
-        ):
+        try:
+            if not isinstance(tokens, list):
+                raise TypeError("not a list")
+            ids = array.array("I", tokens)  # each an int, 0 to 2**32 - 1 (checked in C)
+        except (TypeError, OverflowError):
             self._failed(pool, "its answer holds no list of token ids")
             return None
-        return tuple(tokens)
+        return tuple(ids)
 
     def _keep(self, key: tuple[str, int, int], tokens: tuple[int, ...]) -> None:
         if len(tokens) > self.max_tokens:

@@ -30,7 +30,7 @@ from llmgw_core.config import CacheAwareSection
 from llmgw_server.router.kv_index import KvIndex, block_chain
 from llmgw_server.router.policies.cache_aware import CacheAware, load_of
 from llmgw_server.router.policies.policy import Choice, Decision
-from llmgw_server.router.prefix import PromptKey
+from llmgw_server.router.prefix import PromptKey, rendezvous
 from llmgw_server.router.replica import Replica
 
 
@@ -42,6 +42,9 @@ class Precise:
         self.tuning = tuning
         self.index = index
         self.approximate = CacheAware(tuning)
+        # The chains `held` hashed for the request being chosen, by block size.
+        self._chains: dict[int, tuple[int, ...]] = {}
+        self._chains_of: PromptKey | None = None
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return self.approximate.prompt_key(body, chat)
@@ -65,13 +68,18 @@ class Precise:
         if prompt is None or tokens is None or not fed:
             return self.approximate.choose(candidates, prompt, now)
         at = 0.0 if now is None else now
-        held = self.held(fed, tokens, prompt.lora, at)
-        if not any(held.values()):
-            choice = self.approximate.choose(candidates, prompt, now)
-            return Choice(choice.replica, Decision.PRECISE_MISS, 0, 0)
+        held = self.held(fed, prompt, tokens, at)
         tuning = self.tuning
         loads = {r: load_of(r, tuning, now) for r in candidates}
         least = min(loads.values())
+        if not any(held.values()):
+            # The engines say nobody holds it: by load, not by what this router guessed;
+            # among the least loaded, by the conversation's opening, so that routers apart
+            # agree (its next turns then follow the engine's own events).
+            near = [r for r in candidates if loads[r] <= least + tuning.new_load_slack]
+            anchor = prompt.anchor_hash
+            chosen = max(near, key=lambda r: rendezvous(anchor, r.rid))
+            return Choice(chosen, Decision.PRECISE_MISS, 0, 0)
         bound = max(least * tuning.max_load_ratio, least + tuning.load_slack)
         top = max(held.values())
         within = [r for r in candidates if loads[r] <= bound]
@@ -84,7 +92,7 @@ class Precise:
         return Choice(chosen, decision, matched, held.get(chosen, 0))
 
     def held(
-        self, replicas: Sequence[Replica], tokens: Sequence[int], lora: str | None, now: float
+        self, replicas: Sequence[Replica], prompt: PromptKey, tokens: Sequence[int], now: float
     ) -> dict[Replica, int]:
         """The tokens of the prompt's leading full blocks each replica holds, as its
         engine will count them cached: never the prompt's last token (an engine always
@@ -96,8 +104,11 @@ class Precise:
             size = index.block_size(r.endpoint.url)
             if size:
                 by_size.setdefault(size, []).append(r)
+        self._chains, self._chains_of = {}, prompt
         for size, group in by_size.items():
-            depths = index.lookup(tokens, size, lora, now)
+            # Hashed once: the lookup's, and the speculation's once a replica is chosen.
+            chain = self._chains[size] = block_chain(tokens, size, prompt.lora)
+            depths = index.lookup_chain(chain, now)
             most = (len(tokens) - 1) // size
             for r in group:
                 out[r] = min(depths.get(r.endpoint.url, 0), most) * size
@@ -109,8 +120,11 @@ class Precise:
             return
         size = self.index.block_size(replica.endpoint.url)
         if size:
-            chain = block_chain(prompt.tokens, size, prompt.lora)
+            chain = self._chains.get(size) if prompt is self._chains_of else None
+            if chain is None:  # chosen by another rule (a session): hashed here
+                chain = block_chain(prompt.tokens, size, prompt.lora)
             self.index.speculate_chain(replica.endpoint.url, chain, now)
+        self._chains = {}
 
     def follow(self, replicas: Sequence[Replica]) -> None:
         self.approximate.follow(replicas)
