@@ -722,6 +722,12 @@ def test_a_separate_router_with_workers_follows_keeps_sessions_reloads_and_loses
     # Each worker follows, and sends each session where the server's own router does
     # (rendezvous hashing over the same table).
     sessions = [f"s{n}" for n in range(8)]
+    # The server's own router may apply the table a moment after the status says both
+    # serve (a CI run hashed every session onto the one replica it had yet).
+    wait_until(
+        lambda: httpx.get(fleet.url + "/readyz").json()["models"].get("chat") == 2,
+        what="the server's router to hold both replicas",
+    )
     homes = {s: fingerprint(inside, s) for s in sessions}
     assert set(homes.values()) == {"mock:" + r["url"].rsplit(":", 1)[1] for r in old}
     for index in ("0", "1"):
