@@ -22,8 +22,9 @@ def endpoints(n: int) -> list[Endpoint]:
     return [Endpoint("127.0.0.1", 9000 + i) for i in range(n)]
 
 
-def prompt(text: str) -> PromptKey:
-    key = prompt_key({"messages": [{"role": "user", "content": text}]}, True, 256)
+def prompt(text: str, system: str | None = None) -> PromptKey:
+    opening = [] if system is None else [{"role": "system", "content": system}]
+    key = prompt_key({"messages": [*opening, {"role": "user", "content": text}]}, True, 256)
     assert key is not None
     return key
 
@@ -157,3 +158,52 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     c.outstanding = -5  # the least loaded
     assert policy.choose(balancer.replicas, key, 0.0).matched_tokens == 28
     c.outstanding = 0
+
+
+def test_precise_spreads_a_hot_prefix_requested_one_at_a_time() -> None:
+    """Nothing loads the holder of a prefix requested one at a time; its share of the
+    requests does, and past `max_share` times the even share the next replica takes it
+    (and caches it): the issue's hot-prefix bound, 1.5x the even share at most."""
+    index = KvIndex()
+    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", kv=index)
+    policy = balancer.policy
+    assert isinstance(policy, Precise)
+    system = list(range(1, 401))  # the shared system prompt: 100 blocks of 4
+    for r in balancer.replicas:
+        _stored(index, r, [7, 7, 7, 7], 0)  # every engine publishes: all fed
+    counts: dict[Replica, int] = {r: 0 for r in balancer.replicas}
+    decisions: list[Decision] = []
+    for i in range(48):
+        tokens = (*system, 1000 + i, 2000 + i, 3000 + i, 4000 + i)
+        key = attrs.evolve(prompt(f"question {i}", "the system prompt"), tokens=tokens)
+        now = 0.01 * i  # within the speculation's 2 s: what was sent counts as held
+        choice = policy.choose(balancer.replicas, key, now)
+        policy.chosen(choice.replica, key, now)
+        counts[choice.replica] += 1
+        decisions.append(choice.decision)
+    assert max(counts.values()) <= 1.5 * 48 / 8, counts
+    assert min(counts.values()) >= 1, counts  # every replica took it
+    # Once a replica took it, it holds it: only the first request missed; seven spread it.
+    assert decisions.count(Decision.PRECISE_MISS) == 1, decisions
+    assert decisions.count(Decision.PRECISE_SPREAD) == 7, decisions
+
+
+def test_precise_keeps_a_prefix_only_some_requests_share_where_it_is() -> None:
+    """Eight groups, each with its own prefix, requested in turn: each group stays on the
+    replica its first request went to (no share is past the bound), so that every
+    replica caches one group's prefix, not all of them."""
+    index = KvIndex()
+    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", kv=index)
+    policy = balancer.policy
+    assert isinstance(policy, Precise)
+    for r in balancer.replicas:
+        _stored(index, r, [7, 7, 7, 7], 0)
+    homes: dict[int, set[Replica]] = {}
+    for i in range(160):
+        group = i % 8
+        tokens = (*range(10_000 * (group + 1), 10_000 * (group + 1) + 400), 5, 6, 7, i)
+        key = attrs.evolve(prompt(f"question {i}", f"group {group}'s prompt"), tokens=tokens)
+        choice = policy.choose(balancer.replicas, key, 0.01 * i)
+        policy.chosen(choice.replica, key, 0.01 * i)
+        homes.setdefault(group, set()).add(choice.replica)
+    assert all(len(replicas) == 1 for replicas in homes.values()), homes

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import msgspec  # type: ignore[import-not-found]
+import msgspec
 
 HERE = pathlib.Path(__file__).parent
 BIG = 0xFFFFFFFFFFFFFFF0  # a block hash that needs msgpack's uint64

@@ -163,7 +163,9 @@ class RouterMetrics:
             "counter",
             "Replica choices by kind: cache_hit (it holds the conversation so far), "
             "load_override (the holder was loaded beyond the bound), fallback (nobody held it), "
-            "session (the session header), least_outstanding, round_robin.",
+            "session (the session header), least_outstanding, round_robin; precise_hit, "
+            "precise_load_override, precise_spread (a hot prefix given one more replica), "
+            "precise_miss (no engine held a block of it).",
         )
         for (model, kind), n in sorted(self.decisions.items()):
             out.append(f"llmgw_balancing_decisions_total{_labels(model=model, kind=kind)} {n}")

@@ -23,6 +23,7 @@ class Decision(enum.Enum):
     LEAST_OUTSTANDING = "least_outstanding"
     PRECISE_HIT = "precise_hit"  # its engine says it holds the longest prefix
     PRECISE_LOAD_OVERRIDE = "precise_load_override"  # a holder was loaded beyond the bound
+    PRECISE_SPREAD = "precise_spread"  # a hot prefix: one more replica takes it
     PRECISE_MISS = "precise_miss"  # no engine holds a block of it: placed as cache_aware
     ROUND_ROBIN = "round_robin"
 

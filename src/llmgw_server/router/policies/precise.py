@@ -8,9 +8,17 @@ is tokenized as the engine will see it (the router asks the engine's own `/token
 router.tokenizer) and its full blocks are looked up by the router's own chained hash.
 
 1. The replicas holding the longest prefix, within the load bound cache_aware uses
-   (`max(least * max_load_ratio, least + load_slack)`), the least loaded of them:
-   `precise_hit`. A holder past the bound loses to the replica within it holding the
-   most (`precise_load_override`): a hot prefix never collapses onto one replica.
+   (`max(least * max_load_ratio, least + load_slack)`), the least loaded of them (then
+   the one that took fewest of the model's last requests): `precise_hit`. A holder past
+   the bound loses to the replica within it holding the most (`precise_load_override`).
+   A hot prefix is spread, not collapsed onto its holder: when more of the model's last
+   requests (8 a replica) found the same longest held prefix than its holders' share of
+   them, the least loaded replica without it takes the request (`precise_spread`) and
+   caches it. Requested one at a time, a hot system prompt is thus held by every replica
+   after a few more requests, then shared evenly; a prefix only some requests share (one
+   team's system prompt among many, a conversation) stays where it is cached, so that
+   oversubscribed caches hold it once, not on every replica as cache_aware's
+   shared-prefix rule has it.
 2. No replica holds a block of it: the approximate policy places it (rendezvous of the
    conversation's opening within load bounds, as cache_aware), counted `precise_miss`.
 3. The prompt could not be tokenized, or no candidate's engine has published events yet
@@ -24,11 +32,16 @@ throughout, so that it decides well when the events are missing.
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from llmgw_core.config import CacheAwareSection
 from llmgw_server.router.kv_index import KvIndex, block_chain
-from llmgw_server.router.policies.cache_aware import CacheAware, load_of
+from llmgw_server.router.policies.cache_aware import (
+    SHARE_WINDOW_PER_REPLICA,
+    CacheAware,
+    load_of,
+)
 from llmgw_server.router.policies.policy import Choice, Decision
 from llmgw_server.router.prefix import PromptKey, rendezvous
 from llmgw_server.router.replica import Replica
@@ -45,6 +58,14 @@ class Precise:
         # The chains `held` hashed for the request being chosen, by block size.
         self._chains: dict[int, tuple[int, ...]] = {}
         self._chains_of: PromptKey | None = None
+        # The longest held prefix `choose` found for the request being chosen (the hash
+        # of its last block), None for a miss.
+        self._prefix: int | None = None
+        # The model's last requests (SHARE_WINDOW_PER_REPLICA a replica): each one's
+        # held prefix and replica, and how many of them each prefix and replica had.
+        self._window: deque[tuple[int | None, Replica]] = deque()
+        self._prefixes: Counter[int | None] = Counter()
+        self._recent: Counter[Replica] = Counter()
 
     def prompt_key(self, body: dict[str, object], chat: bool) -> PromptKey | None:
         return self.approximate.prompt_key(body, chat)
@@ -81,15 +102,38 @@ class Precise:
             chosen = max(near, key=lambda r: rendezvous(anchor, r.rid))
             return Choice(chosen, Decision.PRECISE_MISS, 0, 0)
         bound = max(least * tuning.max_load_ratio, least + tuning.load_slack)
-        top = max(held.values())
         within = [r for r in candidates if loads[r] <= bound]
+        recent = self._recent
+        top = max(held.values())
+        # The longest held prefix, named by the hash of its last block (`held` hashed the
+        # chain of each block size it met; a holder's size is one of them).
+        prefix = self._prefix = next(
+            chain[top // size - 1]
+            for size, chain in self._chains.items()
+            if top % size == 0 and len(chain) >= top // size
+        )
+        others = [r for r in within if not held.get(r, 0)]
+        if others and self.hot(prefix, len(within) - len(others), len(candidates)):
+            # More of the model's last requests wanted this prefix than its holders'
+            # share: one more replica takes it (and caches it), the least loaded without.
+            chosen = min(others, key=lambda r: (loads[r], recent[r]))
+            return Choice(chosen, Decision.PRECISE_SPREAD, 0, 0)
         best = max((held.get(r, 0) for r in within), default=0)
         pool = [r for r in within if held.get(r, 0) == best]
-        chosen = min(pool, key=lambda r: loads[r])
+        chosen = min(pool, key=lambda r: (loads[r], recent[r]))
         decision = Decision.PRECISE_HIT if best == top else Decision.PRECISE_LOAD_OVERRIDE
         # The metrics count bytes of the prompt: its cached tokens' share of them.
         matched = prompt.size * held.get(chosen, 0) // max(len(tokens), 1)
         return Choice(chosen, decision, matched, held.get(chosen, 0))
+
+    def hot(self, prefix: int, holders: int, replicas: int) -> bool:
+        """Whether the prefix (the hash of its last block) deserves more holders than
+        `holders`: its share of the model's last requests, in replicas' worth (a
+        replica's worth: 1 / replicas of them), is more than the replicas holding it.
+        Over fewer than `replicas` requests each counts as a replica's worth, so that a
+        prefix requested one at a time spreads from the start."""
+        seen = self._prefixes[prefix]
+        return seen * replicas > holders * max(len(self._window), replicas)
 
     def held(
         self, replicas: Sequence[Replica], prompt: PromptKey, tokens: Sequence[int], now: float
@@ -104,7 +148,7 @@ class Precise:
             size = index.block_size(r.endpoint.url)
             if size:
                 by_size.setdefault(size, []).append(r)
-        self._chains, self._chains_of = {}, prompt
+        self._chains, self._chains_of, self._prefix = {}, prompt, None
         for size, group in by_size.items():
             # Hashed once: the lookup's, and the speculation's once a replica is chosen.
             chain = self._chains[size] = block_chain(tokens, size, prompt.lora)
@@ -116,6 +160,17 @@ class Precise:
 
     def chosen(self, replica: Replica, prompt: PromptKey | None, now: float | None) -> None:
         self.approximate.chosen(replica, prompt, now)
+        window, recent, prefixes = self._window, self._recent, self._prefixes
+        prefix = self._prefix if prompt is not None and prompt is self._chains_of else None
+        window.append((prefix, replica))
+        prefixes[prefix] += 1
+        recent[replica] += 1
+        if len(window) > SHARE_WINDOW_PER_REPLICA * max(len(recent), 1):
+            gone, went = window.popleft()
+            recent[went] -= 1
+            prefixes[gone] -= 1
+            if not prefixes[gone]:
+                del prefixes[gone]
         if prompt is None or prompt.tokens is None or now is None:
             return
         size = self.index.block_size(replica.endpoint.url)
@@ -128,6 +183,11 @@ class Precise:
 
     def follow(self, replicas: Sequence[Replica]) -> None:
         self.approximate.follow(replicas)
+        kept = set(replicas)
+        self._window = deque((a, r) for a, r in self._window if r in kept)
+        self._recent = Counter({r: 0 for r in replicas})
+        self._recent.update(r for _, r in self._window)
+        self._prefixes = Counter(p for p, _ in self._window)
 
     def forget(self, replica: Replica) -> None:
         self.approximate.forget(replica)
