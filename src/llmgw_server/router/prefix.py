@@ -34,6 +34,7 @@ import hashlib
 import json
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -57,7 +58,8 @@ class PromptKey:
     origin: int = _EMPTY  # the hash the chain starts from: the model's (`model_origin`)
     # The prompt's token ids as its engine tokenizes it, where a policy reads them
     # (precise; set by the router after asking the engine), and the LoRA adapter named.
-    tokens: tuple[int, ...] | None = attrs.field(default=None, eq=False, repr=False)
+    # An array of uint32 from the tokenizer's cache, shared: never modified.
+    tokens: Sequence[int] | None = attrs.field(default=None, eq=False, repr=False)
     lora: str | None = None
 
     def base(self, depth: int) -> tuple[int, int]:
