@@ -279,6 +279,21 @@ def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise KvEventError(f"event {i} is a {_kind(raw)}, not a map or an array")
+    if tag == "BlockRemoved":
+        # Most of what an engine under pressure sends, one a block: checked in one pass.
+        hashes, medium, group = (
+            fields.get("block_hashes"),
+            fields.get("medium"),
+            fields.get("group_idx"),
+        )
+        if (
+            type(hashes) is list
+            and len(hashes) <= MAX_BLOCKS_PER_EVENT
+            and all(type(h) is int for h in hashes)
+            and (medium is None or type(medium) is str)
+            and (group is None or type(group) is int)
+        ):
+            return BlockRemoved(block_hashes=tuple(hashes), medium=medium, group_idx=group)
     where = f"event {i} ({tag})"
     if tag == "BlockStored":
         return _stored(where, fields, max_tokens)
