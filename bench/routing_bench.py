@@ -3,7 +3,7 @@
 
 Run it from the repository root with the project's virtualenv:
 
-    .venv/bin/python bench/routing_bench.py            # about 13 minutes, no GPU
+    .venv/bin/python bench/routing_bench.py            # about 16 minutes, no GPU
     .venv/bin/python bench/routing_bench.py --quick    # shorter runs, a rough look
     .venv/bin/python bench/routing_bench.py --help
 
@@ -21,7 +21,7 @@ engine's replay buffer (its last 10,000 steps) as it was. Each policy gets the s
 seeded arrival schedule, the same requests at the same moments. The engines sleep for
 their costs, so the benchmark needs little CPU.
 
-Six workloads:
+Seven workloads:
 
 1. multi-turn sessions, in the shape of llm-d's prefix-routing benchmark scaled to
    this machine: many sessions, each with a private context of thousands of tokens
@@ -42,11 +42,16 @@ Six workloads:
    than all the caches hold), a turn goes to an open one drawn at random, and a
    conversation closes after a few turns and a new one opens, so every engine evicts
    all along (the engines' own eviction counts are reported);
-5. two-routers: the evicting workload's stages with two router processes of the same
+5. teams: llm-d's precise-routing workload ("KV-cache wins"), scaled: many teams, each
+   with a long system prompt of its own, whose users hold short conversations on top;
+   every team's prompt once fits in all the caches together, but a policy that spreads
+   each team over every replica asks each cache to hold several times what it can,
+   and the engines evict;
+6. two-routers: the evicting workload's stages with two router processes of the same
    policy and config, the requests sent to them alternately (request i to router
    i mod 2), so each sees every other turn of every conversation; run up to the rate
    of the evicting workload's first check (below), or all its rates;
-6. restart: the evicting workload's stages on one router listening on a fixed port,
+7. restart: the evicting workload's stages on one router listening on a fixed port,
    stopped (SIGTERM, 1 s grace) a quarter into the stage at that rate and a new one
    started on the same port; the load generator keeps sending meanwhile: requests
    sent while no router listened, and those cut in flight, are counted apart.
@@ -110,7 +115,7 @@ RESULTS_DIR = ROOT / "bench" / "results"
 LOG_DIR = RESULTS_DIR / "routing-logs"
 MODEL = "bench"
 POLICIES = ("round_robin", "least_outstanding", "cache_aware", "precise")
-WORKLOADS = ("multi-turn", "hot-prefix", "no-reuse", "evicting", "two-routers", "restart")
+WORKLOADS = ("multi-turn", "hot-prefix", "no-reuse", "evicting", "teams", "two-routers", "restart")
 REPLICAS = 8
 SHUTDOWN_GRACE_S = 1
 
@@ -179,6 +184,23 @@ class Evicting:
     question_words: int = 40
     answer_tokens: int = 48
     rates: tuple[float, ...] = (4.0, 16.0, 32.0, 48.0)
+    duration_s: float = 6.0
+
+
+@dataclass(frozen=True)
+class Teams:
+    """llm-d's precise-routing workload (its "KV-cache wins" benchmark: customers, each
+    with a long system prompt of its own, whose users hold short conversations on top),
+    scaled to these engines: every team's prompt once fits in all the caches together,
+    every team's prompt on every replica is several times one replica's cache."""
+
+    teams: int = 48
+    system_words: int = 3000  # each team's own system prompt
+    users_per_team: int = 5
+    turns: int = 4  # a user's conversation starts afresh after this many turns
+    question_words: int = 40
+    answer_tokens: int = 48
+    rates: tuple[float, ...] = (8.0, 24.0, 48.0, 64.0)
     duration_s: float = 6.0
 
 
@@ -637,6 +659,35 @@ def evicting_stages(w: Evicting, seed: int) -> tuple[list[Stage], int]:
             arrivals.append(Arrival(at, body, f"conversation-{c}"))
         stages.append(Stage(rate, arrivals))
     return stages, opened
+
+
+def teams_stages(w: Teams, seed: int) -> list[Stage]:
+    """Poisson arrivals at each rate in turn, each the next turn of a user drawn at random
+    (a team, then one of its users): the team's system prompt, then the user's conversation
+    so far; after `w.turns` turns the user starts a new conversation."""
+    systems = [
+        {"role": "system", "content": f"Team {t} handbook: "
+         + _text(random.Random(f"{seed}-team-{t}"), w.system_words)}
+        for t in range(w.teams)
+    ]  # fmt: skip
+    users: dict[tuple[int, int], tuple[int, list[dict[str, str]]]] = {}
+    stages = []
+    for rate in w.rates:
+        rng = random.Random(f"{seed}-teams-{rate}")
+        arrivals = []
+        for at in poisson_times(rate, w.duration_s, rng):
+            user = rng.randrange(w.teams), rng.randrange(w.users_per_team)
+            turns, history = users.get(user, (0, [systems[user[0]]]))
+            messages = [*history, {"role": "user", "content": _text(rng, w.question_words)}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": w.answer_tokens}
+            answer = answer_text(body, w.answer_tokens)
+            if turns + 1 >= w.turns:
+                users[user] = (0, [systems[user[0]]])
+            else:
+                users[user] = (turns + 1, [*messages, {"role": "assistant", "content": answer}])
+            arrivals.append(Arrival(at, body, f"team-{user[0]}-user-{user[1]}"))
+        stages.append(Stage(rate, arrivals))
+    return stages
 
 
 # --------------------------------------------------------------------------- one run
@@ -1128,6 +1179,7 @@ def key_rates(results: list[RunResult], s: Settings) -> dict[str, str]:
     top rate where that never happens, and for the others."""
     mt = [f"{r:g}" for r in s.mt.rates]
     ev = [f"{r:g}" for r in s.ev.rates]
+    tm = [f"{r:g}" for r in s.tm.rates]
     trigger = first_over(results, "evicting", ev, "cache_aware")[1]
     evicting = trigger or max(
         (r.rate for r in results if r.workload == "two-routers"), key=float, default=ev[-1]
@@ -1137,6 +1189,7 @@ def key_rates(results: list[RunResult], s: Settings) -> dict[str, str]:
         "hot-prefix": f"{s.hp.rates[-1]:g}",
         "no-reuse": f"{s.nr.rates[-1]:g}",
         "evicting": evicting,
+        "teams": first_over(results, "teams", tm, "cache_aware")[1] or tm[-1],
         "two-routers": evicting,
         "restart": evicting,
     }
@@ -1175,7 +1228,7 @@ def cpu_per_request(results: list[RunResult], policy: str, workloads: set[str]) 
     return cpu / routed * 1000, (cpu - idle) / routed * 1000
 
 
-SINGLE_ROUTER = {"multi-turn", "hot-prefix", "no-reuse", "evicting"}
+SINGLE_ROUTER = {"multi-turn", "hot-prefix", "no-reuse", "evicting", "teams"}
 
 
 def checks(results: list[RunResult], s: Settings, workloads: list[str]) -> list[str]:
@@ -1252,20 +1305,23 @@ def precise_checks(results: list[RunResult], s: Settings, workloads: list[str]) 
     def line(ok: bool, text: str) -> None:
         out.append(f"{'PASS' if ok else 'FAIL'}  {text}")
 
-    rates = [f"{r:g}" for r in s.ev.rates]
     rate = key_rates(results, s)["evicting"]
-    if "evicting" in workloads:
-        base, trigger = first_over(results, "evicting", rates, "cache_aware")
-        ca = find(results, "evicting", rate, "cache_aware")
-        pr = find(results, "evicting", rate, "precise")
+    for workload, stages in (("evicting", s.ev.rates), ("teams", s.tm.rates)):
+        if workload not in workloads:
+            continue
+        rates = [f"{r:g}" for r in stages]
+        at = key_rates(results, s)[workload]
+        base, trigger = first_over(results, workload, rates, "cache_aware")
+        ca = find(results, workload, at, "cache_aware")
+        pr = find(results, workload, at, "precise")
         if base is None or ca is None or pr is None:
-            line(False, "evicting: cache_aware or precise unavailable")
+            line(False, f"{workload}: cache_aware or precise unavailable")
         elif trigger is None:
-            line(False, f"evicting: cache_aware's TTFT p90 never exceeded 5x its p90 at "
+            line(False, f"{workload}: cache_aware's TTFT p90 never exceeded 5x its p90 at "
                         f"{rates[0]} req/s ({ms(base.ttft_p90_s)} ms; {ms(ca.ttft_p90_s)} ms at "
-                        f"{rate} req/s): raise the top rate")  # fmt: skip
+                        f"{at} req/s): raise the top rate")  # fmt: skip
         else:
-            head = (f"evicting at {rate} req/s (cache_aware's p90 {ms(ca.ttft_p90_s)} ms > 5x "
+            head = (f"{workload} at {at} req/s (cache_aware's p90 {ms(ca.ttft_p90_s)} ms > 5x "
                     f"{ms(base.ttft_p90_s)} ms at {rates[0]} req/s):")  # fmt: skip
             line(3 * pr.ttft_p90_s <= ca.ttft_p90_s,
                  f"{head} precise TTFT p90 {ms(pr.ttft_p90_s)} ms, at least 3x lower than "
@@ -1331,6 +1387,7 @@ class Settings:
     hp: HotPrefix
     nr: NoReuse
     ev: Evicting
+    tm: Teams = field(default_factory=Teams)
     conversations: int = 0  # how many the evicting schedule opens
 
 
@@ -1340,6 +1397,8 @@ def parameters_text(s: Settings) -> list[str]:
     all_caches = REPLICAS * params.cache_tokens
     open_tokens = ev.open_conversations * sum(ev.context_words) / 2
     opened_tokens = s.conversations * sum(ev.context_words) / 2
+    tm = s.tm
+    team_tokens = tm.teams * tm.system_words
     return [
         f"- engines: {REPLICAS} mock engines, each: KV cache {params.kv_blocks} blocks of "
         f"{params.block_size} tokens ({params.cache_tokens:,} tokens; all {all_caches:,}), prefill "
@@ -1371,6 +1430,15 @@ def parameters_text(s: Settings) -> list[str]:
         f"about {opened_tokens:,.0f} tokens of context, {opened_tokens / all_caches:.1f}x all "
         f"the caches); Poisson at {', '.join(f'{r:g}' for r in ev.rates)} req/s in turn, "
         f"{ev.duration_s:g} s each, warm as multi-turn",
+        f"- teams (llm-d's precise-routing workload, scaled): {tm.teams} teams, each with a "
+        f"{tm.system_words}-word system prompt of its own (about {team_tokens:,.0f} tokens in "
+        f"all: {team_tokens / all_caches:.2f}x all the engines' caches, "
+        f"{team_tokens / params.cache_tokens:.1f}x one engine's, which every engine would "
+        f"hold if every team went everywhere) and {tm.users_per_team} users; a turn goes to a "
+        f"user drawn at random, {tm.question_words} words carrying the user's conversation so "
+        f"far, answers of {tm.answer_tokens} tokens; a user starts afresh after {tm.turns} "
+        f"turns; Poisson at {', '.join(f'{r:g}' for r in tm.rates)} req/s in turn, "
+        f"{tm.duration_s:g} s each, warm as multi-turn",
         "- two-routers: the evicting stages up to the rate of its check, through two routers "
         "of the same policy and config, request i to router i mod 2 (each sees every other "
         "turn of each conversation)",
@@ -1423,6 +1491,7 @@ def settings_for(quick: bool) -> Settings:
         s.hp = HotPrefix(serial_requests=24, rates=(24.0,), duration_s=4.0)
         s.nr = NoReuse(rates=(24.0,), duration_s=4.0)
         s.ev = Evicting(rates=(4.0, 48.0), duration_s=5.0)
+        s.tm = Teams(rates=(8.0, 64.0), duration_s=5.0)
     return s
 
 
@@ -1433,6 +1502,8 @@ def plan_for(workload: str, s: Settings, seed: int, results: list[RunResult]) ->
         return Plan(workload, [Stage(r, hot_prefix_schedule(s.hp, r, seed)) for r in (None, *s.hp.rates)], warm=False)
     if workload == "no-reuse":
         return Plan(workload, [Stage(r, no_reuse_schedule(s.nr, r, seed)) for r in s.nr.rates], warm=False)
+    if workload == "teams":
+        return Plan(workload, teams_stages(s.tm, seed), warm=True)
     stages, s.conversations = evicting_stages(s.ev, seed)
     if workload == "evicting":
         return Plan(workload, stages, warm=True)
@@ -1524,6 +1595,7 @@ def main(argv: list[str] | None = None) -> int:
         "hot_prefix": asdict(s.hp),
         "no_reuse": asdict(s.nr),
         "evicting": asdict(s.ev),
+        "teams": asdict(s.tm),
     }
     runs = [asdict(r) for r in results]
     everything = {"parameters": parameters, "runs": runs, "checks": verdicts}

@@ -186,3 +186,44 @@ def test_no_trigger_says_to_raise_the_top_rate() -> None:
     ]
     lines = bench.precise_checks(results, settings(rates=(4.0, 48.0)), ["evicting"])
     assert lines[0].startswith("FAIL") and "raise the top rate" in lines[0]
+
+
+def test_team_users_carry_their_conversation_on_their_teams_prompt() -> None:
+    small = bench.Teams(teams=3, system_words=20, users_per_team=2, turns=3, rates=(20.0, 40.0), duration_s=2.0)
+    stages = bench.teams_stages(small, seed=1)
+    assert [a.body for st in stages for a in st.arrivals] == [
+        a.body for st in bench.teams_stages(small, seed=1) for a in st.arrivals
+    ]
+    systems: dict[str, str] = {}
+    last: dict[str, list[dict[str, str]]] = {}
+    restarts = 0
+    for arrival in (a for st in stages for a in st.arrivals):
+        messages = arrival.body["messages"]
+        team = arrival.session.split("-user-")[0]
+        # Every request opens with its team's own prompt, the same each time.
+        assert messages[0]["role"] == "system" and messages[0]["content"].startswith("Team")
+        assert systems.setdefault(team, messages[0]["content"]) == messages[0]["content"]
+        earlier = last.get(arrival.session)
+        if earlier is not None and len(messages) > len(earlier):
+            assert messages[: len(earlier)] == earlier  # the conversation so far
+            assert messages[len(earlier)]["role"] == "assistant"
+        elif earlier is not None:
+            assert len(earlier) == 2 * small.turns and len(messages) == 2  # afresh
+            restarts += 1
+        assert len(messages) <= 2 * small.turns
+        last[arrival.session] = messages
+    assert len(set(systems.values())) == 3 and restarts
+
+
+def test_the_teams_workload_is_checked_as_the_evicting_one() -> None:
+    results = [
+        run("teams", "8", "cache_aware", 0.3),
+        run("teams", "64", "cache_aware", 3.0, tps=100.0),
+        run("teams", "8", "precise", 0.3),
+        run("teams", "64", "precise", 0.5, tps=120.0),
+    ]
+    s = settings()
+    s.tm = bench.Teams(rates=(8.0, 64.0))
+    lines = bench.precise_checks(results, s, ["teams"])
+    assert [line.split()[0] for line in lines] == ["PASS", "PASS", "PASS"], lines
+    assert lines[0].startswith("PASS  teams at 64 req/s") and "ratio 6.00x" in lines[0]
