@@ -12,6 +12,7 @@ import time
 
 import pytest
 import trio
+import zmq
 
 from llmgw_core.catalog import Endpoint
 from llmgw_mock_engine.kv_events import BatchEncoder, KvEventsConfig, token_ids
@@ -87,3 +88,35 @@ async def test_a_missed_message_is_replayed_and_a_restart_clears(
             replicas.clear()
             await until(lambda: index.held(ENGINE) == 0, "the replica forgotten")
             nursery.cancel_scope.cancel()
+
+
+def test_the_messages_queued_go_to_the_loop_in_batches() -> None:
+    """One handoff (one wake of the loop) for what a burst left queued: at most
+    BATCH_MESSAGES messages, or about BATCH_BYTES of payload, at once."""
+    from llmgw_server.router import kv_feed
+
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    pub, sub = context.socket(zmq.PUB), context.socket(zmq.SUB)
+    try:
+        # inproc: a message sent is queued at the subscriber before send returns.
+        pub.bind("inproc://kv-feed-batches")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect("inproc://kv-feed-batches")
+        deadline = time.monotonic() + 10
+        while not sub.poll(10):  # a slow joiner: publish until the subscription is in
+            pub.send_multipart([b"kv", b"0" * 8, b"hello"])
+            assert time.monotonic() < deadline
+        while sub.poll(100):
+            sub.recv_multipart()
+        for i in range(100):
+            pub.send_multipart([b"kv", i.to_bytes(8, "big"), b"x" * 10])
+        pub.send_multipart([b"kv", (100).to_bytes(8, "big"), b"y" * kv_feed.BATCH_BYTES])
+        pub.send_multipart([b"kv", (101).to_bytes(8, "big"), b"z"])
+        sizes: list[int] = []
+        while sum(sizes) < 102 and sub.poll(2000):
+            sizes.append(len(kv_feed._queued(sub)))
+        # 64, then 36 and the big one (past BATCH_BYTES: the batch ends), then the last.
+        assert sizes == [kv_feed.BATCH_MESSAGES, 37, 1], sizes
+    finally:
+        pub.close(0)
+        sub.close(0)

@@ -2,10 +2,12 @@
 
 One subscription per replica whose endpoint names `kv_events` (vLLM's `--kv-events-config`
 endpoint, or the mock engine's), for as long as it is a replica of some model. pyzmq's
-sockets are not trio's: a thread owns each SUB socket and hands every message's frames
-to this process's loop through a bounded channel (`CHANNEL` messages: a full channel drops
-the message, and the index sees the gap); decoding (llmgw_core.kv_events, bounded there)
-and applying happen on the loop, so the index has one writer.
+sockets are not trio's: a thread owns each SUB socket and hands the messages' frames to
+this process's loop through a bounded channel, every message already queued at once
+(at most `BATCH_MESSAGES` or about `BATCH_BYTES` a handoff, `CHANNEL` handoffs waiting:
+a full channel drops them, and the index sees the gap); each handoff wakes the loop, about
+50 us of CPU, so an engine's burst costs one. Decoding (llmgw_core.kv_events, bounded
+there) and applying happen on the loop, so the index has one writer.
 
 At start, and whenever the index finds a gap (`ApplyResult.replay_from`), the engine's
 replay socket (`kv_replay`) is asked for what it still buffers, from that sequence number
@@ -42,8 +44,10 @@ from llmgw_server.router.kv_index import KvIndex
 
 log = logging.getLogger("llmgw.kv_feed")
 
-CHANNEL = 256  # messages between a subscriber thread and the loop
-POLL_S = 0.2  # how soon a subscriber thread notices it should stop
+CHANNEL = 32  # handoffs between a subscriber thread and the loop: at most 256 MiB
+BATCH_MESSAGES = 64  # messages in one handoff ...
+BATCH_BYTES = 4 << 20  # ... and their payloads' bytes, once one message is in
+POLL_S = 1.0  # how soon a subscriber thread notices it should stop (it is abandoned)
 FOLLOW_INTERVAL_S = 1.0  # how often the replicas to follow are looked at
 REPLAY_TIMEOUT_S = 5.0
 MAX_REPLAY_BYTES = 256 << 20
@@ -53,6 +57,7 @@ _FRAME_SLACK = 4096  # a message's topic and sequence frames beside its payload
 _END = END_SEQ.to_bytes(8, "big")
 
 Frames = list[bytes]
+Batch = list[Frames]
 
 
 async def follow_kv_events(
@@ -94,7 +99,7 @@ class Subscription:
         self.dropped = 0  # the channel was full
 
     async def run(self) -> None:
-        send, receive = trio.open_memory_channel[Frames](CHANNEL)
+        send, receive = trio.open_memory_channel[Batch](CHANNEL)
         stop = threading.Event()
         token = trio.lowlevel.current_trio_token()
         live = functools.partial(self._live_thread, send, stop, token)
@@ -107,8 +112,9 @@ class Subscription:
                     await self._replay(0)
                     # What came live while the replay ran may repeat it: not a restart.
                     stale = receive.statistics().current_buffer_used
-                async for frames in receive:
-                    await self._apply_live(frames, skip_old=stale > 0)
+                async for batch in receive:
+                    for frames in batch:
+                        await self._apply_live(frames, skip_old=stale > 0)
                     stale = max(stale - 1, 0)
             finally:
                 stop.set()
@@ -156,7 +162,7 @@ class Subscription:
 
     def _live_thread(
         self,
-        send: trio.MemorySendChannel[Frames],
+        send: trio.MemorySendChannel[Batch],
         stop: threading.Event,
         token: trio.lowlevel.TrioToken,
     ) -> None:
@@ -169,12 +175,12 @@ class Subscription:
             while not stop.is_set():
                 if not sock.poll(int(POLL_S * 1000)):
                     continue
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                batch = _queued(sock)
                 try:
-                    trio.from_thread.run_sync(send.send_nowait, frames, trio_token=token)
-                    self.received += 1
+                    trio.from_thread.run_sync(send.send_nowait, batch, trio_token=token)
+                    self.received += len(batch)
                 except trio.WouldBlock:
-                    self.dropped += 1
+                    self.dropped += len(batch)
                 except (trio.RunFinishedError, trio.BrokenResourceError, trio.ClosedResourceError):
                     return
         finally:
@@ -211,3 +217,17 @@ class Subscription:
         if suppressed is not None:
             more = f" ({suppressed} more since)" if suppressed else ""
             log.warning("KV events of %s: %s%s", self.endpoint, why[:300], more)
+
+
+def _queued(sock: zmq.Socket[bytes]) -> Batch:
+    """The messages the socket holds now (at least one: it polled ready), up to a batch."""
+    batch = [sock.recv_multipart(zmq.NOBLOCK)]
+    size = len(batch[0][-1])
+    while len(batch) < BATCH_MESSAGES and size < BATCH_BYTES:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+        batch.append(frames)
+        size += len(frames[-1])
+    return batch
