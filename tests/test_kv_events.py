@@ -122,6 +122,35 @@ def test_map_events_of_every_type_and_defaults_omitted() -> None:
     assert batch.dp_rank is None  # a two-element batch: no rank
 
 
+def test_a_run_of_removals_from_one_medium_and_group_is_one_event() -> None:
+    def removed(*hashes: int, medium: str | None = "GPU", group: int | None = 0) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": medium, "group_idx": group}
+
+    batch = decode([1.0, [
+        removed(1), removed(2, 3), removed(4),
+        removed(5, medium="CPU"), removed(6, medium="CPU"),
+        removed(7, group=1),
+        stored_map(),
+        removed(8), removed(9, medium=None, group=None), removed(10, medium=None, group=None),
+        {"type": "AllBlocksCleared"},
+        removed(11),
+    ]])  # fmt: skip
+    assert batch.events == (
+        BlockRemoved(block_hashes=(1, 2, 3, 4), medium="GPU", group_idx=0),
+        BlockRemoved(block_hashes=(5, 6), medium="CPU", group_idx=0),
+        BlockRemoved(block_hashes=(7,), medium="GPU", group_idx=1),
+        batch.events[3],
+        BlockRemoved(block_hashes=(8,), medium="GPU", group_idx=0),
+        BlockRemoved(block_hashes=(9, 10)),
+        AllBlocksCleared(),
+        BlockRemoved(block_hashes=(11,), medium="GPU", group_idx=0),
+    )
+    assert isinstance(batch.events[3], BlockStored)
+    # A bad removal after a run still loses the message, as it did alone.
+    with pytest.raises(KvEventError, match=r"event 2 \(BlockRemoved\): block_hashes holds a float"):
+        decode([1.0, [removed(1), removed(2), {"type": "BlockRemoved", "block_hashes": [1.5]}]])
+
+
 def test_unknown_fields_and_types_are_ignored() -> None:
     batch = decode(
         [

@@ -4,6 +4,7 @@ buggy engine's answer gives no token ids and one rate-limited warning, never a t
 from __future__ import annotations
 
 import array
+import json
 import logging
 from typing import cast
 
@@ -11,6 +12,7 @@ import attrs
 import pytest
 
 from llmgw_core.catalog import Endpoint
+from llmgw_server.router.prefix import prompt_key
 from llmgw_server.router.tokenizer import Tokenizer
 from llmgw_server.router.upstream import Pool
 
@@ -62,3 +64,29 @@ async def test_a_bad_answer_gives_no_ids_and_one_warning(
 
 async def test_an_error_status_gives_no_ids() -> None:
     assert Tokenizer()._read(POOL, 404, b'{"tokens": [1]}') is None
+
+
+async def test_the_request_carries_what_the_clients_json_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    # json.loads lets a lone surrogate and a 100-digit int through; the request to the
+    # engine must still be JSON that reads back to the same messages and tools.
+    sent: list[bytes] = []
+
+    async def ask(pool: Pool, request: bytes) -> None:
+        sent.append(request)
+
+    tokenizer = Tokenizer()
+    monkeypatch.setattr(tokenizer, "_ask", ask)
+    for text in ('"caf\\u00e9 \\u2603"', '"a lone \\ud800 surrogate"'):
+        body = json.loads(
+            f'{{"messages": [{{"role": "user", "content": {text}}}], '
+            f'"tools": [{{"n": {"9" * 100}}}], "max_tokens": 5}}'
+        )
+        key = prompt_key(body, chat=True, block_bytes=64)
+        assert key is not None
+        assert await tokenizer.tokens(POOL, "m", body, True, key) is None
+        assert json.loads(sent[-1]) == {
+            "model": "m",
+            "messages": body["messages"],
+            "tools": body["tools"],
+            "add_generation_prompt": True,
+        }

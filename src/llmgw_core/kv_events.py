@@ -217,12 +217,34 @@ def _decode(
         raise KvEventError(f"the batch has {len(events_raw)} events, over the cap of {max_events}")
     events: list[KvEvent] = []
     skipped = 0
+    # An engine under pressure sends a BlockRemoved a block, most of a batch: a run of
+    # them from one medium and group is one event here (the same removals, in order).
+    run: list[BlockHash] = []
+    run_place: tuple[Any, Any] = (None, None)
     for i, raw in enumerate(events_raw):
+        if type(raw) is dict and raw.get("type") == "BlockRemoved":
+            hashes, place = raw.get("block_hashes"), (raw.get("medium"), raw.get("group_idx"))
+            medium, group = place
+            if (
+                type(hashes) is list
+                and len(hashes) <= MAX_BLOCKS_PER_EVENT
+                and {*map(type, hashes)} <= _INT_ONLY
+                and (medium is None or type(medium) is str)
+                and (group is None or type(group) is int)
+            ):
+                if place != run_place or not run:
+                    _end_run(events, run, run_place)
+                    run, run_place = [], place
+                run += hashes
+                continue
+        _end_run(events, run, run_place)
+        run = []
         event = _event(i, raw, max_tokens)
         if event is None:
             skipped += 1
         else:
             events.append(event)
+    _end_run(events, run, run_place)
     return KvBatch(
         topic=topic_text,
         seq=int.from_bytes(seq, "big"),
@@ -231,6 +253,15 @@ def _decode(
         events=tuple(events),
         skipped=skipped,
     )
+
+
+_INT_ONLY: Final = frozenset({int})
+
+
+def _end_run(events: list[KvEvent], run: list[BlockHash], place: tuple[Any, Any]) -> None:
+    if run:
+        medium, group = place
+        events.append(BlockRemoved(block_hashes=tuple(run), medium=medium, group_idx=group))
 
 
 def _batch_fields(body: object) -> tuple[float, list[Any], int | None]:
@@ -289,7 +320,7 @@ def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
         if (
             type(hashes) is list
             and len(hashes) <= MAX_BLOCKS_PER_EVENT
-            and all(type(h) is int for h in hashes)
+            and {*map(type, hashes)} <= _INT_ONLY
             and (medium is None or type(medium) is str)
             and (group is None or type(group) is int)
         ):
@@ -358,6 +389,8 @@ def _hashes(where: str, value: object) -> tuple[BlockHash, ...]:
         raise KvEventError(
             f"{where}: {len(value)} block hashes, over the cap of {MAX_BLOCKS_PER_EVENT}"
         )
+    if {*map(type, value)} <= _INT_ONLY:
+        return tuple(value)
     return tuple(_hash(where, "block_hashes", h) for h in value)
 
 
