@@ -220,18 +220,12 @@ def _decode(
     # An engine under pressure sends a BlockRemoved a block, most of a batch: a run of
     # them from one medium and group is one event here (the same removals, in order).
     run: list[BlockHash] = []
-    run_place: tuple[Any, Any] = (None, None)
+    run_place: tuple[str | None, int | None] = (None, None)
     for i, raw in enumerate(events_raw):
         if type(raw) is dict and raw.get("type") == "BlockRemoved":
-            hashes, place = raw.get("block_hashes"), (raw.get("medium"), raw.get("group_idx"))
-            medium, group = place
-            if (
-                type(hashes) is list
-                and len(hashes) <= MAX_BLOCKS_PER_EVENT
-                and {*map(type, hashes)} <= _INT_ONLY
-                and (medium is None or type(medium) is str)
-                and (group is None or type(group) is int)
-            ):
+            plain = _plain_removal(raw)
+            if plain is not None:
+                hashes, place = plain[0], plain[1:]
                 if place != run_place or not run:
                     _end_run(events, run, run_place)
                     run, run_place = [], place
@@ -258,7 +252,26 @@ def _decode(
 _INT_ONLY: Final = frozenset({int})
 
 
-def _end_run(events: list[KvEvent], run: list[BlockHash], place: tuple[Any, Any]) -> None:
+def _plain_removal(fields: Mapping[str, Any]) -> tuple[list[int], str | None, int | None] | None:
+    """A BlockRemoved's hashes, medium and group when they are what engines send (int
+    hashes, a string medium or nil, an int group or nil), checked in one pass: most of
+    what an engine under pressure sends, one a block. None: read it field by field."""
+    hashes, medium = fields.get("block_hashes"), fields.get("medium")
+    group = fields.get("group_idx")
+    if (
+        type(hashes) is list
+        and len(hashes) <= MAX_BLOCKS_PER_EVENT
+        and {*map(type, hashes)} <= _INT_ONLY
+        and (medium is None or type(medium) is str)
+        and (group is None or type(group) is int)
+    ):
+        return hashes, medium, group
+    return None
+
+
+def _end_run(
+    events: list[KvEvent], run: list[BlockHash], place: tuple[str | None, int | None]
+) -> None:
     if run:
         medium, group = place
         events.append(BlockRemoved(block_hashes=tuple(run), medium=medium, group_idx=group))
@@ -311,19 +324,9 @@ def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
     else:
         raise KvEventError(f"event {i} is a {_kind(raw)}, not a map or an array")
     if tag == "BlockRemoved":
-        # Most of what an engine under pressure sends, one a block: checked in one pass.
-        hashes, medium, group = (
-            fields.get("block_hashes"),
-            fields.get("medium"),
-            fields.get("group_idx"),
-        )
-        if (
-            type(hashes) is list
-            and len(hashes) <= MAX_BLOCKS_PER_EVENT
-            and {*map(type, hashes)} <= _INT_ONLY
-            and (medium is None or type(medium) is str)
-            and (group is None or type(group) is int)
-        ):
+        plain = _plain_removal(fields)
+        if plain is not None:
+            hashes, medium, group = plain
             return BlockRemoved(block_hashes=tuple(hashes), medium=medium, group_idx=group)
     where = f"event {i} ({tag})"
     if tag == "BlockStored":
