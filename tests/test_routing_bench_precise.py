@@ -23,7 +23,10 @@ from llmgw_core.config import load_config
 SMALL = bench.PrivateContexts(
     open_conversations=6, turns=3, context_words=(20, 40), rates=(10.0, 20.0), duration_s=2.0
 )
-SMALL_TEAMS = bench.Teams(teams=3, system_words=20, users_per_team=2, turns=3, rates=(20.0, 40.0), duration_s=2.0)
+SMALL_TEAMS = bench.Teams(
+    teams=3, system_words=20, users_per_team=2, turns=3, rates=(20.0, 40.0), duration_s=2.0,
+    top_duration_s=4.0,
+)  # fmt: skip
 
 
 def test_private_conversations_carry_their_turns_and_close_after_the_last() -> None:
@@ -194,6 +197,8 @@ def test_no_trigger_says_to_raise_the_top_rate() -> None:
 def test_team_users_carry_their_conversation_on_their_teams_prompt() -> None:
     small = SMALL_TEAMS
     stages = bench.teams_stages(small, seed=1)
+    # The top rate's stage runs longer (the checks read its p90).
+    assert stages[0].arrivals[-1].at_s < small.duration_s < stages[-1].arrivals[-1].at_s < small.top_duration_s
     assert [a.body for st in stages for a in st.arrivals] == [
         a.body for st in bench.teams_stages(small, seed=1) for a in st.arrivals
     ]
