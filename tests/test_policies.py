@@ -160,6 +160,35 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     c.outstanding = 0
 
 
+def test_precise_lets_a_holder_carry_more_load_the_more_of_the_prompt_it_holds() -> None:
+    """Past the load bound a holder keeps the request by its held tokens /
+    `held_tokens_per_load`: sending it elsewhere would prefill them all again."""
+    index = KvIndex()
+    tuning = CacheAwareSection(held_tokens_per_load=4.0)  # a block of 4 tokens: 1 load
+    replicas = [Replica(e) for e in endpoints(3)]
+    policy = Precise(tuning, index)
+    policy.follow(replicas)
+    a, b, c = replicas
+    tokens = list(range(1, 33))
+    key = attrs.evolve(prompt("the conversation"), tokens=tuple(tokens))
+    _stored(index, a, tokens[:8], 0)  # a holds 2 blocks: 8 more than the bound
+    _stored(index, b, tokens[:28], 0)  # b holds 7: 28 more
+    _stored(index, c, [99] * 8, 0)
+    for load, chosen, decision in [
+        (8, b, Decision.PRECISE_HIT),  # the bound: least (0) + load_slack (8)
+        (8 + 7, b, Decision.PRECISE_HIT),  # ... and its 7 blocks
+        (8 + 8, a, Decision.PRECISE_LOAD_OVERRIDE),  # past them: the next holder
+    ]:
+        b.outstanding = load
+        choice = policy.choose(replicas, key, 0.0)
+        assert (choice.replica, choice.decision) == (chosen, decision), load
+    # a carries its 2 blocks past the bound too, then the least loaded non-holder takes it.
+    a.outstanding = 8 + 2
+    assert policy.choose(replicas, key, 0.0).replica is a
+    a.outstanding = 8 + 3
+    assert policy.choose(replicas, key, 0.0).replica is c
+
+
 def test_precise_spreads_a_hot_prefix_requested_one_at_a_time() -> None:
     """Nothing loads the holder of a prefix requested one at a time; its share of the
     requests does, and past `max_share` times the even share the next replica takes it

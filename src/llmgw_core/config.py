@@ -191,6 +191,9 @@ class CacheAwareSection:
     max_share: float = attrs.field(default=1.4, metadata=rules(min=1))
     # A prefix held elsewhere this big is shared: by load.
     shared_prefix_ratio: float = attrs.field(default=0.5, metadata=rules(min=0, max=1))
+    # precise: a replica whose engine holds the prompt's first N tokens may carry N / this
+    # more load than the bound (prefilling them elsewhere costs more than its queue).
+    held_tokens_per_load: float = attrs.field(default=256.0, metadata=rules(min=1))
     # A waiting request counts 1 + this (it waits behind all).
     waiting_weight: float = attrs.field(default=4.0, metadata=rules(min=0))
     # A full KV cache counts as this many requests.
