@@ -209,15 +209,22 @@ class Teams:
     system_words: int = 3000  # each team's own system prompt
     users_per_team: int = 5
     turns: int = 4  # a user's conversation starts afresh after this many turns
-    question_words: int = 40
+    # Drawn for each question: fixed-size questions made every request's uncached part
+    # one of a few sizes, so TTFT a staircase of 8 ms steps and any percentile jumped a
+    # whole step when a share moved a point (precise's p90: 14, 22 or 30 ms by run).
+    question_words: tuple[int, int] = (10, 70)
     answer_tokens: int = 48
     rates: tuple[float, ...] = (8.0, 24.0, 48.0, 64.0)
     duration_s: float = 6.0
     # The top rate's stage, where the checks read precise's TTFT p90: longer, because
-    # about a tenth of precise's requests there wait behind a miss's prefill (TTFT 150-300
-    # ms against 6-30 for the rest), so its p90 sits at that step, and 400 requests
-    # placed it on either side from run to run.
+    # about a tenth of precise's requests there had their conversation's blocks evicted
+    # (TTFT 20-30 ms against 6-14 for the rest), so its p90 sits near that step.
     top_duration_s: float = 18.0
+    # Before it, this long at the same rate, unreported: the caches reach that rate's
+    # steady state. Without it the share of requests whose conversation was evicted
+    # rose from 1-5% in the stage's first 3 s to 11-15% from its ninth on, so the whole
+    # stage's share, 8-12%, put the p90 on either side of the step from run to run.
+    top_lead_s: float = 6.0
 
 
 class BenchError(Exception):
@@ -576,10 +583,12 @@ def poisson_times(rate: float, duration_s: float, rng: random.Random) -> list[fl
 class Stage:
     rate: float | None  # requests per second; None: one request at a time
     arrivals: list[Arrival]
+    lead: bool = False  # a lead-in to the next stage at its rate: run, not reported
 
     @property
     def label(self) -> str:
-        return "serial" if self.rate is None else f"{self.rate:g}"
+        rate = "serial" if self.rate is None else f"{self.rate:g}"
+        return f"{rate} lead" if self.lead else rate
 
 
 @dataclass
@@ -688,14 +697,18 @@ def teams_stages(w: Teams, seed: int) -> list[Stage]:
     ]  # fmt: skip
     users: dict[tuple[int, int], tuple[int, list[dict[str, str]]]] = {}
     stages = []
-    for rate in w.rates:
-        rng = random.Random(f"{seed}-teams-{rate}")
+    plan = [(rate, False, w.duration_s) for rate in w.rates[:-1]]
+    if w.top_lead_s > 0:
+        plan.append((w.rates[-1], True, w.top_lead_s))
+    plan.append((w.rates[-1], False, w.top_duration_s))
+    for rate, lead, duration in plan:
+        rng = random.Random(f"{seed}-teams-{rate}{'-lead' if lead else ''}")
         arrivals = []
-        duration = w.top_duration_s if rate == w.rates[-1] else w.duration_s
         for at in poisson_times(rate, duration, rng):
             user = rng.randrange(w.teams), rng.randrange(w.users_per_team)
             turns, history = users.get(user, (0, [systems[user[0]]]))
-            messages = [*history, {"role": "user", "content": _text(rng, w.question_words)}]
+            question = _text(rng, rng.randint(*w.question_words))
+            messages = [*history, {"role": "user", "content": question}]
             body = {"model": MODEL, "messages": messages, "max_tokens": w.answer_tokens}
             answer = answer_text(body, w.answer_tokens)
             if turns + 1 >= w.turns:
@@ -703,7 +716,7 @@ def teams_stages(w: Teams, seed: int) -> list[Stage]:
             else:
                 users[user] = (turns + 1, [*messages, {"role": "assistant", "content": answer}])
             arrivals.append(Arrival(at, body, f"team-{user[0]}-user-{user[1]}"))
-        stages.append(Stage(rate, arrivals))
+        stages.append(Stage(rate, arrivals, lead))
     return stages
 
 
@@ -1051,8 +1064,9 @@ def run_plan(
                 )
                 result.router_idle_cpu = idle
                 every += [r for r in routers if r not in every]
-                results.append(result)
-                sent_by.append((result, sent))
+                if not stage.lead:
+                    results.append(result)
+                    sent_by.append((result, sent))
         finally:
             for router in every:
                 router.stop()
@@ -1475,10 +1489,11 @@ def parameters_text(s: Settings) -> list[str]:
         f"{team_tokens:,.0f} tokens in all: {team_tokens / all_caches:.2f}x all the engines' "
         f"caches, {team_tokens / params.cache_tokens:.1f}x one engine's) and "
         f"{tm.users_per_team} users; a turn goes to a user drawn at random, "
-        f"{tm.question_words} words carrying the user's conversation so far, answers of "
+        f"{tm.question_words[0]}-{tm.question_words[1]} words carrying the user's conversation so far, answers of "
         f"{tm.answer_tokens} tokens; a user starts afresh after {tm.turns} turns; Poisson at "
         f"{', '.join(f'{r:g}' for r in tm.rates)} req/s in turn, {tm.duration_s:g} s each "
-        f"({tm.top_duration_s:g} s at the top rate), warm as multi-turn",
+        f"({tm.top_duration_s:g} s at the top rate, after {tm.top_lead_s:g} s at it unreported), "
+        "warm as multi-turn",
         "- two-routers: the evicting stages up to the rate of its check, through two routers "
         "of the same policy and config, request i to router i mod 2 (each sees every other "
         "turn of each user)",
@@ -1538,7 +1553,7 @@ def settings_for(quick: bool) -> Settings:
         s.hp = HotPrefix(serial_requests=24, rates=(24.0,), duration_s=4.0)
         s.nr = NoReuse(rates=(24.0,), duration_s=4.0)
         s.pc = PrivateContexts(rates=(4.0, 48.0), duration_s=5.0)
-        s.tm = Teams(rates=(8.0, 64.0), duration_s=5.0, top_duration_s=10.0)
+        s.tm = Teams(rates=(8.0, 64.0), duration_s=5.0, top_duration_s=10.0, top_lead_s=3.0)
     return s
 
 

@@ -80,8 +80,11 @@ def test_the_two_router_and_restart_plans_end_at_cache_awares_5x_rate() -> None:
     assert [a.body for a in restart.stages[2].arrivals] == [
         a.body for a in evicting.stages[2].arrivals
     ]
-    # Without the evicting figures: every rate, the restart in the last.
-    assert bench.plan_for("restart", s, 1, []).restart_at == "48"
+    # Without the evicting figures: every rate, the top one after its unreported lead-in,
+    # the restart in the last (never in the lead-in).
+    every = bench.plan_for("restart", s, 1, [])
+    assert [st.label for st in every.stages] == ["4", "16", "32", "48 lead", "48"]
+    assert every.restart_at == "48"
 
 
 @dataclass
@@ -197,8 +200,11 @@ def test_no_trigger_says_to_raise_the_top_rate() -> None:
 def test_team_users_carry_their_conversation_on_their_teams_prompt() -> None:
     small = SMALL_TEAMS
     stages = bench.teams_stages(small, seed=1)
-    # The top rate's stage runs longer (the checks read its p90).
+    # The top rate's stage runs longer (the checks read its p90), after a lead-in at its
+    # rate that is run and not reported.
     assert stages[0].arrivals[-1].at_s < small.duration_s < stages[-1].arrivals[-1].at_s < small.top_duration_s
+    assert [(st.rate, st.lead) for st in stages] == [(20.0, False), (40.0, True), (40.0, False)]
+    assert stages[-2].arrivals[-1].at_s < small.top_lead_s
     assert [a.body for st in stages for a in st.arrivals] == [
         a.body for st in bench.teams_stages(small, seed=1) for a in st.arrivals
     ]
