@@ -3,7 +3,7 @@
 
 Run it from the repository root with the project's virtualenv:
 
-    .venv/bin/python bench/routing_bench.py            # about 20 minutes, no GPU
+    .venv/bin/python bench/routing_bench.py            # about 24 minutes, no GPU
     .venv/bin/python bench/routing_bench.py --quick    # shorter runs, a rough look
     .venv/bin/python bench/routing_bench.py --help
 
