@@ -26,15 +26,19 @@ MOCK = [sys.executable, "-m", "llmgw_mock_engine"]
 
 def wait_until(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
+        # Read before the check, so that one check follows the deadline: a stall of this
+        # process (a starved CI machine) past it is not taken for the condition's lateness.
+        last = time.monotonic() >= deadline
         try:
             value = check()
         except (httpx.HTTPError, openai.APIError, KeyError, IndexError, ValueError, StopIteration):
             value = None  # not yet: a replica may be between engines
         if value:
             return value
+        if last:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def engine_port_block() -> int:

@@ -200,19 +200,23 @@ def test_stragglers_back_within_lost_after_of_the_guards_release_keep_their_repl
     wait_until(lambda: fleet.status()["guard"] is None, timeout=10, what="the guard's release")
     released = time.monotonic()
     way.open()
+    # Whether they were back within lost_after is the server's to say ("-> lost" below),
+    # not this process's clock: a starved test process would count its own stall here.
     for straggler in order[1:]:
         wait_until(
             lambda: fleet.node(straggler)["status"] == "reachable",  # noqa: B023 (called at once)
-            timeout=lost_after,
+            timeout=lost_after + 10,
             what=f"{straggler} back",
         )
     took = time.monotonic() - released
     way.close()  # the connections made stay up; no new one is needed
-    assert took < lost_after, f"the stragglers took {took:.1f} s, more than lost_after"
 
     server_log = fleet.server_proc.output() if fleet.server_proc else ""
     assert "mass-loss guard released" in server_log
-    assert "-> lost" not in server_log, server_log
+    assert "-> lost" not in server_log, (
+        f"the stragglers were back {took:.1f} s after the release (lost_after "
+        f"{lost_after:g} s)\n{server_log}"
+    )
     for name in order:
         agent_log = fleet.agents[name].output()
         (pid,) = pids[name]

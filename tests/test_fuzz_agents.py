@@ -35,7 +35,9 @@ from procs import Proc, Procs, free_port, models_toml
 # The module's server is one session fixture: its tests run on one worker.
 pytestmark = pytest.mark.xdist_group("fuzz-agents")
 
-UNREACHABLE_AFTER_S = 2.0
+# Far above the good nodes' heartbeat (0.3 s): a starved machine (CI's) that stalls this
+# process for seconds must not leave a bystander unreachable (at 2 s it did).
+UNREACHABLE_AFTER_S = 6.0
 HEARTBEAT_EVERY_S = 0.3
 CHAT = {"model": "s", "messages": [{"role": "user", "content": "hi"}]}
 CONTROL = f"""
@@ -356,15 +358,15 @@ def test_a_heartbeat_flood_leaves_every_other_node_reachable(server: Server) -> 
 
                 nursery.start_soon(flooder)
                 end = trio.current_time() + seconds
-                slowest = 0.0
+                # Not timed: a starved machine (CI's) holds this process or the server
+                # for seconds, which a bound would take for the flood's doing, while even
+                # a flood left uncut (no budget) slowed these answers by milliseconds.
+                # The cut is the close code's to show (below).
                 while trio.current_time() < end:
-                    start = trio.current_time()
                     status = await nodes(server, client)
                     await router_serves(server, client)
-                    slowest = max(slowest, trio.current_time() - start)
                     assert status["bystander-3"] == "reachable", status
                     await trio.sleep(0.2)
-                assert slowest < UNREACHABLE_AFTER_S, slowest
             status = await nodes(server, client)
             assert status["bystander-3"] == "reachable"
             await router_serves(server, client)

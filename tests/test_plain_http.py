@@ -51,7 +51,9 @@ async def _exchange(pieces: list[bytes], h11_only: bool) -> bytes:
     stream = trio.SocketStream(server_sock)
     server = _server()
     out = b""
-    with trio.fail_after(2):
+    # A hang's guard: 6 s, not 2, leaves a starved machine (CI's) seconds, and stays below
+    # the 10 s header timeout a server left waiting for more would close after.
+    with trio.fail_after(6):
         async with trio.open_nursery() as nursery:
             if h11_only:
 

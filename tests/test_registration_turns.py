@@ -5,7 +5,6 @@ plaintext port, with no admission in front, registered 573 in 90 s)."""
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractAsyncContextManager
 
 import pytest
@@ -48,16 +47,20 @@ async def test_a_registration_waits_its_turn_and_is_then_served(
                 )
 
             # The first agent takes the only turn and never registers: it holds the turn
-            # until the server gives up on it (REGISTER_TIMEOUT_S).
+            # until the server gives up on it (REGISTER_TIMEOUT_S). Timed from before
+            # the first's connect, so that its 2 s are all inside what is measured.
+            t0 = trio.current_time()
             async with stream():
-                t0 = time.monotonic()
                 async with stream() as ws:
-                    waited = time.monotonic() - t0  # its 101 came with its turn
+                    waited = trio.current_time() - t0  # its 101 came with its turn
                     inventory = Inventory(
                         name="node-b", gpus=(Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500),)
                     )
                     await ws.send_message(encode(Register(PROTOCOL, "test", inventory)))
                     assert isinstance(decode_down(await ws.get_message()), Welcome)
-                assert 1.5 < waited < 6.0, waited  # today's code: at once, no turns
+                # Today's code: at once, no turns. Below 8 s, not 6: a starved machine
+                # (CI's) delays the turn by seconds; a turn never given back would fail
+                # the second's connect at 10 s.
+                assert 1.5 < waited < 8.0, waited
             stop.set()
             nursery.cancel_scope.cancel()

@@ -28,11 +28,15 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
 
 def wait_until(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
+        # Read before the check, so that one check follows the deadline: a stall of this
+        # process (a starved CI machine) past it is not taken for the condition's lateness.
+        last = time.monotonic() >= deadline
         if check():
             return
+        if last:
+            raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_plain_and_streaming_through_openai_client(procs: Procs) -> None:
