@@ -149,6 +149,7 @@ class Fleet:
         self.lost: list[Lost] = []
         self.notes: list[str] = []
         self.commands: list[object] = []
+        self.failed: list[str] = []  # the models of the failures the control plane counted
         self.last_step = Step()
         self.heard: dict[str, float] = {}  # when the control plane last heard from each node
         self.closed: dict[str, float] = {}  # when it saw a node's stream close, since then
@@ -178,6 +179,7 @@ class Fleet:
         ]
         self.notes += step.notes
         self.commands += step.commands
+        self.failed += step.failed
         for command in step.commands:
             agent = self.agents.get(command.node)
             if agent is None or not agent.connected:

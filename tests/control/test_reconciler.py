@@ -228,6 +228,37 @@ def test_a_failed_replica_restarts_with_backoff_and_a_crash_loop_shows() -> None
     assert f.notes[-1].endswith("segfault; restart in 10 s")
 
 
+def test_each_failure_is_counted_once_whichever_way_it_is_heard_of() -> None:
+    """A failure reported on the stream, and one that happened while the stream was down
+    (the agent's next registration carries it, without the update that was lost), each
+    counted once (llmgw_engine_failures_total): a registration repeating a failure already
+    heard of adds none."""
+    f = fleet_with(model("a", 1), nodes=1)
+    (start,) = f.starts()
+    rid = start.spec.replica_id
+    f.ready_all()
+    f.report("n1", rid, 0, FAILED, "exit status 1")
+    f.report("n1", rid, 0, FAILED, "exit status 1, and its output tail read")
+    assert f.failed == ["a"]
+    f.silence("n1", tell=True)
+    f.register("n1")
+    assert f.failed == ["a"]
+    while len(f.starts()) == 1:
+        f.advance(1)
+    f.ready_all()
+    f.silence("n1")
+    f.report("n1", rid, 0, FAILED, "exit status 1")  # while away: the update is lost
+    assert f.failed == ["a"]
+    f.register("n1")
+    assert f.failed == ["a", "a"]
+    assert f.notes[-1].endswith("exit status 1; restart in 20 s"), f.notes
+    f.register("n1")
+    assert f.failed == ["a", "a"]
+    # A new control plane process counts afresh: what its agents report failed is new to it.
+    f.restart_control_plane(instance="b")
+    assert f.failed == ["a", "a", "a"]
+
+
 def test_a_failed_rank_restarts_the_whole_replica() -> None:
     f = Fleet(FAST, catalog(model("big", 1, tensor_parallel=8, pipeline_parallel=2)))
     f.join(gpu_node("n1", fabric=POD_A), gpu_node("n2", fabric=POD_A))

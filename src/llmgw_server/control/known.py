@@ -18,7 +18,7 @@ from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import MarkNode
 from llmgw_server.control.launch import free_port
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
-from llmgw_server.control.shards import Failure, ShardRecord, backoff
+from llmgw_server.control.shards import Failure, ShardKey, ShardRecord, backoff
 from llmgw_server.control.store import ShardStore
 from llmgw_server.control.work import Work
 
@@ -30,6 +30,9 @@ class Change:
     transitions: tuple[NodeTransition, ...] = ()
     notes: tuple[str, ...] = ()
     gone: frozenset[str] = frozenset()  # replicas with no record left
+    # The model of each shard newly reported failed, whichever way the report came (an
+    # update, or a registration carrying a failure that happened while away).
+    failed: tuple[str, ...] = ()
 
 
 class Known:
@@ -65,9 +68,13 @@ class Known:
             self._unmarked.add(name)  # this control plane's operator spoke last: tell the agent
         before = self.store.touching(name)
         models = self.store.models_of(before)  # before records go
+        known_failed = set[tuple[ShardKey, int]]()
         for record in self.store.on_node(name):
+            if record.state is ShardState.FAILED:
+                known_failed.add((record.key, record.spec.attempt))
             self.store.remove(record.key)
         notes: list[str] = []
+        failed: list[str] = []
         for report in shards:
             spec = report.spec
             record = ShardRecord(name, spec, report.state, report.detail)
@@ -83,9 +90,18 @@ class Known:
             self.store.add(record)
             if report.state is ShardState.FAILED:
                 notes += self.failed(record, now)
+                if (record.key, spec.attempt) not in known_failed:
+                    failed.append(spec.model_name)
         models |= self.store.models_of(self.store.touching(name))
         gone = frozenset(rid for rid in before if rid not in self.store)
-        return Change(frozenset(models), frozenset({name}), tuple(transitions), tuple(notes), gone)
+        return Change(
+            frozenset(models),
+            frozenset({name}),
+            tuple(transitions),
+            tuple(notes),
+            gone,
+            tuple(failed),
+        )
 
     def heartbeat(self, node: str, now: float) -> Change | None:
         """O(1) when nothing changes (then None)."""
@@ -115,6 +131,7 @@ class Known:
             return Change(notes=(note,))
         if record.state is state and record.detail == detail:
             return None
+        newly_failed = state is ShardState.FAILED and record.state is not ShardState.FAILED
         record.state, record.detail = state, detail
         notes: list[str] = []
         if state is ShardState.READY:
@@ -124,7 +141,9 @@ class Known:
         elif state is ShardState.FAILED:
             notes += self.failed(record, now)
         grown = frozenset({node}) if state is ShardState.STOPPED else frozenset()
-        return Change(frozenset({record.spec.model_name}), grown, notes=tuple(notes))
+        model = record.spec.model_name
+        failed = (model,) if newly_failed else ()
+        return Change(frozenset({model}), grown, notes=tuple(notes), failed=failed)
 
     def replica_drained(self, replica_id: str) -> Change:
         self.drained.add(replica_id)

@@ -46,6 +46,7 @@ class Step:
     wake_at: float | None = None
     # A reconcile ran: which replicas serve may have changed even without a command.
     reconciled: bool = False
+    failed: tuple[str, ...] = ()  # the model of each shard newly reported failed
 
 
 def random_engine_key() -> str:
@@ -332,4 +333,12 @@ class Reconciler:
                 self._batch_at = soon if self._batch_at is None else min(self._batch_at, soon)
         times = (self._batch_at, decider.next_due(), self.lifecycle.next_deadline())
         self._wake = min((t for t in times if t is not None), default=None)
-        return Step(tuple(commands), placements, tuple(transitions), tuple(notes), self._wake, ran)
+        return Step(
+            tuple(commands),
+            placements,
+            tuple(transitions),
+            tuple(notes),
+            self._wake,
+            ran,
+            change.failed,
+        )

@@ -198,7 +198,6 @@ class ControlPlane:
         spec = report.spec
         self.feed.shard(node, spec.replica_id, spec.rank, str(report.state), report.detail)
         if report.state is ShardState.FAILED:
-            self.metrics.engine_failures[spec.model_name] += 1
             self.output_tails.record((node, spec.replica_id, spec.rank), message.output_tail)
             # The node's words, escaped: one line, whatever it sent (the tail's lines
             # joined by an escaped newline).
@@ -247,6 +246,8 @@ class ControlPlane:
 
     def apply(self, step: Step) -> None:
         self.feed.stepped(step)
+        for model in step.failed:
+            self.metrics.engine_failures[model] += 1
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
                 log.info("node %s joined (%s)", transition.node, escaped(transition.reason))
