@@ -67,3 +67,28 @@ async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
         assert not plane.reconciler.knows_replica(spec.replica_id)
         assert dict(plane.output_tails) == {}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_failure_registered_then_reported_with_its_tail_counts_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """An engine failed while its agent was away: the registration carries the failure,
+    the update after the welcome its output tail (the agent's unsent report)."""
+    config = parse_config(CONFIG, "<test>")
+    gpu = Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500)
+    node = Inventory(name="n1", gpus=(gpu,), engines=(EngineInfo("vllm", True, "1"),))
+    async with trio.open_nursery() as nursery:
+        plane = ControlPlane(config, heartbeat_interval_s=5.0)
+        await nursery.start(plane.run)
+        plane.registered(Register(1, "test", node), 5.0)
+        (replica,) = plane.reconciler.view().replicas
+        spec = plane.reconciler.known.store.head(replica.replica_id)
+        assert spec is not None
+        plane.disconnected("n1")
+        failed = ShardReport(spec, ShardState.FAILED, "the engine exited with status 1")
+        plane.registered(Register(1, "test", node, shards=(failed,)), 5.0)
+        assert plane.metrics.engine_failures == {"m": 1}
+        plane.shard_update("n1", ShardUpdate(failed, ("CUDA error",)))
+        assert plane.metrics.engine_failures == {"m": 1}
+        assert dict(plane.output_tails) == {("n1", spec.replica_id, 0): ("CUDA error",)}
+        nursery.cancel_scope.cancel()

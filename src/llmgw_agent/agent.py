@@ -155,6 +155,10 @@ class _Shard:
     detail: str = ""
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     process: EngineProcess | None = None
+    # Its failure's report, with the engine's output tail, when no stream took it (the
+    # control plane was away): sent after the next welcome, since a registration
+    # carries only the state.
+    unsent_failure: ShardUpdate | None = None
 
     def stop(self) -> None:
         """A stop command: end the engine (cancelling alone would leave it serving)."""
@@ -277,6 +281,10 @@ class Agent:
                 heard.now()
                 paced = Paced.at(_interval(welcome.heartbeat_interval_s))
                 log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+                for shard in self.shards.values():
+                    if shard.unsent_failure is not None:
+                        self._send(shard.unsent_failure)
+                        shard.unsent_failure = None
                 self.registrations += 1
                 self.connected.set()
                 self._silence_s = paced.bound.cut_after_s
@@ -332,12 +340,16 @@ class Agent:
             draining=self.draining,
         )
 
-    def _send(self, message: UpMessage) -> None:
-        if self._outbox is not None:
-            try:
-                self._outbox.send_nowait(encode(message))
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the next registration carries every shard's state anyway
+    def _send(self, message: UpMessage) -> bool:
+        """Whether a stream took it: when not, the next registration carries every
+        shard's state anyway."""
+        if self._outbox is None:
+            return False
+        try:
+            self._outbox.send_nowait(encode(message))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     # -- commands ------------------------------------------------------------
 
@@ -579,7 +591,9 @@ class Agent:
             # A detail may begin with the state ("draining on request"): say it once.
             words = detail if detail.startswith(str(state)) else f"{state} {detail}".rstrip()
             log.info("%s rank %d: %s", spec.replica_id, spec.rank, words)
-        self._send(ShardUpdate(shard.report(), tail))
+        update = ShardUpdate(shard.report(), tail)
+        sent = self._send(update)
+        shard.unsent_failure = None if sent or state is not ShardState.FAILED else update
 
     def _forget_later(self, shard: _Shard) -> None:
         """A stopped shard has been reported; drop it so it is not re-registered forever."""
