@@ -89,9 +89,10 @@ async def test_the_agents_heartbeat_follows_each_pace(autojump_clock: object, tm
     agent = Agent(parse_agent_config(config, "<test>"), Inventory(name="n1"))
     beats: list[float] = []
 
-    def send(message: UpMessage) -> None:
+    def send(message: UpMessage) -> bool:
         assert isinstance(message, Heartbeat)
         beats.append(trio.current_time())
+        return True
 
     agent._send = send  # type: ignore[method-assign]
     paced = Paced.at(1.0)
