@@ -365,28 +365,35 @@ async def _run_agent(
             server = await nursery.start(
                 lambda **kw: trio_websocket.serve_websocket(control_plane, "127.0.0.1", 0, None, **kw)
             )
-            config = parse_agent_config(
-                {
-                    "name": "n1",
-                    "server": f"ws://127.0.0.1:{server.port}/v1/agent",
-                    "insecure": True,
-                    "state_dir": str(tmp_path / "state"),
-                    "advertise_host": "127.0.0.1",
-                    "bind_host": "127.0.0.1",
-                    "stop_grace_s": 5,
-                    "engines": {"vllm": {"command": [sys.executable, str(fake)], "env": env}},
-                },
-                "<test>",
-            )
-            node = Inventory(
-                name="n1",
-                gpus=(Gpu(0, "GPU-0", "sim", 1000, 1000),),
-                engines=(EngineInfo("vllm", True, "0.32.0"),),
-            )
-            await nursery.start(Agent(config, node).run)
+            agent = vllm_agent(tmp_path, server.port, fake, env, stop_grace_s=5)
+            await nursery.start(agent.run)
             await done.wait()
             nursery.cancel_scope.cancel()
     return updates, acks
+
+
+def vllm_agent(tmp_path: Path, port: int, engine: Path, env: dict[str, str], **more: object) -> Agent:
+    """Node n1's agent, with one simulated GPU and vLLM 0.32.0, whose `vllm` is the
+    Python script `engine` (with `env`), dialling the control plane on loopback `port`."""
+    config = parse_agent_config(
+        {
+            "name": "n1",
+            "server": f"ws://127.0.0.1:{port}/v1/agent",
+            "insecure": True,
+            "state_dir": str(tmp_path / "state"),
+            "advertise_host": "127.0.0.1",
+            "bind_host": "127.0.0.1",
+            "engines": {"vllm": {"command": [sys.executable, str(engine)], "env": env}},
+            **more,
+        },
+        "<test>",
+    )
+    node = Inventory(
+        name="n1",
+        gpus=(Gpu(0, "GPU-0", "sim", 1000, 1000),),
+        engines=(EngineInfo("vllm", True, "0.32.0"),),
+    )
+    return Agent(config, node)
 
 
 def _calls(tmp_path: Path) -> list[str]:

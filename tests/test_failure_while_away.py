@@ -5,15 +5,12 @@ of the test's own over loopback."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import trio
 import trio_websocket
 
-from llmgw_agent.agent import Agent
-from llmgw_agent.config import parse_agent_config
-from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardState
+from llmgw_core.inventory import LaunchSpec, ShardState
 from llmgw_core.wire import (
     PROTOCOL,
     Heartbeat,
@@ -25,7 +22,7 @@ from llmgw_core.wire import (
     encode,
 )
 from procs import free_port
-from test_engine_flags import HELP
+from test_engine_flags import HELP, vllm_agent
 
 # vLLM's help for the agent's flag check; otherwise an engine that says a line, waits
 # for the test's word, says its last one and exits 1.
@@ -84,33 +81,12 @@ async def test_a_failure_while_away_is_registered_then_reported_with_its_tail(tm
             server = await nursery.start(
                 lambda **kw: trio_websocket.serve_websocket(control_plane, "127.0.0.1", 0, None, **kw)
             )
-            config = parse_agent_config(
-                {
-                    "name": "n1",
-                    "server": f"ws://127.0.0.1:{server.port}/v1/agent",
-                    "insecure": True,
-                    "state_dir": str(tmp_path / "state"),
-                    "advertise_host": "127.0.0.1",
-                    "bind_host": "127.0.0.1",
-                    "reconnect": {"base_s": 0.1, "cap_s": 0.2},
-                    "engines": {
-                        "vllm": {
-                            "command": [sys.executable, str(engine)],
-                            "env": {
-                                "FAKE_VLLM_HELP": str(HELP / "vllm-0.32.0-serve-help-all.txt"),
-                                "FAIL_NOW": str(fail_now),
-                            },
-                        }
-                    },
-                },
-                "<test>",
-            )
-            node = Inventory(
-                name="n1",
-                gpus=(Gpu(0, "GPU-0", "sim", 1000, 1000),),
-                engines=(EngineInfo("vllm", True, "0.32.0"),),
-            )
-            agent = Agent(config, node)
+            env = {
+                "FAKE_VLLM_HELP": str(HELP / "vllm-0.32.0-serve-help-all.txt"),
+                "FAIL_NOW": str(fail_now),
+            }
+            reconnect = {"base_s": 0.1, "cap_s": 0.2}
+            agent = vllm_agent(tmp_path, server.port, engine, env, reconnect=reconnect)
             await nursery.start(agent.run)
             await away.wait()
             while agent.connected.is_set():

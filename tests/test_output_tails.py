@@ -3,11 +3,14 @@ dropped with their replica."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import trio
 
 from llmgw_core.catalog import Catalog
 from llmgw_core.config import parse_config
-from llmgw_core.inventory import EngineInfo, Gpu, Inventory, ShardReport, ShardState
+from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.wire import Register, ShardUpdate
 from llmgw_server.control_shell.controlplane import ControlPlane
 from llmgw_server.control_shell.output_tails import MAX_TAILS, OutputTails
@@ -45,19 +48,31 @@ CONFIG: dict[str, object] = {
 }
 
 
-async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    config = parse_config(CONFIG, "<test>")
-    gpu = Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500)
-    node = Inventory(name="n1", gpus=(gpu,), engines=(EngineInfo("vllm", True, "1"),))
+NODE = Inventory(
+    name="n1",
+    gpus=(Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500),),
+    engines=(EngineInfo("vllm", True, "1"),),
+)
+
+
+@asynccontextmanager
+async def plane_with_a_replica() -> AsyncIterator[tuple[ControlPlane, LaunchSpec]]:
+    """A control plane in process, node n1 registered, its one replica placed there."""
     async with trio.open_nursery() as nursery:
-        plane = ControlPlane(config, heartbeat_interval_s=5.0)
+        plane = ControlPlane(parse_config(CONFIG, "<test>"), heartbeat_interval_s=5.0)
         await nursery.start(plane.run)
-        plane.registered(Register(1, "test", node), 5.0)
+        plane.registered(Register(1, "test", NODE), 5.0)
         (replica,) = plane.reconciler.view().replicas
         spec = plane.reconciler.known.store.head(replica.replica_id)
         assert spec is not None
+        yield plane, spec
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with plane_with_a_replica() as (plane, spec):
         failed = ShardReport(spec, ShardState.FAILED, "exit status 1")
         plane.shard_update("n1", ShardUpdate(failed, ("CUDA out of memory",)))
         await trio.sleep(60)  # restarts come and go: the replica is known, its tail kept
@@ -66,7 +81,6 @@ async def test_the_control_plane_keeps_a_tail_while_its_replica_is_known(
         plane.shard_update("n1", ShardUpdate(ShardReport(spec, ShardState.STOPPED)))
         assert not plane.reconciler.knows_replica(spec.replica_id)
         assert dict(plane.output_tails) == {}
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_failure_registered_then_reported_with_its_tail_counts_once(
@@ -74,21 +88,11 @@ async def test_a_failure_registered_then_reported_with_its_tail_counts_once(
 ) -> None:
     """An engine failed while its agent was away: the registration carries the failure,
     the update after the welcome its output tail (the agent's unsent report)."""
-    config = parse_config(CONFIG, "<test>")
-    gpu = Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500)
-    node = Inventory(name="n1", gpus=(gpu,), engines=(EngineInfo("vllm", True, "1"),))
-    async with trio.open_nursery() as nursery:
-        plane = ControlPlane(config, heartbeat_interval_s=5.0)
-        await nursery.start(plane.run)
-        plane.registered(Register(1, "test", node), 5.0)
-        (replica,) = plane.reconciler.view().replicas
-        spec = plane.reconciler.known.store.head(replica.replica_id)
-        assert spec is not None
+    async with plane_with_a_replica() as (plane, spec):
         plane.disconnected("n1")
         failed = ShardReport(spec, ShardState.FAILED, "the engine exited with status 1")
-        plane.registered(Register(1, "test", node, shards=(failed,)), 5.0)
+        plane.registered(Register(1, "test", NODE, shards=(failed,)), 5.0)
         assert plane.metrics.engine_failures == {"m": 1}
         plane.shard_update("n1", ShardUpdate(failed, ("CUDA error",)))
         assert plane.metrics.engine_failures == {"m": 1}
         assert dict(plane.output_tails) == {("n1", spec.replica_id, 0): ("CUDA error",)}
-        nursery.cancel_scope.cancel()
