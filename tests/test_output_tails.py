@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 
 from llmgw_core.catalog import Catalog
@@ -91,7 +92,10 @@ async def test_a_failure_registered_then_reported_with_its_tail_counts_once(
     async with plane_with_a_replica() as (plane, spec):
         plane.disconnected("n1")
         failed = ShardReport(spec, ShardState.FAILED, "the engine exited with status 1")
-        plane.registered(Register(1, "test", NODE, shards=(failed,)), 5.0)
+        # And one of a model the catalog does not have: no label of the agent's naming.
+        unknown = attrs.evolve(spec, replica_id="x-1", model_name="x", port=spec.port + 10)
+        reports = (failed, ShardReport(unknown, ShardState.FAILED, "exit status 1"))
+        plane.registered(Register(1, "test", NODE, shards=reports), 5.0)
         assert plane.metrics.engine_failures == {"m": 1}
         plane.shard_update("n1", ShardUpdate(failed, ("CUDA error",)))
         assert plane.metrics.engine_failures == {"m": 1}

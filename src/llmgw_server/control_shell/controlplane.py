@@ -247,7 +247,10 @@ class ControlPlane:
     def apply(self, step: Step) -> None:
         self.feed.stepped(step)
         for model in step.failed:
-            self.metrics.engine_failures[model] += 1
+            # Only the catalog's names: an agent names what it reports, and each name
+            # would be a label kept for good.
+            if self.reconciler.catalog.get(model) is not None:
+                self.metrics.engine_failures[model] += 1
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
                 log.info("node %s joined (%s)", transition.node, escaped(transition.reason))
