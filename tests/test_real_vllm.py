@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -297,32 +298,53 @@ def test_the_router_sees_vllm_queueing_from_its_real_metrics(
         + '\n[router]\nbalancing = "cache_aware"\n'
         + "[router.cache_aware]\nmetrics_interval_s = 0.1\n"
     )
-    client = client_of(router)
+    client = client_of(router).with_options(timeout=300)  # a stream waits until `seen`
+    seen = threading.Event()
 
-    def long_one(i: int) -> int:
-        # About 600 prompt tokens and 200 generated: 24 of them need three times the 4,096
-        # tokens the KV cache holds, so some wait. Each prompt starts with its own number:
-        # a shared head would be one cached prefix for all (once, on a busy machine:
-        # 7 running, none waiting).
-        done = client.completions.create(
-            model=MODEL, prompt=f"{i} " + "word " * 300, max_tokens=200,
+    def held_stream(i: int) -> int:
+        # About 600 prompt tokens and up to 1,400 generated: 24 of them need ten times the
+        # 4,096 tokens the KV cache holds, so most wait, and they keep waiting until the
+        # router has been seen to report it: a queue that drains within a few of the
+        # router's reads can be missed on a busy machine (in CI, 24 requests of 200 tokens:
+        # waiting 0, running 3). Each prompt starts with its own number: a shared head
+        # would be one cached prefix for all (once: 7 running, none waiting).
+        chunks = 0
+        with client.completions.create(
+            model=MODEL, prompt=f"{i} " + "word " * 300, max_tokens=1400, stream=True,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        assert done.usage is not None
-        return done.usage.completion_tokens
+        ) as stream:  # fmt: skip
+            for _ in stream:
+                chunks += 1
+                if seen.is_set():
+                    break  # closing the stream: the router must cancel it at vLLM
+        return chunks
 
-    waiting, running = 0.0, 0.0
-    # 24 at once: on a machine busy with other tests the router reads vLLM's /metrics
-    # late, and 16 left too short a queue to be seen in (once: waiting 0, running 2).
+    def engine_queue() -> tuple[float, float]:
+        page = httpx.get(vllm_server.url + "/metrics", timeout=30).text
+        return (
+            metric(page, "vllm:num_requests_waiting", model_name=MODEL),
+            metric(page, "vllm:num_requests_running", model_name=MODEL),
+        )
+
+    # The router's latest reading; vLLM's own most waiting and running, to tell the two apart.
+    waiting, running, engine_seen = 0.0, 0.0, [0.0, 0.0]
     with ThreadPoolExecutor(24) as pool:
-        results = [pool.submit(long_one, i) for i in range(24)]
-        while not all(r.done() for r in results):
-            page = httpx.get(router.url + "/metrics").text
-            waiting = max(waiting, metric(page, "llmgw_engine_requests_waiting", model=MODEL))
-            running = max(running, metric(page, "llmgw_engine_requests_running", model=MODEL))
-            time.sleep(0.05)
-        assert [r.result() for r in results] == [200] * 24
-    assert waiting > 0 and running > 0, (waiting, running)
+        results = [pool.submit(held_stream, i) for i in range(24)]
+        deadline = time.monotonic() + 180
+        try:
+            while not (waiting > 0 and running > 0) and time.monotonic() < deadline:
+                page = httpx.get(router.url + "/metrics").text
+                waiting = metric(page, "llmgw_engine_requests_waiting", model=MODEL)
+                running = metric(page, "llmgw_engine_requests_running", model=MODEL)
+                engine_seen = list(map(max, engine_seen, engine_queue()))
+                time.sleep(0.05)
+        finally:
+            seen.set()  # each stream ends at its next chunk, and the waiting ones start
+        chunks = [r.result() for r in results]
+    assert waiting > 0 and running > 0, (waiting, running, "vLLM's own:", engine_seen)
+    assert all(chunks), chunks
+    # The streams closed early were cancelled at vLLM, not left to run to 1,400 tokens.
+    wait_for(lambda: True if engine_queue() == (0.0, 0.0) else None, 60, "empty vLLM queue")
     page = httpx.get(router.url + "/metrics").text
     assert "llmgw_engine_metrics_errors_total{" not in page, page
     assert "llmgw_replica_ejections_total{" not in page, page
