@@ -148,6 +148,40 @@ async def test_frames_keep_a_stream_alive_without_any_ping(autojump_clock: objec
     assert peer.pings == []
 
 
+@pytest.mark.parametrize("answers", [True, False])
+async def test_a_stall_of_the_watchers_own_process_is_not_the_peers_silence(
+    autojump_clock: trio.testing.MockClock, answers: bool
+) -> None:
+    """The watcher's process freezes for 3x the bound (the clock jumps; nothing runs),
+    while the peer's frames wait in the socket: the watch pings and gives the answer its
+    whole window from then, and the frame read meanwhile keeps the stream. A peer silent
+    through and after the stall is cut one answer window after the ping, not at once."""
+    bound = silence_bound(5.0)
+    start = trio.current_time()
+    heard = Heard(start)
+    peer = FakePeer(answers=answers)
+
+    async def stall_then_read() -> None:
+        await trio.sleep(1.0)
+        autojump_clock.jump(3 * bound.cut_after_s)
+        await trio.sleep(0.01)  # the reader's turn after the watch woke
+        if answers:
+            heard.now()  # what the peer sent during the stall, read now
+
+    with trio.move_on_after(30 + 3 * bound.cut_after_s):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stall_then_read)
+            with trio.CancelScope() as cut:
+                await cut_when_silent(peer, heard, bound, cut)
+            nursery.cancel_scope.cancel()
+    assert cut.cancel_called is not answers
+    resumed = start + 1.0 + 3 * bound.cut_after_s
+    assert peer.pings and peer.pings[0] == pytest.approx(resumed)
+    if not answers:
+        answer_window = bound.cut_after_s - bound.probe_after_s
+        assert trio.current_time() == pytest.approx(resumed + answer_window)
+
+
 async def test_a_closed_connection_is_left_to_the_reader(autojump_clock: object) -> None:
     peer = FakePeer(answers=True, closed=True)
     with trio.CancelScope() as cut:

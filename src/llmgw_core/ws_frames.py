@@ -128,7 +128,12 @@ async def cut_when_silent(
     ws: Pingable, heard: Heard, bound_or_paced: SilenceBound | Paced, cut: trio.CancelScope
 ) -> None:
     """Cancel `cut` once nothing (no frame, no pong) has come for the bound's `cut_after_s`
-    (a paced stream's bound as it is at each turn).
+    (a paced stream's bound as it is at each turn), a ping having gone unanswered for the
+    last `cut_after_s - probe_after_s` of it.
+
+    The ping's answer window is counted from when the ping goes out: when this process
+    itself stalled (a GC pause, a starved CPU, a paused VM) past the bound, the peer's
+    frames wait unread in the socket, and the stall is not the peer's silence.
 
     Returns without cutting when the connection closes: the reader reports that.
     """
@@ -139,7 +144,9 @@ async def cut_when_silent(
             await trio.sleep_until(quiet_since + bound.probe_after_s)
             if heard.at > quiet_since:
                 continue  # a frame came meanwhile: no need to ask
-            with trio.move_on_at(quiet_since + bound.cut_after_s):
+            answer_window = bound.cut_after_s - bound.probe_after_s
+            answer_by = max(quiet_since + bound.cut_after_s, trio.current_time() + answer_window)
+            with trio.move_on_at(answer_by):
                 await ws.ping()
                 heard.now()
             if heard.at == quiet_since:
