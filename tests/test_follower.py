@@ -542,6 +542,13 @@ def fingerprint(client: openai.OpenAI, session: str | None = None) -> str:
     return answer.system_fingerprint or ""
 
 
+def available(router_url: str, model: str = "chat") -> int:
+    """How many of `model`'s replicas the router at `router_url` sends requests to."""
+    page = httpx.get(router_url + "/metrics", timeout=10).text
+    head = f'llmgw_replica_available{{model="{model}",'
+    return sum(line.startswith(head) and line.endswith(" 1") for line in page.splitlines())
+
+
 def ask(router: Proc, messages: list[dict[str, str]]) -> str:
     body = {"model": "chat", "messages": messages, "max_tokens": 3}
     response = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=20)
@@ -577,7 +584,12 @@ def test_a_separate_router_follows_keeps_serving_without_the_control_plane_and_c
     wait_until(lambda: [m.id for m in apart.models.list()] == ["chat"], what="the router to follow")
     old_ports = {"mock:" + r["url"].rsplit(":", 1)[1] for r in old}
     assert fingerprint(apart) in old_ports
-    # Rendezvous hashing: both routers send a session to the same replica.
+    # Rendezvous hashing: both routers send a session to the same replica, once each has
+    # both (once, the control plane's own router had only one when first asked).
+    wait_until(
+        lambda: available(router.url) == available(fleet.url) == 2,
+        what="both replicas available to both routers",
+    )
     picks = {s: fingerprint(apart, s) for s in (f"session-{i}" for i in range(16))}
     assert picks == {s: fingerprint(inside, s) for s in picks}
     assert set(picks.values()) == old_ports  # 16 sessions reach both replicas
