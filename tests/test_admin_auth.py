@@ -92,6 +92,9 @@ class Plane:
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
         self.actions: list[tuple[str, str, bool]] = []
 
+    def now(self) -> float:
+        return trio.current_time()
+
     def cordon(self, node: str, on: bool) -> None:
         self._act("cordon", node, on)
 

@@ -509,13 +509,13 @@ async def fleet_in_a_thread(
         assert all(ws.closed is None for ws in streams), [ws.closed for ws in streams]
 
 
-async def test_a_control_plane_stalled_past_unreachable_after_closes_no_stream(
+async def test_a_control_plane_stalled_past_unreachable_after_declares_no_node_unreachable(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The server's own loop stalls for longer than unreachable_after while four agents
-    heartbeat on time (their frames wait unread in its sockets). The first step after
-    the stall declares the nodes unreachable, the mass-loss guard holds, and no stream
-    is closed: the heartbeats read next bring every node back on the stream it has."""
+    """The server's own loop stalls for twice unreachable_after while four agents heartbeat
+    on time (their frames wait unread in its sockets). The stall is not the nodes'
+    silence: the first step after it, before a heartbeat is read, declares nothing; no
+    guard holds, no stream is closed, and the stall is logged and counted."""
     caplog.set_level(logging.INFO, logger="llmgw.control")
     names = ["n0", "n1", "n2", "n3"]
     stop, registered = trio.Event(), threading.Event()
@@ -545,29 +545,28 @@ async def test_a_control_plane_stalled_past_unreachable_after_closes_no_stream(
                 while not registered.is_set() or len(plane.agents.streams) < len(names):
                     await trio.sleep(0.01)
                 streams = dict(plane.agents.streams)
+                before = plane.now()
                 # The fault itself: the whole server loop blocks, past unreachable_after.
                 time.sleep(1.0 + 1.0)
+                assert plane.now() - before < 0.5  # the stall is not awake time
                 # The first step after the stall, before a heartbeat is read: each stream's
                 # task reads and dispatches at once, so it may otherwise come first.
-                plane.apply(plane.reconciler.tick(trio.current_time()))
+                plane.apply(plane.reconciler.tick(plane.now()))
 
                 def notes() -> list[str]:
                     return [r.getMessage() for r in caplog.records]
 
-                def closing() -> bool:
-                    return any(stream.cancel_scope.cancel_called for stream in streams.values())
-
-                # The guard holds after the stall and releases once the heartbeats are read.
+                # The stall's watch runs and says so; every node stays reachable throughout.
                 with trio.fail_after(5):
-                    while not (closing() or "mass-loss guard released" in " ".join(notes())):
+                    while not any("loop stalled for" in n for n in notes()):
                         await trio.sleep(0.01)
+                await trio.sleep(2 * 1.0)  # unreachable_after of awake time, heard through
                 lifecycle = plane.reconciler.lifecycle
                 assert all(n.status is NodeStatus.REACHABLE for n in lifecycle.nodes.values())
-                # The stall did declare nodes unreachable and the guard hold, or this
-                # proves nothing.
-                assert sum("reachable -> unreachable" in n for n in notes()) >= 3, notes()
-                assert any(n.startswith("mass-loss guard holds") for n in notes()), notes()
-                assert not closing() and plane.agents.streams == streams
+                assert not any("unreachable" in n or "mass-loss" in n for n in notes()), notes()
+                assert plane.metrics.stalled_s >= 1.5
+                assert not any(s.cancel_scope.cancel_called for s in streams.values())
+                assert plane.agents.streams == streams
             finally:
                 stop_agents.set()
             await agents_done.wait()  # it checked that none of its streams was closed
@@ -619,10 +618,10 @@ def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
     wait_until(lambda: "black-holed 1 connections" in relay.output(), timeout=5, what="the black hole")
 
     def back_on_a_new_stream() -> bool:
-        asked = time.monotonic()
-        node = fleet.node("gpu-1")
-        heard_at = asked - node["last_seen_s_ago"]
-        return bool(node["status"] == "reachable" and heard_at > silence_began + 0.5)
+        # Registered again (the agent says so), then reachable: the new stream's doing.
+        # (Not last_seen_s_ago: it counts the control plane's awake time, no stall in it.)
+        again = agent.output().count("INFO llmgw.agent registered with") >= 2
+        return again and fleet.node("gpu-1")["status"] == "reachable"
 
     wait_until(back_on_a_new_stream, timeout=30 - (time.monotonic() - silence_began), what="gpu-1 back")
     back_after = time.monotonic() - silence_began

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal, assert_never, get_args
 from urllib.parse import parse_qs
 
 import attrs
-import trio
 
 from llmgw_core.bearer import bearer_matches
 from llmgw_core.config import AdminSection
@@ -163,7 +162,7 @@ class AdminAPI:
             doc = status_doc(
                 view,
                 self.plane.output_tails,
-                trio.current_time(),
+                self.plane.now(),
                 self.node_parts,
                 len(view.nodes) if page is None else page.of,
             )
@@ -176,7 +175,7 @@ class AdminAPI:
                 plane.feed,
                 lambda: to_json(
                     status_doc(
-                        plane.reconciler.view(), plane.output_tails, trio.current_time(), kept
+                        plane.reconciler.view(), plane.output_tails, plane.now(), kept
                     )
                 ),
                 responder,

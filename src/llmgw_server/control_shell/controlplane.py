@@ -26,6 +26,7 @@ from llmgw_core.inventory import ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
+from llmgw_server.control.awake_time import AwakeTime
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.history import History, Point
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
@@ -40,6 +41,7 @@ log = logging.getLogger("llmgw.control")
 
 _MAX_SLEEP_S = 1.0
 HEARTBEAT_INTERVAL_S = 5.0
+_STALL_LOG_S = 1.0  # a stall this long is logged (at most one line a minute)
 
 
 class ControlPlane:
@@ -51,10 +53,12 @@ class ControlPlane:
         self.history = History()  # each autoscaled model's last hour, for the page
         self._arrived_at_point: tuple[float, dict[str, int]] | None = None
         self._cycle_at = trio.current_time()  # the last autoscaling cycle's time
+        # Every time the reconciler is given is awake time (awake_time.py).
+        self.clock = AwakeTime(trio.current_time())
         self.reconciler = Reconciler(
             config.control,
             config.catalog,
-            now=trio.current_time(),
+            now=self.now(),
             instance=secrets.token_hex(3),
             engine_keys=random_engine_key,
         )
@@ -67,7 +71,7 @@ class ControlPlane:
         )
         self._wake = trio.Event()
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
-        self._sleep_until = 0.0
+        self._sleep_until = 0.0  # awake time, as the reconciler's deadlines
         self._draining: dict[str, tuple[str, Endpoint]] = {}  # replica id -> model, endpoint
         # Until then agents of a restarted control plane may still be registering: the
         # table says it is incomplete, and routers that serve a complete one keep it.
@@ -76,23 +80,48 @@ class ControlPlane:
         self.output_tails = OutputTails()  # pruned as replicas go (`apply`)
         self.closing = False
 
+    def now(self) -> float:
+        """Awake time: the monotonic clock less this process's stalls."""
+        return self.clock.awake(trio.current_time())
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the drain watchers and the clock; wake the reconciler when a deadline comes."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._run(lambda: self.reconciler.tick(trio.current_time()))
+            nursery.start_soon(self._watch_stalls)
+            self._run(lambda: self.reconciler.tick(self.now()))
             nursery.start_soon(self._publish_when_settled)
             nursery.start_soon(self._autoscale)
             nursery.start_soon(self._wake_held)
             task_status.started()
             while True:
-                self._sleep_until = trio.current_time() + _MAX_SLEEP_S
+                self._sleep_until = self.now() + _MAX_SLEEP_S
                 if self._wake_at is not None:
                     self._sleep_until = min(self._sleep_until, self._wake_at)
-                with trio.move_on_at(self._sleep_until):
+                # A stall meanwhile wakes this early, in awake time: a tick that finds
+                # nothing due while the waiting heartbeats are read.
+                with trio.move_on_at(self.clock.monotonic(self._sleep_until, trio.current_time())):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                self._run(lambda: self.reconciler.tick(trio.current_time()))
+                self._run(lambda: self.reconciler.tick(self.now()))
+
+    async def _watch_stalls(self) -> None:
+        """Wake each `tick_s`; a late wake is a stall, taken off awake time."""
+        clock = self.clock
+        unlogged, logged_at = 0.0, -60.0
+        while True:
+            await trio.sleep(clock.tick_s)
+            now = trio.current_time()
+            stall = clock.watched(now)
+            self.metrics.stalled_s += stall
+            unlogged += stall
+            if unlogged >= _STALL_LOG_S and now - logged_at >= 60.0:
+                log.warning(
+                    "this control plane's loop stalled for %.1f s in all since the last such "
+                    "line (a starved CPU, a paused VM?): not counted as its nodes' silence",
+                    unlogged,
+                )
+                unlogged, logged_at = 0.0, now
 
     async def serve_upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
         """The control port's websockets: routers at /v1/routes, agents everywhere else."""
@@ -149,14 +178,14 @@ class ControlPlane:
         self.feed.bump()
 
     def _autoscale_step(self) -> Step:
-        now = trio.current_time()
+        now = trio.current_time()  # the route hub's reports are timed on this clock
         since, self._cycle_at = self._cycle_at, now
         loads = {}
         for model, reports in self.routes.loads().items():
             # Every report since the last cycle counts, not only each router's latest.
             ttft = self.routes.ttft_peak(model, since)
             loads[model] = attrs.evolve(merge(reports, now), ttft_p90_ms=ttft)
-        return self.reconciler.autoscale(loads, now)
+        return self.reconciler.autoscale(loads, self.now())
 
     async def _wake_held(self) -> None:
         """A router holds a request for a model scaled to zero: a replica at once."""
@@ -165,7 +194,7 @@ class ControlPlane:
             for model, reports in self.routes.loads().items():
                 held = sum(r.held for r in reports)
                 if held:
-                    now = trio.current_time()
+                    now = self.now()
                     self._run(functools.partial(self.reconciler.wake, model, now, held))
 
     # -- events from agent streams ------------------------------------------
@@ -175,7 +204,7 @@ class ControlPlane:
             lambda: self.reconciler.register(
                 message.inventory,
                 message.shards,
-                trio.current_time(),
+                self.now(),
                 cordoned=message.cordoned,
                 draining=message.draining,
                 heartbeat_interval_s=heartbeat_interval_s,
@@ -186,12 +215,12 @@ class ControlPlane:
         self._run(lambda: self.reconciler.paced(node, heartbeat_interval_s))
 
     def heartbeat(self, node: str) -> None:
-        self._run(lambda: self.reconciler.heartbeat(node, trio.current_time()))
+        self._run(lambda: self.reconciler.heartbeat(node, self.now()))
 
     def disconnected(self, node: str) -> None:
         if self.closing:
             return  # the control plane itself is going away: nothing to decide
-        self._run(lambda: self.reconciler.disconnected(node, trio.current_time()))
+        self._run(lambda: self.reconciler.disconnected(node, self.now()))
 
     def shard_update(self, node: str, message: ShardUpdate) -> None:
         report = message.report
@@ -211,7 +240,7 @@ class ControlPlane:
             )
         self._run(
             lambda: self.reconciler.shard_status(
-                node, spec.replica_id, spec.rank, report.state, trio.current_time(), report.detail
+                node, spec.replica_id, spec.rank, report.state, self.now(), report.detail
             )
         )
 
@@ -220,15 +249,15 @@ class ControlPlane:
     def set_catalog(self, catalog: Catalog) -> None:
         """A reloaded catalog: changed profiles roll, replicas counts apply."""
         self.config = attrs.evolve(self.config, catalog=catalog)
-        self._run(lambda: self.reconciler.set_catalog(catalog, trio.current_time()))
+        self._run(lambda: self.reconciler.set_catalog(catalog, self.now()))
 
     def cordon(self, node: str, on: bool) -> None:
-        self._run(lambda: self.reconciler.cordon(node, on, trio.current_time()))
+        self._run(lambda: self.reconciler.cordon(node, on, self.now()))
 
     def drain_node(self, node: str, on: bool, *, force: bool = False) -> None:
         """Raises KeyError for an unknown node, DrainRefused for a drain that would leave a
         replica nowhere to go (unless `force`)."""
-        now = trio.current_time()
+        now = self.now()
         if on:
             self._run(lambda: self.reconciler.request_drain(node, now, force=force))
         else:
@@ -338,7 +367,7 @@ class ControlPlane:
                 self.config.control.drain_timeout_s,
             )
         self._draining.pop(replica_id, None)
-        self._run(lambda: self.reconciler.replica_drained(replica_id, trio.current_time()))
+        self._run(lambda: self.reconciler.replica_drained(replica_id, self.now()))
         self._publish()  # the drained endpoint leaves the table
 
     def _publish(self) -> int:

@@ -102,6 +102,7 @@ class ControlMetrics:
         self.replica_restarts: defaultdict[str, int] = defaultdict(int)  # by model
         self.streams_refused: defaultdict[StreamRefusal, int] = defaultdict(int)
         self.reconcile = Histogram()
+        self.stalled_s = 0.0  # this process's loop stalls, not counted as nodes' silence
 
     def frame_in(self, message: object) -> None:
         self.frames[("in", message_type(message))] += 1
@@ -170,6 +171,12 @@ class ControlMetrics:
             "Time the control plane's steps that ran a reconcile took.",
         )
         out.extend(self.reconcile.render("llmgw_control_reconcile_seconds", ""))
+        family(
+            "llmgw_control_stalled_seconds_total",
+            "counter",
+            "Time the control plane's own loop stalled, not counted as its nodes' silence.",
+        )
+        out.append(f"llmgw_control_stalled_seconds_total {self.stalled_s:.3f}")
 
         family("llmgw_agent_streams_open", "gauge", "Agent streams registered and open.")
         out.append(f"llmgw_agent_streams_open {streams_open}")
