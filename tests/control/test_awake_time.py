@@ -11,7 +11,7 @@ from llmgw_server.control.awake_time import AwakeTime
 
 
 def test_a_stall_is_taken_off_before_and_after_the_watch_sees_it() -> None:
-    clock = AwakeTime(last_watch=100.0)
+    clock = AwakeTime(last_watch=100.0, tick_s=0.1)
     assert clock.awake(100.05) == 100.05  # a wake not yet due
     clock.watched(100.1)
     # The loop stalls 3 s: a step right after it, before the watch runs, sees no time pass.
