@@ -628,7 +628,11 @@ def test_a_black_holed_agent_stream_is_back_within_30_s_with_the_default_timers(
     back_after = time.monotonic() - silence_began
     assert back_after < 30, back_after
     assert "not even a pong: dialing again" in agent.output()
-    assert "closing the stream of gpu-1: declared unreachable: no heartbeat for 15 s" in server.output()
+    # The server closed the silent stream: once it declared the node unreachable, or, where
+    # its own stalls kept 15 s of awake time from passing first, when the node came back.
+    closed = "closing the stream of gpu-1: declared unreachable: no heartbeat for 15 s"
+    replaced = "closing the stream of gpu-1: node gpu-1 connected again"
+    assert closed in server.output() or replaced in server.output()
     assert "mass-loss guard holds" not in server.output()
     assert fleet.node("gpu-2")["status"] == "reachable" and "gpu-2:" not in server.output()
     assert "black-holed 1 connections" in relay.output() and relay.popen.poll() is None
