@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -205,6 +206,52 @@ def test_a_drain_moves_replicas_before_it_stops_them_and_loses_no_request(fleet:
     assert direct.status_code == 401
     unknown = fleet.cli("cordon", "no-such-node")
     assert unknown.returncode == 1 and "no node 'no-such-node'" in unknown.stderr
+
+
+def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed(
+    fleet: Fleet,
+) -> None:
+    """A stream longer than drain_timeout_s (2 s here) on a drained replica: the old
+    engine serves it until the timeout, counted from when the replacement serves, and is
+    then stopped under it; the log says why."""
+    fleet.server(model("chat"))
+    slow = 'LLMGW_MOCK_TPS = "20", LLMGW_MOCK_TOKENS = "400"'  # an answer: 20 s
+    fleet.agent("gpu-1", "node-2xl4.toml", env=slow)
+    (old,) = wait_until(lambda: fleet.serving("chat"), what="the replica on gpu-1")
+    fleet.agent("gpu-2", "node-2xl4.toml", env=slow)
+    wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    chunks: list[float] = []
+    broke: list[str] = []
+    started = threading.Event()
+
+    def long_stream() -> None:
+        try:
+            stream = client.chat.completions.create(
+                model="chat", messages=CHAT, max_tokens=400, stream=True
+            )
+            for _ in stream:
+                chunks.append(time.monotonic())
+                started.set()
+        except openai.APIError as exc:
+            broke.append(str(exc))
+        finally:
+            started.set()
+
+    reader = threading.Thread(target=long_stream, daemon=True)
+    reader.start()
+    assert started.wait(20) and not broke, broke
+    drain = fleet.cli("drain", "gpu-1", timeout=60)
+    reader.join(30)
+    assert drain.returncode == 0, drain.stderr
+    assert f"{old['replica_id']} (chat): stopped, off gpu-1" in drain.stdout.splitlines()
+    assert fleet.server_proc is not None
+    log = fleet.server_proc.output()
+    timed_out = f"replica {old['replica_id']}: drain_timeout_s (2 s) passed with requests still"
+    assert timed_out in log, log
+    # Served for the 2 s after the replacement served, then cut: not 400 tokens, not at once.
+    assert broke and "the engine stream broke" in broke[0], broke
+    assert 2.0 <= chunks[-1] - chunks[0] and len(chunks) < 400, (len(chunks), chunks[-1] - chunks[0])
 
 
 def test_a_drain_that_would_take_a_model_offline_is_refused_unless_forced(fleet: Fleet) -> None:

@@ -25,7 +25,7 @@ import attrs
 @attrs.define
 class AwakeTime:
     last_watch: float  # the monotonic time of the watch's last wake
-    tick_s: float = 0.1
+    tick_s: float = 0.5
     slack_s: float = 0.25  # loop lag under this is not a stall
     asleep_s: float = 0.0  # the stalls so far, folded in by `watched`
 

@@ -354,16 +354,23 @@ class ControlPlane:
         # Reported from its own task, never from inside the step that sent the drain.
         await trio.lowlevel.checkpoint()
         routes = self.routes
-        with trio.move_on_after(self.config.control.drain_timeout_s) as waiting:
-            if endpoint is not None:
-                # Routers that followed the control plane before it started may still be
-                # dialing it again: they count once they do.
-                await trio.sleep_until(self._settled_at)
-            while endpoint is not None:
-                if routes.caught_up(version) and not routes.in_flight(endpoint):
-                    break
-                await routes.wait_reported()
-        if waiting.cancelled_caught:
+        # drain_timeout_s of awake time: the followers' reports of what they still have in
+        # flight wait unread in this process's sockets while it stalls.
+        deadline = self.now() + self.config.control.drain_timeout_s
+        timed_out = False
+        while not timed_out:
+            with trio.move_on_at(self.clock.monotonic(deadline, trio.current_time())):
+                if endpoint is not None:
+                    # Routers that followed the control plane before it started may still
+                    # be dialing it again: they count once they do.
+                    await trio.sleep_until(self._settled_at)
+                while endpoint is not None:
+                    if routes.caught_up(version) and not routes.in_flight(endpoint):
+                        break
+                    await routes.wait_reported()
+                break
+            timed_out = self.now() >= deadline  # else a stall woke it early
+        if timed_out:
             log.info(
                 "replica %s: drain_timeout_s (%g s) passed with requests still in flight",
                 replica_id,
