@@ -3,8 +3,9 @@
 A node is silent when the control plane could have heard from it and did not. When the
 control plane's own process stalls (a paused VM, a starved CPU, a long GC), the nodes'
 heartbeats wait unread in its sockets; counted on the wall clock, that stall would turn
-every node unreachable at the first step after it, before a single waiting heartbeat is
-read, and withdraw their routes for nothing. So every time the reconciler is given
+its nodes unreachable at the first step after it, before a single waiting heartbeat is
+read: a minority would have their streams closed and register again, a majority would
+hold the mass-loss guard for nothing. So every time the reconciler is given
 (heartbeats, ticks, deadlines) is awake time: the monotonic clock less the stalls.
 
 A stall is what the shell's watch task sees: it asks to wake every `tick_s`, and a wake
