@@ -20,13 +20,13 @@ from typing import assert_never
 import attrs
 import trio
 
+from llmgw_core.awake_time import AwakeTime
 from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
 from llmgw_core.inventory import ShardState
 from llmgw_core.logsafe import escaped
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
-from llmgw_server.control.awake_time import AwakeTime
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.history import History, Point
 from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key

@@ -7,7 +7,9 @@ Engine load, where the balancing is cache_aware (the one policy that reads it): 
 /metrics on every available engine each `[router.cache_aware] metrics_interval_s`, once
 per engine however many models it serves, with the engine key; a reading is used for
 `metrics_max_age_s`, after which (or when the engine cannot be read) the router balances
-on its own counts.
+on its own counts. A probe that timed out while this router itself was stalled for half
+its wait or more is not judged (llmgw_core/awake_time.py): a router paused for seconds
+would otherwise mark every engine down at once and answer 503 until the next round.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import httpx
 import trio
 
+from llmgw_core.awake_time import AwakeTime
 from llmgw_core.catalog import Endpoint
 from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.balancer import Balancer, Replica
@@ -36,11 +39,19 @@ async def probe_forever(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Probe health and read engine load; `started()` after the first full health round."""
+    clock = AwakeTime(trio.current_time())
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_stalls, clock)
         if router.tuning.cache_aware.metrics_interval_s > 0:
             nursery.start_soon(read_load_forever, router, client)
-        await nursery.start(_health_forever, router, client)
+        await nursery.start(_health_forever, router, client, clock)
         task_status.started()
+
+
+async def _watch_stalls(clock: AwakeTime) -> None:
+    while True:
+        await trio.sleep(clock.tick_s)
+        clock.watched(trio.current_time())
 
 
 async def probe_once_followed(
@@ -62,6 +73,7 @@ async def probe_once_followed(
 async def _health_forever(
     router: Router,
     client: httpx.AsyncClient,
+    clock: AwakeTime,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -74,7 +86,7 @@ async def _health_forever(
             for model, balancer in router.balancers.items():
                 for replica in balancer.replicas:
                     if balancer.due_for_probe(replica, now):
-                        nursery.start_soon(_probe, client, model, balancer, replica)
+                        nursery.start_soon(_probe, client, clock, model, balancer, replica)
                     read = cards_read.get((model, replica.endpoint))
                     if replica.available and (read is None or now - read >= CARD_REFRESH_S):
                         cards_read[(model, replica.endpoint)] = now
@@ -94,14 +106,33 @@ def _auth(endpoint: Endpoint) -> dict[str, str] | None:
 
 
 async def _probe(
-    client: httpx.AsyncClient, model: str, balancer: Balancer, replica: Replica
+    client: httpx.AsyncClient,
+    clock: AwakeTime,
+    model: str,
+    balancer: Balancer,
+    replica: Replica,
 ) -> None:
     endpoint = replica.endpoint
     asked_at = trio.current_time()
+    awake_at = clock.awake(asked_at)
     try:
         response = await client.get(endpoint.url + "/health", headers=_auth(endpoint))
         ok = response.status_code == 200
         why = f"answered {response.status_code}"
+    except httpx.TimeoutException as exc:
+        now = trio.current_time()
+        stalled = (now - asked_at) - (clock.awake(now) - awake_at)
+        if stalled >= (now - asked_at) / 2:
+            # This router was not running for half the wait or more: no word on the engine.
+            log.info(
+                "%s for %s: a health probe timed out while this router stalled %.1f s: "
+                "not counted",
+                endpoint,
+                model,
+                stalled,
+            )
+            return
+        ok, why = False, f"{type(exc).__name__}: {exc}"
     except httpx.HTTPError as exc:
         ok = False
         why = f"{type(exc).__name__}: {exc}"

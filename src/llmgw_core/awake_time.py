@@ -1,21 +1,24 @@
-"""The control plane's clock: time it was awake to hear its nodes.
+"""Awake time: the monotonic clock less this process's own stalls.
 
-A node is silent when the control plane could have heard from it and did not. When the
-control plane's own process stalls (a paused VM, a starved CPU, a long GC), the nodes'
-heartbeats wait unread in its sockets; counted on the wall clock, that stall would turn
-its nodes unreachable at the first step after it, before a single waiting heartbeat is
-read: a minority would have their streams closed and register again, a majority would
-hold the mass-loss guard for nothing. So every time the reconciler is given
-(heartbeats, ticks, deadlines) is awake time: the monotonic clock less the stalls.
+When a daemon's process stalls (a paused VM, a starved CPU, a long GC), what its peers
+sent meanwhile waits unread in its sockets, and every timer it runs expires at once when
+it resumes. Counted on the wall clock, the stall is blamed on the peers:
+- the control plane (control_shell/controlplane.py) would turn its nodes unreachable at
+  the first step after the stall, before a single waiting heartbeat is read: a minority
+  would have their streams closed and register again, a majority would hold the
+  mass-loss guard for nothing. Every time its reconciler is given is awake time.
+- a router (router/health.py) would mark healthy engines down for a health probe that
+  timed out while the router itself was not running, and answer 503 until the next
+  probe. A probe that timed out across such a stall is not judged.
 
-A stall is what the shell's watch task sees: it asks to wake every `tick_s`, and a wake
+A stall is what the owner's watch task sees: it asks to wake every `tick_s`, and a wake
 later than `slack_s` past that is a stall of the whole lateness beyond the slack. Between
 the watch's wakes the stall in progress is already taken off (`awake`), so a step that
 runs after a stall and before the watch does sees no time pass; awake time never goes
 back (but for float rounding, which the reconciler's clock absorbs: it never steps
-back). While the control plane is busy (its loop late by more than the slack at every
-turn) awake time runs slower than the wall clock: a silent node is declared later by as
-much, never sooner. Pure: the shell passes the monotonic time in.
+back). While a process is busy (its loop late by more than the slack at every turn)
+awake time runs slower than the wall clock: a silent peer is judged later by as much,
+never sooner. Pure: the owner passes the monotonic time in.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The control plane's awake time (control/awake_time.py): the monotonic clock less the
-stalls its watch saw, taken off from the moment they happen."""
+"""Awake time (llmgw_core/awake_time.py): the monotonic clock less the stalls its watch
+saw, taken off from the moment they happen."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw_server.control.awake_time import AwakeTime
+from llmgw_core.awake_time import AwakeTime
 
 
 def test_a_stall_is_taken_off_before_and_after_the_watch_sees_it() -> None:
