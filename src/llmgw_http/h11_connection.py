@@ -138,6 +138,7 @@ class H11Connection:
                     if self._handler_scope is not None:
                         self._handler_scope.cancel()
                     return
+                del data  # h11 keeps its own copy: not pinned while the reader waits
                 if self._handler_scope is not None:
                     await self._watch_unread()
 

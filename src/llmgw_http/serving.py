@@ -63,6 +63,9 @@ async def serve_requests(server: HTTPServer, connection: Connection) -> None:
         try:
             go_on = await connection.respond(*exchange)
         finally:
+            # Not kept while the next request is awaited: an idle keep-alive connection
+            # would pin its last request, body and all (up to max_body_bytes).
+            del exchange
             server.busy -= 1
             if server.draining and server.busy == 0:
                 server.idle_done.set()
