@@ -16,6 +16,7 @@ from llmgw_core.agent_lane import (
     AGENT_ALPN,
     COME_BACK_PREFIX,
     MAX_COME_BACK_S,
+    ROUTER_ALPN,
     come_back_line,
     come_back_s,
 )
@@ -35,6 +36,8 @@ from llmgw_http.tls_admission import (
     REFUSED_FULL,
     REFUSED_LATE,
     REFUSED_SOURCE,
+    REFUSED_SOURCE_QUEUED,
+    ROUTERS,
     SHED_LATE,
     AdmissionLimits,
     Gate,
@@ -42,6 +45,7 @@ from llmgw_http.tls_admission import (
     hello_bytes_needed,
     lane_of,
     offered_alpn,
+    source_key,
 )
 from llmgw_server.wiring import Running, main
 
@@ -92,6 +96,13 @@ def test_bytes_that_are_no_tls_hello_go_straight_to_openssl_or_are_refused() -> 
     assert HELLO_MAX_BYTES >= 16 * 1024
 
 
+def begin(core: TLSAdmission, lane: str, now: float, deadline: float) -> bool:
+    """The next queued hello granted its place, and begun if it can finish in time."""
+    source = core.grant(lane)
+    assert source is not None
+    return core.start(lane, source, now, deadline)
+
+
 def test_admission_bounds_pending_connections_in_all_and_per_source() -> None:
     core = TLSAdmission(AdmissionLimits(max_pending=5, per_source_pending=3))
     assert [core.arrive("10.0.0.1", 0.0) for _ in range(4)] == [None, None, None, REFUSED_SOURCE]
@@ -127,14 +138,14 @@ def test_a_connection_too_old_to_finish_in_time_is_refused_and_the_deadline_coun
     deadline = core.queue_deadline(OTHERS, 100.0 - 9.4)
     assert deadline == pytest.approx(100.6)
     assert core.hello(OTHERS, 100.0, 90.6) is None and core.hello(OTHERS, 100.0, 90.6) is None
-    assert core.begin(OTHERS, 100.05, deadline)
-    assert not core.begin(OTHERS, 100.2, deadline)  # its place came too late: reset
+    assert begin(core, OTHERS, 100.05, deadline)
+    assert not begin(core, OTHERS, 100.2, deadline)  # its place came too late: reset
     assert core.lanes[OTHERS].waiting == 0 and core.lanes[OTHERS].in_flight == 1
     # An agent waits its turn for up to agents_queue_s from its arrival (it waits that
     # long itself), and is refused only with less than min_left_s of that left.
     assert core.hello(AGENTS, 100.0, arrived=100.0 - 2.6) is None
     assert core.queue_deadline(AGENTS, 97.4) == pytest.approx(127.4)
-    assert core.begin(AGENTS, 126.8, core.queue_deadline(AGENTS, 97.4))
+    assert begin(core, AGENTS, 126.8, core.queue_deadline(AGENTS, 97.4))
     assert core.hello(AGENTS, 100.0, arrived=100.0 - 29.6) == REFUSED_LATE
     assert core.refused == {REFUSED_LATE: 3, SHED_LATE: 1}
 
@@ -156,8 +167,8 @@ def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() 
     # measure is taken as it is, later ones move the rate halfway); the queue is cut to
     # 2.5 s of it.
     for k in range(20):
-        assert core.begin(AGENTS, 0.05 * k, 3.0)
-        core.done(AGENTS, 0.05 * k + 0.01)
+        assert begin(core, AGENTS, 0.05 * k, 3.0)
+        core.done(AGENTS, "?", 0.05 * k + 0.01)
     core.hello(AGENTS, 1.0)
     assert core.lanes[AGENTS].rate == pytest.approx(20 / 1.0)
     assert core.queue_bound(AGENTS) == pytest.approx(50)
@@ -175,8 +186,8 @@ def test_a_quiet_second_says_nothing_of_capacity() -> None:
     core = TLSAdmission(AdmissionLimits(agents_in_flight=(4, 8)))
     for t in (0.0, 0.5, 1.2, 2.5, 3.9):  # one at a time: never a place short
         assert core.hello(AGENTS, t) is None
-        assert core.begin(AGENTS, t, t + 3)
-        core.done(AGENTS, t + 0.01)
+        assert begin(core, AGENTS, t, t + 3)
+        core.done(AGENTS, "?", t + 0.01)
     assert core.lanes[AGENTS].rate is None
 
 
@@ -188,6 +199,113 @@ def test_agents_are_told_apart_by_the_alpn_name_their_hello_offers() -> None:
     assert lane_of(client_hello([AGENT_ALPN.decode()])) == AGENTS
     for broken in (b"", b"\x16\x03\x01\x00\x10" + bytes(16), client_hello(["x"])[:60]):
         assert offered_alpn(broken) == []
+
+
+def test_routers_apart_have_a_lane_of_their_own_by_their_alpn_name() -> None:
+    assert ROUTER_ALPN != AGENT_ALPN
+    assert lane_of(client_hello([ROUTER_ALPN.decode()])) == ROUTERS
+    assert lane_of(client_hello(["http/1.1", ROUTER_ALPN.decode()])) == ROUTERS
+    core = TLSAdmission(AdmissionLimits(others_in_flight=1, routers_in_flight=1))
+    assert core.hello(OTHERS, 0.0, source="a") is None and core.grant(OTHERS) == "a"
+    # The operators' lane is full; a router still gets its place at once.
+    assert core.hello(ROUTERS, 0.0, source="b") is None and core.grant(ROUTERS) == "b"
+    assert core.hello(OTHERS, 0.0, source="c") is None and core.grant(OTHERS) is None
+
+
+def test_one_source_holds_two_places_and_its_third_hello_waits_while_another_gets_in() -> None:
+    core = TLSAdmission(AdmissionLimits(others_in_flight=16))
+    assert (core.limits.per_source_in_flight, core.limits.per_source_queued) == (2, 6)
+    for _ in range(3):
+        assert core.hello(OTHERS, 0.0, source="10.0.0.1") is None
+    assert core.grant(OTHERS) == "10.0.0.1"
+    assert core.grant(OTHERS) == "10.0.0.1"
+    assert core.grant(OTHERS) is None  # its third waits: 14 places free, none for it
+    assert core.hello(OTHERS, 0.0, source="10.0.0.2") is None
+    assert core.grant(OTHERS) == "10.0.0.2"  # another address gets in past it
+    lane = core.lanes[OTHERS]
+    assert lane.in_flight == 3 and lane.waiting == 1 and lane.held["10.0.0.1"] == 2
+    core.done(OTHERS, "10.0.0.1", 1.0)
+    assert core.grant(OTHERS) == "10.0.0.1"  # its own place back: now its third's turn
+    # Six hellos may wait from one address; the seventh is refused before any SSL object.
+    for _ in range(6):
+        assert core.hello(OTHERS, 1.0, source="10.0.0.3") is None
+    assert core.hello(OTHERS, 1.0, source="10.0.0.3") == REFUSED_SOURCE_QUEUED
+    # Agents are not capped per source (a fleet behind one NAT registers in turn).
+    for _ in range(5):
+        assert core.hello(AGENTS, 1.0, source="10.0.0.1") is None
+    assert [core.grant(AGENTS) for _ in range(5)] == ["10.0.0.1"] * 5
+
+
+def test_a_place_given_back_goes_to_the_source_holding_the_fewest() -> None:
+    """Issue 34, finding 2: 8 addresses at their cap hold all 16 places; first come,
+    first served gave each place they gave back to their own hellos queued before the
+    operator's, and the operator waited behind all of them."""
+    core = TLSAdmission(AdmissionLimits(others_in_flight=16))
+    attackers = [f"10.0.0.{k}" for k in range(1, 9)]
+    for _ in range(6):
+        for source in attackers:
+            assert core.hello(OTHERS, 0.0, source=source) is None
+    assert sorted(core.grant(OTHERS) or "" for _ in range(16)) == sorted(attackers * 2)
+    assert core.grant(OTHERS) is None
+    assert core.hello(OTHERS, 0.5, source="192.0.2.7") is None  # the operator, last
+    core.done(OTHERS, "10.0.0.3", 1.0)
+    assert core.grant(OTHERS) == "192.0.2.7"
+    core.done(OTHERS, "10.0.0.5", 1.1)
+    assert core.grant(OTHERS) == "10.0.0.3"  # holding 1: before 10.0.0.5, which joined later
+    assert core.grant(OTHERS) is None
+
+
+def test_a_full_queue_still_takes_the_first_hello_of_a_source_with_none_waiting() -> None:
+    limits = AdmissionLimits(others_in_flight=2, assumed_rate=1.0, others_queue_s=4.5)
+    core = TLSAdmission(limits)
+    assert core.queue_bound(OTHERS) == 4  # 1 a second for 4 s
+    for source in ("a", "a", "b", "b"):
+        assert core.hello(OTHERS, 0.0, source=source) is None
+    assert core.hello(OTHERS, 0.0, source="a") == REFUSED_BUSY
+    assert core.hello(OTHERS, 0.0, source="c") is None  # its first: queued past the bound
+    assert core.hello(OTHERS, 0.0, source="c") == REFUSED_BUSY
+    assert core.hello(AGENTS, 0.0, source="z") is None  # the agents' lane is bounded alone
+    # The lane's hard bound holds for everyone.
+    full = TLSAdmission(attrs.evolve(limits, max_queued=4))
+    for source in ("a", "b", "c", "d"):
+        assert full.hello(OTHERS, 0.0, source=source) is None
+    assert full.hello(OTHERS, 0.0, source="e") == REFUSED_BUSY
+
+
+def test_a_granted_place_shed_or_given_back_is_the_sources_again_and_nothing_leaks() -> None:
+    core = TLSAdmission(AdmissionLimits(others_in_flight=1, min_left_s=0.5))
+    assert core.hello(OTHERS, 0.0, source="a") is None
+    assert core.hello(OTHERS, 0.0, source="a") is None
+    assert core.grant(OTHERS) == "a"
+    assert not core.start(OTHERS, "a", 10.0, deadline=10.2)  # too late: shed, not served
+    assert core.refused == {SHED_LATE: 1}
+    assert core.grant(OTHERS) == "a" and core.start(OTHERS, "a", 10.0, deadline=11.0)
+    core.done(OTHERS, "a", 10.5)
+    lane = core.lanes[OTHERS]
+    assert (lane.in_flight, lane.waiting, lane.begun, lane.bucket_done) == (0, 0, 2, 1)
+    assert not lane.held and not lane.queued and not any(lane.ready)
+    assert core.hello(OTHERS, 11.0, source="b") is None
+    core.unqueue(OTHERS, "b")  # cut at its deadline while it waited
+    assert not lane.queued and not any(lane.ready) and core.grant(OTHERS) is None
+
+
+def test_the_clients_finished_is_due_1_s_after_the_servers_flight_but_an_agents() -> None:
+    core = TLSAdmission()
+    assert core.limits.flight_answer_s == 1.0
+    assert core.answer_deadline(OTHERS, 100.0, handshake_by=103.0) == 101.0
+    assert core.answer_deadline(ROUTERS, 100.0, handshake_by=103.0) == 101.0
+    assert core.answer_deadline(OTHERS, 102.5, handshake_by=103.0) == 103.0
+    assert core.answer_deadline(AGENTS, 100.0, handshake_by=103.0) == 103.0
+
+
+def test_a_source_is_its_ipv4_address_or_its_ipv6_64() -> None:
+    assert source_key("192.0.2.7") == "192.0.2.7"
+    assert source_key("::ffff:192.0.2.7") == "192.0.2.7"
+    assert source_key("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert source_key("2001:db8:1:2:bbbb::9") == source_key("2001:db8:1:2::1")
+    assert source_key("2001:db8:1:3::1") != source_key("2001:db8:1:2::1")
+    assert source_key("fe80::1%eth0") == "fe80::/64"
+    assert source_key("?") == "?"
 
 
 # -- in process, over real sockets and real TLS -----------------------------------
@@ -314,6 +432,36 @@ async def test_silent_and_trickling_handshakes_are_cut_within_3_s(tmp_path: Path
             # 8 s, not 5: a starved machine (CI's) delays a cut by seconds.
             assert all(2.99 < t < 8.0 for t in times), times
             assert server.tls_admission.core.total_pending == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_handshake_stalled_after_the_servers_flight_is_cut_1_s_after_it(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Issue 34, finding 2: a peer that sent its whole hello, read the server's flight
+    and said nothing more held its place in the operators' lane for 3 s. Real sockets
+    on trio's mock clock: it jumps once nothing has run for 50 ms (loopback's bytes
+    arrive in microseconds), so the times read are the deadlines', exactly."""
+    mock_clock.autojump_threshold = 0.05
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs)
+            cuts = {}
+            for alpn, lane in ((None, OTHERS), ([ROUTER_ALPN.decode()], ROUTERS),
+                               ([AGENT_ALPN.decode()], AGENTS)):
+                stream = await silent(port, first=client_hello(alpn))
+                assert await stream.receive_some()  # the server's flight
+                flight = trio.current_time()
+                await cut_after(stream)
+                cuts[lane] = trio.current_time() - flight
+            # Agents keep their handshake deadline (3 s from their place).
+            assert cuts[OTHERS] == pytest.approx(1.0, abs=0.06), cuts
+            assert cuts[ROUTERS] == pytest.approx(1.0, abs=0.06), cuts
+            assert cuts[AGENTS] == pytest.approx(3.0, abs=0.06), cuts
+            lanes = server.tls_admission.core.lanes
+            assert all(lanes[name].begun == 1 and not lanes[name].in_flight for name in cuts)
             nursery.cancel_scope.cancel()
 
 

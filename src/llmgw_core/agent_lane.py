@@ -1,10 +1,14 @@
-"""What agents and the control port agree on about the agents' lane: the ALPN name an
-agent offers, how long it waits for its dial, and how long the port may queue it. Both
-ends read it here, so the port's admission needs nothing of the dialer."""
+"""What agents and routers apart agree on with the control port about their lanes: the
+ALPN name each offers, how long an agent waits for its dial, and how long the port may
+queue it. Both ends read it here, so the port's admission needs nothing of the dialers."""
 
 # Offered by agents in their ClientHello: the control port admits them on a lane of their
 # own (llmgw_http.tls_admission).
 AGENT_ALPN = b"llmgw-agent"
+# Offered by routers apart dialing the route feed: a lane of their own too, so that
+# anonymous peers crowding the operators' lane do not keep a router from its table. A
+# lane orders admission only: the feed still takes the router token, as without it.
+ROUTER_ALPN = b"llmgw-router"
 
 # How long an agent waits for its dial to be answered: the TCP connect, the TLS handshake
 # and the websocket handshake together. A control plane that a whole fleet dials at once

@@ -164,8 +164,9 @@ async def dial(
     if ssl_context is None:
         return tcp
     if alpn is not None:
-        # Named in the ClientHello, so that the control port admits agents in their own
-        # lane (a storm of them cannot crowd operators out); the server selects no ALPN.
+        # Named in the ClientHello, so that the control port admits agents (AGENT_ALPN)
+        # and routers apart (ROUTER_ALPN) in lanes of their own (a storm of agents cannot
+        # crowd operators out, nor anonymous peers routers); the server selects no ALPN.
         ssl_context.set_alpn_protocols([alpn.decode()])
     first = _FirstBytes(tcp)
     tls = trio.SSLStream(first, ssl_context, server_hostname=where.host, https_compatible=True)

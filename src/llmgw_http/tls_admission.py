@@ -11,9 +11,11 @@ connection may hold, and for how long:
   agents wait that long (llmgw_core.agent_lane.AGENT_DIAL_PATIENCE_S), anyone
   else's up to `others_queue_s` (10 s, what an operator's client waits; a storm
   keeps connections in the kernel's queue for seconds). Once it has its place its
-  handshake has `deadline_s`. A silent, trickling or stalled handshake is cut within
-  3 s; a queued connection holds a socket and no slot or place, and is served in its
-  turn instead of dialling again.
+  handshake has `deadline_s`, and, but for an agent's, its client's Finished is due
+  `flight_answer_s` (1 s) after the server's flight was sent: a peer that reads the
+  flight and says nothing more frees its place within a second. A silent, trickling
+  or stalled handshake is cut within 3 s; a queued connection holds a socket and no
+  slot or place, and is served in its turn instead of dialling again.
 - A handshake slot (`handshakes_at_once`) is taken only once the whole ClientHello
   is buffered in the kernel (peeked, with SO_RCVLOWAT so that waiting for the rest
   costs no wake-ups), and given back as soon as the server has sent its first
@@ -37,11 +39,18 @@ connection may hold, and for how long:
 - Work past the handshake is bounded too: a whole hello takes an in-flight place
   in its lane before its handshake, held until the connection has had its
   answers (an agent: the websocket's 101 and the welcome; anyone else: one answer),
-  closes, or `in_flight_s` has passed. Two lanes, told apart by the ClientHello
-  alone: agents offer the ALPN name `llmgw-agent` (AGENT_ALPN), everyone else
-  (operators' CLI, browsers, curl) is in the other lane, so a registration storm
-  cannot crowd operators out, nor operators agents. A hello waits for a place in
-  FIFO order while the lane's queue holds no more than the lane serves within its
+  closes, or `in_flight_s` has passed. Three lanes, told apart by the ClientHello
+  alone: agents offer the ALPN name `llmgw-agent` (AGENT_ALPN), routers apart
+  `llmgw-router` (ROUTER_ALPN), everyone else (operators' CLI, browsers, curl) is
+  in the third lane, so a registration storm cannot crowd operators out, nor
+  operators agents, nor anonymous peers routers. A lane decides the order of
+  admission, never trust: a router still needs its token, an agent its certificate.
+  In the operators' and the routers' lanes one source address (an IPv6 /64) holds
+  at most `per_source_in_flight` places (2 of 16) and `per_source_queued` waiting
+  hellos (past that it is reset), and a place given back goes to the source holding
+  the fewest: 300 stalled hellos from 8 addresses hold the places they take for a
+  second each, and an operator gets the next one. A hello waits for a place in
+  its turn while the lane's queue holds no more than the lane serves within its
   queue deadline (its measured rate of places given back, in seconds when every
   place was taken; agents' queues at most `max_queued`); past that it is reset
   before any SSL object. Without this bound a storm on a starved server completed
@@ -49,21 +58,25 @@ connection may hold, and for how long:
   handshake (measured at 2,000 nodes: 3,463 of 6,381 dials); with agents given up
   after 10 s and queues of 2.5 s, a storm of 10,000 took 4 dials a node.
 
-An attacker from one address can hold `per_source_pending` sockets for 3 s each and
-nothing else (for 30 s if they offer agents' hellos, in the agents' queue, where
-filling it takes max_queued / per_source_pending addresses: 128); holding every
+An attacker from one address can hold `per_source_pending` sockets for 3 s each, and
+in the operators' (or the routers') lane 2 places for a second each and 6 waiting
+hellos, and nothing else (for 30 s if they offer agents' hellos, in the agents' queue,
+where filling it takes max_queued / per_source_pending addresses: 128); holding every
 pending place (which holds new connections in the kernel's queue, as resets did
 before) takes max_pending / per_source_pending addresses (16 with the defaults),
 each redialling 340 times a second. Turns given to refused agents cannot be pushed
 back by one address (its own refusals take none) and never past MAX_COME_BACK_S.
+Operators behind the address of such an attacker (one NAT) share its two places: the
+accepted cost of telling peers apart by address before any credential.
 
-The decisions (`TLSAdmission`, `hello_bytes_needed`) are plain code fed the
-source, the ages and the bytes; the trio shell (`admit`, `handshake`) only reads
-the socket and carries them out.
+The decisions (`TLSAdmission`, `hello_bytes_needed`, `lane_of`, `source_key`) are
+plain code fed the source, the ages and the bytes; the trio shell (`admit`,
+`handshake`) only reads the socket and carries them out.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import socket
@@ -74,7 +87,13 @@ from collections import Counter, deque
 import attrs
 import trio
 
-from llmgw_core.agent_lane import AGENT_ALPN, AGENT_QUEUE_S, MAX_COME_BACK_S, come_back_line
+from llmgw_core.agent_lane import (
+    AGENT_ALPN,
+    AGENT_QUEUE_S,
+    MAX_COME_BACK_S,
+    ROUTER_ALPN,
+    come_back_line,
+)
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.sockio import peer_left
@@ -110,6 +129,21 @@ class AdmissionLimits:
     # the rate measured fell with it, and the queue bound refused thousands.
     agents_in_flight: tuple[int, int] = (256, 2048)
     others_in_flight: int = 16  # anyone else between the hello and the first answer
+    routers_in_flight: int = 16  # routers apart (ROUTER_ALPN) between the hello and the 101
+    # In the operators' and the routers' lanes, what one source address (an IPv6 /64)
+    # may hold: places (an eighth of the 16) and hellos waiting for one (a browser's 6
+    # connections to a host wait their turn). Past that its next hello is reset, and a
+    # place given back goes to a source holding fewer (Lane.ready): a few addresses
+    # cannot keep the lane (issue 34: 300 stalled hellos from 8 let 0 of 18 admin
+    # requests through within 5 s).
+    per_source_in_flight: int = 2
+    per_source_queued: int = 6
+    # In those lanes, how long the client's Finished may take after the server's flight:
+    # one round trip and a millisecond of the client's CPU, a satellite link's included.
+    # A peer that reads the flight and says nothing more held its place for deadline_s.
+    # Agents keep deadline_s: a booting fleet's starved simulator answered that late
+    # (docs/performance.md), and their lane holds a storm's places.
+    flight_answer_s: float = 1.0
     in_flight_target_s: float = 3.0
     in_flight_s: float = 10.0  # the longest a connection holds its place (an agent's budget)
     # Places given back a second, assumed until measured (a cold start into a storm):
@@ -128,7 +162,7 @@ class AdmissionLimits:
     come_back_overbook: float = 2.0
 
 
-AGENTS, OTHERS = "agents", "others"
+AGENTS, OTHERS, ROUTERS = "agents", "others", "routers"
 
 
 REFUSED_FULL = "too many handshakes pending"
@@ -136,6 +170,7 @@ REFUSED_SOURCE = "too many handshakes pending from this address"
 REFUSED_LATE = "waited too long in the accept queue"
 SHED_LATE = "waited too long for a handshake slot"
 REFUSED_BUSY = "more hellos queued than the server can serve in time"
+REFUSED_SOURCE_QUEUED = "too many hellos waiting from this address"
 
 
 @attrs.define
@@ -144,13 +179,52 @@ class Lane:
 
     min_places: int
     max_places: int
+    per_source: int | None = None  # places one source may hold (None: no cap)
+    per_source_queued: int | None = None  # hellos one source may have waiting
     waiting: int = 0  # whole hellos queued for a place
     in_flight: int = 0
+    begun: int = 0  # places ever taken (tests tell the lanes apart by it)
+    held: Counter[str] = attrs.field(factory=Counter)  # places in flight, per source
+    queued: Counter[str] = attrs.field(factory=Counter)  # hellos waiting, per source
+    # Sources with a hello waiting that may take a place, by how many places they hold
+    # (one level without a cap), each level in the order its sources joined it: a place
+    # goes to a source holding the fewest, its oldest hello first, and a source that
+    # took one goes to the back. So sources take turns, and a source given a place back
+    # does not take it again ahead of one that holds none (FIFO did: 8 addresses at
+    # their cap held all 16 places, and an operator waited behind their queue).
+    ready: list[dict[str, None]] = attrs.field(init=False)
     rate: float | None = None  # places given back a second, while every one was taken
     bucket_start: float = 0.0
     bucket_done: int = 0
     bucket_busy: bool = False
     promised_until: float = 0.0  # the last come-back turn given to a refused agent
+
+    def __attrs_post_init__(self) -> None:
+        self.ready = [{} for _ in range(self.per_source or 1)]
+
+    def level(self, source: str) -> int | None:
+        """Where `source` is in `ready`: None when it waits for nothing or is at its cap."""
+        if not self.queued[source]:
+            return None
+        if self.per_source is None:
+            return 0
+        held = self.held[source]
+        return held if held < self.per_source else None
+
+    def refile(self, source: str, before: int | None) -> None:
+        """Move `source` from level `before` to where it is now (at the back of it)."""
+        after = self.level(source)
+        if before == after:
+            return
+        if before is not None:
+            del self.ready[before][source]
+        if after is not None:
+            self.ready[after][source] = None
+
+    def count(self, counter: Counter[str], source: str, step: int) -> None:
+        counter[source] += step
+        if counter[source] <= 0:
+            del counter[source]
 
     def roll(self, now: float) -> None:
         """After each second in which every place was taken, the rate moves halfway to
@@ -181,9 +255,12 @@ class TLSAdmission:
     lanes: dict[str, Lane] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        limits = self.limits
+        capped = (limits.per_source_in_flight, limits.per_source_queued)
         self.lanes = {
-            AGENTS: Lane(*self.limits.agents_in_flight),
-            OTHERS: Lane(self.limits.others_in_flight, self.limits.others_in_flight),
+            AGENTS: Lane(*limits.agents_in_flight),
+            OTHERS: Lane(limits.others_in_flight, limits.others_in_flight, *capped),
+            ROUTERS: Lane(limits.routers_in_flight, limits.routers_in_flight, *capped),
         }
 
     def arrive(self, source: str, age_s: float) -> str | None:
@@ -256,55 +333,103 @@ class TLSAdmission:
         wait = turn - now + jitter * self.limits.come_back_jitter_s
         return min(wait, MAX_COME_BACK_S)
 
-    def has_room(self, lane: str) -> bool:
-        """A queued hello may take a place now."""
-        held = self.lanes[lane]
-        return held.in_flight < held.places(self.limits)
+    def answer_deadline(self, lane: str, now: float, handshake_by: float) -> float:
+        """When a handshake whose server flight was sent at `now` must end: the client's
+        Finished is due `flight_answer_s` later (agents': their handshake deadline)."""
+        if lane == AGENTS:
+            return handshake_by
+        return min(handshake_by, now + self.limits.flight_answer_s)
 
     def sorted(self) -> None:
         """An admitted connection's hello is whole: its lane is known, and it no longer
         counts against max_pending (its lane's queue bounds it from now on)."""
         self.total_pending -= 1
 
-    def hello(self, lane: str, now: float, arrived: float | None = None) -> str | None:
-        """A whole ClientHello arrived (its connection in the kernel at `arrived`): None
-        when it joins its lane's queue for a place (until `begin` or `unqueue`), else
-        why it is refused, before any SSL object: it came too late for its lane, or it
-        would wait past its deadline, its handshake work thrown away."""
+    def hello(
+        self, lane: str, now: float, arrived: float | None = None, source: str = "?"
+    ) -> str | None:
+        """A whole ClientHello from `source` arrived (its connection in the kernel at
+        `arrived`): None when it joins its lane's queue for a place (until `grant` or
+        `unqueue`), else why it is refused, before any SSL object: it came too late for
+        its lane, its source has its share of the queue, or it would wait past its
+        deadline, its handshake work thrown away. In a lane with per-source caps, the
+        first hello of a source with none waiting is queued past that bound (up to
+        max_queued): a few sources filling the queue must not refuse everyone else."""
         held = self.lanes[lane]
         held.roll(now)
         left = None if arrived is None else self.queue_deadline(lane, arrived) - now
+        mine = held.queued[source]
+        why = None
         if left is not None and left < self.limits.min_left_s:
-            self.refused[REFUSED_LATE] += 1
-            return REFUSED_LATE
-        if held.waiting >= self.queue_bound(lane):
-            self.refused[REFUSED_BUSY] += 1
-            return REFUSED_BUSY
+            why = REFUSED_LATE
+        elif held.per_source_queued is not None and mine >= held.per_source_queued:
+            why = REFUSED_SOURCE_QUEUED
+        elif held.waiting >= self.queue_bound(lane) and (
+            held.per_source is None or mine or held.waiting >= self.limits.max_queued
+        ):
+            why = REFUSED_BUSY
+        if why is not None:
+            self.refused[why] += 1
+            return why
         if held.in_flight + held.waiting >= held.places(self.limits):
             held.bucket_busy = True  # the places are the limit: this second shows capacity
+        before = held.level(source)
         held.waiting += 1
+        held.count(held.queued, source, 1)
+        held.refile(source, before)
         return None
 
-    def unqueue(self, lane: str) -> None:
+    def unqueue(self, lane: str, source: str = "?") -> None:
         """A queued hello left the queue without a place (cut at its deadline)."""
-        self.lanes[lane].waiting -= 1
-
-    def begin(self, lane: str, now: float, deadline: float) -> bool:
-        """A place came: begin the handshake (the place held until `done`) only if it
-        can still finish in time; either way the hello has left the queue."""
         held = self.lanes[lane]
+        before = held.level(source)
         held.waiting -= 1
+        held.count(held.queued, source, -1)
+        held.refile(source, before)
+
+    def grant(self, lane: str) -> str | None:
+        """A place for the oldest queued hello of the source holding the fewest (and below
+        its cap), taken now (held until `done` or `shed`): that source, or None when the
+        lane has no room or nobody may take one."""
+        held = self.lanes[lane]
+        if held.in_flight >= held.places(self.limits):
+            return None
+        level = next((level for level in held.ready if level), None)
+        if level is None:
+            return None
+        source = next(iter(level))
+        del level[source]  # to the back of the level it joins next
+        held.waiting -= 1
+        held.in_flight += 1
+        held.begun += 1
+        held.count(held.queued, source, -1)
+        held.count(held.held, source, 1)
+        held.refile(source, None)
+        return source
+
+    def start(self, lane: str, source: str, now: float, deadline: float) -> bool:
+        """A hello granted a place begins its handshake only if it can still finish in
+        time; else the place is shed."""
         if deadline - now >= self.limits.min_left_s:
-            held.in_flight += 1
             return True
         self.refused[SHED_LATE] += 1
+        self.shed(lane, source)
         return False
 
-    def done(self, lane: str, now: float) -> None:
+    def shed(self, lane: str, source: str) -> None:
+        """A place granted and never used (too late, or its connection cut first): given
+        back, and not counted as served."""
+        held = self.lanes[lane]
+        before = held.level(source)
+        held.in_flight -= 1
+        held.count(held.held, source, -1)
+        held.refile(source, before)
+
+    def done(self, lane: str, source: str, now: float) -> None:
         """A place given back (answered, closed, failed or timed out): counts for the rate."""
         held = self.lanes[lane]
         held.roll(now)
-        held.in_flight -= 1
+        self.shed(lane, source)
         held.bucket_done += 1
 
 
@@ -336,7 +461,24 @@ def offered_alpn(hello: bytes) -> list[bytes]:
 
 
 def lane_of(hello: bytes) -> str:
-    return AGENTS if AGENT_ALPN in offered_alpn(hello) else OTHERS
+    offered = offered_alpn(hello)
+    if AGENT_ALPN in offered:
+        return AGENTS
+    return ROUTERS if ROUTER_ALPN in offered else OTHERS
+
+
+def source_key(address: str) -> str:
+    """Whom per-source bounds count a peer as: its IPv4 address (an IPv4-mapped IPv6
+    one included), or its IPv6 /64, which one host may hold whole."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def hello_bytes_needed(peeked: bytes) -> int:
@@ -417,7 +559,7 @@ def _raw(stream: trio.SocketStream) -> socket.socket:
 
 def _source(sock: socket.socket) -> str:
     try:
-        return str(sock.getpeername()[0])
+        return source_key(str(sock.getpeername()[0]))
     except (OSError, IndexError):
         return "?"
 
@@ -429,8 +571,9 @@ class Gate:
     def __init__(self, limits: AdmissionLimits | None = None) -> None:
         self.core = TLSAdmission(limits or AdmissionLimits())
         self.slots = trio.Semaphore(self.core.limits.handshakes_at_once)  # FIFO
-        # Hellos waiting for a place in their lane, woken in order as places come back.
-        self.lots = {name: trio.lowlevel.ParkingLot() for name in self.core.lanes}
+        # Hellos waiting for a place, per lane and source, oldest first: each woken once
+        # the core grants its source a place (`dispatch`).
+        self.queues: dict[str, dict[str, deque[_Waiter]]] = {name: {} for name in self.core.lanes}
         self.refusals_log = RateLimit(60.0)  # a storm refuses thousands: a line a minute
         self.rng = random.Random()
         # Refused connections told when to come back, reset once the line has had time
@@ -501,10 +644,37 @@ class Gate:
         while self.core.total_pending >= self.core.limits.max_pending:
             await self._pending_room.park()
 
-    def wake(self, lane: str) -> None:
-        """Wake as many queued hellos as there is room (the lane's places may have grown)."""
-        held = self.core.lanes[lane]
-        self.lots[lane].unpark(count=max(1, held.places(self.core.limits) - held.in_flight))
+    def dispatch(self, lane: str) -> None:
+        """Give every place the lane has room for to the hellos the core picks: the place
+        is theirs from now (counted in flight) until they give it back."""
+        queues = self.queues[lane]
+        while (source := self.core.grant(lane)) is not None:
+            waiting = queues[source]
+            waiter = waiting.popleft()
+            if not waiting:
+                del queues[source]
+            waiter.granted = True
+            waiter.event.set()
+
+    async def _place(self, lane: str, source: str) -> None:
+        """Wait in the lane's queue until granted a place (cancelled: out of the queue,
+        or the place given back if it was granted meanwhile)."""
+        waiter = _Waiter()
+        self.queues[lane].setdefault(source, deque()).append(waiter)
+        self.dispatch(lane)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.core.shed(lane, source)
+                self.dispatch(lane)
+            else:
+                waiting = self.queues[lane][source]
+                waiting.remove(waiter)
+                if not waiting:
+                    del self.queues[lane][source]
+                self.core.unqueue(lane, source)  # cut at its deadline while it waited
+            raise
 
     async def handshake(
         self, ticket: Ticket, context: ssl.SSLContext
@@ -523,28 +693,26 @@ class Gate:
         self.core.sorted()
         ticket.unsorted = False
         self._pending_room.unpark_all()
-        why = self.core.hello(lane, trio.current_time(), ticket.arrived)
+        source = ticket.source
+        why = self.core.hello(lane, trio.current_time(), ticket.arrived, source)
         if why is not None:
-            self._refused(stream, ticket.source, why, lane)
+            self._refused(stream, source, why, lane)
             return None
         deadline = self.core.queue_deadline(lane, ticket.arrived)
         ticket.scope.deadline = deadline
-        try:
-            while not self.core.has_room(lane):
-                await self.lots[lane].park()
-        except BaseException:
-            self.core.unqueue(lane)  # cut at its deadline while it waited
-            raise
+        await self._place(lane, source)
         now = trio.current_time()
-        if not self.core.begin(lane, now, deadline):
-            self.wake(lane)  # the room it was woken for goes to the next
-            self._refused(stream, ticket.source, SHED_LATE, lane)
+        if not self.core.start(lane, source, now, deadline):
+            self.dispatch(lane)  # the place it was granted goes to the next
+            self._refused(stream, source, SHED_LATE, lane)
             return None
         # Its turn came: the handshake itself gets the usual deadline (an agent's even
         # past its queue deadline: it waits longer than that).
         handshake_by = now + self.core.limits.deadline_s
-        ticket.scope.deadline = handshake_by if lane == AGENTS else min(deadline, handshake_by)
-        place = _Place(self, lane, answers=2 if lane == AGENTS else 1)
+        if lane != AGENTS:
+            handshake_by = min(deadline, handshake_by)
+        ticket.scope.deadline = handshake_by
+        place = _Place(self, lane, source, answers=2 if lane == AGENTS else 1)
         try:
             if peer_left(raw):  # a client that gave up while it waited costs no handshake
                 await trio.aclose_forcefully(stream)
@@ -553,7 +721,8 @@ class Gate:
             slot = _Slot(self.slots)
             await slot.acquire()
             try:
-                watched = Watched(stream, slot, place)
+                answer_by = _AnswerBy(self.core, lane, ticket.scope, handshake_by)
+                watched = Watched(stream, slot, place, answer_by)
                 tls = trio.SSLStream(watched, context, server_side=True)
                 await tls.do_handshake()
             finally:
@@ -570,19 +739,42 @@ class Gate:
         tls.transport_stream.place.give_back()
 
 
+@attrs.define(eq=False)
+class _Waiter:
+    """A hello queued for a place: `granted` once the place is its own."""
+
+    event: trio.Event = attrs.field(factory=trio.Event)
+    granted: bool = False
+
+
 class _Place:
     """A connection's place in its lane, given back once (answered, closed, timed out)."""
 
-    def __init__(self, gate: Gate, lane: str, answers: int) -> None:
-        self.gate, self.lane = gate, lane
+    def __init__(self, gate: Gate, lane: str, source: str, answers: int) -> None:
+        self.gate, self.lane, self.source = gate, lane, source
         self.answers_left = answers  # sends after the handshake, each an answer or more
         self.held = True
 
     def give_back(self) -> None:
         if self.held:
             self.held = False
-            self.gate.core.done(self.lane, trio.current_time())
-            self.gate.wake(self.lane)
+            self.gate.core.done(self.lane, self.source, trio.current_time())
+            self.gate.dispatch(self.lane)
+
+
+@attrs.define(eq=False)
+class _AnswerBy:
+    """Moves a handshake's deadline once the server's flight is sent: from then on it
+    waits on the peer alone (TLSAdmission.answer_deadline)."""
+
+    core: TLSAdmission
+    lane: str
+    scope: trio.CancelScope
+    handshake_by: float
+
+    def flight_sent(self) -> None:
+        now = trio.current_time()
+        self.scope.deadline = self.core.answer_deadline(self.lane, now, self.handshake_by)
 
 
 async def _whole_hello(sock: socket.socket) -> bytes | None:
@@ -635,15 +827,19 @@ class _Slot:
 
 class Watched(trio.abc.Stream):
     """The TCP stream under a server-side SSLStream. It gives the CPU slot back once the
-    server's first flight is sent, since what follows waits on the peer, and the
-    connection's place once its answers are sent (each send after the handshake
+    server's first flight is sent, since what follows waits on the peer, and from each
+    flight sent gives the peer its answer's time (`answer_by`); then it gives the
+    connection's place back once its answers are sent (each send after the handshake
     carries one; an agent's are the 101 and the welcome) or it closes."""
 
-    def __init__(self, stream: trio.SocketStream, slot: _Slot, place: _Place) -> None:
+    def __init__(
+        self, stream: trio.SocketStream, slot: _Slot, place: _Place, answer_by: _AnswerBy
+    ) -> None:
         self.stream = stream
         self.socket = stream.socket  # lets the peer be named
         self._slot: _Slot | None = slot
         self.place = place
+        self.answer_by = answer_by
         self.handshaken = False
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -651,7 +847,9 @@ class Watched(trio.abc.Stream):
             self._slot.release()
             self._slot = None
         await self.stream.send_all(data)
-        if self.handshaken and self.place.held:
+        if not self.handshaken:
+            self.answer_by.flight_sent()
+        elif self.place.held:
             self.place.answers_left -= 1
             if self.place.answers_left <= 0:
                 self.place.give_back()

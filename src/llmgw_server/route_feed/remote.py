@@ -1,6 +1,7 @@
 """Following a control plane across the network: a router apart (`llmgw-server router
 --control URL`) dials the control port's route feed (`/v1/routes`, a websocket, TLS
-unless the URL says http://), authenticated with the router token, and follows it; it
+unless the URL says http://, offering the ALPN name ROUTER_ALPN so that the port admits
+it on the routers' lane), authenticated with the router token, and follows it; it
 dials again forever, with jittered backoff and a log line saying why each attempt
 failed. What follows is a `Following`: a router's Follower, or a workers' parent's
 TableRelay. The dialing itself, and its words, are llmgw_core.dial's.
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 import trio
 import trio_websocket
 
+from llmgw_core.agent_lane import ROUTER_ALPN
 from llmgw_core.dial import Advice, ConnectFailed, Dialed, Target, describe_rejection, dial
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_server.route_feed.connection import Connection
@@ -134,7 +136,7 @@ async def follow_once(
     """Dial and follow until the feed ends: (whether it was followed, why it ended)."""
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
-            stream = await dial(where, ssl_context, ca, alpn=None, advice=ROUTER_ADVICE)
+            stream = await dial(where, ssl_context, ca, alpn=ROUTER_ALPN, advice=ROUTER_ADVICE)
     except ConnectFailed as exc:
         return False, str(exc)
     except trio.TooSlowError:
