@@ -71,7 +71,7 @@ async def test_the_request_carries_what_the_clients_json_held(monkeypatch: pytes
     # engine must still be JSON that reads back to the same messages and tools.
     sent: list[bytes] = []
 
-    async def ask(pool: Pool, request: bytes) -> None:
+    async def ask(pool: Pool, request: bytes, most: int) -> None:
         sent.append(request)
 
     tokenizer = Tokenizer()

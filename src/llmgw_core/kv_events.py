@@ -21,7 +21,10 @@ Each event is a msgspec tagged struct, tag = the class name, in one of two encod
 Unknown fields are ignored and unknown event types are skipped (counted in
 `KvBatch.skipped`); anything else malformed raises `KvEventError`, whose message says what
 and where. Sizes are capped (`MAX_MESSAGE_BYTES`, `MAX_EVENTS`, `MAX_BLOCKS_PER_EVENT`,
-`MAX_TOKENS_PER_EVENT`), so one message costs bounded memory and time.
+`MAX_TOKENS_PER_EVENT`, `MAX_EXTRA_ITEMS`), so one message costs bounded memory and time.
+`decode_message_steps` and `decode_replay_steps` decode a slice at a time, yielding between
+slices: msgpack's own pass over the payload (about 30 ms for a 4 MiB message) at once, then
+about `SLICE_ITEMS` events, extra keys or 256k token ids a slice (a few ms each).
 
 Block hashes are the engine's own: 64-bit ints (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
 the default) or the digest's bytes. They are seeded per process unless PYTHONHASHSEED is
@@ -36,8 +39,8 @@ number on, then an end marker whose sequence number is -1: `decode_replay` reads
 from __future__ import annotations
 
 import array
-from collections.abc import Mapping, Sequence
-from typing import Any, Final, TypeAlias, TypeGuard
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, Final, TypeAlias, TypeGuard, TypeVar
 
 import attrs
 import msgpack
@@ -49,6 +52,12 @@ MAX_BLOCKS_PER_EVENT: Final = 65_536  # block hashes in one event
 MAX_TOKENS_PER_EVENT: Final = 1 << 20  # token ids in one BlockStored
 MAX_HASH_BYTES: Final = 64  # a block hash sent as bytes (vLLM's: 32, SHA-256)
 MAX_EXTRA_DEPTH: Final = 4  # nesting of arrays inside one block's extra keys
+# Values in one block's extra keys, nested ones included: vLLM's are its LoRA name, a
+# cache salt, a prompt-embedding digest and one identifier per multimodal item the block
+# overlaps. Without it, 4 MiB of extra keys took 0.8 s to read.
+MAX_EXTRA_ITEMS: Final = 64
+SLICE_ITEMS: Final = 4096  # events or blocks' extra keys read between two yields
+_SLICE_TOKENS: Final = 1 << 18  # token ids converted (or freed) between two yields
 
 END_SEQ: Final = (1 << 64) - 1  # the replay's end marker: -1 as 8 unsigned bytes
 
@@ -138,6 +147,19 @@ class KvBatch:
     skipped: int = 0  # events of a type this decoder does not know
 
 
+_T = TypeVar("_T")
+Steps: TypeAlias = Generator[None, None, _T]
+
+
+def run_steps(steps: Steps[_T]) -> _T:
+    """What a sliced decoding returns, decoded at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
 def decode_message(
     frames: Sequence[bytes],
     *,
@@ -146,12 +168,27 @@ def decode_message(
     max_tokens: int = MAX_TOKENS_PER_EVENT,
 ) -> KvBatch:
     """The batch in a published message's frames: topic, sequence number, payload."""
+    return run_steps(
+        decode_message_steps(
+            frames, max_bytes=max_bytes, max_events=max_events, max_tokens=max_tokens
+        )
+    )
+
+
+def decode_message_steps(
+    frames: Sequence[bytes],
+    *,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    max_events: int = MAX_EVENTS,
+    max_tokens: int = MAX_TOKENS_PER_EVENT,
+) -> Steps[KvBatch]:
+    """`decode_message`, a slice at a time (see the module's text)."""
     if len(frames) != 3:
         raise KvEventError(
             f"a KV-event message has 3 frames (topic, sequence, payload), got {len(frames)}"
         )
     topic, seq, payload = frames
-    return _decode(topic, seq, payload, max_bytes, max_events, max_tokens)
+    return (yield from _decode(topic, seq, payload, max_bytes, max_events, max_tokens))
 
 
 def decode_replay(
@@ -164,6 +201,21 @@ def decode_replay(
     """One reply from the replay socket, after the envelope's empty delimiter: `[topic,
     sequence, payload]` (vLLM 0.32.0), or `[sequence, payload]` (older, topic ""); None
     for the end marker (sequence -1, empty payload)."""
+    return run_steps(
+        decode_replay_steps(
+            frames, max_bytes=max_bytes, max_events=max_events, max_tokens=max_tokens
+        )
+    )
+
+
+def decode_replay_steps(
+    frames: Sequence[bytes],
+    *,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    max_events: int = MAX_EVENTS,
+    max_tokens: int = MAX_TOKENS_PER_EVENT,
+) -> Steps[KvBatch | None]:
+    """`decode_replay`, a slice at a time."""
     if len(frames) == 3:
         topic, seq, payload = frames
     elif len(frames) == 2:
@@ -174,12 +226,12 @@ def decode_replay(
         )
     if len(seq) == 8 and int.from_bytes(seq, "big") == END_SEQ and not payload:
         return None
-    return _decode(topic, seq, payload, max_bytes, max_events, max_tokens)
+    return (yield from _decode(topic, seq, payload, max_bytes, max_events, max_tokens))
 
 
 def _decode(
     topic: bytes, seq: bytes, payload: bytes, max_bytes: int, max_events: int, max_tokens: int
-) -> KvBatch:
+) -> Steps[KvBatch]:
     for name, frame in (("topic", topic), ("sequence", seq), ("payload", payload)):
         if not isinstance(frame, bytes | bytearray | memoryview):
             raise KvEventError(f"the {name} frame is {type(frame).__name__}, not bytes")
@@ -212,6 +264,7 @@ def _decode(
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as e:
         # ExtraData, FormatError, StackError and UnicodeDecodeError are ValueErrors.
         raise KvEventError(f"the payload is not valid msgpack: {e}") from None
+    yield
     ts, events_raw, dp_rank = _batch_fields(body)
     if len(events_raw) > max_events:
         raise KvEventError(f"the batch has {len(events_raw)} events, over the cap of {max_events}")
@@ -233,11 +286,13 @@ def _decode(
                 continue
         _end_run(events, run, run_place)
         run = []
-        event = _event(i, raw, max_tokens)
+        event = yield from _event(i, raw, max_tokens)
         if event is None:
             skipped += 1
         else:
             events.append(event)
+        if i % SLICE_ITEMS == SLICE_ITEMS - 1:
+            yield
     _end_run(events, run, run_place)
     return KvBatch(
         topic=topic_text,
@@ -300,7 +355,7 @@ def _batch_fields(body: object) -> tuple[float, list[Any], int | None]:
     return float(ts), events, dp_rank
 
 
-def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
+def _event(i: int, raw: object, max_tokens: int) -> Steps[KvEvent | None]:
     """The event, or None for a type this decoder does not know."""
     if isinstance(raw, dict):
         tag = raw.get("type")
@@ -330,7 +385,7 @@ def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
             return BlockRemoved(block_hashes=tuple(hashes), medium=medium, group_idx=group)
     where = f"event {i} ({tag})"
     if tag == "BlockStored":
-        return _stored(where, fields, max_tokens)
+        return (yield from _stored(where, fields, max_tokens))
     if tag == "BlockRemoved":
         return BlockRemoved(
             block_hashes=_hashes(where, _required(where, fields, "block_hashes")),
@@ -342,7 +397,7 @@ def _event(i: int, raw: object, max_tokens: int) -> KvEvent | None:
     return None
 
 
-def _stored(where: str, fields: Mapping[str, Any], max_tokens: int) -> BlockStored:
+def _stored(where: str, fields: Mapping[str, Any], max_tokens: int) -> Steps[BlockStored]:
     hashes = _hashes(where, _required(where, fields, "block_hashes"))
     parent = _required(where, fields, "parent_block_hash")
     if parent is not None:
@@ -352,10 +407,21 @@ def _stored(where: str, fields: Mapping[str, Any], max_tokens: int) -> BlockStor
         raise KvEventError(f"{where}: token_ids is a {_kind(tokens)}, not an array")
     if len(tokens) > max_tokens:
         raise KvEventError(f"{where}: {len(tokens)} token ids, over the cap of {max_tokens}")
-    try:
-        token_ids = array.array(_UINT32, tokens)
-    except (TypeError, OverflowError):
-        raise KvEventError(f"{where}: token_ids holds something not a 32-bit token id") from None
+    token_ids = array.array(_UINT32)
+    for first in range(0, len(tokens), _SLICE_TOKENS):
+        try:
+            token_ids.extend(tokens[first : first + _SLICE_TOKENS])
+        except (TypeError, OverflowError):
+            raise KvEventError(
+                f"{where}: token_ids holds something not a 32-bit token id"
+            ) from None
+        if len(tokens) > _SLICE_TOKENS:
+            yield
+    # A million ids take 10 ms to free: a slice at a time, from the end (the list is the
+    # decoded payload's, read no more).
+    while len(tokens) > _SLICE_TOKENS:
+        del tokens[-_SLICE_TOKENS:]
+        yield
     block_size = _required(where, fields, "block_size")
     if not _is_int(block_size) or block_size <= 0:
         raise KvEventError(f"{where}: block_size must be a positive int, got {block_size!r}")
@@ -364,7 +430,12 @@ def _stored(where: str, fields: Mapping[str, Any], max_tokens: int) -> BlockStor
     if extra_raw is not None:
         if not isinstance(extra_raw, list) or len(extra_raw) > MAX_BLOCKS_PER_EVENT:
             raise KvEventError(f"{where}: extra_keys is a {_kind(extra_raw)}, not an array")
-        extra = tuple(_extra(where, j, e) for j, e in enumerate(extra_raw))
+        frozen: list[ExtraKey | None] = []
+        for j, e in enumerate(extra_raw):
+            frozen.append(_extra(where, j, e))
+            if j % SLICE_ITEMS == SLICE_ITEMS - 1:
+                yield
+        extra = tuple(frozen)
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -411,16 +482,19 @@ def _extra(where: str, j: int, value: object) -> ExtraKey | None:
         return None
     if not isinstance(value, list):
         raise KvEventError(f"{where}: extra_keys[{j}] is a {_kind(value)}, not an array or nil")
-    return _freeze(where, j, value, 0)
+    return _freeze(where, j, value, 0, [MAX_EXTRA_ITEMS])
 
 
-def _freeze(where: str, j: int, value: list[Any], depth: int) -> ExtraKey:
+def _freeze(where: str, j: int, value: list[Any], depth: int, left: list[int]) -> ExtraKey:
     if depth >= MAX_EXTRA_DEPTH:
         raise KvEventError(f"{where}: extra_keys[{j}] nests deeper than {MAX_EXTRA_DEPTH}")
+    left[0] -= len(value)
+    if left[0] < 0:
+        raise KvEventError(f"{where}: extra_keys[{j}] holds more than {MAX_EXTRA_ITEMS} values")
     out: list[Any] = []
     for item in value:
         if isinstance(item, list):
-            out.append(_freeze(where, j, item, depth + 1))
+            out.append(_freeze(where, j, item, depth + 1, left))
         elif item is None or isinstance(item, str | bytes | int | float):
             out.append(item)
         else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from llmgw_core.catalog import Endpoint
@@ -36,8 +36,13 @@ class RouterMetrics:
         self.matched_bytes: defaultdict[str, int] = defaultdict(int)
         self.match: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_BYTE_BUCKETS))
         self.engine_errors: defaultdict[str, int] = defaultdict(int)
+        # /tokenize answers refused for more ids than their prompt allows (router.tokenizer).
+        self.tokenize_refused: Counter[str] = Counter()
         # Requests held while no replica of their autoscaled model served (router.meter).
         self.held: defaultdict[str, int] = defaultdict(int)
+        self.held_bytes: defaultdict[str, int] = defaultdict(int)  # their bodies'
+        # Requests answered 503 instead of held, or after: by model and reason (meter).
+        self.held_refused: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.queued: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_HELD_BUCKETS))
 
     def chose(self, model: str, choice: Choice, prompt: PromptKey | None, *, first: bool) -> None:
@@ -80,6 +85,25 @@ class RouterMetrics:
         )
         for model, n in sorted(self.held.items()):
             out.append(f"llmgw_requests_held{_labels(model=model)} {n}")
+        family(
+            "llmgw_requests_held_bytes",
+            "gauge",
+            "Bytes of the bodies of the requests held now (within hold_max_bytes_per_model "
+            "a model, and hold_max_bytes for all of this process's).",
+        )
+        for model, n in sorted(self.held_bytes.items()):
+            out.append(f"llmgw_requests_held_bytes{_labels(model=model)} {n}")
+        family(
+            "llmgw_requests_held_refused_total",
+            "counter",
+            "Requests for an autoscaled model that no replica serves answered 503 with "
+            "Retry-After, by reason: count (hold_max_per_model), model_bytes "
+            "(hold_max_bytes_per_model), process_bytes (hold_max_bytes), timeout "
+            "(held for hold_timeout_s).",
+        )
+        for (model, reason), n in sorted(self.held_refused.items()):
+            labels = _labels(model=model, reason=reason)
+            out.append(f"llmgw_requests_held_refused_total{labels} {n}")
         family(
             "llmgw_request_queued_seconds",
             "histogram",
@@ -218,6 +242,24 @@ class RouterMetrics:
             for url in sorted({r.endpoint.url for b in balancers.values() for r in b.replicas}):
                 batches = kv.batches(url)
                 out.append(f"llmgw_kv_event_batches_total{_labels(endpoint=url)} {batches}")
+            family(
+                "llmgw_kv_events_dropped_total",
+                "counter",
+                "KV-cache event messages dropped unapplied, by engine and reason: backlog "
+                "(more waited than the engine's share of the router's loop could apply), "
+                "replay (a replay past what an engine buffers); the engine's index entries "
+                "were cleared and rebuilt from the next message.",
+            )
+            for url, why, n in kv.drops():
+                out.append(f"llmgw_kv_events_dropped_total{_labels(endpoint=url, reason=why)} {n}")
+        family(
+            "llmgw_tokenize_refused_total",
+            "counter",
+            "/tokenize answers refused for holding more token ids than their prompt's bytes "
+            "allow (balancing = precise); the request was routed without token ids.",
+        )
+        for url, n in sorted(self.tokenize_refused.items()):
+            out.append(f"llmgw_tokenize_refused_total{_labels(endpoint=url)} {n}")
         fresh = [
             (model, r)
             for model, balancer in sorted(balancers.items())

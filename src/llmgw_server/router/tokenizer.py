@@ -9,6 +9,16 @@ and model, least recently used first out: at most `MAX_ENTRIES` prompts and
 `MAX_TOKENS` token ids in all (4 bytes each), so the cache stays under 20 MB. An engine
 that cannot say within `TIMEOUT_S` (or answers anything else than a list of token ids,
 at most `MAX_ANSWER_BYTES`) leaves the request to be routed without token ids.
+
+An answer is no bigger than its prompt allows (`most_ids`): every token the engine's
+template and tokenizer make covers a byte or more of the prompt's text (its canonical
+text: the messages' roles and contents and the tools, or the completion's prompt) or of
+a chat template the request sends, but for the few a template or tokenizer adds without
+text (a BOS, a default system header: `SLACK_IDS`). An answer with more ids, or longer
+than that many could be written (`ID_BYTES` each), is refused unread past its head (a
+Content-Length) or undecoded, counted (`llmgw_tokenize_refused_total`) and said once per
+engine. Without it, an engine answering 4M ids (8 MiB, too many to be cached, so asked
+again per prompt) cost the router 0.46 s of CPU a request.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from __future__ import annotations
 import array
 import json
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import msgspec
@@ -32,6 +42,9 @@ MAX_ENTRIES = 4096
 MAX_TOKENS = 4_000_000
 MAX_ANSWER_BYTES = 8 << 20
 TIMEOUT_S = 2.0
+SLACK_IDS = 64  # ids an answer may hold beyond its prompt's bytes
+ID_BYTES = 11  # an id's most bytes in an answer: 10 digits and a comma
+_ANSWER_HEAD_BYTES = 1024  # the answer's other fields (vLLM's: count, max_model_len)
 _JSON = [(b"content-type", b"application/json")]
 _CHAT_FIELDS = ("messages", "tools", "chat_template", "chat_template_kwargs")
 
@@ -47,15 +60,30 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 _encode = msgspec.json.Encoder().encode
 
 
+def most_ids(body: dict[str, Any], prompt: PromptKey) -> int:
+    """The most token ids an engine's answer for this prompt may hold."""
+    template = body.get("chat_template")
+    extra = len(template.encode("utf-8", "surrogatepass")) if isinstance(template, str) else 0
+    return len(prompt.text) + extra + SLACK_IDS
+
+
 class Tokenizer:
-    def __init__(self, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(
+        self,
+        max_entries: int = MAX_ENTRIES,
+        max_tokens: int = MAX_TOKENS,
+        refused: Counter[str] | None = None,
+    ) -> None:
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self._kept: OrderedDict[tuple[str, int, int], array.array[int]] = OrderedDict()
         self._tokens = 0
         self.asked = 0  # requests sent to engines
         self.hits = 0  # prompts answered from the cache
+        # Answers refused for too many ids, by engine (the router's metrics: /metrics).
+        self.refused = refused if refused is not None else Counter()
         self._failures = RateLimit(period_s=10.0)
+        self._said: set[str] = set()  # engines whose refused answers were logged
 
     async def tokens(
         self, pool: Pool, model: str, body: dict[str, Any], chat: bool, prompt: PromptKey
@@ -79,27 +107,37 @@ class Tokenizer:
             request = _encode(ask)  # 3 us for a 3,000-word chat, where json.dumps takes 25
         except UnicodeEncodeError:  # a lone surrogate, which json.loads lets through
             request = json.dumps(ask).encode()
-        found = await self._ask(pool, request)
+        found = await self._ask(pool, request, most_ids(body, prompt))
         if found is not None:
             self._keep(key, found)
         return found
 
-    async def _ask(self, pool: Pool, request: bytes) -> array.array[int] | None:
+    async def _ask(self, pool: Pool, request: bytes, most: int) -> array.array[int] | None:
+        limit = min(MAX_ANSWER_BYTES, most * ID_BYTES + _ANSWER_HEAD_BYTES)
         try:
             with trio.move_on_after(TIMEOUT_S):
                 exchange = await pool.open(b"POST", b"/tokenize", _JSON, request, TIMEOUT_S)
                 try:
                     status = exchange.status
+                    length = exchange.content_length
+                    if status == 200 and length is not None and length > limit:
+                        self._refused(pool, f"{length} bytes, more than {limit}")
+                        return None
                     body = await exchange.read_body(MAX_ANSWER_BYTES)
                 finally:
                     exchange.release()
-                return self._read(pool, status, body)
+                if status == 200 and len(body) > limit:
+                    self._refused(pool, f"{len(body)} bytes, more than {limit}")
+                    return None
+                return self._read(pool, status, body, most)
             self._failed(pool, f"no answer within {TIMEOUT_S:g} s")
         except UpstreamError as exc:
             self._failed(pool, str(exc))
         return None
 
-    def _read(self, pool: Pool, status: int, body: bytes) -> array.array[int] | None:
+    def _read(
+        self, pool: Pool, status: int, body: bytes, most: int = MAX_TOKENS
+    ) -> array.array[int] | None:
         if status != 200:
             self._failed(pool, f"it answered {status}")
             return None
@@ -108,7 +146,25 @@ class Tokenizer:
         except (msgspec.DecodeError, OverflowError):  # ValidationError is a DecodeError
             self._failed(pool, "its answer holds no list of token ids")
             return None
+        if len(ids) > most:
+            self._refused(pool, f"{len(ids)} ids, more than {most}")
+            return None
         return ids
+
+    def _refused(self, pool: Pool, why: str) -> None:
+        """An answer bigger than its prompt allows: counted, said once per engine."""
+        url = pool.endpoint.url
+        self.refused[url] += 1
+        if url not in self._said:
+            self._said.add(url)
+            log.warning(
+                "the /tokenize answer of %s holds %s: its prompt's bytes allow no more "
+                "(prompt text, chat template, %d more); routing without token ids "
+                "(said once; llmgw_tokenize_refused_total counts them)",
+                pool.endpoint,
+                why,
+                SLACK_IDS,
+            )
 
     def _keep(self, key: tuple[str, int, int], tokens: array.array[int]) -> None:
         if len(tokens) > self.max_tokens:
