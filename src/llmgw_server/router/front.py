@@ -126,7 +126,7 @@ class Router:
         # What each engine holds, by its own KV-cache events (router.kv_feed), for
         # `balancing = "precise"`; with another policy, None.
         self.kv = KvIndex() if config.router.balancing == "precise" else None
-        self.tokenizer = Tokenizer()
+        self.tokenizer = Tokenizer(refused=self.metrics.tokenize_refused)
         self._tokenize_turn = 0
         self._load_wanted = trio.Event()  # set when a request is held: report at once
         self.ready = False  # the first health probe round is done
