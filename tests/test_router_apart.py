@@ -32,6 +32,7 @@ from llmgw_core.config import digest_of, parse_config
 from llmgw_core.dial import Target
 from llmgw_core.tomlshape import ConfigError
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_http.tls_admission import OTHERS, ROUTERS
 from llmgw_server.__main__ import run_cli
 from llmgw_server.route_feed.follower import Follower
 from llmgw_server.route_feed.hub import RouteHub, serve_websocket
@@ -148,9 +149,11 @@ class Routed:
 
 
 @asynccontextmanager
-async def control_port(certs: Path, hub: RouteHub) -> AsyncIterator[Target]:
+async def control_port(
+    certs: Path, hub: RouteHub, servers: list[HTTPServer] | None = None
+) -> AsyncIterator[Target]:
     """The route feed of a control port (TLS, the certificate of `certs`, the router and
-    admin tokens above), on a free loopback port."""
+    admin tokens above), on a free loopback port; its server appended to `servers`."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certs / "server.crt", certs / "server.key")
 
@@ -162,6 +165,8 @@ async def control_port(certs: Path, hub: RouteHub) -> AsyncIterator[Target]:
         raise AssertionError("only websockets here")
 
     http = HTTPServer(nothing, ServerLimits(), upgrade=upgrade, ssl_context=context)
+    if servers is not None:
+        servers.append(http)
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
@@ -211,6 +216,39 @@ async def test_a_router_apart_says_why_it_cannot_follow(tmp_path: Path) -> None:
         # Nobody listens there any more.
         followed, why = await follow_once(follower, where, ROUTER_TOKEN, client_context(ca), ca)
         assert not followed and why.startswith(f"connection refused by {where.where}")
+
+
+async def test_a_router_apart_dials_in_the_routers_lane_and_still_needs_its_token(
+    tmp_path: Path,
+) -> None:
+    """Issue 34, finding 2: routers apart offered no ALPN and queued with anonymous peers
+    in the operators' lane. Their lane of their own orders their admission only: a
+    router that offers its ALPN name with a wrong token is refused as before."""
+    init_ca(tmp_path / "ca")
+    ca = tmp_path / "ca" / "ca.crt"
+    hub, routed = RouteHub(), Routed()
+    hub.publish({"chat": (PLACED,)}, frozenset(), complete=True)
+    servers: list[HTTPServer] = []
+    with trio.fail_after(20):
+        async with control_port(tmp_path / "ca", hub, servers) as where:
+            lanes = servers[0].tls_admission.core.lanes
+            outcome = await follow_once(
+                Follower(Routed(), "apart"), where, "router-not-it", client_context(ca), ca
+            )
+            assert outcome == (
+                False, "refused by the control plane: HTTP 401: the router token is not valid"
+            )
+            assert (lanes[ROUTERS].begun, lanes[OTHERS].begun) == (1, 0)
+            async with trio.open_nursery() as nursery:
+                follower = Follower(routed, "apart")
+                nursery.start_soon(
+                    follow_once, follower, where, ROUTER_TOKEN, client_context(ca), ca
+                )
+                while not (hub.followers and hub.caught_up(1)):
+                    await hub.wait_reported()
+                nursery.cancel_scope.cancel()
+            assert routed.endpoints == {"chat": (PLACED,)}
+            assert (lanes[ROUTERS].begun, lanes[OTHERS].begun) == (2, 0)
 
 
 async def test_a_router_apart_with_no_control_plane_serves_its_last_table_and_dials_again(
