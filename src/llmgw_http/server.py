@@ -171,8 +171,11 @@ class HTTPServer:
         host, peer = _peer_address(ticket.stream)
         await trio.aclose_forcefully(ticket.stream)
         if failure is None:
-            deadline_s = self.tls_admission.core.limits.deadline_s
-            level, why = logging.INFO, f"no handshake within {deadline_s:g} s"
+            limits = self.tls_admission.core.limits
+            level, why = logging.INFO, (
+                f"no handshake within {limits.deadline_s:g} s, or no answer to the server's"
+                f" flight within {limits.flight_answer_s:g} s"
+            )
         elif isinstance(failure, ssl.SSLCertVerificationError):
             level = logging.WARNING
             why = f"the client's certificate is not trusted ({failure.verify_message})"
