@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from llmgw_core.api_paths import valid_extra_path
 from llmgw_core.config import parse_config
 from llmgw_core.tomlshape import ConfigError
-from llmgw_server.router.routes import MAX_MODEL_BYTES, Kind, Routes, form_boundary, form_model
+from llmgw_server.router.routes import (
+    MAX_MODEL_BYTES,
+    FormRefused,
+    Kind,
+    Routes,
+    form_boundary,
+    form_model,
+)
 
 
 def form(boundary: bytes, *parts: tuple[bytes, bytes], end: bool = True) -> bytes:
@@ -50,41 +57,66 @@ def test_extra_paths_are_checked_where_the_config_is_read() -> None:
     assert "router.extra_paths[1]" in str(failed.value) and "management" in str(failed.value)
 
 
+def ct(boundary: bytes) -> bytes:
+    return b"multipart/form-data; boundary=" + boundary
+
+
 def test_the_boundary_is_read_from_a_form_content_type_only() -> None:
     assert form_boundary(b"multipart/form-data; boundary=abc") == b"abc"
-    assert form_boundary(b'Multipart/Form-Data ; charset=x; Boundary="a b"') == b"a b"
-    assert form_boundary(b"multipart/mixed; boundary=abc") is None
-    assert form_boundary(b"application/json") is None
-    assert form_boundary(b"multipart/form-data") is None
-    assert form_boundary(b"multipart/form-data; boundary=" + b"x" * 71) is None
-    assert form_boundary(None) is None
+    assert form_boundary(b'Multipart/Form-Data ; charset=UTF-8; Boundary="a b"') == b"a b"
+    for refused in (
+        b"multipart/mixed; boundary=abc",
+        b"application/json",
+        b"multipart/form-data",
+        b"multipart/form-data; boundary=" + b"x" * 71,
+        b"multipart/form-data; boundary=a; boundary=b",  # starlette takes the last
+        b"multipart/form-data; boundary=a; charset=latin-1",  # starlette decodes in it
+        b"multipart/form-data; boundary*=utf-8''a",
+        b"multipart/form-data; boundary=a b",  # not a token: quoted or nothing
+        None,
+    ):
+        with pytest.raises(FormRefused):
+            form_boundary(refused)
 
 
 def test_the_model_field_is_found_before_or_after_the_file() -> None:
     audio = b"RIFF\r\n--not-the-boundary\r\n\x00\xff" * 100
-    before = form(b"XyZ", (b'name="model"', b"whisper-1"), (b'name="file"; filename="a.wav"', audio))
+    before = form(
+        b"XyZ", (b'name="model"', b"whisper-1"), (b'name="file"; filename="a.wav"', audio)
+    )
     after = form(b"XyZ", (b'name="file"; filename="a.wav"', audio), (b'name="model"', b"whisper-1"))
-    assert form_model(b"XyZ", before) == "whisper-1"
-    assert form_model(b"XyZ", after) == "whisper-1"
-    assert form_model(b"XyZ", form(b"XyZ", (b'name="file"', audio))) is None
-    assert form_model(b"XyZ", form(b"XyZ", (b"name=model", b"m"))) == "m"  # unquoted
+    assert form_model(ct(b"XyZ"), before) == "whisper-1"
+    assert form_model(ct(b"XyZ"), after) == "whisper-1"
+    assert form_model(ct(b"XyZ"), form(b"XyZ", (b'name="file"', audio))) is None
+    assert form_model(ct(b"XyZ"), form(b"XyZ", (b"name=model", b"m"))) == "m"  # unquoted
 
 
-def test_broken_forms_name_no_model() -> None:
+def test_broken_forms_are_refused() -> None:
     good = form(b"b", (b'name="model"', b"m"))
-    assert form_model(b"b", good) == "m"
-    assert form_model(b"other", good) is None
-    assert form_model(b"b", good.replace(b"\r\n\r\n", b"\r\n", 1)) is None  # no head end
-    assert form_model(b"b", good[: good.index(b"m\r\n--b--")]) is None  # cut in the value
-    assert form_model(b"b", form(b"b", (b'name="model"', b"m" * (MAX_MODEL_BYTES + 1)))) is None
-    assert form_model(b"b", form(b"b", (b'name="model"', b"\xff\xfe"))) is None
-    long_head = b"--b\r\nX-Pad: " + b"p" * 9000 + b"\r\nContent-Disposition: form-data; name=model\r\n\r\nm\r\n--b--"
-    assert form_model(b"b", long_head) is None
+    assert form_model(ct(b"b"), good) == "m"
+    long_head = (
+        b"--b\r\nX-Pad: "
+        + b"p" * 9000
+        + b"\r\nContent-Disposition: form-data; name=model\r\n\r\nm\r\n--b--"
+    )
+    for content_type, body in (
+        (ct(b"other"), good),
+        (ct(b"b"), good.replace(b"\r\n\r\n", b"\r\n", 1)),  # no head end
+        (ct(b"b"), good[: good.index(b"m\r\n--b--")]),  # cut in the value
+        (ct(b"b"), form(b"b", (b'name="model"', b"m" * (MAX_MODEL_BYTES + 1)))),
+        (ct(b"b"), form(b"b", (b'name="model"', b"\xff\xfe"))),
+        (ct(b"b"), long_head),
+    ):
+        with pytest.raises(FormRefused):
+            form_model(content_type, body)
 
 
 @given(st.binary(max_size=2048), st.binary(min_size=1, max_size=16))
-def test_any_bytes_give_a_model_or_none_and_never_raise(body: bytes, boundary: bytes) -> None:
-    found = form_model(boundary, body)
+def test_any_bytes_give_a_model_none_or_a_refusal(body: bytes, boundary: bytes) -> None:
+    try:
+        found = form_model(b'multipart/form-data; boundary="%s"' % boundary, body)
+    except FormRefused:
+        return
     assert found is None or len(found.encode()) <= MAX_MODEL_BYTES
 
 
@@ -92,7 +124,8 @@ def test_any_bytes_give_a_model_or_none_and_never_raise(body: bytes, boundary: b
 def test_a_model_field_anywhere_among_files_is_found(model: str, content: bytes) -> None:
     boundary = b"B0undary-7"
     content = content.replace(b"\r\n--" + boundary, b"")
-    body = form(boundary, (b'name="file"; filename="x"', content), (b'name="model"', model.encode()))
-    expected = model if b"\r\n--" + boundary not in model.encode() else None
-    if expected is not None:
-        assert form_model(boundary, body) == model
+    body = form(
+        boundary, (b'name="file"; filename="x"', content), (b'name="model"', model.encode())
+    )
+    if b"\r\n--" + boundary not in model.encode() + b"\r\n":
+        assert form_model(ct(boundary), body) == model

@@ -43,7 +43,7 @@ from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
-from llmgw_server.router.routes import ANTHROPIC_PATHS, Kind, Routes, form_boundary, form_model
+from llmgw_server.router.routes import ANTHROPIC_PATHS, FormRefused, Kind, Routes, form_model
 from llmgw_server.router.stored import (
     RESPONSES,
     Holder,
@@ -433,11 +433,11 @@ class Router:
             return
         body: dict[str, object] = {}
         if kind is Kind.FORM:
-            boundary = form_boundary(request.header(b"content-type"))
-            if boundary is None:
-                await responder.error(400, "the request body must be multipart/form-data")
+            try:
+                model: object = form_model(request.header(b"content-type"), request.body)
+            except FormRefused as exc:  # also where the engine could read another model
+                await responder.error(400, str(exc))
                 return
-            model: object = form_model(boundary, request.body)
         else:
             try:
                 parsed = json.loads(request.body)
