@@ -101,11 +101,41 @@ class ControlMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.fleet.agents)
     @rule(data=st.data(), keep_engines=st.booleans())
     def agent_restarts(self, data: st.DataObject, keep_engines: bool) -> None:
-        """The agent process restarts; a reboot takes its engines with it."""
+        """The agent process restarts; a reboot takes its engines with it (and its state:
+        its registration leaves them out, as a second machine under its name would)."""
         name = data.draw(st.sampled_from(sorted(self.fleet.agents)))
         if not keep_engines:
             self.fleet.agents[name].shards.clear()
+        serving = self.serving_from(name)
         self.fleet.register(name)
+        self.a_registration_withdraws_no_route(serving)
+
+    def serving_from(self, name: str) -> set[tuple[str, str]]:
+        """(model, URL) of each replica that serves with a ready shard on `name` which the
+        node's next registration leaves out or reports ready (not failed, say)."""
+        cp = self.fleet.cp
+        urls = {(m, e.url) for m, endpoints in cp.serving().items() for e in endpoints}
+        reported = {
+            (r.spec.replica_id, r.spec.rank): r.state for r in self.fleet.agents[name].reports()
+        }
+        return {
+            (r.model, r.url)
+            for r in cp.view([name]).replicas
+            if r.serving
+            and (r.model, r.url) in urls
+            and any(
+                s.node == name
+                and reported.get((r.replica_id, s.rank), ShardState.READY) is ShardState.READY
+                for s in r.shards
+            )
+        }
+
+    def a_registration_withdraws_no_route(self, serving: set[tuple[str, str]]) -> None:
+        """Issue 34, finding 6: whatever a registration leaves out, a replica that served
+        from the node keeps its route until the control plane decides (lost_after_s) that
+        the shard is gone. Time does not move in a registration."""
+        after = {(m, e.url) for m, endpoints in self.fleet.cp.serving().items() for e in endpoints}
+        assert serving <= after, serving - after
 
     @rule(dt=st.sampled_from([1.0, 5.0, 12.0, 30.0, 65.0]))
     def time_passes(self, dt: float) -> None:
@@ -318,6 +348,8 @@ class ControlMachine(RuleBasedStateMachine):
                 len(f.commands) == count
                 and all(s.state is ShardState.READY for _, s in f.shards())
                 and all(r.phase is Phase.LIVE and (r.kept or r.moving) for r in view.replicas)
+                # A shard a registration left out is awaited for lost_after_s first.
+                and not any(s.unconfirmed for r in view.replicas for s in r.shards)
                 and all(u.waiting is None for u in view.unplaced.values())
             )
             quiet = quiet + 1 if settled else 0

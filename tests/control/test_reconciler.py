@@ -320,6 +320,73 @@ def test_the_mass_loss_guard_keeps_replicas_where_they_are() -> None:
     assert [n.status for n in f.cp.view().nodes].count(NodeStatus.LOST) == 2
 
 
+# -- a registration that leaves a running shard out (issue 34, finding 6) ----------------
+
+
+def served(f: Fleet, model_name: str = "a") -> list[str]:
+    return [e.url for e in f.cp.serving().get(model_name, ())]
+
+
+def test_a_registration_without_a_ready_shard_keeps_its_route_until_lost_after() -> None:
+    """A second machine under the node's name (a cloned image), or an agent that lost its
+    state, registers with 0 shards while the replica serves: its route stays, its GPUs and
+    ports stay held (a replacement there would find them in use), and nothing is started,
+    until lost_after_s without the shard being reported. Then it is gone, as the ranks of a
+    node that has not registered are: replaced."""
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (start,) = f.starts()
+    home, rid = start.node, start.spec.replica_id
+    url = start.spec.url
+    assert served(f) == [url]
+    f.agents[home].shards.clear()  # its registration says nothing of the replica
+    f.register(home)
+    assert served(f) == [url]
+    assert len(f.starts()) == 1
+    (replica,) = f.cp.view().replicas
+    assert replica.serving and [s.unconfirmed for s in replica.shards] == [True]
+    assert any(f"node {home} registered without replica {rid} rank 0" in n for n in f.notes)
+    f.register(home)  # another one does not move the deadline on
+    f.advance(FAST.lost_after_s - 5)
+    assert served(f) == [url] and len(f.starts()) == 1
+    f.advance(5)
+    assert served(f) == []
+    assert any(f"replica {rid} rank 0 since it registered without it" in n for n in f.notes)
+    (replacement,) = f.starts()[1:]
+    assert replacement.spec.replica_id != rid
+
+
+def test_a_shard_reported_again_is_confirmed() -> None:
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=2)
+    f.ready_all()
+    (start,) = f.starts()
+    kept = dict(f.agents[start.node].shards)
+    f.agents[start.node].shards.clear()
+    f.register(start.node)
+    f.agents[start.node].shards.update(kept)  # the agent that runs it registers again
+    f.register(start.node)
+    assert not any(s.unconfirmed for r in f.cp.view().replicas for s in r.shards)
+    f.advance(2 * FAST.lost_after_s)
+    assert served(f) == [start.spec.url] and len(f.starts()) == 1
+    # Confirmed by an update on the stream as well.
+    f.agents[start.node].shards.clear()
+    f.register(start.node)
+    f.agents[start.node].shards.update(kept)
+    f.report(start.node, start.spec.replica_id, 0, READY)
+    f.advance(2 * FAST.lost_after_s)
+    assert served(f) == [start.spec.url] and len(f.starts()) == 1
+
+
+def test_a_start_that_never_reached_the_agent_is_placed_again_at_once() -> None:
+    """Only a shard the node reported running is awaited: a start sent into a stream that
+    broke before the agent read it is not, and its replica is placed again at once."""
+    f = fleet_with(model("a", 1, tensor_parallel=8), nodes=1)
+    assert len(f.starts()) == 1
+    f.agents["n1"].shards.clear()  # pending, as the control plane knows it: never started
+    f.register("n1")
+    assert len(f.starts()) == 2
+
+
 def test_a_stream_that_closes_makes_its_node_unreachable_at_once() -> None:
     f = fleet_with(model("a", 1), nodes=2)
     f.silence("n1", tell=True)

@@ -203,13 +203,14 @@ class Decider:
         stale: list[Replica] = []
         for rid in known.store.of_model(name):
             known.work.replicas += 1
-            records = self._settled(rid)
+            records = self._settled(rid, now, out.notes)
             if not records:
                 continue
             c = classify(records, nodes, grace_until=self.grace_until, now=now)
             self.status[rid] = Status(c)
             if c.wait_until is not None:
                 out.times.append(c.wait_until)
+            out.times += [r.unconfirmed_until for r in records if r.unconfirmed_until is not None]
             if c.phase is Phase.BROKEN:
                 # Once given up (a node lost, a rank gone), a replica stays given up: if its
                 # node comes back, the replacement is kept and this one retired.
@@ -280,11 +281,23 @@ class Decider:
                 record.roll_said = False
         return notes
 
-    def _settled(self, rid: str) -> list[ShardRecord]:
+    def _settled(self, rid: str, now: float, notes: list[str]) -> list[ShardRecord]:
         """A replica's records, those of stopped shards dropped (a failed replica keeps
-        them until it restarts); a replica with none left is forgotten."""
+        them until it restarts), and those left unconfirmed until now (`shards.unconfirmed`:
+        what is left of the replica is then judged as one whose rank is gone); a replica
+        with none left is forgotten."""
         known = self.known
-        records = known.store.replica(rid)
+        records = []
+        for r in known.store.replica(rid):
+            if r.unconfirmed_until is None or now < r.unconfirmed_until:
+                records.append(r)
+                continue
+            known.store.remove(r.key)
+            self.shortfall.grown.add(r.node)
+            notes.append(
+                f"node {r.node} has not reported replica {rid} rank {r.spec.rank} since it "
+                f"registered without it {self.settings.lost_after_s:g} s ago: taken as gone"
+            )
         if not any(r.state is ShardState.FAILED for r in records):
             for r in records:
                 if r.state is ShardState.STOPPED:

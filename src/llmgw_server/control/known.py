@@ -18,7 +18,7 @@ from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import MarkNode
 from llmgw_server.control.launch import free_port
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
-from llmgw_server.control.shards import Failure, ShardKey, ShardRecord, backoff
+from llmgw_server.control.shards import Failure, ShardKey, ShardRecord, backoff, unconfirmed
 from llmgw_server.control.store import ShardStore
 from llmgw_server.control.work import Work
 
@@ -69,12 +69,23 @@ class Known:
         before = self.store.touching(name)
         models = self.store.models_of(before)  # before records go
         known_failed = set[tuple[ShardKey, int]]()
+        reported = {(name, s.spec.replica_id, s.spec.rank) for s in shards}
+        notes: list[str] = []
+        failed: list[str] = []
         for record in self.store.on_node(name):
             if record.state is ShardState.FAILED:
                 known_failed.add((record.key, record.spec.attempt))
+            if unconfirmed(record, record.key in reported):
+                if record.unconfirmed_until is None:  # set once: not moved on by each one
+                    record.unconfirmed_until = now + self.settings.lost_after_s
+                    notes.append(
+                        f"node {name} registered without replica {record.spec.replica_id} "
+                        f"rank {record.spec.rank}, which was {record.state}: kept until it is "
+                        f"reported again, or for lost_after_s ({self.settings.lost_after_s:g} "
+                        "s); another machine under its name, or its agent's state lost?"
+                    )
+                continue
             self.store.remove(record.key)
-        notes: list[str] = []
-        failed: list[str] = []
         for report in shards:
             spec = report.spec
             record = ShardRecord(name, spec, report.state, report.detail)
@@ -129,8 +140,10 @@ class Known:
             # the agent's next registration brings it with its spec.
             note = f"node {node} reports unknown shard {replica_id} rank {rank} ({state})"
             return Change(notes=(note,))
+        confirmed = record.unconfirmed_until is not None
+        record.unconfirmed_until = None  # its node reports it: not missing after all
         if record.state is state and record.detail == detail:
-            return None
+            return Change(frozenset({record.spec.model_name})) if confirmed else None
         newly_failed = state is ShardState.FAILED and record.state is not ShardState.FAILED
         record.state, record.detail = state, detail
         notes: list[str] = []

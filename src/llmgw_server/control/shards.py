@@ -30,6 +30,9 @@ class ShardRecord:
     ready_since: float | None = None
     drain_at: float | None = None  # when a drain was sent or first reported
     stop_sent: bool = False
+    # Running (starting or ready) when its node registered again without it: kept, and
+    # serving if ready, until reported again or this time passes (`unconfirmed`).
+    unconfirmed_until: float | None = None
 
     @property
     def key(self) -> ShardKey:
@@ -38,6 +41,28 @@ class ShardRecord:
     @property
     def retiring(self) -> bool:
         return self.stop_sent or self.drain_at is not None or self.state is ShardState.DRAINING
+
+
+def unconfirmed(record: ShardRecord, reported: bool) -> bool:
+    """Whether a registration of its node that leaves `record` out (`reported` False)
+    keeps it, unconfirmed: a shard its node had reported running is not taken as gone
+    on one registration's word.
+
+    An agent reports every engine it runs or ran (one that ended while it was away, as
+    failed), so a running shard goes missing only when the registering agent is not the
+    one that runs it: its state directory lost, or a second machine under the node's
+    name (a cloned image). Dropping the record at once withdrew the replica's route
+    while its engine may still serve, and freed its port and GPUs for a replacement that
+    then found them in use (issue 34, finding 6). It is awaited as the rank of a node
+    that has not registered is after a restart: `lost_after_s`, the time after which a
+    silent node's replicas move (`Known.register` sets the deadline once; reported
+    again, the shard is confirmed; at the deadline the decider drops it, and its
+    replica is replaced as any whose shard is gone)."""
+    return (
+        not reported
+        and record.state in (ShardState.STARTING, ShardState.READY)
+        and not record.retiring
+    )
 
 
 class Phase(enum.StrEnum):

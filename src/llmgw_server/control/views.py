@@ -41,6 +41,9 @@ class ShardView:
     gpus: tuple[int, ...]
     detail: str
     retiring: bool  # a drain or stop was sent, the agent reports it draining, or it is moving
+    # Running, then left out of its node's registration: kept until reported again or
+    # lost_after_s passes (shards.unconfirmed).
+    unconfirmed: bool = False
 
 
 @attrs.frozen
@@ -116,7 +119,13 @@ def replica_view(
         reason=classified.reason,
         shards=tuple(
             ShardView(
-                r.node, r.spec.rank, r.state, r.spec.gpu_indices, r.detail, r.retiring or moving
+                r.node,
+                r.spec.rank,
+                r.state,
+                r.spec.gpu_indices,
+                r.detail,
+                r.retiring or moving,
+                r.unconfirmed_until is not None,
             )
             for r in records
         ),
