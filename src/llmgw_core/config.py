@@ -236,6 +236,24 @@ class RouterSection:
     # Retry-After. Long enough for an engine to start on a node that has its weights.
     hold_timeout_s: float = attrs.field(default=300.0, metadata=rules(min=0.1, max=3600.0))
     hold_max_per_model: int = attrs.field(default=256, metadata=rules(min=1, max=100_000))
+    # The bodies of held requests, in bytes: a model's, and all of this process's (each
+    # worker has its own); past either, 503 with Retry-After too. A count alone let a
+    # model hold 256 bodies of max_body_bytes (4 GiB at 16 MiB). A model's budget takes
+    # at least one body of max_body_bytes: any request can wake its model.
+    hold_max_bytes_per_model: int = attrs.field(
+        default=128 * 1024 * 1024, metadata=rules(min=1024)
+    )
+    hold_max_bytes: int = attrs.field(default=256 * 1024 * 1024, metadata=rules(min=1024))
+
+
+@rule_after(RouterSection)
+def _hold_budgets(section: RouterSection) -> None:
+    if section.hold_max_bytes < section.hold_max_bytes_per_model:
+        raise Problem(
+            f"must be at least hold_max_bytes_per_model ({section.hold_max_bytes_per_model}): "
+            "one model could never use its own budget",
+            "hold_max_bytes",
+        )
 
 
 def _digests(value: object) -> tuple[str, ...]:
@@ -396,7 +414,14 @@ def parse_config(
     environ = os.environ if environ is None else environ
     server = read_table(root.table("server"), ServerSection, environ=environ)
     catalog = read_catalog(root, environ)
-    router = read_table(root.table("router"), RouterSection)
+    router_table = root.table("router")
+    router = read_table(router_table, RouterSection)
+    if router.hold_max_bytes_per_model < server.max_body_bytes:
+        router_table.fail(
+            "hold_max_bytes_per_model",
+            f"must be at least [server] max_body_bytes ({server.max_body_bytes}): a request "
+            "the server reads must fit, or it could never wake its model",
+        )
     auth_table = root.table("auth")
     auth = read_table(auth_table, AuthSection, environ=environ)
     if models_required:

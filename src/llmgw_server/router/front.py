@@ -38,7 +38,8 @@ from llmgw_server.router.balancer import (
     judge,
 )
 from llmgw_server.router.kv_index import KvIndex
-from llmgw_server.router.meter import ModelMeter
+from llmgw_server.router.large_buffers import return_large_buffers
+from llmgw_server.router.meter import ModelMeter, hold_refusal
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
@@ -110,6 +111,7 @@ def server_limits(s: ServerSection) -> ServerLimits:
 
 class Router:
     def __init__(self, config: Config) -> None:
+        return_large_buffers()  # held and answered bodies leave RSS when freed
         self.config = config
         self.tuning = config.router
         self.keys = config.auth.keys  # digest -> the models it may use (None: all)
@@ -497,9 +499,17 @@ class Router:
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
-            waits = meter is not None and not balancer.healthy_count
-            if waits and not await self._held(model, balancer, meter, responder):  # type: ignore[arg-type]
-                return
+            if meter is not None and not balancer.healthy_count:
+                # Held with its raw body alone, not beside its parsed form (about twice
+                # its size) nor the prompt's whole text: parsed again once a replica may
+                # serve (`body_for` reads `body` then).
+                body = parsed = {}
+                if prompt is not None:
+                    prompt = attrs.evolve(prompt, text=prompt.text[: prompt.size])
+                if not await self._held(model, balancer, meter, responder, len(request.body)):
+                    return
+                if kind is Kind.JSON:
+                    body = json.loads(request.body)  # valid: it was parsed before
             await self._forward(
                 model,
                 balancer,
@@ -530,22 +540,27 @@ class Router:
         return attrs.evolve(prompt, tokens=tokens, lora=lora)
 
     async def _held(
-        self, model: str, balancer: Balancer, meter: ModelMeter, responder: RecordingResponder
+        self,
+        model: str,
+        balancer: Balancer,
+        meter: ModelMeter,
+        responder: RecordingResponder,
+        size: int,
     ) -> bool:
         """Hold a request for an autoscaled model that no replica serves (scaled to zero,
         or all starting) until one does, oldest first: True once one may serve it; False
-        when it was answered 503 with Retry-After (the model's queue is full, or
-        `hold_timeout_s` passed)."""
+        when it was answered 503 with Retry-After (the model's queue or a byte budget is
+        full, or `hold_timeout_s` passed). `size`: its body's bytes."""
         tuning = self.tuning
-        if meter.held >= tuning.hold_max_per_model:
-            message = (
-                f"no replica of the model {model!r} serves yet and {meter.held} requests "
-                "wait for one already: try again shortly"
-            )
-            return await self._unheld(model, responder, message)
+        held_bytes = sum(m.held_bytes for m in self.meters.values())
+        refused = hold_refusal(model, meter, size, held_bytes, tuning)
+        if refused is not None:
+            return await self._unheld(model, responder, *refused)
         meter.held += 1
+        meter.held_bytes += size
         metrics = self.metrics
         metrics.held[model] += 1
+        metrics.held_bytes[model] += size
         self._load_wanted.set()
         self._load_wanted = trio.Event()
         started = trio.current_time()
@@ -556,13 +571,18 @@ class Router:
                 return True
         finally:
             meter.held -= 1
+            meter.held_bytes -= size
             metrics.held[model] -= 1
+            metrics.held_bytes[model] -= size
             queued = responder.record.queued_s = trio.current_time() - started
             metrics.queued[model].observe(queued)
         message = f"no replica of the model {model!r} served within {tuning.hold_timeout_s:g} s"
-        return await self._unheld(model, responder, message)
+        return await self._unheld(model, responder, "timeout", message)
 
-    async def _unheld(self, model: str, responder: RecordingResponder, message: str) -> bool:
+    async def _unheld(
+        self, model: str, responder: RecordingResponder, reason: str, message: str
+    ) -> bool:
+        self.metrics.held_refused[(model, reason)] += 1
         self._log_5xx(model, None, 503, message)
         body = responder.errors.body(503, message, None)
         retry = (b"retry-after", b"%d" % HOLD_RETRY_AFTER_S)

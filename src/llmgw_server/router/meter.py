@@ -5,7 +5,9 @@ One `ModelMeter` per autoscaled model (the route table names them), owned by the
 the request path writes it (`arrived`, `first_byte`, `hold` ... `released`), the route
 feed's reporter reads it (`report`) every `LOAD_INTERVAL_S` and at once when a request is
 held. Bounds: `MAX_TTFB_SAMPLES` first-byte times a report interval (the latest kept),
-and at most `[router] hold_max_per_model` requests held, each at most `hold_timeout_s`.
+and at most `[router] hold_max_per_model` requests held, each at most `hold_timeout_s`,
+their bodies within `hold_max_bytes_per_model` a model and `hold_max_bytes` in all
+(`hold_refusal`, the one place these are decided).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 import trio
 
 from llmgw_core.autoscaling import RouterLoad
+from llmgw_core.config import RouterSection
 
 MAX_TTFB_SAMPLES = 4096
 
@@ -23,6 +26,7 @@ MAX_TTFB_SAMPLES = 4096
 class ModelMeter:
     def __init__(self) -> None:
         self.held = 0  # requests waiting for a replica to serve
+        self.held_bytes = 0  # their bodies'
         self.last_request_at: float | None = None  # trio time of the latest arrival
         self._arrived = 0  # since the last report
         self._ttfb_s: deque[float] = deque(maxlen=MAX_TTFB_SAMPLES)
@@ -53,3 +57,31 @@ class ModelMeter:
         idle = None if self.last_request_at is None else max(now - self.last_request_at, 0.0)
         arrived, self._arrived = self._arrived, 0
         return RouterLoad(max(in_flight - self.held, 0), self.held, p90, idle, kv_use, arrived)
+
+
+def hold_refusal(
+    model: str, meter: ModelMeter, size: int, held_bytes: int, tuning: RouterSection
+) -> tuple[str, str] | None:
+    """Why a request for `model` with a body of `size` bytes is not held, while this
+    process holds `held_bytes` of bodies for all its models: the reason /metrics counts
+    it under and the client's message; None: it is held."""
+    if meter.held >= tuning.hold_max_per_model:
+        why = f"{meter.held} requests wait for one already"
+        return "count", _try_again(model, why)
+    if meter.held_bytes + size > tuning.hold_max_bytes_per_model:
+        why = (
+            f"the requests waiting for one hold {meter.held_bytes} bytes of the "
+            f"{tuning.hold_max_bytes_per_model} it may hold"
+        )
+        return "model_bytes", _try_again(model, why)
+    if held_bytes + size > tuning.hold_max_bytes:
+        why = (
+            f"the requests this router holds for models that no replica serves hold "
+            f"{held_bytes} bytes of the {tuning.hold_max_bytes} it may hold"
+        )
+        return "process_bytes", _try_again(model, why)
+    return None
+
+
+def _try_again(model: str, why: str) -> str:
+    return f"no replica of the model {model!r} serves yet and {why}: try again shortly"
