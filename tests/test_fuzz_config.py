@@ -70,6 +70,9 @@ KNOWN_KEYS = sorted(
         "cpus", "memory_mib", "gpus", "index", "uuid", "memory_total_mib", "memory_free_mib",
         # a profile's context and LoRA adapters
         "max_model_len", "lora", "path", "max_lora_rank",
+        # holding requests for models at zero, and their bodies' byte budgets
+        "hold_timeout_s", "hold_max_per_model", "hold_max_bytes_per_model", "hold_max_bytes",
+        "extra_paths",
     }
 )  # fmt: skip
 
