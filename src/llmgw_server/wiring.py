@@ -46,6 +46,7 @@ from llmgw_server.reload import Apply, Reloader, reload_on_sighup, with_control_
 from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.front import Router, server_limits
 from llmgw_server.router.health import probe_forever, probe_once_followed
+from llmgw_server.router.large_buffers import return_large_buffers
 from llmgw_server.router.worker import CONFIG, READY, Worker, channel_from_fd, decode_config
 from llmgw_server.router.workers import Workers
 
@@ -455,6 +456,7 @@ def worker_cli(argv: Sequence[str] | None = None) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}] %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    return_large_buffers()
     sys.exit(
         trio.run(
             serve_worker,
@@ -557,6 +559,7 @@ def run(config: Config) -> int:
     """`llmgw-server [serve]`: serve until a signal; 1 when a port cannot be had."""
     _raise_open_file_limit()
     _tune_gc()
+    return_large_buffers()  # held and answered bodies leave RSS when freed
     failed: BaseException | None = None
     try:
         try:
@@ -580,6 +583,7 @@ def run_router_apart(config: Config, control: str, token: str, ca: Path | None) 
     """The `router` command: serve until a signal; 1 when the port cannot be had."""
     from llmgw_server.route_feed.remote import client_context, feed_target, follow_forever
 
+    return_large_buffers()
     try:
         if config.server.workers > 1:
             where = feed_target(control)

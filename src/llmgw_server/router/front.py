@@ -38,7 +38,6 @@ from llmgw_server.router.balancer import (
     judge,
 )
 from llmgw_server.router.kv_index import KvIndex
-from llmgw_server.router.large_buffers import return_large_buffers
 from llmgw_server.router.meter import ModelMeter, hold_refusal
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
@@ -111,7 +110,6 @@ def server_limits(s: ServerSection) -> ServerLimits:
 
 class Router:
     def __init__(self, config: Config) -> None:
-        return_large_buffers()  # held and answered bodies leave RSS when freed
         self.config = config
         self.tuning = config.router
         self.keys = config.auth.keys  # digest -> the models it may use (None: all)
