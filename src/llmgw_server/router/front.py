@@ -43,7 +43,14 @@ from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
-from llmgw_server.router.routes import ANTHROPIC_PATHS, FormRefused, Kind, Routes, form_model
+from llmgw_server.router.routes import (
+    ANTHROPIC_PATHS,
+    NOT_PLAIN,
+    FormRefused,
+    Kind,
+    Routes,
+    form_model,
+)
 from llmgw_server.router.stored import (
     RESPONSES,
     Holder,
@@ -368,6 +375,8 @@ class Router:
         elif kind is Kind.MANAGEMENT:
             what = f"{path.decode()} manages an engine for all its clients"
             await responder.error(403, f"{what}: llmgw never relays it")
+        elif kind is Kind.NOT_PLAIN:
+            await responder.error(400, f"{NOT_PLAIN}: {path.decode()}")
         elif is_stored_path(path):
             await self._stored(request, responder, digest)
         elif request.method not in (b"GET", b"HEAD"):

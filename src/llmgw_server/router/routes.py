@@ -17,9 +17,23 @@ import enum
 import re
 from collections.abc import Iterable
 
-from llmgw_core.api_paths import ANTHROPIC_PATHS, FORM_PATHS, JSON_PATHS, MANAGEMENT_PATHS
+from llmgw_core.api_paths import (
+    ANTHROPIC_PATHS,
+    FORM_PATHS,
+    JSON_PATHS,
+    is_management,
+    path_problem,
+)
 
-__all__ = ["ANTHROPIC_PATHS", "FormRefused", "Kind", "Routes", "form_boundary", "form_model"]
+__all__ = [
+    "ANTHROPIC_PATHS",
+    "NOT_PLAIN",
+    "FormRefused",
+    "Kind",
+    "Routes",
+    "form_boundary",
+    "form_model",
+]
 
 # A form's model field is short; the head of a part is a few lines.
 MAX_MODEL_BYTES = 1024
@@ -43,6 +57,13 @@ _PARAM = re.compile(
 _UTF8 = frozenset({b"utf-8", b"utf8"})
 
 
+# The answer to a path that is not plain (Kind.NOT_PLAIN), with the path after it.
+NOT_PLAIN = (
+    "a request path must be written plainly, without percent-escapes, backslashes, "
+    "empty, '.' or '..' segments or a trailing slash"
+)
+
+
 class FormRefused(ValueError):
     """A form the router will not relay: what is wrong with it, in words (a 400)."""
 
@@ -51,6 +72,7 @@ class Kind(enum.Enum):
     JSON = "json"  # relayed, the model in the JSON body
     FORM = "form"  # relayed, the model in a multipart form field
     MANAGEMENT = "management"  # refused: an engine's own administration
+    NOT_PLAIN = "not plain"  # refused (400): a path spelt with escapes, dot segments...
     OTHER = "other"  # answered here, or 404
 
 
@@ -62,11 +84,17 @@ class Routes:
         self.relayed = self.json | FORM_PATHS
 
     def kind(self, path: bytes) -> Kind:
+        """The relayed paths are plain (valid_extra_path) and matched exactly, first: a
+        path spelt otherwise is never relayed, and is refused as a whole (the path of a
+        request the router answers itself is plain too), so no spelling of a management
+        path gets past is_management, and the relayed ones pay for none of this."""
         if path in self.json:
             return Kind.JSON
         if path in FORM_PATHS:
             return Kind.FORM
-        if path in MANAGEMENT_PATHS:
+        if path_problem(path) is not None:
+            return Kind.NOT_PLAIN
+        if is_management(path):
             return Kind.MANAGEMENT
         return Kind.OTHER
 
