@@ -1,7 +1,6 @@
 """Bad agents against a real server process with a control plane (issue 5): garbage, a
-claim on another node's name, a heartbeat flood. The offender is closed (or, for the
-name claim, takes the node over: see below), it is logged, every other node stays
-reachable and the router still serves."""
+claim on another node's name, a heartbeat flood. The offender is closed, it is logged,
+every other node stays reachable and the router still serves."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis_profiles import profile_times
 from llmgw_core.inventory import Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.wire import (
+    NAME_HELD_CLOSE,
     PROTOCOL,
     Heartbeat,
     Register,
@@ -276,45 +276,44 @@ def test_garbage_is_logged_with_a_reason(server: Server) -> None:
 # -- another node's name ------------------------------------------------------------
 
 
-def test_claiming_a_connected_nodes_name_replaces_its_stream(server: Server) -> None:
-    """Today a second stream that registers an existing node's name takes the node over:
-    the first stream is closed with "node X connected again from PEER", logged as a
-    warning, and the node stays reachable through the newcomer. (This is how a restarted
-    agent reconnects before its old stream timed out; mTLS will tie the name to a
-    certificate so that nobody else can make the claim.) Every other node is untouched."""
+def test_claiming_a_connected_nodes_name_is_refused_while_its_stream_answers(
+    server: Server,
+) -> None:
+    """A second stream that registers a connected node's name (a clone of the node, or
+    anyone without mTLS) is refused while the node's own stream answers a ping: closed
+    with NAME_HELD_CLOSE and a reason that says whose name it is, logged as a warning; the
+    node keeps its stream and stays reachable, and every other node is untouched (issue 34,
+    finding 6: the two used to evict each other in turn). A node whose old stream does not
+    answer takes its name back: test_node_name_held."""
     offset = len(server.proc.output())
 
     async def run() -> None:
         async with (
             httpx.AsyncClient() as client,
             good_node(server, "bystander-2"),
-            trio_websocket.open_websocket_url(server.agent_url) as victim,
+            good_node(server, "victim") as victim,
         ):
-            await victim.send_message(register("victim"))
-            decode_down(await victim.get_message())
             assert (await nodes(server, client))["victim"] == "reachable"
-            async with good_node(server, "victim"):  # the impostor
-                with trio.fail_after(5):
-                    try:
-                        while True:
-                            await victim.get_message()
-                    except trio_websocket.ConnectionClosed as closed:
-                        reason = closed.reason
-                assert reason is not None and reason.code == 1008
-                assert "node victim connected again from 127.0.0.1:" in (reason.reason or "")
-                # The victim's stream never heartbeats: what the server hears now comes
-                # from the newcomer, and keeps the node reachable.
-                with trio.fail_after(5):
-                    await heard_again(server, client, "victim")
-                status = await nodes(server, client)
-                assert status["victim"] == "reachable"
-                assert status["bystander-2"] == "reachable"
-                await router_serves(server, client)
+            async with trio_websocket.open_websocket_url(server.agent_url) as impostor:
+                await impostor.send_message(register("victim"))
+                with trio.fail_after(5), pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                    await impostor.get_message()
+            reason = closed.value.reason
+            assert reason is not None and reason.code == NAME_HELD_CLOSE, reason
+            assert "node victim is connected from 127.0.0.1:" in (reason.reason or "")
+            assert victim.closed is None
+            with trio.fail_after(5):
+                await heard_again(server, client, "victim")
+            status = await nodes(server, client)
+            assert status["victim"] == "reachable"
+            assert status["bystander-2"] == "reachable"
+            await router_serves(server, client)
 
     trio.run(run)
     log = server.log_since(offset)
-    assert "node victim connected again from 127.0.0.1:" in log
-    assert "closing its old stream" in log
+    assert "node victim is connected from 127.0.0.1:" in log
+    assert "this second agent with its name is refused" in log
+    assert "closing its old stream" not in log and "did not answer a ping" not in log
 
 
 # -- a heartbeat flood --------------------------------------------------------------

@@ -58,6 +58,7 @@ from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import client_context
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
+    NAME_HELD_CLOSE,
     PROTOCOL,
     Ack,
     DownMessage,
@@ -111,6 +112,11 @@ def reconnect_delay(
     if come_back_s is None:
         return backoff_delay(attempt, base_s, cap_s, rng)
     return min(max(come_back_s, 0.0), MAX_COME_BACK_S) + rng.uniform(0, base_s)
+
+
+class NameHeld(Exception):
+    """The control plane refused this registration: another agent's stream for this
+    node's name is live (it answered the control plane's ping)."""
 
 
 @attrs.define
@@ -212,6 +218,18 @@ class Agent:
             come_back: float | None = None  # when the control plane asked to be dialled
             try:
                 await self._session(session)
+            except* NameHeld as group:
+                # Said as an error each time: it lasts until an operator gives one of the
+                # two machines its own name and certificate. The backoff grows as for a
+                # refused dial (the session never registered), up to reconnect.cap_s.
+                log.error(
+                    "the control plane %s refused this agent: %s. Two machines run an agent "
+                    "as node %r (a cloned VM image, a copied certificate?): the first one "
+                    "keeps the node; give this one its own name and certificate",
+                    self.config.server,
+                    escaped(str(group.exceptions[0])),
+                    self.inventory.name,
+                )
             except* ConnectFailed as group:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
@@ -274,8 +292,13 @@ class Agent:
             self._outbox = outbox_send
             try:
                 await ws.send_message(encode(self._register()))
-                with trio.fail_after(10):
-                    welcome = decode_down(await ws.get_message())
+                try:
+                    with trio.fail_after(10):
+                        welcome = decode_down(await ws.get_message())
+                except trio_websocket.ConnectionClosed as closed:
+                    if closed.reason is not None and closed.reason.code == NAME_HELD_CLOSE:
+                        raise NameHeld(closed.reason.reason or "") from None
+                    raise
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
                 heard.now()

@@ -22,6 +22,10 @@ PROTOCOL = 2
 # The first version whose agents take a `Pace`: an older one keeps its welcome's interval.
 PACE_PROTOCOL = 2
 MAX_FRAME_BYTES = 1024 * 1024
+# The websocket close code (private range, after HTTP's 409 Conflict) of a registration
+# refused because another agent's stream for the node's name is live: two machines share
+# the name (a cloned image, a copied certificate). The reason says which node.
+NAME_HELD_CLOSE = 4409
 
 
 def accepts(agent_protocol: int) -> str | None:

@@ -80,6 +80,7 @@ class ServerWebSocket:
     """An accepted websocket: the 101 has been sent; `rest` is what followed the head."""
 
     __slots__ = (
+        "_asked",
         "_parts",
         "_size",
         "_stream",
@@ -99,6 +100,7 @@ class ServerWebSocket:
         self.max_message_size = max_message_size
         self.closed: PeerClosed | None = None
         self.pings = 0  # pings the peer sent: heartbeats and their acks make them needless
+        self._asked: tuple[bytes, trio.Event] | None = None  # `ping`'s payload, and its answer
 
     async def receive(self) -> str | bytes:
         """The next whole message. Raises PeerClosed when the connection ends (a message
@@ -119,6 +121,10 @@ class ServerWebSocket:
                 elif isinstance(event, Ping):
                     self.pings += 1
                     await self._write(event.response())
+                elif isinstance(event, Pong) and self._asked is not None:
+                    payload, answered = self._asked
+                    if bytes(event.payload) == payload:
+                        answered.set()
                 elif isinstance(event, CloseConnection):
                     await self._peer_closed(event)
             if self.closed is not None:
@@ -154,6 +160,13 @@ class ServerWebSocket:
         """An unsolicited pong: the acknowledgement that tells the peer this end is alive
         (RFC 6455 allows it; a peer's websocket library takes it and answers nothing)."""
         await self._write(Pong(b""))
+
+    async def ping(self, payload: bytes, answered: trio.Event) -> None:
+        """Ask the peer for a pong (its websocket library answers, whatever its own loop
+        is doing); `answered` is set when the pong is read, by the owner's `receive`: the
+        caller waits on the event, never on the socket."""
+        self._asked = (payload, answered)
+        await self._write(Ping(payload))
 
     async def close(self, code: int, reason: str) -> None:
         """Send a close frame, wait a moment for the peer's, then close the socket."""

@@ -18,6 +18,15 @@ mass-loss guard holds, though: so many nodes silent at once most likely means
 this control plane stalled with their heartbeats unread in its sockets, and
 closing every stream would bring the whole fleet back at once.
 
+One live stream per node name. A second registration for a node whose stream is
+open asks the old stream for a pong: a live agent's websocket library answers at
+once, so an answer within `OLD_STREAM_ANSWER_S` means two agents share the name
+(a cloned machine, or its certificate copied) and the newcomer is refused, closed
+with `NAME_HELD_CLOSE` and a reason both ends log; the first keeps the node.
+No answer (a node that rebooted without a FIN, a black-holed route) and the old
+stream is closed and the newcomer takes the node. Replacing at once, as before,
+had two clones evict each other in turn, every turn withdrawing routes.
+
 Registrations are served `REGISTRATIONS_AT_ONCE` at a time, in the order their
 upgrade requests came; the others wait (a socket each, no work) before their 101.
 Served all at once, a storm of agents shares the server's CPU among thousands
@@ -29,6 +38,7 @@ up after 10 s, registered 573 in 90 s (issue 17, finding 12).
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from collections.abc import Container, Iterable
 from typing import Any, Protocol, assert_never
@@ -36,11 +46,13 @@ from typing import Any, Protocol, assert_never
 import trio
 
 from llmgw_core.agent_lane import AGENT_QUEUE_S
+from llmgw_core.awake_time import AwakeTime
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.logsafe import escaped
 from llmgw_core.tls_config import peer_identity
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
+    NAME_HELD_CLOSE,
     PACE_PROTOCOL,
     Ack,
     DownMessage,
@@ -79,6 +91,15 @@ OUTBOX_SIZE = 1024
 # a storm from spreading the server's CPU over every agent at once, and slow agents
 # cannot hold registration under 100 a second.
 REGISTRATIONS_AT_ONCE = 1024
+# How long the open stream of a node registering again has to answer a ping (awake
+# time, from when the ping goes out). A live agent's websocket library answers from
+# its own reader task, whatever its loop is doing, within a round trip; 2 s is the
+# shortest silence either end already takes for a dead stream (the agent's
+# ws_frames.MIN_CUT_S), far under the 10 s an agent waits for its welcome (so the
+# newcomer hears the outcome before it gives up) and under the heartbeat interval
+# (unreachable_after_s / 3, 5 s by default): a refused clone costs the live node
+# one ping, and a rebooted node's new stream waits 2 s, not unreachable_after_s.
+OLD_STREAM_ANSWER_S = 2.0
 
 
 class StreamClosed(Exception):
@@ -103,14 +124,19 @@ class _Stream:
         "nursery",
         "outbox",
         "pace",
+        "peer",
+        "woken",
         "ws",
     )
 
     def __init__(
-        self, node: str, ws: ServerWebSocket, nursery: trio.Nursery, *, pace: bool
+        self, node: str, ws: ServerWebSocket, nursery: trio.Nursery, *, pace: bool, peer: str
     ) -> None:
         self.node = node
         self.ws = ws
+        self.peer = peer
+        # Set when the stream ends, while a registration of the same node waits on it.
+        self.woken: trio.Event | None = None
         self.pace = pace  # its agent takes a Pace (protocol 2 on)
         self.heartbeat_interval_s = 0.0  # given in its welcome, then its last pace
         self.nursery = nursery  # the stream's own: a writer started in it ends with it
@@ -169,6 +195,7 @@ class AgentEvents(Protocol):
     the other way round)."""
 
     metrics: ControlMetrics
+    clock: AwakeTime  # what a ping's answer window is counted in
 
     def registered(self, message: Register, heartbeat_interval_s: float) -> None: ...
     def heartbeat(self, node: str) -> None: ...
@@ -196,6 +223,7 @@ class AgentService:
         self.heartbeats_per_s = heartbeats_per_s
         self.streams: dict[str, _Stream] = {}
         self.registering = trio.Semaphore(REGISTRATIONS_AT_ONCE)  # FIFO
+        self._claimed: set[str] = set()  # nodes whose open stream is being asked for a pong
         self._command_ids = 0
         self.metrics = plane.metrics
 
@@ -309,15 +337,14 @@ class AgentService:
             self._check_identity(register.inventory.name, certificate, peer)
             certificate = None  # checked: not kept for the stream's life
             _check_own_shards(register.inventory.name, [s.spec for s in register.shards])
+            await self._claim(register.inventory.name, peer)
             stream = _Stream(
-                register.inventory.name, ws, nursery, pace=register.protocol >= PACE_PROTOCOL
+                register.inventory.name,
+                ws,
+                nursery,
+                pace=register.protocol >= PACE_PROTOCOL,
+                peer=peer,
             )
-            old = self.streams.get(stream.node)
-            if old is not None:
-                log.warning(
-                    "node %s connected again from %s: closing its old stream", stream.node, peer
-                )
-                old.close(f"node {stream.node} connected again from {peer}", "replaced")
             self.streams[stream.node] = stream
             log.info(
                 "node %s registered from %s with %d shards", stream.node, peer, len(register.shards)
@@ -363,6 +390,53 @@ class AgentService:
                 del self.streams[stream.node]
                 log.info("node %s disconnected", stream.node)
                 self.plane.disconnected(stream.node)
+                if stream.woken is not None:
+                    stream.woken.set()
+
+    async def _claim(self, node: str, peer: str) -> None:
+        """Take `node`'s name for a stream from `peer`: at once when no stream holds it;
+        else once its stream has not answered a ping within OLD_STREAM_ANSWER_S (it is
+        closed, "replaced"). Raises StreamClosed (NAME_HELD_CLOSE) while it answers, or
+        while another registration of the node waits on it."""
+        old = self.streams.get(node)
+        if old is None:
+            return
+        held = f"node {node} is connected from {old.peer}"
+        if node in self._claimed:
+            raise StreamClosed(
+                f"{held}, and another agent's registration under its name is being checked",
+                code=NAME_HELD_CLOSE,
+                kind="duplicate",
+            )
+        self._claimed.add(node)
+        woken = old.woken = trio.Event()  # a pong, or the old stream's end
+        try:
+            answered = await answers(old.ws, woken, OLD_STREAM_ANSWER_S, self.plane.clock)
+        finally:
+            self._claimed.discard(node)
+            old.woken = None
+        if self.streams.get(node) is not old:
+            return  # it ended meanwhile: the name is free
+        if answered:
+            raise StreamClosed(
+                f"{held} and answers: this second agent with its name is refused "
+                "(a cloned machine or certificate?)",
+                code=NAME_HELD_CLOSE,
+                kind="duplicate",
+            )
+        log.warning(
+            "node %s connected again from %s; its stream from %s did not answer a ping "
+            "within %g s: closing it",
+            node,
+            peer,
+            old.peer,
+            OLD_STREAM_ANSWER_S,
+        )
+        old.close(
+            f"node {node} connected again from {peer}; this stream did not answer a ping "
+            f"within {OLD_STREAM_ANSWER_S:g} s",
+            "replaced",
+        )
 
     def _fleet_interval(self) -> float:
         return heartbeat_interval(
@@ -404,6 +478,32 @@ class AgentService:
             raise StreamClosed(f"{type(message).__name__} is out of order after registration")
         else:
             assert_never(message)
+
+
+class Pinger(Protocol):
+    async def ping(self, payload: bytes, answered: trio.Event) -> None: ...
+
+
+async def answers(ws: Pinger, woken: trio.Event, within_s: float, clock: AwakeTime) -> bool:
+    """Whether `woken` is set (the peer's pong, or the stream's end: the caller tells
+    which) within `within_s` of awake time from when the ping goes out. A stall of this
+    process is not the peer's silence: the pong waits unread in the socket, and the
+    stream's owner reads it when the loop runs again, before awake time has moved on."""
+    deadline = clock.awake(trio.current_time()) + within_s
+    pinged = False
+    while True:
+        with trio.move_on_at(clock.monotonic(deadline, trio.current_time())):
+            if not pinged:
+                try:
+                    await ws.ping(secrets.token_bytes(8), woken)
+                except PeerClosed:
+                    return False  # ended: gone from the streams, or closed with them
+                pinged = True
+            await woken.wait()
+            return True
+        # A ping that could not even be written in time (a full socket) is no answer.
+        if not pinged or clock.awake(trio.current_time()) >= deadline:
+            return False
 
 
 def silent_streams(

@@ -51,7 +51,8 @@ StreamRefusal = Literal[
     "denied",  # its certificate is on the deny list
     "protocol",  # no registration in time, a bad frame, a message out of order...
     "flood",  # more messages than the budget allows
-    "replaced",  # the node connected again
+    "replaced",  # the node connected again, and this stream did not answer a ping
+    "duplicate",  # a second agent for a node whose stream answers (a cloned machine?)
     "silent",  # declared unreachable or lost
     "backlog",  # too many messages waited unread
 ]
