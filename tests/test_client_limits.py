@@ -298,6 +298,50 @@ async def test_a_request_with_content_length_and_transfer_encoding_is_refused_an
     assert b"both Transfer-Encoding and Content-Length" in answer
 
 
+@pytest.mark.parametrize("h11_only", [False, True])
+@pytest.mark.parametrize(
+    "folded",
+    [
+        b"transfer-encoding:\r\n chunked",  # issue 34: read as chunked, answered, kept
+        b"transfer-encoding: chunked\r\n\t",
+        b"x-a: 1\r\n b",
+        b"x-a: 1\n b",
+    ],
+)
+@pytest.mark.parametrize("pieces", [1, 2])
+async def test_a_request_with_a_folded_header_is_refused_and_closed(
+    h11_only: bool, folded: bytes, pieces: int
+) -> None:
+    # Old code unfolded it (as h11 does), served it and read the next request (a proxy
+    # before the router may have read a folded Transfer-Encoding otherwise).
+    server = HTTPServer(hello, ServerLimits())
+    head = b"POST / HTTP/1.1\r\nhost: x\r\n%b\r\n\r\n" % folded
+    cut = head.index(folded) + folded.index(b"\n") + 1  # between the line end and the fold
+    with trio.fail_after(5):
+        async with serving(server, h11_only=h11_only) as client:
+            if pieces == 2:
+                await client.send(head[:cut])
+                await trio.testing.wait_all_tasks_blocked()
+                head = head[cut:]
+            await client.send(head + b"3\r\nabc\r\n0\r\n\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = await read_to_end(client)
+    assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1, answer
+    assert b"folded over lines" in answer
+
+
+async def test_a_chunked_body_with_indented_lines_is_no_fold() -> None:
+    server = HTTPServer(hello, ServerLimits())
+    body = b'{\n  "model": "m"\n}'
+    chunked = b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
+    with trio.fail_after(5):
+        async with serving(server, h11_only=True) as client:
+            await client.send(chunked % (len(body), body) + b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while answer.count(b"HTTP/1.1 200 ") < 2:
+                answer += await client.recv(65536)
+    assert b"got 18" in answer and b"got 0" in answer
+
+
 @pytest.mark.parametrize("how", ["whole", "in pieces", "h11"])
 async def test_a_head_over_the_limit_gets_431(how: str) -> None:
     # Old code let h11 take a head that came whole, or whole after a first piece: up to
@@ -395,6 +439,19 @@ def test_hop_by_hop_connection_named_and_lookalike_headers_are_not_forwarded() -
     ]
     request.headers[1] = (b"connection", b"keep-alive")
     assert (b"x-secret", b"1") in front._end_to_end(request.headers)
+
+
+def test_rewrite_headers_are_not_forwarded() -> None:
+    # Old code relayed them: an engine behind a framework that honours them could be
+    # sent to another path or method than the one the router checked (issue 34).
+    headers = [
+        (b"x-original-url", b"/v1/load_lora_adapter"),
+        (b"x_rewrite_url", b"/sleep"),
+        (b"x-http-method-override", b"DELETE"),
+        (b"x-forwarded-prefix", b"/admin"),
+        (b"content-type", b"application/json"),
+    ]
+    assert front._end_to_end(headers) == [(b"content-type", b"application/json")]
 
 
 # -- memory, in a real router process --------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 import pytest
 import trio
 
@@ -151,3 +152,26 @@ async def test_no_spelling_reaches_the_engine_and_plain_paths_still_do() -> None
         b"/tokenize?x=1",
         b"/v1/custom",
     ]
+
+
+async def test_rewrite_headers_do_not_reach_the_engine() -> None:
+    engine = ApiEngine()
+    rewrites = {
+        "x-original-url": "/v1/load_lora_adapter",
+        "X-Rewrite-URL": "/sleep",
+        "x-http-method-override": "DELETE",
+        "X-Forwarded-Prefix": "/admin",
+        "x_original_url": "/collective_rpc",
+    }
+    with trio.fail_after(30):
+        async with router_before(engine) as running:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{running.port}") as client:
+                answer = await client.post(
+                    "/tokenize",
+                    json={"model": "m", "prompt": "x"},
+                    headers={"authorization": f"Bearer {CLIENT_KEY}", "x-kept": "1", **rewrites},
+                )
+            assert answer.status_code == 200
+    (relayed,) = engine.requests(b"/tokenize")
+    names = {name for name, _ in relayed.headers}
+    assert b"x-kept" in names and not names & {n.lower().encode() for n in rewrites}

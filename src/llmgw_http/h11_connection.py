@@ -4,6 +4,7 @@ hands over (a head in pieces, chunked, HTTP/1.0, Expect, an upgrade, anything ma
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import h11
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from llmgw_http.server import HTTPServer
 
 _RECV = 65536
+# In a request head: a line that continues the one before (group 1), or the head's end
+# (h11's: a bare LF ends a line too).
+_FOLD_OR_HEAD_END = re.compile(rb"\n(?:([ \t])|\r?\n)")
 
 
 class _Upgrade(Exception):
@@ -167,6 +171,32 @@ class H11Connection:
                 continue
             return event
 
+    async def _next_head(self) -> tuple[Any, bool]:
+        """h11's next event where a request head is due, and whether the head has an
+        obsolete line fold (a line that starts with a space or tab), which h11 unfolds
+        unseen: h11's buffer is searched as it grows, each byte about once, up to the
+        head's end (h11 reads the head from the buffer's start once that end is in)."""
+        conn = self.conn
+        folded = False
+        scanned = 0  # -1: the head's end was found first
+        while True:
+            if scanned >= 0 and not folded:
+                buffer = conn._receive_buffer._data  # no public view: h11 is pinned
+                found = _FOLD_OR_HEAD_END.search(buffer, scanned)
+                if found is None:
+                    scanned = max(0, len(buffer) - 2)
+                elif found.group(1):
+                    folded = True
+                else:
+                    scanned = -1
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                self._arrived = trio.Event()
+                self._may_read.set()
+                await self._arrived.wait()
+                continue
+            return event, folded
+
     async def next_request(self) -> tuple[Request, Responder] | None:
         server = self.server
         try:
@@ -214,7 +244,7 @@ class H11Connection:
                 return None
         unparsed, fed = _unparsed(self.conn), self._fed
         with trio.move_on_after(limits.header_timeout_s) as head_scope:
-            event = await self._next_event()
+            event, folded = await self._next_head()
         if head_scope.cancelled_caught:
             raise RequestRejected(408, "request headers did not arrive in time")
         if isinstance(event, h11.ConnectionClosed):
@@ -230,15 +260,20 @@ class H11Connection:
             headers=list(event.headers),
             http_version=event.http_version,
         )
-        if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
-            raise _Upgrade(request)
-        self.raw = None
         framing = request.header(b"transfer-encoding"), request.header(b"content-length")
         if None not in framing:
             # RFC 9112 section 6.1: a server must at least close such a connection.
             raise RequestRejected(
                 400, "a request with both Transfer-Encoding and Content-Length is ambiguous"
             )
+        if folded:
+            # RFC 9112 section 5.2 lets a server refuse it (h11 unfolds it): a proxy
+            # before this one may have read a folded Transfer-Encoding or Content-Length
+            # otherwise, so the connection is closed, as for the case above.
+            raise RequestRejected(400, "a request header folded over lines is not accepted")
+        if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
+            raise _Upgrade(request)
+        self.raw = None
         check = self.server.check_head
         if check is not None and not check(request):
             self._head_only = True

@@ -87,9 +87,17 @@ _HOP_BY_HOP = frozenset(
 # A client's own key in the other headers OpenAI-style clients send it in (Anthropic's,
 # Azure's): never the engine's business, which gets the engine key (Endpoint.api_key).
 _CLIENT_KEYS = frozenset({b"x-api-key", b"api-key"})
+# Headers some servers and frameworks let rewrite the request's path, method or prefix
+# (IIS, Symfony, Spring, ...): a client could name an engine's management path in them,
+# or change what the router routed. No engine llmgw serves needs them (issue 34).
+_REWRITES = frozenset(
+    {b"x-original-url", b"x-rewrite-url", b"x-http-method-override", b"x-forwarded-prefix"}
+)
 # Never relayed either way: the above, and their lookalikes with `_` for `-`.
 _NOT_FORWARDED = frozenset(
-    name.replace(b"-", sep) for name in _HOP_BY_HOP | _CLIENT_KEYS for sep in (b"-", b"_")
+    name.replace(b"-", sep)
+    for name in _HOP_BY_HOP | _CLIENT_KEYS | _REWRITES
+    for sep in (b"-", b"_")
 )
 # Connection header values that name no further header to drop (what clients send).
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close", b"Keep-Alive", b"Close"})
@@ -875,7 +883,8 @@ def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
     frames what it sends itself, so never the other side's Content-Length or
     Transfer-Encoding), not their lookalikes with `_` for `-` (a peer that reads `_` as
     `-` would take `transfer_encoding` for framing), nor those the Connection header
-    names (RFC 9110 section 7.6.1), nor a client's key (`x-api-key`, `api-key`)."""
+    names (RFC 9110 section 7.6.1), nor a client's key (`x-api-key`, `api-key`), nor the
+    rewrite headers (`x-original-url` and the like)."""
     kept = []
     connection = None  # one pass: a second one for Connection would double its cost
     for name, value in headers:
