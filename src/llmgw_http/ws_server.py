@@ -124,6 +124,7 @@ class ServerWebSocket:
                 elif isinstance(event, Pong) and self._asked is not None:
                     payload, answered = self._asked
                     if bytes(event.payload) == payload:
+                        self._asked = None
                         answered.set()
                 elif isinstance(event, CloseConnection):
                     await self._peer_closed(event)
