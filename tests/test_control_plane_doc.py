@@ -15,6 +15,8 @@ MACHINE = {
     "multi_node_replicas_stay_in_one_fabric_domain",
     "every_unplaced_replica_is_explained_node_by_node",
     "control_plane_restarts",
+    "a_registration_withdraws_no_route",
+    "agent_restarts",
 }
 
 
