@@ -175,7 +175,7 @@ class ServerWebSocket:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 if self._ws.state is ConnectionState.OPEN:
-                    await self._write(CloseConnection(code, reason))
+                    await self._write(CloseConnection(code, close_frame_reason(reason)))
                     while self.closed is None:  # what else comes meanwhile is dropped
                         for event in self._ws.events():
                             if isinstance(event, CloseConnection):
@@ -205,3 +205,13 @@ class ServerWebSocket:
             raise self.closed from None
         finally:
             self._wlock.release()
+
+
+# RFC 6455 5.5: a control frame's payload is at most 125 bytes, two of them the code.
+MAX_CLOSE_REASON_BYTES = 123
+
+
+def close_frame_reason(reason: str) -> str:
+    """`reason` cut to what a close frame carries, on a character's boundary (a node's
+    name may be any UTF-8)."""
+    return reason.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors="ignore")

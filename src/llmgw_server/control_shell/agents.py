@@ -384,7 +384,7 @@ class AgentService:
                     stream.node if stream else peer,
                     escaped(closed.reason),  # it may quote what the node sent
                 )
-            await ws.close(closed.code, closed.reason[:120])
+            await ws.close(closed.code, closed.reason)
         finally:
             if stream is not None and self.streams.get(stream.node) is stream:
                 del self.streams[stream.node]
