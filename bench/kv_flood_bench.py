@@ -10,8 +10,9 @@ Run it from the repository root with the project's virtualenv:
 What it starts, all on loopback ports of this machine:
 - a flooding engine (this file, `engine` mode: the standard library's HTTP server, pyzmq):
   model `flood`, publishing vLLM's KV-cache events (ZMQ PUB, msgpack, vLLM 0.32.0's map
-  encoding) with a replay socket (ROUTER, answering from its last `--replay-messages`
-  messages, as vLLM's does: all of them at once, dropped past zmq's high-water mark);
+  encoding) with a replay socket (ROUTER, as vLLM's: all at once, dropped past zmq's
+  high-water mark) that answers each request, during a flood, with `--replay-messages`
+  3.8 MiB messages from the sequence number asked;
 - a quiet engine (the same code, no events): model `other`, answering chat completions
   after `--engine-delay-ms` (the unrelated traffic's own latency);
 - llmgw's router (this checkout's code, or `--llmgw-src`) with `balancing = "precise"`,
@@ -24,8 +25,8 @@ engine's /tokenize every time). The run alternates phases of `--phase-s` seconds
   /tokenize with a few ids;
 - flood: it publishes valid 3.8 MiB BlockStored messages (65,536 blocks of 16 tokens, the
   decoder's caps) at `--flood-rate` a second, skips a sequence number every `--gap-every`
-  messages (the router then asks for a replay, answered with up to 64 such messages, 243
-  MiB), and answers /tokenize with 4M ids (8 MiB, under the router's answer cap).
+  messages (a router in step then asks for a replay: 64 such messages, 243 MiB), and
+  answers /tokenize with 4M ids (8 MB, under the router's answer cap).
 
 Reported: p50/p99/max latency of `other`'s requests in each kind of phase (all rounds
 together, and per round), their p99 ratio (flood / quiet; the target is at most 2), the
@@ -48,7 +49,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -119,9 +119,9 @@ class FakeEngine:
         self.payloads = flood_payloads(4) if args.events else []
         self.big_tokenize = (
             b'{"count":%d,"max_model_len":8192,"tokens":[' % TOKENIZE_IDS
-            + b"1," * (TOKENIZE_IDS - 1) + b"1]}"
+            + b"1," * (TOKENIZE_IDS - 1)
+            + b"1]}"
         )
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=args.replay_messages)
 
     def serve_events(self) -> None:
         import zmq
@@ -139,15 +139,16 @@ class FakeEngine:
                 frames = replay.recv_multipart()
                 if len(frames) == 3:
                     start = int.from_bytes(frames[2], "big")
-                    n = 0
-                    for s, payload in list(self.buffer):
-                        if s >= start:
-                            with contextlib.suppress(zmq.Again):
-                                replay.send_multipart(
-                                    [frames[0], b"", b"", s.to_bytes(8, "big"), payload],
-                                    zmq.NOBLOCK,
-                                )
-                            n += 1
+                    # Hostile: `--replay-messages` big messages from `start` on, whatever
+                    # it sent (as many as vLLM's would when they were that big).
+                    n = self.args.replay_messages if self.flood else 0
+                    for i in range(n):
+                        payload = self.payloads[i % len(self.payloads)]
+                        with contextlib.suppress(zmq.Again):
+                            replay.send_multipart(
+                                [frames[0], b"", b"", (start + i).to_bytes(8, "big"), payload],
+                                zmq.NOBLOCK,
+                            )
                     with contextlib.suppress(zmq.Again):
                         replay.send_multipart(
                             [frames[0], b"", b"", (-1).to_bytes(8, "big", signed=True), b""],
@@ -165,15 +166,13 @@ class FakeEngine:
                 payload = self.payloads[sent % len(self.payloads)]
                 sent += 1
                 if self.args.gap_every and sent % self.args.gap_every == 0:
-                    self.buffer.append((seq, payload))  # kept for the replay, never sent
-                    seq += 1
+                    seq += 1  # never sent: a gap
                     with self.lock:
                         self.stats["gaps"] += 1
             else:
                 next_at = now + 0.5
                 payload = small_payload(seq)
             pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-            self.buffer.append((seq, payload))
             seq += 1
             with self.lock:
                 self.stats["published"] += 1
@@ -402,7 +401,9 @@ def metric_lines(url: str, names: tuple[str, ...]) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.llmgw_src), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(args.llmgw_src), env.get("PYTHONPATH")) if p
+    )
     env["PYTHONUNBUFFERED"] = "1"
     me = [sys.executable, str(Path(__file__).resolve()), "engine"]
     events, replay = free_port(), free_port()
@@ -519,16 +520,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     engine.add_argument("--flood-rate", type=float, default=4)
     engine.add_argument("--gap-every", type=int, default=20)
     engine.add_argument("--replay-messages", type=int, default=64)
-    parser.add_argument("--llmgw-src", type=Path, default=ROOT / "src",
-                        help="the router's code (e.g. /tmp/base/src for a baseline)")
+    parser.add_argument(
+        "--llmgw-src",
+        type=Path,
+        default=ROOT / "src",
+        help="the router's code (e.g. /tmp/base/src for a baseline)",
+    )
     parser.add_argument("--rate", type=float, default=20, help="`other` requests a second")
-    parser.add_argument("--flood-requests", type=float, default=4,
-                        help="`flood` requests a second (each asks /tokenize)")
-    parser.add_argument("--engine-delay-ms", type=float, default=50,
-                        help="the quiet engine's answer time")
+    parser.add_argument(
+        "--flood-requests",
+        type=float,
+        default=4,
+        help="`flood` requests a second (each asks /tokenize)",
+    )
+    parser.add_argument(
+        "--engine-delay-ms", type=float, default=50, help="the quiet engine's answer time"
+    )
     parser.add_argument("--flood-rate", type=float, default=4, help="3.8 MiB messages a second")
-    parser.add_argument("--gap-every", type=int, default=20,
-                        help="skip a sequence number every N flood messages (forces a replay)")
+    parser.add_argument(
+        "--gap-every",
+        type=int,
+        default=20,
+        help="skip a sequence number every N flood messages (forces a replay)",
+    )
     parser.add_argument("--replay-messages", type=int, default=64)
     parser.add_argument("--phase-s", type=float, default=20)
     parser.add_argument("--rounds", type=int, default=2)
