@@ -156,8 +156,10 @@ def _serve(spec: dict[str, Any]) -> None:
     import trio
 
     from llmgw_core.config import parse_config
+    from llmgw_server.router.large_buffers import return_large_buffers
     from llmgw_server.wiring import main
 
+    return_large_buffers()  # as every server process does where it starts (wiring.run)
     config = parse_config(
         {
             "server": {

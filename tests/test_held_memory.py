@@ -39,7 +39,12 @@ def test_held_bodies_grow_rss_by_the_budget_at_most() -> None:
         child.stdin.close()
         child.wait(30)
     assert (result.held, result.refused, result.other) == (16, 14, []), result
-    assert result.growth <= BUDGET * 1.1, f"RSS grew {result.growth / MIB:.1f} MiB"
+    # The bound (the budget plus 10%) at the bench's full scale; here, where 10%
+    # is 6.4 MiB, one body more: each body is read whole before it is held or refused
+    # (59-66 MiB measured; keeping the parsed body, the prompt or the answered request
+    # grows it by 115-127 MiB).
+    limit = BUDGET * 1.1 + BODY
+    assert result.growth <= limit, f"RSS grew {result.growth / MIB:.1f} MiB"
     page = result.metrics.decode()
     held = dict(re.findall(r'^llmgw_requests_held_bytes\{model="(\w+)"\} (\d+)$', page, re.M))
     assert held == {"chat": str(12 * BODY), "chat1": str(4 * BODY)}, held
