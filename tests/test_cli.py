@@ -76,6 +76,20 @@ def test_log_level_takes_only_known_levels_before_or_after_the_command() -> None
     assert ok.returncode == 0, ok.stderr
 
 
+def test_check_config_counts_its_models_in_words(tmp_path: Path) -> None:
+    for count, said in ((1, "1 model"), (2, "2 models")):
+        path = tmp_path / f"{count}.toml"
+        path.write_text(
+            "".join(
+                f'[[models]]\nname = "chat{n}"\nendpoints = ["http://127.0.0.1:8001"]\n'
+                for n in range(count)
+            )
+        )
+        done = server("check-config", str(path))
+        assert done.returncode == 0, done.stderr
+        assert one_line(done.stdout) == f"{path}: ok, {said}"
+
+
 def test_hash_key_without_a_key_is_one_clear_line() -> None:
     for stdin, args in ((None, ()), ("", ()), ("\n", ()), (None, ("",)), (None, ("  ",))):
         done = server("hash-key", *args, stdin=stdin)

@@ -181,7 +181,8 @@ def run_cli(argv: list[str]) -> int:
         print(f"llmgw-server: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "check-config":
-        print(f"{file}: ok, {len(config.catalog.models)} models")
+        count = len(config.catalog.models)
+        print(f"{file}: ok, {count} model{'' if count == 1 else 's'}")
         return 0
     if args.command == "router":
         return _router(args, config)
