@@ -159,7 +159,7 @@ def test_a_managed_llama_server(fleet: Fleet, real_engine: Any) -> None:
         # SIGKILL: the engine is reported failed and started again, with a fresh log.
         os.killpg(pid, signal.SIGKILL)
         wait_until(
-            lambda: "the engine exited with status -9 (SIGKILL)" in agent.output(), what="the failure report"
+            lambda: "the engine was killed by signal 9 (SIGKILL)" in agent.output(), what="the failure report"
         )
         restarted = wait_until(lambda: serving(fleet, attempt=1), ENGINE_UP_S, "the engine restarted")
         assert restarted["replica_id"] == replica["replica_id"]

@@ -214,7 +214,7 @@ async def test_a_sigkilled_engine_leaves_no_process_and_no_shared_memory(
                 unrelated.wait()
     failed = next(t for t in seen if t.state == "failed")
     if how == "launched":
-        assert failed.detail == "the engine exited with status -9 (SIGKILL)"
+        assert failed.detail == "the engine was killed by signal 9 (SIGKILL)"
     else:
         earlier.wait()
         assert failed.detail == "the engine exited"  # not its child: no status to read

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from llmgw_agent.supervisor import EngineProcess, Report, Transition, read_tail
+from llmgw_agent.supervisor import EngineProcess, Report, Transition, how_it_ended, read_tail
 from procs import free_port
 
 
@@ -79,6 +79,29 @@ async def test_crash_is_reported_with_the_output_tail() -> None:
     assert "status 3" in failed.detail
     assert failed.output_tail[-1] == "CUDA out of memory"
     assert len(failed.output_tail) == 40
+
+
+async def test_an_engine_killed_by_a_signal_is_reported_as_killed_not_as_exited() -> None:
+    seen, report = recorder()
+    script = "import os, signal\nprint('about to go', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    with trio.fail_after(20):
+        async with httpx.AsyncClient(timeout=1) as client:
+            engine = EngineProcess(
+                [sys.executable, "-c", script], dict(os.environ), None, report, client,
+                LOG(), settle_s=30,
+            )
+            await engine.run()
+    assert [t.state for t in seen] == ["starting", "failed"]
+    assert seen[-1].detail == "the engine was killed by signal 9 (SIGKILL)"
+    assert seen[-1].output_tail == ("about to go",)
+
+
+def test_the_exit_text_for_each_kind_of_ending() -> None:
+    assert how_it_ended(3) == "the engine exited with status 3"
+    assert how_it_ended(-15) == "the engine was killed by signal 15 (SIGTERM)"
+    assert how_it_ended(-40) == "the engine was killed by signal 40"  # a real-time signal: no name
+    assert how_it_ended(137) == "the engine exited with status 137"  # no shell between: its own code
+    assert how_it_ended(None) == "the engine exited"  # adopted: not our child, no status
 
 
 async def test_stop_kills_the_whole_group_even_when_sigterm_is_ignored() -> None:

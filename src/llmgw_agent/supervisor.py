@@ -284,11 +284,10 @@ class EngineProcess:
                 nursery.cancel_scope.cancel()
             final_reported = True
             await self._end_group(handle)
-            status = "" if code is None else f" with status {_describe(code)}"
             why = (
                 f"the engine did not become healthy within {self.start_timeout_s:g} s"
                 if self._gave_up
-                else f"the engine exited{status}"
+                else how_it_ended(code)
             )
             await self.report(
                 Transition(
@@ -403,10 +402,17 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
-def _describe(code: int) -> str:
+def how_it_ended(code: int | None) -> str:
+    """The failure text for an engine's exit status (None: an adopted engine is no child of
+    this agent, its status is not ours to read). The engine is launched without a shell, so
+    a signal death is a negative status; a status of 128+N is the engine's own exit code,
+    told as it is (a wrapper script's shell may mean signal N by it, or not)."""
+    if code is None:
+        return "the engine exited"
     if code < 0:
         try:
-            return f"{code} ({signal.Signals(-code).name})"
+            name = f" ({signal.Signals(-code).name})"
         except ValueError:
-            return str(code)
-    return str(code)
+            name = ""
+        return f"the engine was killed by signal {-code}{name}"
+    return f"the engine exited with status {code}"
