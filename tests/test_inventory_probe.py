@@ -146,9 +146,33 @@ def test_version_commands() -> None:
     assert version_command("sglang", ["sglang", "serve"]) == ["sglang", "version"]
 
 
-def test_a_python_engine_without_sglang_is_not_found() -> None:
+def test_a_python_engine_without_sglang_is_not_found_and_says_so_plainly() -> None:
     info = engine_info("sglang", [sys.executable, "-m", "sglang.launch_server"])
-    assert not info.found and "exited 1" in info.version
+    # The interpreter runs; what it lacks is the package (not "python3 --version exited 1").
+    assert (info.found, info.version) == (False, f"{sys.executable} has no sglang package")
+    # Launcher arguments after the module do not hide it.
+    info = engine_info("sglang", [sys.executable, "-m", "sglang.launch_server", "--log-level", "info"])
+    assert (info.found, info.version) == (False, f"{sys.executable} has no sglang package")
+
+
+def test_a_failed_version_probe_names_what_ran_and_what_it_said(tmp_path: Path) -> None:
+    broken = tmp_path / "vllm"
+    broken.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named torch' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    info = engine_info("vllm", [str(broken)])
+    assert (info.found, info.version) == (
+        False,
+        f"{broken} --version exited with status 1: ModuleNotFoundError: No module named torch",
+    )
+    # An interpreter that cannot even look sglang up is told apart from one without it.
+    python = tmp_path / "python3"
+    python.write_text("#!/bin/sh\necho 'Fatal Python error: init_fs_encoding' >&2\nexit 1\n")
+    python.chmod(0o755)
+    info = engine_info("sglang", [str(python), "-m", "sglang.launch_server"])
+    assert info.version == (
+        f"{python}'s lookup of the sglang package exited with status 1: "
+        "Fatal Python error: init_fs_encoding"
+    )
 
 
 def test_an_installed_sglang_is_found_with_its_version(

@@ -129,18 +129,50 @@ _VERSION_LABEL = re.compile(r"(?:^|\s)version:\s*(\S.*)$", re.IGNORECASE)
 _BARE_VERSION = re.compile(r"^v?\d+(\.\d+)+\S*$")
 
 
+# The sglang probe's own exit status for "this interpreter has no sglang package": Python
+# exits 1 for an uncaught error and 2 for a usage error, so 3 means only this.
+_NO_SGLANG = 3
+_SGLANG_VERSION = (
+    "import importlib.metadata as m, sys\n"
+    "try: v = m.version('sglang')\n"
+    f"except m.PackageNotFoundError: sys.exit({_NO_SGLANG})\n"
+    "print('sglang version: ' + v)"
+)
+
+
+def _sglang_interpreter(name: str, command: Sequence[str]) -> list[str] | None:
+    """The interpreter (and its options) of a `python -m sglang.launch_server` command."""
+    if name != "sglang":
+        return None
+    for i in range(1, len(command) - 1):
+        if command[i] == "-m" and command[i + 1] == "sglang.launch_server":
+            return list(command[:i])
+    return None
+
+
 def version_command(name: str, command: Sequence[str]) -> list[str]:
     """How to ask an engine's program for its version. `sglang.launch_server` has no
     --version (it would exit 2 for want of --model-path); the package's metadata says it."""
-    if name == "sglang" and tuple(command[-2:]) == ("-m", "sglang.launch_server"):
-        return [
-            *command[:-2],
-            "-c",
-            "import importlib.metadata as m; print('sglang version: ' + m.version('sglang'))",
-        ]
+    interpreter = _sglang_interpreter(name, command)
+    if interpreter is not None:
+        return [*interpreter, "-c", _SGLANG_VERSION]
     if name == "sglang" and tuple(command[-1:]) == ("serve",):  # the `sglang serve` CLI
         return [*command[:-1], "version"]
     return [*command, "--version"]
+
+
+def _why_not_found(name: str, command: Sequence[str], code: int, lines: Sequence[str]) -> str:
+    """What the version probe's failure says, naming what really ran: the interpreter's
+    metadata lookup for sglang, else the program's version command; with its last line."""
+    program = command[0]
+    if _sglang_interpreter(name, command) is not None:
+        if code == _NO_SGLANG:
+            return f"{program} has no sglang package"
+        ran = f"{program}'s lookup of the sglang package"
+    else:
+        ran = " ".join(version_command(name, command))
+    said = f": {lines[-1][:100]}" if lines else ""
+    return f"{ran} exited with status {code}{said}"
 
 
 def version_from(lines: Sequence[str]) -> str:
@@ -181,7 +213,7 @@ def engine_info(
     lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     if done.returncode != 0:
         return EngineInfo(
-            name, found=False, version=f"{program} --version exited {done.returncode}"
+            name, found=False, version=_why_not_found(name, command, done.returncode, lines)
         )
     return EngineInfo(name, found=True, version=version_from(lines))
 
