@@ -143,6 +143,31 @@ def test_agent_state_dir_default_is_absolute(layout: Path) -> None:
     assert config.state_dir == Path("/var/lib/llmgw-agent")
 
 
+def test_a_missing_inventory_file_is_an_error_of_the_agent_config_and_its_key(
+    layout: Path,
+) -> None:
+    path = _agent(layout, 'inventory_file = "nope.toml"\n')
+    # Said as written and as resolved: from the config's directory, not the working one.
+    expected = f"{path}: inventory_file: nope.toml: no such file (resolved to {layout / 'nope.toml'})"
+    with pytest.raises(ConfigError) as raised:
+        load_agent_config(path)
+    assert str(raised.value) == expected
+    # The agent's start says it so, before probing anything (exit 2, one line).
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw_agent", "--config", str(path)],
+        cwd="/", capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert (done.returncode, done.stderr) == (2, f"llmgw-agent: config error: {expected}\n")
+    # An absolute path needs no resolving; a directory is no inventory.
+    absent = layout / "absent.toml"
+    with pytest.raises(ConfigError) as raised:
+        load_agent_config(_agent(layout, f'inventory_file = "{absent}"\n'))
+    assert str(raised.value) == f"{path}: inventory_file: {absent}: no such file"
+    with pytest.raises(ConfigError) as raised:
+        load_agent_config(_agent(layout, 'inventory_file = "tls"\n'))
+    assert str(raised.value) == f"{path}: inventory_file: tls: is not a file (resolved to {layout / 'tls'})"
+
+
 def test_server_check_config_from_another_directory(layout: Path) -> None:
     """The command line, as a service manager runs it: the working directory is /."""
     done = subprocess.run(

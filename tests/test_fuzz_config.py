@@ -138,7 +138,8 @@ VALID_AGENT: dict[str, Any] = {
     "state_dir": "/tmp/x",
     "labels": {"pool": "prod"},
     "fabric": {"ib_domain": "a"},
-    "inventory_file": "conf/sim/node-2xl4.toml",
+    # Absolute: the agent's config checks that the file is there, whatever the working directory.
+    "inventory_file": str(Path(__file__).parent.parent / "conf" / "sim" / "node-2xl4.toml"),
     "engines": {"mock": {"command": ["python3"], "env": {"A": "1"}}},
     "ports": {"min": 20000, "max": 20999},
     "reconnect": {"base_s": 0.5, "cap_s": 30.0},

@@ -17,6 +17,7 @@ from llmgw_core.config import is_loopback
 from llmgw_core.config_schema import (
     CONVERTER,
     Problem,
+    read_path,
     read_text,
     reading_base_dir,
     rule_after,
@@ -111,6 +112,19 @@ def _a_host(host: str) -> str:
     return host
 
 
+def _inventory_file(value: object) -> Path:
+    """Checked with the config, not when the node is probed: a missing file is an error of
+    this key, said as written and as resolved (a relative path is taken from the config's
+    directory, which is easily taken for the working directory). What the file says is
+    `read_simulated`'s to check, naming that file."""
+    path = read_path(value)
+    if not path.is_file():
+        resolved = "" if str(value) == str(path) else f" (resolved to {path})"
+        problem = "is not a file" if path.exists() else "no such file"
+        raise Problem(f"{value}: {problem}{resolved}")
+    return path
+
+
 @attrs.frozen
 class AgentConfig:
     """Relative paths (state_dir, inventory_file, [tls] files, an engine program given as
@@ -121,7 +135,7 @@ class AgentConfig:
     server: str = attrs.field(metadata=rules(check=_server_url))
     insecure: bool = False  # a plaintext ws:// server, said explicitly
     tls: AgentTLS = attrs.field(factory=AgentTLS)
-    inventory_file: Path | None = None
+    inventory_file: Path | None = attrs.field(default=None, metadata=rules(parse=_inventory_file))
     engines: dict[str, EngineCommand] = attrs.field(
         factory=lambda: {kind: EngineCommand(c) for kind, c in DEFAULT_COMMANDS.items()},
         metadata=rules(parse=_engines),
