@@ -21,7 +21,7 @@ from llmgw_core.agent_lane import (
     come_back_s,
 )
 from llmgw_core.certs import init_ca, issue_node
-from llmgw_core.config import parse_config
+from llmgw_core.config import Config, parse_config
 from llmgw_core.dial import ConnectFailed, Target, dial, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.tls_config import AgentsTLS, server_context
@@ -520,24 +520,7 @@ async def test_40_silent_connections_leave_the_admin_api_and_new_agents_served(
     """Finding 3: 40 silent TCP connections, redialled when closed, took the port
     offline (32 handshake slots, each held 10 s; a queue shed after 2 s)."""
     certs = tmp_path / "certs"
-    init_ca(certs)
-    crt, key, _ = issue_node(certs, "new-node")
-    config = parse_config(
-        {
-            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
-            "agents": {
-                "ca": str(certs / "ca.crt"),
-                "cert": str(certs / "server.crt"),
-                "key": str(certs / "server.key"),
-            },
-            "models": [
-                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
-            ],
-        },
-        "<test>",
-    )
-    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-    agent_tls.load_cert_chain(str(crt), str(key))
+    config, agent_tls = control_plane_with_a_node(certs)
     stop = trio.Event()
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -574,6 +557,30 @@ async def test_40_silent_connections_leave_the_admin_api_and_new_agents_served(
                 await trio.sleep(1.0)
             stop.set()
             nursery.cancel_scope.cancel()
+
+
+def control_plane_with_a_node(certs: Path) -> tuple[Config, ssl.SSLContext]:
+    """A fleet CA in `certs`, a control plane's config over mutual TLS (one placed model),
+    and the TLS context of an agent with a certificate for the node `new-node`."""
+    init_ca(certs)
+    crt, key, _ = issue_node(certs, "new-node")
+    config = parse_config(
+        {
+            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
+            "agents": {
+                "ca": str(certs / "ca.crt"),
+                "cert": str(certs / "server.crt"),
+                "key": str(certs / "server.key"),
+            },
+            "models": [
+                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
+            ],
+        },
+        "<test>",
+    )
+    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    agent_tls.load_cert_chain(str(crt), str(key))
+    return config, agent_tls
 
 
 async def agent_handshake(port: int, certs: Path) -> trio.SSLStream[trio.SocketStream]:

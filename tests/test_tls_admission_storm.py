@@ -14,12 +14,11 @@ from pathlib import Path
 import httpx
 import trio
 
-from llmgw_core.certs import init_ca, issue_node
-from llmgw_core.config import parse_config
 from llmgw_core.dial import open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import MAX_FRAME_BYTES, PROTOCOL, Register, Welcome, decode_down, encode
 from llmgw_server.wiring import Running, main
+from test_tls_admission import control_plane_with_a_node
 
 STALLERS = 300
 ADDRESSES = 8  # 127.0.0.2 to 127.0.0.9
@@ -82,25 +81,8 @@ async def test_admin_requests_are_answered_while_300_stalled_hellos_from_8_addre
     tmp_path: Path,
 ) -> None:
     certs = tmp_path / "certs"
-    init_ca(certs)
-    crt, key, _ = issue_node(certs, "new-node")
-    config = parse_config(
-        {
-            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
-            "agents": {
-                "ca": str(certs / "ca.crt"),
-                "cert": str(certs / "server.crt"),
-                "key": str(certs / "server.key"),
-            },
-            "models": [
-                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
-            ],
-        },
-        "<test>",
-    )
+    config, agent_tls = control_plane_with_a_node(certs)
     trust = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-    agent_tls.load_cert_chain(str(crt), str(key))
     stop = trio.Event()
     answered: list[float] = []
     failed: list[str] = []
