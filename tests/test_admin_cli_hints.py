@@ -42,14 +42,21 @@ def test_a_certificate_without_the_name_dialed_gets_the_agents_advice_not_the_ca
     assert "(certs init --host)" in err and "is it the fleet's CA?" not in err
 
 
-def test_the_router_port_answering_no_route_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "said",
+    [
+        "llmgw: no such route /v1/admin/status",  # test_request_hints reads the router's
+        "no route /v1/admin/status",  # an older router's
+    ],
+)
+def test_the_router_port_answering_no_route_is_named(
+    capsys: pytest.CaptureFixture[str], said: str
+) -> None:
     request = httpx.Request("GET", "http://127.0.0.1:8080/v1/admin/status")
-    routers = httpx.Response(
-        404, json={"error": {"message": "no route /v1/admin/status"}}, request=request
-    )
+    routers = httpx.Response(404, json={"error": {"message": said}}, request=request)
     assert admin_cli._failed(routers, None) == 1
     assert capsys.readouterr().err.strip() == (
-        "llmgw-server: no route /v1/admin/status (this looks like the router's port: "
+        f"llmgw-server: {said} (this looks like the router's port: "
         "--control takes the control plane's, [server] control_listen, 8081 by default)"
     )
     # The control port's own 404s are left as they are.

@@ -225,7 +225,14 @@ class Table:
 
 
 def did_you_mean(key: str, known: Iterable[str]) -> str:
-    import difflib
+    close = closest(key, known)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+
+def closest(word: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The one of `known` that `word` is likely a misspelling of, or None: the rule for
+    every "did you mean", of a config key and of a request's model or path alike."""
+    import difflib  # only on the way to an error
+
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=cutoff)
+    return close[0] if close else None

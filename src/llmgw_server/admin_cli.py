@@ -366,6 +366,10 @@ class _Failed(Exception):
         self.response = response
 
 
+# The router's own 404 for an admin path, and an older router's (a CLI may be upgraded first).
+_ROUTERS_404 = ("llmgw: no such route /v1/admin/", "no route /v1/admin/")
+
+
 def _failed(response: httpx.Response, token: str | None) -> int:
     """0 for a 200; else say what went wrong and return 1."""
     if response.status_code == 200:
@@ -382,7 +386,7 @@ def _failed(response: httpx.Response, token: str | None) -> int:
         )
     elif response.status_code == 409:
         message += " (--force drains anyway: those replicas are stopped without a replacement)"
-    elif response.status_code == 404 and message.startswith("no route /v1/admin/"):
+    elif response.status_code == 404 and message.startswith(_ROUTERS_404):
         # The control port knows every /v1/admin/ path; the router's port knows none.
         message += (
             " (this looks like the router's port: --control takes the control plane's, "

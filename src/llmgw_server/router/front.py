@@ -19,6 +19,7 @@ from llmgw_core.config import Config, ServerSection
 from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import ANTHROPIC
 from llmgw_core.ratelog import RateLimit
+from llmgw_core.tomlshape import closest, did_you_mean
 from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.access_log import (
@@ -388,7 +389,10 @@ class Router:
         elif is_stored_path(path):
             await self._stored(request, responder, digest)
         elif request.method not in (b"GET", b"HEAD"):
-            await responder.error(405 if path in _GET_PATHS else 404, "no such route")
+            if path in _GET_PATHS:
+                await responder.error(405, f"{path.decode()} takes GET")
+            else:
+                await responder.error(404, _no_route(path, self.routes.relayed | _GET_PATHS))
         elif path == b"/v1/models":
             allowed = self._authorized(digest)
             if allowed is False:
@@ -406,7 +410,7 @@ class Router:
             page = self.render_metrics() if self.metrics_page is None else await self.metrics_page()
             await responder.whole(200, page, [(b"content-type", b"text/plain; version=0.0.4")])
         else:
-            await responder.error(404, f"no route {path.decode(errors='replace')}")
+            await responder.error(404, _no_route(path, self.routes.relayed | _GET_PATHS))
 
     def _authorized(self, digest: str | None) -> frozenset[str] | Literal[False] | None:
         """False: no valid key; None: every model; else the models the key may use."""
@@ -432,6 +436,13 @@ class Router:
                 owner = (self.cards.get(base) or plain_card(base))["owned_by"]
                 data.append({**plain_card(name), "owned_by": owner, "root": name, "parent": base})
         return json.dumps({"object": "list", "data": data}).encode()
+
+    def _model_hint(self, model: str, allowed: frozenset[str] | None) -> str:
+        """A "did you mean" among the models (adapters included) that this key may use and
+        the router serves, never one it may not: only on the way to a 403 or 404."""
+        balancers = self.balancers
+        names = [*balancers, *(a for a, base in self.adapters.items() if base in balancers)]
+        return did_you_mean(model, names if allowed is None else set(names) & allowed)
 
     def _readiness(self) -> dict[str, object]:
         return {
@@ -474,14 +485,16 @@ class Router:
             return
         responder.record.model = model
         if allowed is not None and model not in allowed:  # whether it exists or not
-            message = f"this API key may not use the model {model!r}"
+            hint = self._model_hint(model, allowed)
+            message = f"this API key may not use the model {model!r}{hint}"
             responder.message = message
             await responder.whole(403, responder.errors.body(403, message, "model_not_allowed"))
             return
         base = model if model in self.balancers else self.adapters.get(model, "")
         balancer = self.balancers.get(base)
         if balancer is None:
-            await responder.error(404, f"the model {model!r} does not exist")
+            hint = self._model_hint(model, allowed)
+            await responder.error(404, f"the model {model!r} does not exist{hint}")
             return
         meter = self.meters.get(base)
         if meter is not None:
@@ -615,7 +628,7 @@ class Router:
             return
         response_id = stored_path_id(request.path)
         if response_id is None:
-            await responder.error(404, f"no route {request.path.decode(errors='replace')}")
+            await responder.error(404, _no_route(request.path, frozenset()))
             return
         if request.method not in (b"GET", b"DELETE", b"POST"):
             await responder.error(405, "a stored response takes GET, DELETE or POST")
@@ -820,6 +833,23 @@ class Router:
 
 
 _GET_PATHS = frozenset({b"/v1/models", b"/healthz", b"/readyz", b"/metrics"})
+# How close a path must be to a served one to be named as meant: the relayed paths share
+# their /v1/ head, and at the default closeness /v1/admin/status reads as
+# /v1/audio/translations.
+_PATH_HINT_CUTOFF = 0.75
+
+
+def _no_route(path: bytes, served: frozenset[bytes]) -> str:
+    """The router's own 404, saying that llmgw answered it (an engine's own 404 is relayed
+    as it is), with the served path meant: most often the base URL lacked its /v1."""
+    text = path.decode(errors="replace")
+    meant = b"/v1" + path
+    hint = (
+        meant.decode()
+        if meant in served
+        else closest(text, (p.decode() for p in served), _PATH_HINT_CUTOFF)
+    )
+    return f"llmgw: no such route {text}" + (f" (did you mean {hint}?)" if hint else "")
 
 
 @attrs.frozen
