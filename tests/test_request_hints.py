@@ -115,6 +115,7 @@ async def test_a_path_not_served_says_llmgw_answered_and_names_the_path_likely_m
                 # [router] extra_paths too; with /v1 rather than the closer /rerank
                 ("POST", "/rank", "/v1/rank"),
                 ("GET", "/v1/model", "/v1/models"),
+                ("GET", "/models", "/v1/models"),  # llama.cpp's listing: no management path
                 ("POST", "/v1/chat/completion", "/v1/chat/completions"),  # a close spelling
                 ("POST", "/v1/v1/messages", "/v1/messages"),  # a base URL with /v1 twice
                 ("GET", "/v1/admin/status", None),  # the control plane's: nothing like it here

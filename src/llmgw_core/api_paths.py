@@ -112,7 +112,10 @@ MANAGEMENT_PATHS = frozenset(
         b"/slots",  # POST /slots/:id_slot?action=save&filename= writes files
         b"/lora-adapters",
         b"/v1/chat/completions/control",
-        b"/models",  # router mode: /models/load, /models/unload, DELETE /models
+        # router mode (GET /models only lists them, as /v1/models: the router answers
+        # that itself, and relays no GET)
+        b"/models/load",
+        b"/models/unload",
         b"/cors-proxy",
         b"/tools",
     }
