@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal
@@ -108,6 +109,9 @@ _REQUEST_ID = b"x-request-id"
 # A held request refused (its model's queue full, or no replica in hold_timeout_s) is
 # told to come back this much later: a waking engine may serve by then.
 HOLD_RETRY_AFTER_S = 5
+# A held stream's `: ping` comments come this often: well inside the idle timeouts of
+# proxies (nginx's and AWS ALB's are 60 s) and the read timeouts clients set.
+HELD_PING_S = 10.0
 _PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered, neither logged nor counted
 _CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 
@@ -139,6 +143,8 @@ class Router:
         self.adapters: dict[str, str] = {}
         # Each autoscaled model's meter and held requests (route feed; router.meter).
         self.meters: dict[str, ModelMeter] = {}
+        self._autoscaled: frozenset[str] = frozenset()  # the route feed's
+        self._start_hold: frozenset[str] = frozenset()  # see hold_at_start
         # What each engine holds, by its own KV-cache events (router.kv_feed), for
         # `balancing = "precise"`; with another policy, None.
         self.kv = KvIndex() if config.router.balancing == "precise" else None
@@ -225,7 +231,8 @@ class Router:
     def set_autoscaled(self, models: frozenset[str]) -> None:
         """Meter these models for the autoscaler, and hold their requests while none of
         their replicas serves; a model no longer autoscaled releases what it held."""
-        for model in [m for m in self.meters if m not in models]:
+        self._autoscaled = models
+        for model in [m for m in self.meters if m not in models and m not in self._start_hold]:
             self.meters.pop(model).may_serve()
         for model in models:
             if model not in self.meters:
@@ -236,6 +243,8 @@ class Router:
         now = trio.current_time()
         report = {}
         for model, meter in self.meters.items():
+            if model not in self._autoscaled:
+                continue  # held at start alone (hold_at_start): not the autoscaler's
             balancer = self.balancers.get(model)
             readings = [
                 r.engine_load.kv_usage
@@ -528,13 +537,15 @@ class Router:
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
             if meter is not None and not balancer.healthy_count:
+                stream = body.get("stream") is True
                 # Held with its raw body alone, not beside its parsed form (about twice
                 # its size) nor the prompt's whole text: parsed again once a replica may
                 # serve (`body_for` reads `body` then).
                 body = parsed = {}
                 if prompt is not None:
                     prompt = attrs.evolve(prompt, text=prompt.text[: prompt.size])
-                if not await self._held(model, balancer, meter, responder, len(request.body)):
+                size = len(request.body)
+                if not await self._held(model, balancer, meter, responder, size, stream):
                     return
                 if kind is Kind.JSON:
                     body = json.loads(request.body)  # valid: it was parsed before
@@ -574,11 +585,18 @@ class Router:
         meter: ModelMeter,
         responder: RecordingResponder,
         size: int,
+        stream: bool,
     ) -> bool:
         """Hold a request for an autoscaled model that no replica serves (scaled to zero,
         or all starting) until one does, oldest first: True once one may serve it; False
         when it was answered 503 with Retry-After (the model's queue or a byte budget is
-        full, or `hold_timeout_s` passed). `size`: its body's bytes."""
+        full, or `hold_timeout_s` passed). `size`: its body's bytes.
+
+        A `stream` request, once held, is sent its answer's head and a comment at once,
+        then a `: ping` every HELD_PING_S: its client sees bytes while the model wakes
+        (and a proxy's idle timeout is not reached); past `hold_timeout_s` its stream ends
+        with an error event, and the engine's answer is relayed as events after it
+        (RecordingResponder.early)."""
         tuning = self.tuning
         held_bytes = sum(m.held_bytes for m in self.meters.values())
         refused = hold_refusal(model, meter, size, held_bytes, tuning)
@@ -594,8 +612,16 @@ class Router:
         started = trio.current_time()
         try:
             with trio.move_on_after(tuning.hold_timeout_s):
+                if stream:
+                    await responder.start_early()
+                    waiting = f"waiting for a replica of {escaped(model)} to start"
+                    await responder.comment(waiting.encode())
+                ping_s = HELD_PING_S if stream else math.inf
                 while self.meters.get(model) is meter and not balancer.healthy_count:
-                    await meter.wait_served()
+                    with trio.move_on_after(ping_s) as waited:
+                        await meter.wait_served()
+                    if waited.cancelled_caught:
+                        await responder.comment(b"ping")
                 return True
         finally:
             meter.held -= 1
@@ -771,6 +797,15 @@ class Router:
         headers = _end_to_end(exchange.headers)
         if exchange.status >= 500:  # an answer such as 501, relayed as the engine gave it
             self._log_5xx(model, replica, exchange.status, "relayed the engine's answer")
+        if responder.early and not 200 <= exchange.status < 300:
+            # A held stream's head went out: the engine's refusal ends it as an error event.
+            try:
+                body = await exchange.read_body(_ERROR_BODY_LIMIT)
+            except UpstreamError:
+                body = b""
+            said = body or b"the engine answered %d" % exchange.status
+            await responder.whole(exchange.status, said)
+            return
         length = exchange.content_length
         framed = length is not None
         if length is not None and length <= _WHOLE_LIMIT:

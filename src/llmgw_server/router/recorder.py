@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -20,6 +21,16 @@ log = logging.getLogger("llmgw.router")
 
 _USAGE_KEY = b'"usage"'
 _REQUEST_ID = b"x-request-id"
+# The head of a stream answered before its engine does (a request held while its model
+# wakes): an event stream, which proxies neither cache nor buffer (nginx reads
+# X-Accel-Buffering), so the comments that follow reach the client as they are sent.
+EARLY_STREAM_HEAD = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+# An engine's error text, as much as an error event quotes of one that is not JSON.
+_QUOTED_ERROR_CHARS = 512
 
 
 def new_request_id() -> str:
@@ -39,7 +50,7 @@ class RecordingResponder(Responder):
     Messages stream's first event counts its input, its last one its output.
     """
 
-    __slots__ = ("_added", "_arrived", "errors", "inner", "message", "record")
+    __slots__ = ("_added", "_arrived", "early", "errors", "inner", "message", "record")
 
     def __init__(
         self,
@@ -57,6 +68,9 @@ class RecordingResponder(Responder):
         self.head = inner.head
         self.closing = inner.closing
         self.started = False
+        # A stream's head (200, an event stream) went out while the request was held:
+        # what follows can only be body events; an error becomes an error event.
+        self.early = False
         self._arrived = arrived  # time.monotonic() when the request arrived
         # The request id, then the router's own (a worker's name): in every answer's head.
         self._added = ((_REQUEST_ID, record.request_id.encode()), *added)
@@ -80,7 +94,22 @@ class RecordingResponder(Responder):
                 if completion is not None:
                     record.completion_tokens = completion
 
+    async def start_early(self) -> None:
+        """Send a stream's head now, before any engine answers: see `early`."""
+        await self.start(200, EARLY_STREAM_HEAD)
+        self.early = True
+
+    async def comment(self, text: bytes) -> None:
+        """An SSE comment line (`: text`), which clients skip: bytes on the wire while
+        the request waits. Counted as sent, not as the answer's first byte."""
+        data = b": " + text + b"\n\n"
+        if not self.head:
+            self.record.bytes_sent += len(data)
+        await self.inner.send(data)
+
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.early:  # sent already: the engine's own status and headers cannot be
+            return
         self.record.status = status
         self.started = True
         await self.inner.start(status, self._headers(headers))
@@ -99,6 +128,9 @@ class RecordingResponder(Responder):
     async def whole(
         self, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = JSON
     ) -> None:
+        if self.early:
+            await self._after_early_head(status, body)
+            return
         self.record.status = status
         self.started = True
         self._body(body)
@@ -108,12 +140,36 @@ class RecordingResponder(Responder):
         self.message = message
         await self.whole(status, self.errors.body(status, message, None))
 
+    async def _after_early_head(self, status: int, body: bytes) -> None:
+        """A whole answer after the early head: its body as the stream's events, or an
+        error answer as the error event that ends the stream (the access log keeps its
+        status: the client's 200 said only that the stream began)."""
+        if 200 <= status < 300:
+            await self.send(body)
+        else:
+            self.record.status = status
+            await self.inner.send(self.errors.event(status, _error_message(body)))
+        await self.end()
+
     async def abort(self) -> None:
         await self.inner.abort()
 
     async def send_raw(self, data: bytes) -> None:
         self.started = True
         await self.inner.send_raw(data)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an error answer in OpenAI's or Anthropic's shape (both put it in
+    `error.message`), else its text."""
+    try:
+        parsed = json.loads(body)
+        message = parsed["error"]["message"]
+        if isinstance(message, str):
+            return message
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+        pass
+    return body[:_QUOTED_ERROR_CHARS].decode("utf-8", "replace")
 
 
 class LineWriter:
