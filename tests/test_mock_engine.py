@@ -133,7 +133,10 @@ def test_model_off_reports_nothing_and_costs_nothing(procs: Procs) -> None:
     answer = httpx.post(engine.url + "/v1/completions", json={"model": "m", "prompt": "a b c"})
     assert "x-mock-ttft-ms" not in answer.headers
     assert answer.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-    assert httpx.get(engine.url + "/mock/stats").json() == {"model": None, "requests": []}
+    stored = {"stored": 0, "bytes": 0, "dropped": 0}
+    assert httpx.get(engine.url + "/mock/stats").json() == {
+        "model": None, "requests": [], "stored_responses": stored
+    }  # fmt: skip
     assert httpx.post(engine.url + "/mock/reset").status_code == 409
     assert "vllm:prefix_cache_queries_total" not in httpx.get(engine.url + "/metrics").text
 

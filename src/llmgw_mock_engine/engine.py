@@ -31,7 +31,7 @@ import sys
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -40,6 +40,7 @@ import trio
 from llmgw_core.engines import LORA_RANKS
 from llmgw_core.openai_errors import error_body
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_mock_engine import messages_api
 from llmgw_mock_engine.kv_events import ENCODINGS, BatchEncoder, KvEventsConfig, token_ids
 from llmgw_mock_engine.scheduler import (
     Admission,
@@ -48,6 +49,9 @@ from llmgw_mock_engine.scheduler import (
     Scheduler,
     prompt_tokens,
 )
+from llmgw_mock_engine.text_apis import MESSAGES as MESSAGES_PATH
+from llmgw_mock_engine.text_apis import PATHS as TEXT_API_PATHS
+from llmgw_mock_engine.text_apis import TextApis
 
 if TYPE_CHECKING:
     from llmgw_mock_engine.kv_publisher import KvEventPublisher
@@ -372,6 +376,9 @@ _TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+_INFERENCE_PATHS = (
+    b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings", *TEXT_API_PATHS
+)  # fmt: skip
 _RECORDS_KEPT = 100_000  # per-request records in /mock/stats, the oldest dropped first
 
 
@@ -390,6 +397,33 @@ class _Turn:
     def token_at(self, index: int) -> float:
         """When the answer's token `index` (from 0) is ready."""
         return self.first_token_at + (index / self.decode_tps if self.decode_tps > 0 else 0.0)
+
+
+@attrs.define
+class Generation:
+    """An answer the Responses and Messages APIs send: the words a chat completion of
+    the same messages gets, paced as it is (by the scheduler model's turn when it is on)."""
+
+    words: Iterator[str]
+    prompt_tokens: int
+    cached_tokens: int | None  # None with the scheduler model off: nothing to report
+    turn: _Turn | None
+    pace: Callable[[int], Awaitable[None]]
+
+    async def each(self) -> AsyncIterator[str]:
+        """Each piece of text as it is ready (a word, after the first with its space)."""
+        for i, word in enumerate(self.words):
+            if self.turn:
+                await trio.sleep_until(self.turn.token_at(i))
+                self.turn.emitted.append(word)
+            else:
+                await self.pace(1)
+            yield word if i == 0 else " " + word
+        if self.turn:
+            self.turn.completed = True
+
+    async def whole(self) -> str:
+        return "".join([piece async for piece in self.each()])
 
 
 class _Modelled:
@@ -452,6 +486,22 @@ class MockEngine:
             recording = settings.kv_events is not None
             self.modelled = _Modelled(model, Scheduler(model, record_events=recording))
         self.kv_publisher: KvEventPublisher | None = None  # set by main() once open
+        self.text_apis = TextApis(self)
+
+    @contextlib.asynccontextmanager
+    async def generation(self, chat: dict[str, Any], count: int) -> AsyncIterator[Generation]:
+        """The answer of `count` tokens to the chat request `chat` (its model and
+        messages), through the scheduler model when it is on (PromptTooLong when the
+        prompt cannot fit)."""
+        words = _words(_seed_of(chat, self.settings.lora_modules), count)
+        tokens = prompt_tokens(chat)
+        if self.modelled is None:
+            yield Generation(words, len(tokens), None, None, self._pace)
+            return
+        model = chat.get("model")
+        lora = model if isinstance(model, str) and model in self.settings.lora_modules else None
+        async with self._scheduled(self.modelled, tokens, count, lora) as turn:
+            yield Generation(words, turn.prompt_tokens, turn.cached_tokens, turn, self._pace)
 
     def _publish_kv_events(self) -> None:
         """Publish what the scheduler model's cache did in the step just taken, as one
@@ -485,6 +535,7 @@ class MockEngine:
             stats = self.modelled.stats() if self.modelled else {"model": None, "requests": []}
             if self.kv_publisher is not None:
                 stats["kv_events"] = self.kv_publisher.stats()
+            stats["stored_responses"] = self.text_apis.stats()
             await responder.whole(200, json.dumps(stats).encode())
             return
         if path == b"/mock/reset" and request.method == b"POST":
@@ -497,8 +548,12 @@ class MockEngine:
             else:
                 await self._tokenize(request, responder)
             return
-        if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
-            await responder.error(404, f"no route {path.decode(errors='replace')}")
+        if path.startswith(b"/v1/responses/"):
+            await self.text_apis.stored(request, responder)
+            return
+        if path not in _INFERENCE_PATHS:
+            # Said to be the engine's: a client must not read it as llmgw lacking the path.
+            await responder.error(404, f"mock engine: no route {path.decode(errors='replace')}")
             return
         if path.decode() in self.settings.unsupported:
             # llama-server's answer to /v1/embeddings when started without --embeddings.
@@ -528,12 +583,19 @@ class MockEngine:
             return
         model = asked.get("model")
         if model not in settings.served_model_names and model not in settings.lora_modules:
-            await responder.error(404, f"the model {model!r} does not exist")
+            message = f"the model {model!r} does not exist"
+            if path.startswith(MESSAGES_PATH):
+                await responder.whole(404, messages_api.error(404, message))
+            else:
+                await responder.error(404, message)
             return
         self.running += 1
         try:
             if path == b"/v1/embeddings":
                 await self._embeddings(asked, responder)
+            elif path in TEXT_API_PATHS:
+                request_id = request.header(b"x-request-id")
+                await self.text_apis.create(path, asked, responder, request_id)
             else:
                 await self._generate(path == b"/v1/chat/completions", asked, responder)
             self.served += 1
