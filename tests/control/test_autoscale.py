@@ -144,6 +144,32 @@ def test_to_zero_when_idle_and_woken_by_a_held_request() -> None:
     assert (woken.desired, woken.reason) == (1, Reason.WOKEN)
 
 
+def test_its_words_name_the_load_under_load_and_the_wait_while_waking() -> None:
+    """Issue 36: under steady load a min = 0 model said "at its floor" (the floor is 0),
+    and "steady: at its floor" while requests were held for its first replica."""
+    spec = _spec(min=0, target_in_flight=4.0, idle_to_zero_s=60.0)
+    scaler = Autoscaler.start(spec, 0.0, 2)
+    down = scaler.decide(ModelLoad(in_flight=3, last_request_at=300), 300.0)
+    assert (down.desired, down.reason) == (1, Reason.IN_FLIGHT)
+    assert down.detail == "3 in flight, target 4 a replica: wants 1"
+    woken = need_now(spec, ModelLoad(held=2, last_request_at=0), 0, 0)
+    assert (woken.replicas, woken.reason, woken.detail) == (1, Reason.WOKEN, "2 request(s) held")
+    waking = need_now(spec, ModelLoad(held=2, last_request_at=0), 1, 0)
+    assert (waking.reason, waking.detail) == (
+        Reason.WOKEN,
+        "2 request(s) held until a replica serves",
+    )
+    kv_only = _spec(min=0, target_kv_use=0.8, idle_to_zero_s=60.0)
+    busy = need_now(kv_only, ModelLoad(in_flight=2, last_request_at=0), 1, 0)
+    assert (busy.replicas, busy.reason, busy.detail) == (
+        1,
+        Reason.STEADY,
+        "2 in flight: at least 1",
+    )
+    quiet = need_now(_spec(min=2, target_in_flight=4.0), ModelLoad(last_request_at=0), 2, 0)
+    assert (quiet.replicas, quiet.detail) == (2, "at its floor (2)")
+
+
 def test_each_target_asks_what_it_needs_within_max() -> None:
     spec = _spec(target_kv_use=0.8, ttft_p90_ms=500.0, max=4)
     assert need_now(spec, ModelLoad(kv_use=0.96, last_request_at=0), 2, 0).replicas == 3

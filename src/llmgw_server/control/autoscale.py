@@ -58,6 +58,9 @@ class Reason(enum.StrEnum):
     STEADY = "steady"
 
 
+_TARGETS = frozenset({Reason.IN_FLIGHT, Reason.KV_USE, Reason.TTFT})
+
+
 @attrs.frozen(slots=True)
 class Need:
     """What the readings need now, and which target said so."""
@@ -82,11 +85,16 @@ def need_now(spec: Autoscale, load: ModelLoad, current: int, now: float) -> Need
         return Need(0, Reason.IDLE, f"no request for {spec.idle_to_zero_s:g} s")
     else:
         floor = max(spec.min, 1) if current else spec.min
-    if current == 0 and (load.held or load.in_flight):
-        woken = Need(max(floor, 1), Reason.WOKEN, f"{load.held} request(s) held")
+    # Woken while it had none, or still waking: a router holds requests only while no
+    # replica serves it there (the page said "steady" beside "0 -> 1" before, issue 36).
+    if load.held or (current == 0 and load.in_flight):
+        waiting = "" if current == 0 else " until a replica serves"
+        base = Need(max(floor, 1), Reason.WOKEN, f"{load.held} request(s) held{waiting}")
+    elif floor > spec.min:
+        base = Need(floor, Reason.STEADY, f"{load.in_flight} in flight: at least {floor}")
     else:
-        woken = Need(floor, Reason.STEADY, "at its floor")
-    needs = [woken]
+        base = Need(floor, Reason.STEADY, f"at its floor ({spec.min})")
+    needs = []
     if spec.target_in_flight is not None:
         count = math.ceil((load.in_flight + load.held) / spec.target_in_flight - 1e-9)
         held = f" and {load.held} held" if load.held else ""
@@ -102,9 +110,14 @@ def need_now(spec: Autoscale, load: ModelLoad, current: int, now: float) -> Need
             needs.append(Need(current + 1, Reason.TTFT, detail))
         elif load.ttft_p90_ms > TTFT_HOLD_SHARE * spec.ttft_p90_ms:
             needs.append(Need(current, Reason.TTFT, detail))
-    top = max(needs, key=lambda n: n.replicas)  # the first of equals: the floor's
+    # The first of equals is said: a wake before the targets, the targets before the
+    # floor (under load, the reader wants the load's words, not "at its floor").
+    needs = [base, *needs] if base.reason is Reason.WOKEN else [*needs, base]
+    top = max(needs, key=lambda n: n.replicas)
     if top.replicas > spec.max:
         return Need(spec.max, Reason.BOUNDS, f"{top.detail}: wants {top.replicas}, max {spec.max}")
+    if top.reason in _TARGETS:
+        return attrs.evolve(top, detail=f"{top.detail}: wants {top.replicas}")
     return top
 
 
