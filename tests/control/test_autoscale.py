@@ -166,6 +166,8 @@ def test_its_words_name_the_load_under_load_and_the_wait_while_waking() -> None:
         Reason.STEADY,
         "2 in flight: at least 1",
     )
+    lately = need_now(spec, ModelLoad(last_request_at=0), 1, 30)
+    assert (lately.replicas, lately.detail) == (1, "kept until idle for 60 s")
     quiet = need_now(_spec(min=2, target_in_flight=4.0), ModelLoad(last_request_at=0), 2, 0)
     assert (quiet.replicas, quiet.detail) == (2, "at its floor (2)")
 

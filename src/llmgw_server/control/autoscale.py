@@ -90,8 +90,10 @@ def need_now(spec: Autoscale, load: ModelLoad, current: int, now: float) -> Need
     if load.held or (current == 0 and load.in_flight):
         waiting = "" if current == 0 else " until a replica serves"
         base = Need(max(floor, 1), Reason.WOKEN, f"{load.held} request(s) held{waiting}")
-    elif floor > spec.min:
+    elif floor > spec.min and load.in_flight:
         base = Need(floor, Reason.STEADY, f"{load.in_flight} in flight: at least {floor}")
+    elif floor > spec.min:  # min = 0, a replica up, no request lately
+        base = Need(floor, Reason.STEADY, f"kept until idle for {spec.idle_to_zero_s:g} s")
     else:
         base = Need(floor, Reason.STEADY, f"at its floor ({spec.min})")
     needs = []
