@@ -15,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -103,9 +105,12 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
         assert explain_line == cli_line.replace(" status", " explain demo-big")
         explained = subprocess.run(explain_line.split(), capture_output=True, text=True, timeout=20)
         assert explained.returncode == 0 and "nodes fit" in explained.stdout, explained.stderr
-        assert cli_line.replace(" status", " drain sim-node-1") in banner
+        drain_line = cli_line.replace(" status", " drain sim-node-1")
+        assert drain_line in banner
         page = f"https://127.0.0.1:{port + 1}/ui"
-        assert f"The fleet page, live: {page} (" in banner and str(work / "certs" / "ca.crt") in banner
+        assert (
+            f"The fleet page, live: {page} (" in banner and str(work / "certs" / "ca.crt") in banner
+        )
 
         # Each replica's line names the nodes and GPUs the control plane placed it on.
         assert len(status["replicas"]) == 3
@@ -132,6 +137,26 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
             answer = httpx.post(url, json=body, timeout=20).text
         assert answer.rstrip().endswith("data: [DONE]"), answer
 
+        # The drain the banner suggests is a make-before-break move: sim-node-1's replicas
+        # start on sim-node-2 before they stop, and demo-model answers all along.
+        assert {r["model"] for r in status["replicas"] if _on(r, "sim-node-1")} == {"demo-model"}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        answers = _ask_while(
+            url,
+            lambda: subprocess.run(drain_line.split(), capture_output=True, text=True, timeout=90),
+        )
+        drained, codes = answers
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        assert codes and set(codes) == {200}, codes
+        after = json.loads(
+            subprocess.run(
+                [*cli_line.split(), "--json"], capture_output=True, text=True, timeout=20
+            ).stdout
+        )
+        moved = [r for r in after["replicas"] if r["model"] == "demo-model"]
+        assert len(moved) == 2 and all(r["serving"] and _on(r, "sim-node-2") for r in moved)
+        assert not any(_on(r, "sim-node-1") for r in after["replicas"])
+
         engines = [json.loads(record.read_text())["pid"] for record in work.glob("*/shards/*.json")]
         assert len(engines) == 3
         demo.send_signal(signal.SIGTERM)
@@ -148,6 +173,33 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
             except subprocess.TimeoutExpired:
                 os.killpg(demo.pid, signal.SIGKILL)
                 demo.wait()
+
+
+def _on(replica: dict[str, Any], node: str) -> bool:
+    return any(s["node"] == node for s in replica["shards"])
+
+
+def _ask_while(
+    url: str, work: Callable[[], subprocess.CompletedProcess[str]]
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """`work`'s result, and the status of each request to demo-model sent one after
+    another while it ran."""
+    codes: list[int] = []
+    done = threading.Event()
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
+
+    def ask() -> None:
+        with httpx.Client(timeout=20) as client:
+            while not done.is_set():
+                codes.append(client.post(url, json=body).status_code)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    try:
+        return work(), codes
+    finally:
+        done.set()
+        asker.join(30)
 
 
 def _alive(pid: int) -> bool:
@@ -190,3 +242,57 @@ def test_demo_port_must_be_a_port(tmp_path: Path) -> None:
         assert (
             err.strip() == f"llmgw demo: LLMGW_DEMO_PORT={bad!r} must be a port from 1024 to 65434"
         )
+
+
+def test_demo_keeps_its_directory_on_request_and_its_configs_check(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    port = free_pair()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "llmgw_server.demo", "--keep", str(fleet)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "LLMGW_DEMO_PORT": str(port)},
+        start_new_session=True,
+    )
+    try:
+        banner = read_banner(demo)
+        assert f"Ctrl-C stops it all and keeps {fleet} (" in banner
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(30) == 0
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.stderr is not None
+    said = demo.stderr.read()
+    assert f"llmgw demo: kept {fleet}: run it again by hand with " in said, said
+    assert (fleet / "certs" / "ca.crt").is_file() and (fleet / "logs" / "server.log").is_file()
+    # The configs the docs' local-fleet recipe starts by hand are sound as kept.
+    checks = [("llmgw_server", "server.toml")] + [
+        ("llmgw_agent", f"{n}.toml") for n in ("sim-node-1", "sim-node-2")
+    ]
+    for package, config in checks:
+        assert f"-m {package} --config {fleet / config}" in said, said
+        done = subprocess.run(
+            [sys.executable, "-m", package, "check-config", str(fleet / config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, (config, done.stdout, done.stderr)
+
+
+def test_demo_keeps_only_a_new_or_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "something").write_text("mine")
+    for argv in (["--keep", str(tmp_path)], ["--keep"], ["--kept", "x"]):
+        demo = subprocess.run(
+            [sys.executable, "-m", "llmgw_server.demo", *argv],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ, "LLMGW_DEMO_PORT": str(free_pair())},
+        )
+        assert demo.returncode == 2 and demo.stdout == ""
+        assert demo.stderr.startswith("llmgw demo: "), demo.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["something"]

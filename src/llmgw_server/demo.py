@@ -6,7 +6,8 @@ adapter, all as separate processes. The router listens on $LLMGW_DEMO_PORT
 (default 8080) and the control plane on the port after it; both are checked free
 before anything starts. The engines take the 100 ports after those two. Everything
 lives in a temporary directory (certificates, the CA's key included, configs, logs)
-that is removed when the demo stops.
+that is removed when the demo stops; `--keep DIR` works in DIR instead and leaves it,
+for a local fleet started by hand (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ MOCK = f'["{sys.executable}", "-m", "llmgw_mock_engine"]'
 PORT_ENV = "LLMGW_DEMO_PORT"
 NODES = (("sim-node-1", "node-2xl4.toml"), ("sim-node-2", "node-8xh100.toml"))
 READY_TIMEOUT_S = 60.0
+# The control plane places nothing for this long after its start, so that both agents have
+# registered (they are started once it listens): best fit then puts demo-model's replicas on
+# sim-node-1's L4s and demo-big on sim-node-2, and draining sim-node-1 moves them.
+SETTLE_S = 6
 ENGINE_PORTS = 100  # the control plane asks for at least 64
 
 
@@ -109,9 +114,37 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def drain_target(status: StatusDoc) -> str:
+    """The node the banner suggests draining: one whose replicas all fit elsewhere, so that
+    the drain shows a make-before-break move (demo-big fits only on sim-node-2)."""
+    held: dict[str, set[str]] = {}
+    for r in status.replicas:
+        for s in r.shards:
+            held.setdefault(s.node, set()).add(r.model)
+    for name, _ in NODES:
+        if held.get(name) and "demo-big" not in held[name]:
+            return name
+    return NODES[0][0]
+
+
+def keep_dir(argv: Sequence[str]) -> Path | None:
+    """The directory of `--keep DIR`: the demo works there and leaves it behind (configs,
+    certificates, logs) for a local fleet run by hand. Raises ValueError with the message
+    for the user."""
+    if not argv:
+        return None
+    if len(argv) != 2 or argv[0] != "--keep":
+        raise ValueError(f"usage: {Path(sys.argv[0]).name} [--keep DIR]")
+    keep = Path(argv[1]).expanduser().resolve()
+    if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+        raise ValueError(f"--keep {argv[1]}: {keep} exists and is not an empty directory")
+    return keep
+
+
 def main() -> int:
     try:
         port = demo_port(os.environ)
+        keep = keep_dir(sys.argv[1:])
     except ValueError as exc:
         print(f"llmgw demo: {exc}", file=sys.stderr)
         return 2
@@ -126,9 +159,11 @@ def main() -> int:
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # stop the whole demo on SIGTERM as on Ctrl-C
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    work = Path(tempfile.mkdtemp(prefix="llmgw-demo-"))
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    work = keep or Path(tempfile.mkdtemp(prefix="llmgw-demo-"))
     try:
-        return _run(work, port, control, procs)
+        return _run(work, port, control, procs, kept=keep is not None)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -136,12 +171,28 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _stop(work, procs)
-        shutil.rmtree(work, ignore_errors=True)
-        if work.exists():
-            print(f"llmgw demo: could not remove {work}; remove it by hand", file=sys.stderr)
+        if keep is not None:
+            print(f"llmgw demo: kept {work}: {_by_hand(work)}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+            if work.exists():
+                print(f"llmgw demo: could not remove {work}; remove it by hand", file=sys.stderr)
 
 
-def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[bytes]]) -> int:
+def _by_hand(work: Path) -> str:
+    """How to start the kept fleet again, each process in its own terminal."""
+    agents = "; ".join(
+        f"{sys.executable} -m llmgw_agent --config {work / name}.toml" for name, _ in NODES
+    )
+    return (
+        f"run it again by hand with {sys.executable} -m llmgw_server --config "
+        f"{work / 'server.toml'}; {agents}"
+    )
+
+
+def _run(
+    work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[bytes]], kept: bool
+) -> int:
     certs = work / "certs"
     init_ca(certs)  # mutual TLS on the agent stream, as in production
     server_toml = work / "server.toml"
@@ -150,7 +201,8 @@ def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[
         f'[agents]\nca = "{certs}/ca.crt"\ncert = "{certs}/server.crt"\n'
         f'key = "{certs}/server.key"\n'
         "[router]\nhealth_interval_s = 1.0\n"
-        "[control]\nsettle_after_start_s = 1\nunreachable_after_s = 5\nlost_after_s = 30\n"
+        f"[control]\nsettle_after_start_s = {SETTLE_S}\n"
+        "unreachable_after_s = 5\nlost_after_s = 30\n"
         # Next to the demo's own ports: two demos (or tests) on other ports never collide.
         f"engine_port_min = {control + 1}\nengine_port_max = {control + ENGINE_PORTS}\n"
         '[[models]]\nname = "demo-model"\nreplicas = 2\n[models.profile]\nengine = "vllm"\n'
@@ -180,6 +232,8 @@ def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[
             )
 
     start("server", "-m", "llmgw_server", "--config", str(server_toml))
+    if not _wait_until_listening(control, procs, logs):
+        return 1
     for name, _ in NODES:
         start(name, "-m", "llmgw_agent", "--config", str(work / f"{name}.toml"))
     url = f"http://127.0.0.1:{port}"
@@ -198,10 +252,12 @@ def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[
         "The fleet's state, why a model runs where it does, and a node's replicas moved off:\n"
         f"  {sys.executable} -m llmgw_server --config {server_toml} status\n"
         f"  {sys.executable} -m llmgw_server --config {server_toml} explain demo-big\n"
-        f"  {sys.executable} -m llmgw_server --config {server_toml} drain {NODES[0][0]}\n\n"
+        f"  {sys.executable} -m llmgw_server --config {server_toml} drain {drain_target(status)}"
+        "\n\n"
         f"The fleet page, live: {admin}/ui (your browser does not know the demo's CA: "
         f"{certs / 'ca.crt'})\n"
-        f"Logs: {logs}\nCtrl-C stops it all and removes {work} (certificates, configs, logs).\n",
+        f"Logs: {logs}\nCtrl-C stops it all and {'keeps' if kept else 'removes'} {work} "
+        "(certificates, configs, logs).\n",
         flush=True,
     )
     while True:
@@ -210,6 +266,28 @@ def _run(work: Path, port: int, control: int, procs: dict[str, subprocess.Popen[
                 _report_exit(name, p, logs)
                 return 1
         time.sleep(0.5)
+
+
+def _wait_until_listening(
+    port: int, procs: Mapping[str, subprocess.Popen[bytes]], logs: Path
+) -> bool:
+    """The control plane accepts connections (the agents then register at their first
+    dial, within its settle time); False (after saying why) if the server exits or that
+    takes too long."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        server = procs["server"]
+        if server.poll() is not None:
+            _report_exit("server", server, logs)
+            return False
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return True
+        time.sleep(0.1)
+    print(
+        f"llmgw demo: the control plane did not listen within {READY_TIMEOUT_S:g} s",
+        file=sys.stderr,
+    )
+    return False
 
 
 def _wait_until_serving(
