@@ -505,7 +505,8 @@ async def workers_main(
     listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
     port = listeners[0].socket.getsockname()[1]
     plane = None if follow is not None else _control_plane(config)
-    hub = RouteHub() if follow is not None else plane.routes if plane is not None else None
+    relay_hub = RouteHub(relays=True) if follow is not None else None
+    hub = relay_hub or (plane.routes if plane is not None else None)
     workers = Workers(
         config,
         [listener.socket.fileno() for listener in listeners],

@@ -29,21 +29,24 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import trio
 
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
+from llmgw_core.traffic import Sample
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
     LOAD_INTERVAL_S,
     PROTOCOL,
+    TRAFFIC_INTERVAL_S,
     Hello,
     InFlight,
     Load,
     RouteTable,
+    Traffic,
     decode_down,
     encode,
 )
@@ -92,6 +95,15 @@ class RouteTarget(Protocol):
 
     async def wait_load_wanted(self) -> None:
         """Until the control plane should hear the load at once (a request was held)."""
+        ...
+
+
+@runtime_checkable
+class TrafficSource(Protocol):
+    """A router that counts what it answers for the fleet page (router.front.Router)."""
+
+    def traffic_report(self) -> tuple[Sample, ...]:
+        """What it answered since the last report, by model and replica."""
         ...
 
 
@@ -169,6 +181,9 @@ class Follower:
     async def _report_forever(self, connection: Connection, scope: trio.CancelScope) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._report_load, connection, scope)
+            if isinstance(self.router, TrafficSource):
+                rows = self.router.traffic_report
+                nursery.start_soon(report_traffic, connection, scope, lambda: self.table, rows)
             await self._report_in_flight(connection, scope)
             nursery.cancel_scope.cancel()
 
@@ -221,6 +236,25 @@ async def report_load(
                 report = now()
             await connection.send(encode(Load(dict(report))))
             await trio.sleep(LOAD_MIN_GAP_S)  # held requests in a burst: one report
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        scope.cancel()  # the peer went: the receiving side says how
+
+
+async def report_traffic(
+    connection: Connection,
+    scope: trio.CancelScope,
+    table: Callable[[], RouteTable | None],
+    rows: Callable[[], tuple[Sample, ...]],
+) -> None:
+    """Every TRAFFIC_INTERVAL_S, what the router answered (`rows()`), to a control plane
+    that takes it (its table says so) and when there is something to say."""
+    try:
+        while True:
+            await trio.sleep(TRAFFIC_INTERVAL_S)
+            report = rows()  # taken even when not sent: each report covers one interval
+            current = table()
+            if report and current is not None and current.traffic:
+                await connection.send(encode(Traffic(TRAFFIC_INTERVAL_S, report)))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         scope.cancel()  # the peer went: the receiving side says how
 

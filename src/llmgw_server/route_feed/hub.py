@@ -19,8 +19,9 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import time
 from collections import Counter, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
@@ -30,17 +31,20 @@ from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
 from llmgw_core.logsafe import escaped
+from llmgw_core.traffic import Sample, TrafficStore
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_http.server import Request
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
     MAX_FRAME_BYTES,
+    MAX_TRAFFIC_ROWS,
     FeedError,
     Hello,
     InFlight,
     Load,
     Routes,
     RouteTable,
+    Traffic,
     decode_up,
     encode,
 )
@@ -66,7 +70,9 @@ class _Follower:
 
 
 class RouteHub:
-    def __init__(self) -> None:
+    def __init__(self, relays: bool = False, wall_clock: Callable[[], float] = time.time) -> None:
+        """`relays`: a workers' parent's hub, whose followers' traffic is summed for its
+        relay to send on (`take_traffic`); a control plane's keeps it (`traffic`)."""
         self.table = RouteTable(0, {}, frozenset(), complete=False)
         self._followers: dict[int, _Follower] = {}
         self._ids = itertools.count()
@@ -79,6 +85,10 @@ class RouteHub:
         # Each model's TTFT p90s as followers reported them, with when (a report covers
         # its follower's last interval; readers ask for the worst since their last look).
         self._ttft: dict[str, deque[tuple[float, float]]] = {}
+        self.traffic = TrafficStore()  # each model's and replica's, for the fleet page
+        self._wall_clock = wall_clock
+        self._relays = relays
+        self._pending: dict[tuple[str, str], Sample] = {}  # since take_traffic, relays only
 
     @property
     def followers(self) -> int:
@@ -101,7 +111,7 @@ class RouteHub:
         if same == (dict(models), draining, complete, adapters, autoscaled):
             return old.version
         self.table = RouteTable(
-            old.version + 1, dict(models), draining, complete, adapters, autoscaled
+            old.version + 1, dict(models), draining, complete, adapters, autoscaled, True
         )
         self._published.set()
         self._published = trio.Event()
@@ -127,6 +137,33 @@ class RouteHub:
     def ttft_peak(self, model: str, since: float) -> float | None:
         """The worst TTFT p90 a follower reported for `model` at or after `since`."""
         return max((p90 for at, p90 in self._ttft.get(model, ()) if at >= since), default=None)
+
+    def take_traffic(self) -> tuple[Sample, ...]:
+        """The followers' traffic since the last take, summed (a relaying hub's)."""
+        rows, self._pending = tuple(self._pending.values()), {}
+        return rows
+
+    def _traffic(self, message: Traffic) -> None:
+        if not self._relays:
+            self.traffic.add(self._wall_clock(), message.interval_s, message.rows)
+            return
+        for row in message.rows:
+            key = (row.model, row.replica)
+            was = self._pending.get(key)
+            if was is None:
+                if len(self._pending) < MAX_TRAFFIC_ROWS:
+                    self._pending[key] = row
+                continue
+            p90s = [t for t in (was.ttft_p90_ms, row.ttft_p90_ms) if t is not None]
+            self._pending[key] = Sample(
+                row.model,
+                row.replica,
+                was.requests + row.requests,
+                was.e4xx + row.e4xx,
+                was.e5xx + row.e5xx,
+                max(p90s) if p90s else None,
+                was.in_flight + row.in_flight,  # workers report once an interval each
+            )
 
     async def wait_held(self) -> None:
         """Until a follower reports a request it holds (a model no replica serves)."""
@@ -201,6 +238,9 @@ class RouteHub:
                     f"more than {_BURST} reports in a burst (at most {_RATE:g} a second)"
                 )
             tokens -= 1
+            if isinstance(message, Traffic):
+                self._traffic(message)
+                continue
             if isinstance(message, Load):
                 # Only the models the table autoscales: what a follower names is bounded.
                 scaled = self.table.autoscaled

@@ -13,6 +13,9 @@ still using it. While the table names autoscaled models, `Load` too: each one's
 load as this router sees it (every `LOAD_INTERVAL_S`, and at once when it holds a
 request for a model that no replica serves), for the control plane's autoscaler.
 A control plane from before autoscaling names none, and is sent none.
+`Traffic` every `TRAFFIC_INTERVAL_S` while it served anything: each model's and
+replica's requests, 4xx and 5xx answers, TTFT p90 and in flight, for the fleet page
+(at most `MAX_TRAFFIC_ROWS` rows a frame: ~120 bytes each, ~500 KB at most).
 
 A frame is one JSON text with a "type" tag. Decoding never raises anything but
 `FeedError`, whose text says what was wrong.
@@ -32,11 +35,14 @@ from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
+from llmgw_core.traffic import Sample
 
 PROTOCOL = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a table of thousands of replicas still fits
 LOAD_INTERVAL_S = 2.0  # how often a router reports its autoscaled models' load
 MAX_LOAD_MODELS = 10_000  # models one load frame may name
+TRAFFIC_INTERVAL_S = 5.0  # how often a router reports what it served (the page's traffic)
+MAX_TRAFFIC_ROWS = 4096  # models and replicas one traffic frame may name
 
 
 class FeedError(Exception):
@@ -57,6 +63,8 @@ class RouteTable:
     replicas serve it under its own name (a table from before adapters has none).
     `autoscaled`: the models whose replicas follow the load: routers report their load
     (`Load`) and hold their requests while no replica serves (scaled to zero).
+    `traffic`: the control plane takes `Traffic` reports (one from before them would
+    close the feed on an unknown message: its tables lack the field, False).
     """
 
     version: int
@@ -65,6 +73,7 @@ class RouteTable:
     complete: bool = True
     adapters: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     autoscaled: frozenset[str] = frozenset()
+    traffic: bool = False
 
 
 EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
@@ -106,11 +115,27 @@ class Load:
     models: Mapping[str, RouterLoad] = attrs.field(factory=dict, hash=False)
 
 
-UpMessage = Hello | InFlight | Load
+@attrs.frozen
+class Traffic:
+    """What this router answered over its last `interval_s`: a row for each model it
+    served (replica MODEL_ROW, "*": all its requests) and each replica; a row with
+    nothing to say is left out."""
+
+    interval_s: float
+    rows: tuple[Sample, ...] = ()
+
+
+UpMessage = Hello | InFlight | Load | Traffic
 DownMessage = Routes
 
-_TAGS: dict[type, str] = {Hello: "hello", InFlight: "in_flight", Load: "load", Routes: "routes"}
-_UP_TAGS = frozenset({"hello", "in_flight", "load"})
+_TAGS: dict[type, str] = {
+    Hello: "hello",
+    InFlight: "in_flight",
+    Load: "load",
+    Traffic: "traffic",
+    Routes: "routes",
+}
+_UP_TAGS = frozenset({"hello", "in_flight", "load", "traffic"})
 _DOWN_TAGS = frozenset({"routes"})
 
 
@@ -159,7 +184,7 @@ def decode_down(frame: str | bytes) -> DownMessage:
 
 def decode_up(frame: str | bytes) -> UpMessage:
     message = _decode(frame, UpMessage, _UP_TAGS)
-    assert isinstance(message, Hello | InFlight | Load)
+    assert isinstance(message, Hello | InFlight | Load | Traffic)
     if isinstance(message, Hello) and message.protocol != PROTOCOL:
         raise FeedError(
             f"route feed protocol {message.protocol} is not supported (this control plane "
@@ -173,7 +198,21 @@ def decode_up(frame: str | bytes) -> UpMessage:
                 raise FeedError(f"an in_flight count must not be negative: {url!r} has {count}")
     if isinstance(message, Load):
         _check_load(message)
+    if isinstance(message, Traffic):
+        _check_traffic(message)
     return message
+
+
+def _check_traffic(message: Traffic) -> None:
+    if len(message.rows) > MAX_TRAFFIC_ROWS:
+        raise FeedError(f"a traffic frame names {len(message.rows)} rows, over {MAX_TRAFFIC_ROWS}")
+    if not 0 < message.interval_s <= 3600:
+        raise FeedError(f"a traffic interval must be 0-3600 s, not {message.interval_s}")
+    for row in message.rows:
+        if min(row.requests, row.e4xx, row.e5xx, row.in_flight) < 0:
+            raise FeedError(f"a traffic count must not be negative: {row.model!r}")
+        if row.ttft_p90_ms is not None and row.ttft_p90_ms < 0:
+            raise FeedError(f"a TTFT must not be negative: {row.model!r}")
 
 
 def _check_load(message: Load) -> None:

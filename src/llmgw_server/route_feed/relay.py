@@ -9,7 +9,7 @@ import trio
 
 from llmgw_core.autoscaling import RouterLoad, combine
 from llmgw_server.route_feed.connection import Connection
-from llmgw_server.route_feed.follower import report_load, run_feed
+from llmgw_server.route_feed.follower import report_load, report_traffic, run_feed
 from llmgw_server.route_feed.hub import RouteHub
 from llmgw_server.route_feed.messages import InFlight, RouteTable, encode
 
@@ -90,6 +90,8 @@ class TableRelay:
                 report_load, connection, scope, lambda: self.table, self.load, self._load_held
             )
             nursery.start_soon(self._wake_on_reports)
+            table, rows = (lambda: self.table), self.hub.take_traffic
+            nursery.start_soon(report_traffic, connection, scope, table, rows)
             try:
                 while True:
                     await self._wake.wait()

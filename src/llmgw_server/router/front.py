@@ -21,6 +21,7 @@ from llmgw_core.logsafe import escaped
 from llmgw_core.openai_errors import ANTHROPIC
 from llmgw_core.ratelog import RateLimit
 from llmgw_core.tomlshape import closest, did_you_mean
+from llmgw_core.traffic import MODEL_ROW, Sample
 from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.access_log import (
@@ -64,6 +65,7 @@ from llmgw_server.router.stored import (
     with_response_id,
 )
 from llmgw_server.router.tokenizer import Tokenizer
+from llmgw_server.router.traffic_meter import TrafficMeter
 from llmgw_server.router.upstream import Exchange, Pool, UpstreamError
 
 log = logging.getLogger("llmgw.router")
@@ -135,6 +137,7 @@ class Router:
         self.keys = config.auth.keys  # digest -> the models it may use (None: all)
         self.routes = Routes(config.router.extra_paths)
         self.metrics = RouterMetrics()
+        self.traffic = TrafficMeter()  # by model and replica, for the fleet page
         self.pools: dict[Endpoint, Pool] = {}
         self.balancers: dict[str, Balancer] = {}
         # Each model's description from its engines (health.py reads them): /v1/models.
@@ -259,6 +262,19 @@ class Router:
             report[model] = meter.report(now, sent, kv)
         return report
 
+    def traffic_report(self) -> tuple[Sample, ...]:
+        """What it answered since the last report, by model and replica (messages.Traffic)."""
+        in_flight: dict[tuple[str, str], int] = {}
+        for model, n in self.metrics.in_flight.items():
+            if n:
+                key = (self.adapters.get(model, model), MODEL_ROW)
+                in_flight[key] = in_flight.get(key, 0) + n
+        for model, balancer in self.balancers.items():
+            for replica in balancer.replicas:
+                if replica.outstanding:
+                    in_flight[(model, replica.endpoint.url)] = replica.outstanding
+        return self.traffic.report(in_flight)
+
     async def wait_load_wanted(self) -> None:
         """Until a request is held (the control plane should hear of it at once)."""
         await self._load_wanted.wait()
@@ -325,6 +341,11 @@ class Router:
         model = named if named in self.balancers or named in self.adapters else "-"
         metrics = self.metrics
         metrics.requests[(model, status)] += 1
+        if model != "-":
+            base = self.adapters.get(model, model)  # an adapter's answers are its model's
+            # A replica's failed attempts were counted as they failed (_failed).
+            replica = None if judge(status) is Verdict.FAILED else record.replica
+            self.traffic.finished(base, replica, status, record.ttfb_s)
         if record.prompt_tokens is not None:
             key = record.key_id if digest in self.keys and record.key_id else "-"
             metrics.tokens[(model, key, "prompt")] += record.prompt_tokens
@@ -856,6 +877,7 @@ class Router:
         log.warning("%d for %s from replica %s: %s%s", status, model, where, escaped(why), more)
 
     def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
+        self.traffic.failed(self.adapters.get(model, model), replica.endpoint.url)
         if balancer.failed(replica, trio.current_time()):
             self.metrics.ejections[(model, replica.endpoint.url)] += 1
             log.warning(
