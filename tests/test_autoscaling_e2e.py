@@ -71,15 +71,23 @@ def models_status(fleet: Fleet) -> dict[str, object]:
     return next(m for m in fleet.status()["models"] if m["name"] == "chat")
 
 
+def decided(autoscale: object) -> bool:
+    """Status says why the autoscaler wants what it wants: its first cycle has run."""
+    return isinstance(autoscale, dict) and autoscale["now"] is not None
+
+
 def test_a_model_scales_up_down_to_zero_and_wakes_without_a_failed_request(
     fleet: Fleet,
 ) -> None:
     fleet.server(MODEL, control="autoscale_interval_s = 0.5", workers=2)
     fleet.agent("gpu-1", "node-2xl4.toml")
     fleet.agent("gpu-2", "node-2xl4.toml")
-    wait_until(lambda: len(fleet.serving("chat")) == 1, what="the first replica", timeout=30)
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0, timeout=60)
     wait_until(lambda: [m.id for m in client.models.list()] == ["chat"], what="the router")
+    # At min 0 it starts at 0: no replica is loaded until a request wants one.
+    wait_until(lambda: len(fleet.status()["nodes"]) == 2, what="both agents", timeout=30)
+    wait_until(lambda: decided(models_status(fleet)["autoscale"]), what="its first cycle")
+    assert models_status(fleet)["desired"] == 0 and not fleet.status()["replicas"]
     loops = Loops(client)
     try:
         # Six clients back to back: about six in flight, at two a replica: three.

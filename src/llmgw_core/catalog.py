@@ -226,8 +226,9 @@ def _lora_served(profile: Profile) -> None:
 
 def _default_replicas(entry: ModelEntry) -> int:
     if entry.autoscale is not None:
-        # Where its autoscaler starts (control.scaling): at min, and serving at least one.
-        return max(entry.autoscale.min, 1)
+        # Where its autoscaler starts (control.scaling): at min. A model at `min = 0` starts
+        # at zero: its first request wakes it, not every control plane's start.
+        return entry.autoscale.min
     return 1 if entry.profile is not None else 0
 
 

@@ -50,18 +50,33 @@ def test_merge_sums_counts_and_keeps_the_worst_latency_and_the_latest_request() 
     assert merge([], now=100.0) == ModelLoad()
 
 
-def test_a_new_autoscaled_model_starts_with_one_replica_even_at_min_zero() -> None:
+def test_a_new_autoscaled_model_at_min_zero_starts_at_zero_until_a_request() -> None:
     fleet = fleet_of(scaled())
+    assert not fleet.replicas("chat", *LIVE)
+    assert fleet.cp.view().models[0].desired == 0
+    cycle(fleet)  # its autoscaler starts, with no request: nothing to load
+    fleet.advance(30)
+    cycle(fleet)
+    assert not fleet.replicas("chat", *LIVE)
+    assert fleet.cp.view().models[0].desired == 0
+    fleet.feed(fleet.cp.wake("chat", fleet.now))
+    fleet.ready_all()
     assert len(fleet.replicas("chat", READY)) == 1
-    assert fleet.cp.view().models[0].desired == 1
+
+
+def test_a_new_autoscaled_model_starts_at_its_min() -> None:
+    fleet = fleet_of(scaled(min=2))
+    assert len(fleet.replicas("chat", READY)) == 2
+    cycle(fleet)
+    assert fleet.cp.view().models[0].desired == 2
 
 
 def test_load_scales_up_at_once_and_down_only_after_the_window() -> None:
     fleet = fleet_of(scaled())
     busy = ModelLoad(in_flight=13, last_request_at=fleet.now)
-    cycle(fleet, chat=busy)  # first cycle: the autoscaler starts at 1 and goes to 4
+    cycle(fleet, chat=busy)  # first cycle: the autoscaler starts at 0 and goes to 4
     assert len(fleet.replicas("chat", READY)) == 4
-    assert any("scaling chat from 1 to 4 replicas: 13 in flight" in n for n in fleet.notes)
+    assert any("scaling chat from 0 to 4 replicas: 13 in flight" in n for n in fleet.notes)
     calm = ModelLoad(in_flight=3, last_request_at=fleet.now)
     fleet.advance(30)
     cycle(fleet, chat=attrs.evolve(calm, last_request_at=fleet.now))
@@ -78,7 +93,11 @@ def test_load_scales_up_at_once_and_down_only_after_the_window() -> None:
 
 def test_a_model_never_asked_for_is_idle_from_its_autoscalers_start() -> None:
     fleet = fleet_of(scaled(idle_to_zero_s=120.0))
-    cycle(fleet)  # no router reports it: nothing in flight, no request yet
+    # A held request wakes it (a router's report: no request finished); then no router
+    # reports it: nothing in flight, no request seen.
+    cycle(fleet, chat=ModelLoad(held=1))
+    assert fleet.cp.view().models[0].desired == 1
+    cycle(fleet)
     fleet.advance(119)
     cycle(fleet)
     assert fleet.cp.view().models[0].desired == 1
@@ -90,7 +109,7 @@ def test_a_model_never_asked_for_is_idle_from_its_autoscalers_start() -> None:
 def test_idle_scales_to_zero_and_a_held_request_wakes_it() -> None:
     fleet = fleet_of(scaled(idle_to_zero_s=120.0))
     start = fleet.now
-    cycle(fleet, chat=ModelLoad(last_request_at=start))
+    cycle(fleet, chat=ModelLoad(held=1, last_request_at=start))
     fleet.advance(121)
     cycle(fleet, chat=ModelLoad(last_request_at=start))
     assert fleet.cp.view().models[0].desired == 0

@@ -133,7 +133,11 @@ class Decider:
     def reconcile(self, catalog: Catalog, models: Iterable[str], now: float) -> Decided:
         """Judge `models` (and place where any model lacks replicas). O(their replicas),
         plus placement."""
-        wanted = {m.name: m for m in catalog.profiled if m.replicas > 0}
+        # An autoscaled model whose autoscaler has not started (`holding`) may be at 0
+        # replicas (min 0) and still keep what runs until its first cycle.
+        wanted = {
+            m.name: m for m in catalog.profiled if m.replicas > 0 or m.name in self.holding
+        }
         order = {name: i for i, name in enumerate(wanted)}
         todo = sorted(set(models), key=lambda m: (order.get(m, len(order)), m))
         judged = {name: self._judge(name, wanted.get(name), catalog, now) for name in todo}

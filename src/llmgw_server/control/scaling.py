@@ -103,7 +103,9 @@ class Scaling:
         for name, spec in self.specs.items():
             scaler = self.autoscalers.get(name)
             if scaler is None:
-                start = max(min(kept.get(name, 0), spec.max), spec.min, 1)
+                # At what runs, within bounds: a model at min 0 with nothing running stays
+                # at 0 until a request is held for it.
+                start = max(min(kept.get(name, 0), spec.max), spec.min)
                 scaler = self.autoscalers[name] = Autoscaler.start(spec, now, start)
                 self.started[name] = now
             load = loads.get(name, ModelLoad())
