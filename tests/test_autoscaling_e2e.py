@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -76,6 +77,17 @@ def decided(autoscale: object) -> bool:
     return isinstance(autoscale, dict) and autoscale["now"] is not None
 
 
+def held_in_status(fleet: Fleet) -> int | None:
+    """The requests held for chat, as status says; None while its reason does not say
+    that a request woke it (the page read "steady: at its floor" beside "0 -> 1")."""
+    autoscale = models_status(fleet)["autoscale"]
+    assert isinstance(autoscale, dict)
+    held = autoscale["held"]
+    assert isinstance(held, int)
+    woken = str(autoscale["now"]).startswith("a request woke it")
+    return held if woken or not held else None
+
+
 def test_a_model_scales_up_down_to_zero_and_wakes_without_a_failed_request(
     fleet: Fleet,
 ) -> None:
@@ -112,11 +124,23 @@ def test_a_model_scales_up_down_to_zero_and_wakes_without_a_failed_request(
     wait_until(lambda: not fleet.status()["replicas"], what="scaling to zero", timeout=40)
     assert models_status(fleet)["desired"] == 0
     assert [m.id for m in client.models.list()] == ["chat"]
+    # A streamed request wakes it: its client gets the head and a comment at once, and
+    # status says the request is held (and why it scales) until a replica serves.
     started = time.monotonic()
-    answer = client.chat.completions.create(model="chat", messages=CHAT)
+    body = {"model": "chat", "stream": True, "messages": CHAT}
+    with (
+        httpx.Client(base_url=fleet.url, timeout=60) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as answer,
+    ):
+        assert answer.status_code == 200
+        chunks = answer.iter_bytes()
+        assert next(chunks) == b": waiting for a replica of chat to start\n\n"
+        wait_until(lambda: held_in_status(fleet) == 1, what="status to show it held", timeout=10)
+        rest = b"".join(chunks)
     waited = time.monotonic() - started
-    assert answer.choices[0].message.content
+    assert rest.endswith(b"data: [DONE]\n\n") and b'"content"' in rest, rest[-300:]
     assert START_S <= waited < START_S + 15, waited
+    assert held_in_status(fleet) == 0
     assert len(fleet.serving("chat")) == 1
     log = fleet.server_proc.output() if fleet.server_proc else ""
     assert "scaling chat from 0 to 1 replicas: 1 request(s) held" in log, log[-3000:]

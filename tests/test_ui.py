@@ -32,6 +32,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from fleet import Fleet, wait_until
+from llmgw_core.traffic import MODEL_ROW, Sample, TrafficStore
 from llmgw_http.server import Responder
 from llmgw_server.control.history import History, Point
 from llmgw_server.control.reconciler import Step
@@ -131,6 +132,34 @@ async def test_the_stream_sends_the_charts_whole_first_then_each_new_point(
         feed.bump()  # a change with no new point: no history in the line
         await trio.sleep(1)
         assert "history" not in out.lines[-1][1] and "status" in out.lines[-1][1]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_stream_sends_traffic_when_routers_report_at_most_every_few_seconds(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    feed = FleetFeed(wall_clock=lambda: 0.0)
+    store = TrafficStore()
+    out = Lines()
+    wall = lambda: 1000.0 + trio.current_time()  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            ui_server.stream, feed, lambda: {}, cast(Responder, out), None, store, wall
+        )
+        await trio.sleep(1)
+        assert out.lines[0][1]["traffic"]["models"] == {}  # the first line: nothing yet
+        await trio.sleep(20)  # no report: keep-alives only
+        assert all("traffic" not in line for _, line in out.lines[1:])
+        # Reports come every 0.1 s (many routers): the page gets one line every 5 s.
+        sent = len(out.lines)
+        for _ in range(200):
+            store.add(wall(), 5.0, [Sample("chat", MODEL_ROW, 1, 0, 1, 50.0, 0)])
+            await trio.sleep(0.1)
+        lines = [(at, line) for at, line in out.lines[sent:] if "traffic" in line]
+        assert 3 <= len(lines) <= 5
+        assert all(b - a >= ui_server.TRAFFIC_EVERY_S for (a, _), (b, _) in itertools.pairwise(lines))
+        minute = lines[-1][1]["traffic"]["models"]["chat"]["minute"]
+        assert minute["e5xx"] == minute["requests"] > 0 and minute["ttft_p90_ms"] == 50.0
         nursery.cancel_scope.cancel()
 
 
@@ -448,6 +477,79 @@ def test_the_page_charts_an_autoscaled_models_last_hour_live(
     assert later["charts"]["replicas"]["points"] > first["charts"]["replicas"]["points"]
     assert later["charts"]["replicas"]["caption"] == "replicas: 1 now, 1 at most"
     assert "ms now" in later["charts"]["TTFT p90"]["caption"]
+
+
+# Each model's traffic as the page shows it, and which replicas stand out.
+READ_TRAFFIC = """
+const models = [...document.querySelectorAll('#traffic .traffic-model')];
+const cell = document.querySelector('#models td.name');
+return {
+  models: Object.fromEntries(models.map((d) => [d.dataset.model, {
+    rps: d.querySelector('.figures .rps').textContent,
+    e4xx: d.querySelector('.figures .e4xx-rate').textContent,
+    e5xx: d.querySelector('.figures .e5xx-rate').textContent,
+    ttft: d.querySelector('.figures .ttft').textContent,
+    badge: d.querySelector('h3 .failing-badge')?.textContent || '',
+    failing: [...d.querySelectorAll('tr.failing')].map((tr) => tr.dataset.url),
+    replicas: [...d.querySelectorAll('.replica-traffic tbody tr')].map((tr) => tr.dataset.url),
+    captions: [...d.querySelectorAll('figcaption')].map((f) => f.textContent),
+    axis_labels: d.querySelectorAll('.chart-axis').length,
+  }])),
+  placement_failing: [...document.querySelectorAll('#replicas tbody tr.failing')]
+    .map((tr) => tr.dataset.replica),
+  updated: document.getElementById('updated').textContent,
+  recent: [...document.querySelectorAll('#recent li')].map((li) => li.textContent),
+  model_wraps: cell ? getComputedStyle(cell).whiteSpace : null,
+};
+"""
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC[+-]\d\d:\d\d"
+
+
+def test_the_page_shows_each_models_traffic_and_a_replica_answering_500s_stands_out(
+    fleet: Fleet, browser: webdriver.Chrome
+) -> None:
+    fleet.server(
+        f'\n[admin]\ntoken_digest = "{DIGEST}"\nopen_status = true\n'
+        + model("chat", extra="").replace("replicas = 1", "replicas = 3")
+    )
+    # Two nodes of two GPUs for three replicas: each node has one; gpu-2's answer 500s.
+    fleet.agent("gpu-1", "node-2xl4.toml")
+    fleet.agent("gpu-2", "node-2xl4.toml", env='LLMGW_MOCK_FAIL_STATUS = "500"')
+    wait_until(lambda: len(fleet.serving("chat")) == 3, 60, what="three replicas of chat")
+    bad = {r["replica_id"] for r in fleet.serving("chat") if r["shards"][0]["node"] == "gpu-2"}
+    bad_urls = {r["url"] for r in fleet.serving("chat") if r["replica_id"] in bad}
+    browser.get(fleet.control + "/ui")
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+
+    def traffic() -> dict[str, Any]:
+        data: dict[str, Any] = browser.execute_script(READ_TRAFFIC)
+        return data
+
+    def stands_out() -> dict[str, Any] | None:
+        for _ in range(10):  # the router tries another replica: every client gets its answer
+            client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
+        shown = traffic()
+        chat = shown["models"].get("chat")
+        return shown if chat and chat["failing"] and shown["placement_failing"] else None
+
+    shown = wait_until(stands_out, 90, what="the page to show chat's traffic and its failing replica")
+    chat = shown["models"]["chat"]
+    assert set(chat["failing"]) == bad_urls and set(shown["placement_failing"]) == bad
+    assert chat["badge"] == f"{len(bad)} answering 5xx"
+    assert set(chat["replicas"]) == {r["url"] for r in fleet.serving("chat")}
+    assert re.fullmatch(r"\d+(\.\d+)? req/s", chat["rps"]) and chat["rps"] != "0 req/s"
+    assert re.fullmatch(r"5xx \d+(\.\d+)?/s( \(\d+(\.\d+)?%\))?", chat["e5xx"])
+    assert re.fullmatch(r"TTFT p90 \d+ ms", chat["ttft"])
+    # Readable charts: axes labelled, a window that fits the data (a few minutes old).
+    assert chat["axis_labels"] >= 3 * 6
+    assert all(re.search(r", last 5 min to " + STAMP + "$", c) for c in chat["captions"])
+    assert [c.split(", last")[0] for c in chat["captions"]] == [
+        "requests/s (all, 4xx, 5xx)", "TTFT p90", "in flight"
+    ]
+    # Timestamps carry their date and time zone; the Model column does not wrap.
+    assert re.fullmatch("updated " + STAMP, shown["updated"])
+    assert shown["recent"] and all(re.match(STAMP, line) for line in shown["recent"])
+    assert shown["model_wraps"] == "nowrap"
 
 
 # -- the demo, as `make demo` runs it -------------------------------------------

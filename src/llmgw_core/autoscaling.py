@@ -7,7 +7,7 @@ or an `[models.autoscale]`, never both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -88,3 +88,9 @@ def combine(reports: Iterable[RouterLoad]) -> RouterLoad:
         if r.idle_s is not None:
             idle = r.idle_s if idle is None else min(idle, r.idle_s)
     return RouterLoad(in_flight, held, ttft, idle, kv, requests)
+
+
+def held_counts(loads: Mapping[str, Iterable[RouterLoad]]) -> dict[str, int]:
+    """Each model's requests held by all routers, as they last reported: what status and
+    the page show live (the autoscaler reads them through `combine`)."""
+    return {model: sum(r.held for r in reports) for model, reports in loads.items()}

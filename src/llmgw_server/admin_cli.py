@@ -127,6 +127,8 @@ def _autoscaling(model: ModelDoc) -> str:
     if a is None:
         return "-"
     said = f"{a.min}-{a.max}, target {a.target}"
+    if a.held:  # requests the routers hold for it now, waiting for a replica
+        said += f"; {a.held} request{'s' if a.held != 1 else ''} held"
     return f"{said}; last: {a.last_change}" if a.last_change else said
 
 

@@ -21,6 +21,7 @@ const document = {
   createElement: element,
   createTextNode: (t) => ({ t }),
   createDocumentFragment: element,
+  querySelectorAll: () => [],
   addEventListener() {},
 };
 let push = null; // hands the next chunk to the page's reader

@@ -102,13 +102,15 @@ class UnplacedDoc:
 @attrs.define
 class AutoscaleDoc:
     """[models.autoscale]: its bounds and target, what the last cycle said (`now`), and
-    the last change of `desired` with its reason."""
+    the last change of `desired` with its reason; `held`: the requests its routers hold
+    now, waiting for a replica to serve (as they last reported, every 2 s or at once)."""
 
     min: int
     max: int
     target: str
     now: str | None
     last_change: str | None
+    held: int = 0
 
 
 @attrs.define

@@ -28,6 +28,7 @@ from urllib.parse import parse_qs
 
 import attrs
 
+from llmgw_core.autoscaling import held_counts
 from llmgw_core.bearer import bearer_matches
 from llmgw_core.config import AdminSection
 from llmgw_core.inventory import Inventory
@@ -51,6 +52,7 @@ from llmgw_server.control.documents import (
 )
 from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.reconciler import DrainRefused
+from llmgw_server.control.scaling import ScaleView
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 from llmgw_server.control_shell import ui_server
 
@@ -165,6 +167,7 @@ class AdminAPI:
                 self.plane.now(),
                 self.node_parts,
                 len(view.nodes) if page is None else page.of,
+                held=held_counts(self.plane.routes.loads()),
             )
             data = to_json(attrs.evolve(doc, page=page))
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
@@ -175,11 +178,16 @@ class AdminAPI:
                 plane.feed,
                 lambda: to_json(
                     status_doc(
-                        plane.reconciler.view(), plane.output_tails, plane.now(), kept
+                        plane.reconciler.view(),
+                        plane.output_tails,
+                        plane.now(),
+                        kept,
+                        held=held_counts(plane.routes.loads()),
                     )
                 ),
                 responder,
                 lambda seq: (plane.history.seq, to_json(plane.history.since(seq))),
+                plane.routes.traffic,
             )
         elif request.method == b"GET" and len(rest) == 2 and rest[0] == "explain":
             explanation = self.plane.reconciler.explain(rest[1])
@@ -410,9 +418,13 @@ def status_doc(
     now: float,
     kept: NodeParts | None = None,
     fleet_nodes: int = 0,
+    *,
+    held: Mapping[str, int] | None = None,
 ) -> StatusDoc:
     """The status of `view` (`fleet_nodes` in the whole fleet: `view` may be a page),
-    with the node parts `kept` from earlier statuses where given."""
+    with the node parts `kept` from earlier statuses where given, and the requests the
+    routers hold for each autoscaled model (`held`, held_counts)."""
+    held = held or {}
     unplaced = view.unplaced
     fleet_nodes = max(fleet_nodes, len(view.nodes))
     return StatusDoc(
@@ -435,12 +447,16 @@ def status_doc(
                     unplaced[m.name].explanation.text,
                     unplaced[m.name].waiting,
                 ),
-                None if m.autoscale is None else AutoscaleDoc(*attrs.astuple(m.autoscale)),
+                None if m.autoscale is None else _autoscale_doc(m.autoscale, held.get(m.name, 0)),
             )
             for m in view.models
         ),
         guard=view.guard,
     )
+
+
+def _autoscale_doc(scale: ScaleView, held: int) -> AutoscaleDoc:
+    return AutoscaleDoc(scale.min, scale.max, scale.target, scale.now, scale.last_change, held)
 
 
 def explain_doc(explanation: Explanation) -> ExplainDoc:

@@ -20,6 +20,7 @@ from typing import assert_never
 import attrs
 import trio
 
+from llmgw_core.autoscaling import held_counts
 from llmgw_core.awake_time import AwakeTime
 from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
@@ -152,11 +153,17 @@ class ControlPlane:
         the routers report (autoscalers start at the replicas then running)."""
         await trio.sleep_until(self._settled_at)
         interval = self.config.control.autoscale_interval_s
+        held_shown: dict[str, int] = {}
         while True:
             if self.reconciler.scaling.specs:
                 self._run(self._autoscale_step)
                 if self.history.due(trio.current_time()):
                     self._record_history()
+                # The page shows what routers hold: its end too (a wake bumps at once).
+                held = held_counts(self.routes.loads())
+                if held != held_shown:
+                    held_shown = held
+                    self.feed.bump()
             await trio.sleep(interval)
 
     def _record_history(self) -> None:
@@ -199,6 +206,7 @@ class ControlPlane:
                 if held:
                     now = self.now()
                     self._run(functools.partial(self.reconciler.wake, model, now, held))
+            self.feed.bump()  # the page and status show the requests held, live
 
     # -- events from agent streams ------------------------------------------
 

@@ -12,12 +12,14 @@ which an EventSource could not.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import trio
 
+from llmgw_core.traffic import TrafficStore
 from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import to_json
 from llmgw_server.control_shell.fleet_feed import FleetFeed
@@ -25,6 +27,9 @@ from llmgw_server.control_shell.fleet_feed import FleetFeed
 COALESCE_S = 0.5
 KEEPALIVE_S = 15.0
 SEND_TIMEOUT_S = 30.0  # a reader that takes no line for this long is cut off
+# The routers' traffic goes to the page at most this often (they report every 5 s); each
+# line carries every model's hour and its replicas' 5 minutes (see llmgw_core.traffic).
+TRAFFIC_EVERY_S = 5.0
 
 # Defence in depth behind the page's own escaping: no inline script, nothing from elsewhere.
 _SECURITY = [
@@ -72,10 +77,14 @@ async def stream(
     snapshot: Callable[[], dict[str, Any]],
     responder: Responder,
     history: Callable[[int], tuple[int, dict[str, Any]]] | None = None,
+    traffic: TrafficStore | None = None,
+    wall_clock: Callable[[], float] = time.time,
 ) -> None:
     """Follow the fleet until the client goes away (which cancels this handler).
     `history(seq)` gives the charts' points recorded after cursor `seq` (0: all kept) and
-    the new cursor: the first line carries every point kept, later ones the new points."""
+    the new cursor: the first line carries every point kept, later ones the new points.
+    `traffic`: the routers' reports, sent whole (a line of its own when only they
+    changed) at most every TRAFFIC_EVERY_S."""
     await responder.start(
         200,
         [
@@ -86,8 +95,15 @@ async def stream(
     )
     version = -1
     seq = 0
+    traffic_seen, traffic_at, quiet_since = -1, -TRAFFIC_EVERY_S, trio.current_time()
     while True:
         sent_at = trio.current_time()
+        fresh_traffic = (
+            traffic is not None
+            and traffic.version != traffic_seen
+            and sent_at - traffic_at >= TRAFFIC_EVERY_S
+        )
+        line: dict[str, Any]
         if feed.version != version:
             version = feed.version
             recent = [to_json(r) for r in feed.recent]
@@ -97,13 +113,25 @@ async def stream(
                 seq, points = history(seq)
                 if points or first:
                     line["history"] = {"full": first, "models": points}
-        else:
+        elif fresh_traffic:
+            line = {"version": version}
+        elif sent_at - quiet_since >= KEEPALIVE_S or traffic is None:
             line = {"keepalive": True, "version": version}
+        else:
+            line = {}
+        if fresh_traffic and traffic is not None:
+            traffic_seen, traffic_at = traffic.version, sent_at
+            line["traffic"] = traffic.view(wall_clock())
+        if not line:
+            with trio.move_on_after(TRAFFIC_EVERY_S):
+                await feed.wait_past(version)
+            continue
+        quiet_since = sent_at
         with trio.move_on_after(SEND_TIMEOUT_S) as sending:
             await responder.send(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         if sending.cancelled_caught:
             await responder.abort()
             return
         await trio.sleep_until(sent_at + COALESCE_S)
-        with trio.move_on_after(KEEPALIVE_S):
+        with trio.move_on_after(KEEPALIVE_S if traffic is None else TRAFFIC_EVERY_S):
             await feed.wait_past(version)

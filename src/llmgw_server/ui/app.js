@@ -171,6 +171,7 @@ function modelRow(m, replicas) {
   if (a) {
     scaling.append(
       el("div", {}, a.min + " to " + a.max + " replicas; target " + text(a.target)),
+      a.held ? el("div", { className: "held" }, a.held + (a.held === 1 ? " request" : " requests") + " held, waiting for a replica") : null,
       a.now ? el("div", { className: "muted" }, "now: " + text(a.now)) : null,
       a.last_change ? el("div", { className: "last-change" }, "last change: " + text(a.last_change)) : null,
     );
@@ -275,18 +276,151 @@ function render(line) {
       .slice()
       .reverse()
       .map((t) =>
-        el("li", {}, new Date(t.at * 1000).toLocaleTimeString() + "  " + text(t.subject) + ": " +
+        el("li", {}, stamp(t.at) + "  " + text(t.subject) + ": " +
           text(t.change) + (t.reason ? " (" + text(t.reason) + ")" : "")),
       ),
   );
-  $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  $("updated").textContent = "updated " + stamp(Date.now() / 1000);
   $("fleet").dataset.version = String(line.version);
   tickAges();
+  markFailing();
 }
 
 function tickAges() {
   const elapsed = (performance.now() - receivedAt) / 1000;
   for (const a of ages) a.node.textContent = "silent " + Math.round(a.base + elapsed) + " s";
+}
+
+// -- traffic: each model's and replica's, as the routers report it -------------
+
+const WINDOWS_S = [300, 900, 1800, 3600]; // the chart's window: the smallest that holds the data
+let traffic = null; // the last traffic line: {bucket_s, now, models: {name: {points, minute, replicas}}}
+let failingUrls = new Set();
+
+// A moment with its date and time zone: "2026-12-06 21:03:04 UTC+01:00".
+function stamp(seconds) {
+  const d = new Date(seconds * 1000);
+  const two = (n) => String(n).padStart(2, "0");
+  const offset = -d.getTimezoneOffset();
+  const sign = offset < 0 ? "-" : "+";
+  const zone = "UTC" + sign + two(Math.floor(Math.abs(offset) / 60)) + ":" + two(Math.abs(offset) % 60);
+  return d.getFullYear() + "-" + two(d.getMonth() + 1) + "-" + two(d.getDate()) + " " +
+    two(d.getHours()) + ":" + two(d.getMinutes()) + ":" + two(d.getSeconds()) + " " + zone;
+}
+
+const clock = (seconds) => stamp(seconds).slice(11, 16); // "21:03", for an axis
+const round = (v, places) => (v === null || v === undefined ? "-" : Number(v.toFixed(places)).toString());
+
+// A readable scale's top: 1, 2 or 5 times a power of ten, at least `v`.
+function niceTop(v) {
+  if (!(v > 0)) return 1;
+  const power = Math.pow(10, Math.floor(Math.log10(v)));
+  for (const step of [1, 2, 5, 10]) if (step * power >= v) return step * power;
+  return 10 * power;
+}
+
+function windowFor(points, now) {
+  const first = points.length ? points[0][0] : now;
+  return WINDOWS_S.find((w) => now - first <= w) || WINDOWS_S[WINDOWS_S.length - 1];
+}
+
+// A chart with axes: `lines` [{name, className, value(point) -> number|null}] over `span` s to `now`.
+function trafficChart(title, unit, points, lines, now, span, bucket) {
+  const width = 360, height = 130, left = 46, right = 8, top = 8, bottom = 20;
+  const start = now - span;
+  const shown = points.filter((p) => p[0] + bucket > start);
+  const values = shown.flatMap((p) => lines.map((l) => l.value(p))).filter((v) => v !== null);
+  const ceiling = niceTop(Math.max(0, ...values));
+  const x = (at) => left + ((at + bucket / 2 - start) / span) * (width - left - right);
+  const y = (v) => height - bottom - (v / ceiling) * (height - top - bottom);
+  const figure = svg("svg", { width, height, viewBox: "0 0 " + width + " " + height, class: "chart" });
+  figure.append(svg("rect", { x: left, y: top, width: width - left - right, height: height - top - bottom, class: "chart-frame" }));
+  for (const v of [0, ceiling / 2, ceiling]) {
+    figure.append(svg("line", { x1: left, x2: width - right, y1: y(v), y2: y(v), class: "chart-grid" }));
+    const label = svg("text", { x: left - 4, y: y(v) + 4, "text-anchor": "end", class: "chart-axis" });
+    label.textContent = round(v, 2) + (v === ceiling && unit ? " " + unit : "");
+    figure.append(label);
+  }
+  for (const [at, anchor] of [[start, "start"], [start + span / 2, "middle"], [now, "end"]]) {
+    const label = svg("text", { x: at === now ? width - right : at === start ? left : (left + width - right) / 2,
+      y: height - 5, "text-anchor": anchor, class: "chart-axis" });
+    label.textContent = clock(at);
+    figure.append(label);
+  }
+  for (const l of lines) {
+    const readings = shown.map((p) => [p[0], l.value(p)]).filter(([, v]) => v !== null);
+    if (!readings.length) continue;
+    figure.append(svg("polyline", {
+      points: readings.map(([at, v]) => x(at).toFixed(1) + "," + y(v).toFixed(1)).join(" "),
+      class: "chart-line " + l.className,
+    }));
+  }
+  const legend = lines.length > 1 ? " (" + lines.map((l) => l.name).join(", ") + ")" : "";
+  return el("figure", { className: "chart-box traffic-chart", dataset: { chart: title } },
+    el("figcaption", {}, title + legend + ", last " + span / 60 + " min to " + stamp(now)), figure);
+}
+
+// The last minute's figures, each in an element of its own class (the page test reads them).
+function figures(minute) {
+  const share = minute.requests ? " (" + round((100 * minute.e5xx) / minute.requests, 1) + "%)" : "";
+  return [
+    el("span", { className: "rps" }, round(minute.rps, 2) + " req/s"),
+    el("span", { className: "e4xx-rate" }, "4xx " + round(minute.e4xx / 60, 2) + "/s"),
+    el("span", { className: "e5xx-rate" }, "5xx " + round(minute.e5xx / 60, 2) + "/s" + share),
+    el("span", { className: "ttft" }, "TTFT p90 " + (minute.ttft_p90_ms === null ? "-" : round(minute.ttft_p90_ms, 0) + " ms")),
+    el("span", { className: "in-flight" }, round(minute.in_flight, 1) + " in flight"),
+  ];
+}
+
+function replicaTrafficRow(rt) {
+  const badge = rt.failing ? el("span", { className: "badge failing-badge" }, "answering 5xx") : null;
+  return el("tr", { className: rt.failing ? "failing" : "", dataset: { url: rt.url } },
+    el("td", { className: "url" }, text(rt.url), badge ? " " : null, badge),
+    ...figures(rt.minute).map((f) => el("td", {}, f)));
+}
+
+function renderTraffic(update) {
+  traffic = update;
+  const bucket = update.bucket_s, now = update.now;
+  const names = Object.keys(update.models).sort();
+  failingUrls = new Set();
+  $("traffic").hidden = names.length === 0;
+  $("traffic-models").replaceChildren(
+    ...names.map((name) => {
+      const mt = update.models[name];
+      const span = windowFor(mt.points, now);
+      const replicas = mt.replicas || [];
+      for (const rt of replicas) if (rt.failing) failingUrls.add(rt.url);
+      const failing = replicas.filter((rt) => rt.failing).length;
+      return el("div", { className: "traffic-model" + (failing ? " failing" : ""), dataset: { model: name } },
+        el("h3", {}, text(name), failing ? el("span", { className: "badge failing-badge" }, failing + " answering 5xx") : null),
+        el("div", { className: "figures" }, "last minute: ", ...figures(mt.minute)),
+        el("div", { className: "chart-row" },
+          trafficChart("requests/s", "/s", mt.points, [
+            { name: "all", className: "line-all", value: (p) => p[1] / bucket },
+            { name: "4xx", className: "line-4xx", value: (p) => p[2] / bucket },
+            { name: "5xx", className: "line-5xx", value: (p) => p[3] / bucket },
+          ], now, span, bucket),
+          trafficChart("TTFT p90", "ms", mt.points, [{ name: "p90", className: "line-all", value: (p) => p[4] }], now, span, bucket),
+          trafficChart("in flight", "", mt.points, [{ name: "in flight", className: "line-all", value: (p) => p[5] }], now, span, bucket),
+        ),
+        replicas.length ? el("table", { className: "replica-traffic" },
+          el("thead", {}, el("tr", {}, ...["Replica", "Requests", "4xx", "5xx", "TTFT p90", "In flight"].map((h) => el("th", {}, h)))),
+          el("tbody", {}, ...replicas.map(replicaTrafficRow))) : null,
+        mt.replicas_left_out ? el("p", { className: "muted" }, mt.replicas_left_out + " more replicas, with fewer errors and requests, not shown") : null,
+      );
+    }),
+  );
+  $("traffic-note").textContent = update.dropped ? update.dropped + " reports of series past the control plane's bound were left out" : "";
+  markFailing();
+}
+
+// The placement table's rows of replicas that answer errors stand out too.
+function markFailing() {
+  for (const row of document.querySelectorAll("#replicas tbody tr")) {
+    const url = row.children[4] ? row.children[4].textContent : "";
+    row.classList.toggle("failing", failingUrls.has(url));
+  }
 }
 
 // -- the stream --------------------------------------------------------------
@@ -354,6 +488,7 @@ async function follow() {
         buffer = buffer.slice(end + 1);
         if (!line.trim()) continue;
         const message = JSON.parse(line);
+        if (message.traffic) renderTraffic(message.traffic);
         if (message.status) {
           render(message);
           if (!drawn) setConnection("live", "live");
