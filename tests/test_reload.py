@@ -100,7 +100,9 @@ def test_a_change_of_replicas_alone_is_named_as_such_not_as_a_roll(tmp_path: Pat
 async def test_replicas_or_autoscaling_alone_reach_the_control_plane(tmp_path: Path) -> None:
     old = config(PROFILED, tmp_path)
     more = PROFILED.replace('name = "placed"\n', 'name = "placed"\nreplicas = 2\n')
-    scaled = PROFILED.replace("[agents]", "[models.autoscale]\nmax = 4\ntarget_in_flight = 8\n[agents]")
+    scaled = PROFILED.replace(
+        "[agents]", "[models.autoscale]\nmax = 4\ntarget_in_flight = 8\n[agents]"
+    )
     bigger = scaled.replace("max = 4", "max = 6")
     for before, after, summary in (
         (PROFILED, more, "replicas changed: placed 1 -> 2"),
@@ -152,6 +154,34 @@ def test_a_model_that_changes_between_static_and_placed_waits_for_a_restart(
     assert not plan.changes
     assert set(plan.needs_restart) == {"models.m (profile)", "models.placed (profile)"}
     assert reloaded_config(old, new).catalog == old.catalog
+
+
+def test_profiled_models_added_or_removed_go_to_the_control_plane_not_to_a_restart(
+    tmp_path: Path,
+) -> None:
+    huge = PROFILED.replace('"placed"', '"huge"').replace("org/placed", "org/huge")
+    old = config(models_toml({"m": ["http://e1:8000"]}) + PROFILED, tmp_path)
+    new = config(models_toml({"m": ["http://e1:8000"]}) + huge, tmp_path)
+    plan = plan_reload(old, new)
+    assert plan.needs_restart == () and plan.control_plane_changes
+    assert (plan.placed_added, plan.placed_removed) == (("huge",), ("placed",))
+    assert plan.summary() == "placed models added: huge; placed models removed (drained): placed"
+    models = plan.as_json()["models"]
+    assert (models["placed_added"], models["placed_removed"]) == (["huge"], ["placed"])
+    served = reloaded_config(old, new)
+    assert [m.name for m in served.catalog.models] == ["m", "huge"]
+    assert served.catalog.get("huge") == new.catalog.get("huge")
+    assert plan_reload(served, new).changes is False
+    # Every profiled model removed: the control plane runs on, and takes one added again.
+    bare = config(models_toml({"m": ["http://e1:8000"]}) + "[agents]\ninsecure = true\n", tmp_path)
+    emptied = reloaded_config(old, bare, plane=True)
+    assert [m.name for m in emptied.catalog.models] == ["m"]
+    again = plan_reload(emptied, old, plane=True)
+    assert again.placed_added == ("placed",) and again.needs_restart == ()
+    # Where no control plane runs (a file with no profiled model), one waits for a restart.
+    plan = plan_reload(bare, old)
+    assert plan.needs_restart == ("models.placed (profile)",) and not plan.placed_added
+    assert reloaded_config(bare, old).catalog == bare.catalog
 
 
 # -- real servers ----------------------------------------------------------------------

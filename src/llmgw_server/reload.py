@@ -2,12 +2,13 @@
 
 What a reload applies: the API keys (`[auth]`), the metrics token, the static models
 (`[[models]]` with `endpoints`: added, removed, their endpoints changed) and, where a
-control plane runs, the profile and `replicas` of each profiled model (the control
-plane rolls the changed ones, one replica at a time). Everything else (listen
-addresses, workers, `[router]` tuning, the control plane's settings, profiled models
-added or removed) is read from the new file only at the next start: `plan_reload`
-names it, the log says it, the rest is applied. A file that does not validate changes
-nothing.
+control plane runs, the profiled models: added (placed as a change of `replicas` from
+0 would be), removed (drained, then stopped, as a change to 0 would be), and the profile
+and `replicas` of the others (the control plane rolls the changed ones, one replica at a
+time). Everything else (listen addresses, workers, `[router]` tuning, the control
+plane's settings, a name that turns from static to profiled or back) is read from the
+new file only at the next start: `plan_reload` names it, the log says it, the rest is
+applied. A file that does not validate changes nothing.
 
 `plan_reload` and `reloaded_config` are pure; `Reloader` reads the file and hands what
 to apply to its owner (a Router, or the workers' parent); `reload_on_sighup` is the
@@ -47,9 +48,12 @@ class ReloadPlan:
     models_added: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_changed: Mapping[str, tuple[Endpoint, ...]] = attrs.field(factory=dict)
     models_removed: tuple[str, ...] = ()
-    # Profiled models handed to the control plane: those whose profile changed (it rolls
+    # Profiled models handed to the control plane: those added (it places them) and
+    # removed (it drains and stops their replicas), those whose profile changed (it rolls
     # their replicas) and those whose `replicas` changed (old, new: it adds or removes
     # replicas, nothing rolls).
+    placed_added: tuple[str, ...] = ()
+    placed_removed: tuple[str, ...] = ()
     profiles_changed: tuple[str, ...] = ()
     replicas_changed: Mapping[str, tuple[int, int]] = attrs.field(factory=dict)
     # Those whose [models.autoscale] changed (bounds, targets, windows; or one added or
@@ -73,7 +77,13 @@ class ReloadPlan:
     @property
     def control_plane_changes(self) -> bool:
         """Whether the control plane must take the reloaded catalog."""
-        return bool(self.profiles_changed or self.replicas_changed or self.autoscale_changed)
+        return bool(
+            self.placed_added
+            or self.placed_removed
+            or self.profiles_changed
+            or self.replicas_changed
+            or self.autoscale_changed
+        )
 
     def summary(self) -> str:
         parts = []
@@ -91,6 +101,10 @@ class ReloadPlan:
         ):
             if names:
                 parts.append(f"models {what}: {', '.join(names)}")
+        if self.placed_added:
+            parts.append(f"placed models added: {', '.join(self.placed_added)}")
+        if self.placed_removed:
+            parts.append(f"placed models removed (drained): {', '.join(self.placed_removed)}")
         if self.profiles_changed:
             parts.append(f"profiles changed (rolled): {', '.join(self.profiles_changed)}")
         if self.replicas_changed:
@@ -112,6 +126,8 @@ class ReloadPlan:
                 "added": sorted(self.models_added),
                 "changed": sorted(self.models_changed),
                 "removed": list(self.models_removed),
+                "placed_added": list(self.placed_added),
+                "placed_removed": list(self.placed_removed),
                 "profiles_changed": list(self.profiles_changed),
                 "replicas_changed": {k: list(v) for k, v in self.replicas_changed.items()},
                 "autoscale_changed": list(self.autoscale_changed),
@@ -120,8 +136,10 @@ class ReloadPlan:
         }
 
 
-def plan_reload(old: Config, new: Config) -> ReloadPlan:
-    """What reloading `new` over `old` applies, and what only a restart would."""
+def plan_reload(old: Config, new: Config, *, plane: bool | None = None) -> ReloadPlan:
+    """What reloading `new` over `old` applies, and what only a restart would. `plane`:
+    whether this process runs a control plane (None: whether `old` has profiled models;
+    one that started keeps running when a reload removes every profiled model)."""
     old_keys, new_keys = old.auth.keys, new.auth.keys
     old_static, new_static = _static(old.catalog), _static(new.catalog)
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
@@ -129,13 +147,19 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     rolled = []
     replicas = {}
     autoscaled = []
+    added, removed = [], []
+    handed = _handed(old, new, plane)
     for name in sorted(set(old_profiled) | set(new_profiled)):
         was, now = old_profiled.get(name), new_profiled.get(name)
-        if was != now:
-            if name not in _rollable(old, new):
-                restart.append(f"models.{name} (profile)")
-                continue
-            assert was is not None and now is not None  # rollable: profiled in both
+        if was == now:
+            continue
+        if name not in handed:
+            restart.append(f"models.{name} (profile)")
+        elif was is None:
+            added.append(name)
+        elif now is None:
+            removed.append(name)
+        else:
             if was.profile != now.profile:
                 rolled.append(name)
             if was.replicas != now.replicas:
@@ -163,6 +187,8 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         models_removed=tuple(
             name for name in old_static if name not in new_static and name not in new_profiled
         ),
+        placed_added=tuple(added),
+        placed_removed=tuple(removed),
         profiles_changed=tuple(rolled),
         replicas_changed=replicas,
         autoscale_changed=tuple(autoscaled),
@@ -170,31 +196,40 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
     )
 
 
-def reloaded_config(old: Config, new: Config) -> Config:
+def reloaded_config(old: Config, new: Config, *, plane: bool | None = None) -> Config:
     """`old` with what a reload applies taken from `new`: the config that serves after it.
 
-    Static models come in the new file's order; a profiled model takes its new profile
-    and replicas where a control plane runs, and stays as it was otherwise (as does a
-    name that changed between static and profiled, until a restart).
+    Models come in the new file's order: its static ones, and its profiled ones where a
+    control plane runs (added, changed; a removed one is gone). What a reload does not
+    apply stays as it was, after them: every profiled model where no control plane runs,
+    and a name that changed between static and profiled, until a restart.
     """
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
-    rollable = _rollable(old, new)
-    models = [e for e in new.catalog.models if e.profile is None and e.name not in old_profiled]
+    handed = _handed(old, new, plane)
+    models = [
+        e
+        for e in new.catalog.models
+        if (e.profile is None and e.name not in old_profiled) or e.name in handed
+    ]
     models += [
-        new_profiled[e.name] if e.name in rollable else e
+        e
         for e in old.catalog.models
-        if e.profile is not None or e.name in new_profiled
+        if e.name not in handed and (e.profile is not None or e.name in new_profiled)
     ]
     server = attrs.evolve(old.server, metrics_token_digest=new.server.metrics_token_digest)
     return attrs.evolve(old, server=server, auth=new.auth, catalog=Catalog(models=tuple(models)))
 
 
-def _rollable(old: Config, new: Config) -> set[str]:
-    """The profiled models a reload hands to the running control plane: profiled in
-    both files (one added or removed waits for a restart), where one runs."""
-    if not old.runs_control_plane:
+def _handed(old: Config, new: Config, plane: bool | None) -> set[str]:
+    """The profiled models a reload hands to the running control plane, where one runs:
+    every name profiled in either file, but one that is static in the other (it turns
+    from static to profiled or back: a restart's business)."""
+    if not (old.runs_control_plane if plane is None else plane):
         return set()
-    return set(_profiled(old.catalog)) & set(_profiled(new.catalog))
+    old_static, new_static = _static(old.catalog), _static(new.catalog)
+    return {m for m in _profiled(old.catalog) if m not in new_static} | {
+        m for m in _profiled(new.catalog) if m not in old_static
+    }
 
 
 def _static(catalog: Catalog) -> dict[str, ModelEntry]:
@@ -235,6 +270,9 @@ class Reloader:
     def __init__(self, config: Config, apply: Apply) -> None:
         self.config = config
         self.apply = apply
+        # A control plane starts with profiled models, and runs on when a reload removes
+        # them all: one added again later is its business, not a restart's.
+        self.plane = config.runs_control_plane
         self._lock = trio.Lock()
 
     async def reload(self) -> ReloadPlan:
@@ -245,8 +283,8 @@ class Reloader:
             except ConfigError as exc:
                 log.error("reload refused, the running config stays: %s", exc)
                 raise
-            plan = plan_reload(self.config, new)
-            effective = reloaded_config(self.config, new)
+            plan = plan_reload(self.config, new, plane=self.plane)
+            effective = reloaded_config(self.config, new, plane=self.plane)
             await self.apply(effective, plan)
             self.config = effective
             log.info("reloaded %s: %s", self.config.file, plan.summary())
@@ -259,8 +297,9 @@ class Reloader:
 
 
 def with_control_plane(apply: Apply, set_catalog: Callable[[Catalog], None]) -> Apply:
-    """`apply`, then the reloaded catalog to this process's control plane when a profile,
-    a replicas count or an [models.autoscale] changed (it rolls the changed profiles)."""
+    """`apply`, then the reloaded catalog to this process's control plane when a profiled
+    model was added or removed, or a profile, a replicas count or an [models.autoscale]
+    changed (it places the added, drains the removed and rolls the changed profiles)."""
 
     async def both(config: Config, plan: ReloadPlan) -> None:
         await apply(config, plan)

@@ -64,6 +64,7 @@ class ControlMachine(RuleBasedStateMachine):
         super().__init__()
         self.replicas = {"one": 1, "four": 1, "pipe": 1}
         self.args: dict[str, tuple[str, ...]] = {name: () for name in MODELS}
+        self.present = set(MODELS)  # the models in the catalog (a reload adds or removes)
         self.fleet = Fleet(SETTINGS, self.catalog(), now=1000.0, instance="i0")
         self.restarts = 0
         self.seen_lost = 0
@@ -73,6 +74,7 @@ class ControlMachine(RuleBasedStateMachine):
             tuple(
                 model(name, self.replicas[name], args=self.args[name], **kw)
                 for name, kw in MODELS.items()
+                if name in self.present
             )
         )
 
@@ -216,6 +218,15 @@ class ControlMachine(RuleBasedStateMachine):
         self.args[name] = () if self.args[name] else ("--max-model-len", "4096")
         self.fleet.set_catalog(self.catalog())
 
+    @rule(name=st.sampled_from(sorted(MODELS)))
+    def add_or_remove_model(self, name: str) -> None:
+        """A reload adds the model to the catalog, or removes it (its replicas drain)."""
+        self.present ^= {name}
+        self.fleet.set_catalog(self.catalog())
+
+    def desired(self, name: str) -> int:
+        return self.replicas[name] if name in self.present else 0
+
     # -- invariants ---------------------------------------------------------------------------
 
     @invariant()
@@ -254,7 +265,7 @@ class ControlMachine(RuleBasedStateMachine):
             ):
                 running[replica.model] += 1
         for name, n in running.items():
-            assert n <= self.replicas.get(name, 0), (name, n)
+            assert n <= self.desired(name), (name, n)
         for m in view.models:
             assert m.kept <= m.desired
 
@@ -359,6 +370,10 @@ class ControlMachine(RuleBasedStateMachine):
             raise AssertionError(f"no quiescence: {f.cp.view()}")
         view = f.cp.view()
         assert all(n.status is R for n in view.nodes)
+        assert {m.name for m in view.models} <= self.present
+        for name in set(MODELS) - self.present:  # a removed model: drained and stopped
+            assert not f.replicas(name) and not any(r.model == name for r in view.replicas)
+            assert name not in f.cp.serving() and f.cp.explain(name) is None
         nodes = f.cp.lifecycle.nodes
         for m in view.models:
             ids = {r.replica_id for r in view.replicas if r.model == m.name}

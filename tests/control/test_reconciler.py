@@ -197,6 +197,55 @@ def test_scaling_down_drains_first_and_stops_once_the_router_says_drained() -> N
     assert len(f.cp.view().replicas) == 1
 
 
+def test_a_model_added_to_a_running_reconciler_is_placed_and_explained_at_once() -> None:
+    """A reload that adds a profiled model: it is placed as a change of replicas from 0
+    would be, served once ready, and explained from the moment the catalog names it."""
+    f = fleet_with(model("a", 1), nodes=1)
+    f.ready_all()
+    f.commands.clear()
+    assert f.cp.explain("huge") is None and "huge" not in f.cp.serving()
+    f.set_catalog(catalog(model("a", 1), model("huge", 2, tensor_parallel=2)))
+    why = f.cp.explain("huge")
+    assert why is not None and why.placeable
+    assert f.cp.serving()["huge"] == ()  # named at once: routers answer 503, not 404
+    starts = [c for c in f.commands if isinstance(c, StartShard)]
+    assert [c.spec.model_name for c in starts] == ["huge", "huge"]
+    assert not any(isinstance(c, DrainShard | StopShard) for c in f.commands)  # "a" untouched
+    f.ready_all()
+    assert len(f.cp.serving()["huge"]) == 2 and len(f.cp.serving()["a"]) == 1
+
+
+def test_a_model_removed_from_a_running_reconciler_is_drained_then_stopped() -> None:
+    f = fleet_with(model("a", 1), model("gone", 2), nodes=1)
+    f.ready_all()
+    f.commands.clear()
+    f.set_catalog(catalog(model("a", 1)))
+    assert kinds(f.commands) == ["DrainShard", "DrainShard"]  # drained first, nothing stopped
+    assert {c.replica_id for c in f.commands if isinstance(c, DrainShard)} == f.replicas("gone")
+    assert "gone" not in f.cp.serving() and f.cp.explain("gone") is None
+    retiring = [r for r in f.cp.view().replicas if r.model == "gone"]
+    assert len(retiring) == 2 and all(r.phase is Phase.RETIRING for r in retiring)
+    first, _ = sorted(f.replicas("gone"))
+    f.feed(f.cp.replica_drained(first, f.now))  # the routers have nothing in flight there
+    assert f.commands[2:] == [StopShard("n1", first, 0)]
+    f.advance(FAST.drain_timeout_s)  # the other: stopped once the drain times out
+    assert kinds(f.commands)[3:] == ["StopShard"]
+    assert not f.replicas("gone") and len(f.replicas("a")) == 1
+    assert [m.name for m in f.cp.view().models] == ["a"]
+
+
+def test_a_model_removed_before_it_was_placed_is_placed_no_more() -> None:
+    """Found by the state machine: a removed model with no replica yet but one to place
+    was never judged again, and the next placement looked up its profile (KeyError)."""
+    f = fleet_with(model("a", 1), model("big", 1, tensor_parallel=8, gpu_memory_gib=90), nodes=1)
+    assert set(f.cp.view().unplaced) == {"big"}
+    f.set_catalog(catalog(model("a", 1)))
+    assert f.cp.view().unplaced == {}
+    f.join(gpu_node("n2", 8, fabric=POD_A))  # room appears: placement runs again
+    f.advance(FAST.reconcile_interval_s + 1)
+    assert not f.replicas("big") and len(f.replicas("a")) == 1
+
+
 # -- failures ------------------------------------------------------------------------
 
 

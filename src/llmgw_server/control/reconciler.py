@@ -148,7 +148,10 @@ class Reconciler:
         self.file_catalog = catalog
         self.scaling.follow(catalog)
         self._scaled()
+        # A model gone from the catalog is judged too, with replicas or without: its
+        # replicas retire, and what it lacked is placed no more.
         models = {m.name for m in catalog.models} | set(self.known.store.models())
+        models |= set(self._decider.models)
         return self._step(now, Change(frozenset(models)))
 
     def autoscale(self, loads: Mapping[str, ModelLoad], now: float) -> Step:
