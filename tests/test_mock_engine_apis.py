@@ -8,6 +8,7 @@ engine answered."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 
 import anthropic
@@ -119,9 +120,15 @@ def test_messages_and_count_tokens_as_vllm_answers_them(procs: Procs) -> None:
     assert counted.input_tokens == message.usage.input_tokens > 0
 
     with claude.messages.stream(model="m", max_tokens=64, messages=[ask]) as stream:
-        kinds = [event.type for event in stream if event.type not in ("text",)]
         final = stream.get_final_message()
-    assert kinds == MESSAGE_EVENTS
+    # On the wire (the client drops a `ping`): each event named as its data's type.
+    wire = httpx.post(
+        engine.url + "/v1/messages",
+        json={"model": "m", "max_tokens": 64, "messages": [ask], "stream": True},
+    )
+    named = re.findall(r"^event: (\S+)\ndata: (.*)$", wire.text, re.M)
+    assert [name for name, _ in named] == MESSAGE_EVENTS, wire.text
+    assert all(json.loads(data)["type"] == name for name, data in named)
     assert text_of(final.content) == text_of(message.content)
     assert final.usage.input_tokens == message.usage.input_tokens
     assert final.usage.output_tokens == 4

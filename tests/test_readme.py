@@ -1,6 +1,8 @@
 """The README's examples as a user meets them: the Python client example under Quick start
-runs as written against `make demo` (only the port changed, to a free one), and every
-`conf/...` path, `make` target and docs/ link the README and docs/ name exists."""
+runs as written against `make demo` (only the port changed, to a free one), and so does
+the README's first block, the Responses API and Anthropic's Messages (its host, model
+and key made the demo's), and every `conf/...` path, `make` target and docs/ link the
+README and docs/ name exists."""
 
 from __future__ import annotations
 
@@ -30,6 +32,25 @@ def section(markdown: str, heading: str) -> str:
     return markdown[start : end if end != -1 else len(markdown)]
 
 
+# The README's first block names a gateway, a model and a key of its own: the demo's.
+FIRST_BLOCK_AS_DEMO = {
+    "http://gw:8080": "http://127.0.0.1:8080",
+    '"llama"': '"demo-model"',
+}
+
+
+def first_block() -> str:
+    """The README's first ```python block, made to run against the demo: its names
+    imported, KEY any key (the demo asks for none) and its addresses the demo's."""
+    match = re.search(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert match, "no ```python block in the README"
+    code = match[1]
+    for theirs, demos in FIRST_BLOCK_AS_DEMO.items():
+        assert theirs in code, (theirs, code)
+        code = code.replace(theirs, demos)
+    return "import anthropic\nimport openai\n\nKEY = 'none'\n" + code
+
+
 def quick_start_client() -> str:
     quick_start = section(README.read_text(), "Quick start")
     match = re.search(r"^```python\n(.*?)^```", quick_start, re.S | re.M)
@@ -46,9 +67,13 @@ def code_spans(markdown: str) -> list[str]:
     )
 
 
-def test_the_quick_start_client_runs_as_written_against_the_demo(tmp_path: Path) -> None:
+def test_the_quick_start_client_and_the_first_block_run_against_the_demo(
+    tmp_path: Path,
+) -> None:
     code = quick_start_client()
     assert code.count(DEMO_URL) == 1, code  # the demo's default address, as a user runs it
+    first = first_block()
+    assert ".responses.create(" in first and ".messages.create(" in first, first
     port = free_pair()
     demo = start_demo(port, tmp_path)
     try:
@@ -72,6 +97,20 @@ def test_the_quick_start_client_runs_as_written_against_the_demo(tmp_path: Path)
         assert whole.status_code == 200, whole.text
         answer = whole.json()["choices"][0]["message"]["content"]
         assert answer and ran.stdout == answer, (ran.stdout, answer)
+        # The README's first block: responses.create and messages.create (issue 36: the
+        # demo's mock engines answered both with 404).
+        headline = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                first.replace("http://127.0.0.1:8080", f"http://127.0.0.1:{port}"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
+        assert headline.returncode == 0, headline.stderr
     finally:
         if demo.poll() is None:
             demo.send_signal(signal.SIGTERM)
