@@ -77,6 +77,17 @@ class Fleet:
     ) -> Proc:
         """`workers`: router processes under the server's parent ([server] workers);
         `router`: more lines for its [router] table."""
+        path = self.server_config(models, control, agents, workers, router)
+        proc = Proc([sys.executable, "-m", "llmgw_server", "--config", str(path)], self.port)
+        self.procs.all.append(proc)
+        proc.wait_http("/healthz")
+        self.server_proc = proc
+        return proc
+
+    def server_config(
+        self, models: str, control: str = "", agents: str = "", workers: int = 1, router: str = ""
+    ) -> Path:
+        """The server's config file, as `server` writes it."""
         path = self.procs.tmp / "server.toml"
         path.write_text(
             f'[server]\nlisten = "127.0.0.1:{self.port}"\ncontrol_listen = "127.0.0.1:{self.control_port}"\n'
@@ -89,11 +100,7 @@ class Fleet:
             f"restart_backoff_s = 0.5\ndrain_timeout_s = 2\nengine_port_min = {self.ports[0]}\n"
             f"engine_port_max = {self.ports[1]}\n{control}\n{models}"
         )
-        proc = Proc([sys.executable, "-m", "llmgw_server", "--config", str(path)], self.port)
-        self.procs.all.append(proc)
-        proc.wait_http("/healthz")
-        self.server_proc = proc
-        return proc
+        return path
 
     def agent(
         self,
@@ -104,10 +111,12 @@ class Fleet:
         cert_for: str = "",
         via: int | None = None,
         command: Sequence[str] = MOCK,
+        reconnect: str = "base_s = 0.1\ncap_s = 0.5",
     ) -> Proc:
         """An agent with its own certificate (`cert_for`: one issued to another name);
         `via`: the port of a relay in front of the control plane; `command`: how it
-        launches its (mock) engines."""
+        launches its (mock) engines; `reconnect`: its [reconnect] table (a quick backoff
+        unless a test needs the default's)."""
         path = self.procs.tmp / f"{name}.toml"
         crt, key, _ = issue_node(self.certs, cert_for or name)
         path.write_text(
@@ -115,7 +124,7 @@ class Fleet:
             f'state_dir = "{self.procs.tmp / name}"\ninventory_file = "{SIM / inventory}"\n'
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'
-            "[reconnect]\nbase_s = 0.1\ncap_s = 0.5\n"
+            f"[reconnect]\n{reconnect}\n"
             f"[engines.vllm]\nenv = {{ {env} }}\n".replace("'", '"')
             # JSON's strings are TOML's basic strings: a command may hold quotes.
             + f"command = {json.dumps(list(command))}\n"

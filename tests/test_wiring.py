@@ -52,6 +52,9 @@ class Recorded:
     def closing(self) -> None:
         self.events.append(f"closing (draining: {self.router.draining})")
 
+    async def drained(self) -> None:
+        self.events.append("drained")
+
 
 async def test_the_service_is_ready_when_it_says_it_serves_and_drains_before_its_layout_closes(
     caplog: pytest.LogCaptureFixture,
@@ -71,7 +74,8 @@ async def test_the_service_is_ready_when_it_says_it_serves_and_drains_before_its
                 ready = await client.get(f"http://127.0.0.1:{port}/readyz")
             assert ready.status_code == 200
             stop.set()
-    assert layout.events == ["start", "closing (draining: True)"]
+    # Told once requests in flight ended (a control plane then closes its agents' streams).
+    assert layout.events == ["start", "closing (draining: True)", "drained"]
     assert "shutting down: no new connections" in caplog.text and "stopped" in caplog.text
     with pytest.raises(OSError):  # the port is closed
         await trio.open_tcp_stream("127.0.0.1", port)

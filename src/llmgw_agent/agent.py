@@ -60,6 +60,7 @@ from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     NAME_HELD_CLOSE,
     PROTOCOL,
+    STOPPING_CLOSE,
     Ack,
     DownMessage,
     Drain,
@@ -95,6 +96,14 @@ CONNECT_TIMEOUT_S = AGENT_DIAL_PATIENCE_S
 # Closing waits this long for the control plane's close frame (the library's default is
 # 60 s); a stream cut for silence is closed at once, without waiting.
 DISCONNECT_TIMEOUT_S = 5.0
+# A control plane that closed the stream because it stops (STOPPING_CLOSE: a restart) is
+# dialled again after up to RESTART_JITTER_S, and again so while the dial fails, for up to
+# RESTART_REDIAL_WINDOW_S (a restart's stop and start; with the default 2 s backoff the
+# agent would come back up to 4.9 s after the new process listens). The jitter spreads a
+# fleet's dials over half a second; the control port's admission then paces them as at any
+# start. Past the window the backoff takes over, as for a control plane that is gone.
+RESTART_JITTER_S = 0.5
+RESTART_REDIAL_WINDOW_S = 30.0
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -114,6 +123,17 @@ def reconnect_delay(
     return min(max(come_back_s, 0.0), MAX_COME_BACK_S) + rng.uniform(0, base_s)
 
 
+def restart_redial_delay(
+    now: float, redial_until: float | None, come_back_s: float | None, rng: random.Random
+) -> float | None:
+    """The wait before the next dial while a stopped control plane restarts (until
+    `redial_until`); None: the backoff decides (no restart, its window passed, or the
+    control plane said when to come back, which is kept)."""
+    if redial_until is None or now >= redial_until or come_back_s is not None:
+        return None
+    return rng.uniform(0, RESTART_JITTER_S)
+
+
 class NameHeld(Exception):
     """The control plane refused this registration: another agent's stream for this
     node's name is live (it answered the control plane's ping)."""
@@ -126,6 +146,7 @@ class Session:
     welcomed_at: float | None = None  # None: it never registered
     heard: Heard | None = None  # when the control plane was last heard from on it
     bound: SilenceBound | None = None  # its silence bound
+    stopping: bool = False  # the control plane closed it because it stops (a restart)
 
 
 def _interval(seconds: float) -> float:
@@ -213,6 +234,7 @@ class Agent:
 
     async def _connect_forever(self) -> None:
         attempt = 0
+        redial_until: float | None = None  # see RESTART_REDIAL_WINDOW_S
         while True:
             session = Session()
             come_back: float | None = None  # when the control plane asked to be dialled
@@ -249,6 +271,16 @@ class Agent:
             except* Exception as group:
                 # Nothing that goes wrong with one connection may reach the engines.
                 log.error("the session with %s failed", self.config.server, exc_info=group)
+            now = trio.current_time()
+            if session.stopping:
+                redial_until = now + RESTART_REDIAL_WINDOW_S
+            elif session.welcomed_at is not None:
+                redial_until = None  # back: later failures take the backoff
+            delay_or_none = restart_redial_delay(now, redial_until, come_back, self.rng)
+            if delay_or_none is not None:
+                log.info("the control plane is restarting: dialing again in %.2f s", delay_or_none)
+                await trio.sleep(delay_or_none)
+                continue
             attempt = next_attempt(attempt, session)
             delay = reconnect_delay(
                 attempt,
@@ -298,6 +330,8 @@ class Agent:
                 except trio_websocket.ConnectionClosed as closed:
                     if closed.reason is not None and closed.reason.code == NAME_HELD_CLOSE:
                         raise NameHeld(closed.reason.reason or "") from None
+                    if closed.reason is not None and closed.reason.code == STOPPING_CLOSE:
+                        session.stopping = True
                     raise
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
@@ -338,7 +372,10 @@ class Agent:
             finally:
                 self._outbox = None
                 self.connected = trio.Event()
-            if ws.closed is not None and ws.closed.reason:
+            if ws.closed is not None and ws.closed.code == STOPPING_CLOSE:
+                session.stopping = True
+                log.info("the control plane closed the stream: %s", ws.closed.reason)
+            elif ws.closed is not None and ws.closed.reason:
                 log.warning("the control plane closed the stream: %s", ws.closed.reason)
 
     async def _heartbeat(self, paced: Paced) -> None:

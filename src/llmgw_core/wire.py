@@ -26,6 +26,10 @@ MAX_FRAME_BYTES = 1024 * 1024
 # refused because another agent's stream for the node's name is live: two machines share
 # the name (a cloned image, a copied certificate). The reason says which node.
 NAME_HELD_CLOSE = 4409
+# The close code (after HTTP's 503) of every agent stream when the control plane stops
+# cleanly (SIGTERM, as a restart does): the agent dials again after a small jitter rather
+# than its backoff, for as long as a restart takes (llmgw_agent.agent, RESTART_*).
+STOPPING_CLOSE = 4503
 
 
 def accepts(agent_protocol: int) -> str | None:

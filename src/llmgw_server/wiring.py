@@ -42,6 +42,7 @@ import trio
 
 from llmgw_core.config import Config
 from llmgw_http.server import HTTPServer
+from llmgw_http.socket_activation import open_listeners
 from llmgw_server.reload import Apply, Reloader, reload_on_sighup, with_control_plane
 from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.front import Router, server_limits
@@ -97,6 +98,19 @@ async def _until_stopped(signals: AsyncIterator[int], stop: trio.Event) -> None:
         waiters.start_soon(first_signal)
         await stop.wait()
         waiters.cancel_scope.cancel()
+
+
+async def _listeners(config: Config) -> list[trio.SocketListener]:
+    """The router's listening sockets: systemd's, kept open across a restart (socket
+    activation: conf/systemd/llmgw-server.socket), else `[server] listen` bound here."""
+    listen = config.server.listen
+    listeners, inherited = await open_listeners(listen.host, listen.port)
+    if inherited:
+        where = ", ".join(str(listener.socket.getsockname()[:2]) for listener in listeners)
+        log.info(
+            "serving on %d sockets from systemd (socket activation): %s", len(listeners), where
+        )
+    return listeners
 
 
 async def _sighup_reloads_elsewhere(
@@ -164,6 +178,10 @@ class Layout(Protocol):
         """Shutdown began."""
         ...
 
+    async def drained(self) -> None:
+        """Requests in flight have ended (or the grace passed): the process exits next."""
+        ...
+
 
 async def serve_router(
     router: Router,
@@ -199,6 +217,8 @@ async def serve_router(
                     await nursery.start(reload_on_sighup, sighup)
                 if router.access_log is not None:
                     await nursery.start(router.access_log.run)
+                router.hold_at_start()
+                nursery.start_soon(_end_start_hold, router)
                 await nursery.start(http.serve, listeners)
                 if router.kv is not None:
                     # balancing = "precise": what the engines hold, from their events
@@ -227,6 +247,20 @@ async def serve_router(
     log.info("stopped")
 
 
+# How long a started router holds the requests of a model the control plane places while
+# none of its replicas is known (Router.hold_at_start), rather than answer 503: across a
+# restart the agents are back within a second of the control port's start (their redial
+# jitter, RESTART_JITTER_S, and a registration), so this is ample; on a fleet's first
+# start, a request for a model whose engines are still loading waits this long before
+# its 503.
+STARTUP_HOLD_S = 10.0
+
+
+async def _end_start_hold(router: Router) -> None:
+    await trio.sleep(STARTUP_HOLD_S)
+    router.end_start_hold()
+
+
 async def _shut_down(router: Router, http: HTTPServer, layout: Layout) -> None:
     """No new connections; requests in flight finish within the grace (then the caller
     cancels what is left)."""
@@ -236,6 +270,19 @@ async def _shut_down(router: Router, http: HTTPServer, layout: Layout) -> None:
     layout.closing()
     if not await http.shutdown(grace_s):
         log.warning("requests still in flight after %s s: cancelling them", grace_s)
+    await layout.drained()
+
+
+# How long a stopping control plane waits for its agent streams' close frames to go out.
+STREAMS_CLOSE_S = 1.0
+
+
+async def _stop_agent_streams(plane: ControlPlane) -> None:
+    """Tell every agent that this control plane stops (a restart), so that each dials
+    the next one after a small jitter, not after its backoff (AgentService.stop_streams)."""
+    plane.agents.stop_streams()
+    with trio.move_on_after(STREAMS_CLOSE_S):
+        await plane.agents.streams_closed.wait()
 
 
 def _http_address(config: Config, port: int) -> str:
@@ -282,6 +329,10 @@ class _SingleProcess:
         if self.plane is not None:
             self.plane.closing = True
 
+    async def drained(self) -> None:
+        if self.plane is not None:
+            await _stop_agent_streams(self.plane)
+
 
 async def _follow_in_process(routes: RouteHub, router: Router) -> None:
     """This process's router follows the route table like any other, over memory channels."""
@@ -301,10 +352,9 @@ async def main(
 ) -> None:
     """One process serves (and runs the control plane, when the config has one) until
     SIGINT/SIGTERM or `stop`."""
-    s = config.server
     router = Router(config)
     reloader = _router_reloader(router)  # SIGHUP and POST /v1/admin/reload
-    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
+    listeners = await _listeners(config)
     port = listeners[0].socket.getsockname()[1]
     layout = _SingleProcess(config, port, reloader)
     async with trio.open_nursery() as nursery:
@@ -344,6 +394,9 @@ class _Apart:
     def closing(self) -> None:
         pass
 
+    async def drained(self) -> None:
+        pass
+
 
 async def router_apart_main(
     config: Config,
@@ -360,9 +413,8 @@ async def router_apart_main(
     from llmgw_server.route_feed.remote import client_context, feed_target
 
     where = feed_target(control)
-    s = config.server
     router = Router(config)
-    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
+    listeners = await _listeners(config)
     port: int = listeners[0].socket.getsockname()[1]
     ssl_context = client_context(ca) if where.secure else None
     layout = _Apart(config, port, where, token, ca, ssl_context)
@@ -398,6 +450,9 @@ class _Worker:
         return follower if self.ready_after_table else None
 
     def closing(self) -> None:
+        pass
+
+    async def drained(self) -> None:
         pass
 
 
@@ -502,7 +557,7 @@ async def workers_main(
     from llmgw_server.route_feed.relay import TableRelay
 
     s = config.server
-    listeners = await trio.open_tcp_listeners(s.listen.port, host=s.listen.host)
+    listeners = await _listeners(config)
     port = listeners[0].socket.getsockname()[1]
     plane = None if follow is not None else _control_plane(config)
     relay_hub = RouteHub(relays=True) if follow is not None else None
@@ -540,6 +595,8 @@ async def workers_main(
             if plane is not None:
                 plane.closing = True
             await workers.stop(s.shutdown_grace_s)
+            if plane is not None:
+                await _stop_agent_streams(plane)
             nursery.cancel_scope.cancel()
     finally:
         for listener in listeners:

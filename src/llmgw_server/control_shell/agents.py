@@ -54,6 +54,7 @@ from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     NAME_HELD_CLOSE,
     PACE_PROTOCOL,
+    STOPPING_CLOSE,
     Ack,
     DownMessage,
     Heartbeat,
@@ -102,6 +103,9 @@ REGISTRATIONS_AT_ONCE = 1024
 OLD_STREAM_ANSWER_S = 2.0
 
 
+_STOPPING = "the control plane is stopping (a restart): dial again"
+
+
 class StreamClosed(Exception):
     """Close this stream with a reason the agent and the log both see."""
 
@@ -117,6 +121,7 @@ class _Stream:
 
     __slots__ = (
         "cancel_scope",
+        "close_code",
         "close_kind",
         "close_reason",
         "heartbeat_interval_s",
@@ -144,6 +149,7 @@ class _Stream:
         self.cancel_scope = trio.CancelScope()
         self.close_reason = ""
         self.close_kind: StreamRefusal = "protocol"
+        self.close_code: int | None = None  # None: 1008 with a reason, else 1000
 
     def queue(self, text: str) -> bool:
         """Queue a frame; False (and the stream closing) when too many wait unwritten."""
@@ -226,6 +232,23 @@ class AgentService:
         self._claimed: set[str] = set()  # nodes whose open stream is being asked for a pong
         self._command_ids = 0
         self.metrics = plane.metrics
+        self.stopping = False  # this control plane is going away: no stream is taken
+        self.streams_closed = trio.Event()  # set once stopping and no stream is left
+
+    def stop_streams(self) -> None:
+        """The control plane stops cleanly (a restart): close every stream, and each one
+        that registers from now on, with STOPPING_CLOSE, so that its agent dials again
+        after a small jitter (the next process's) rather than after its backoff. Called
+        once requests in flight have drained: before then, the agents' redials would only
+        reach this process again."""
+        self.stopping = True
+        if self.streams:
+            log.info("closing %d agent streams: the control plane is stopping", len(self.streams))
+        for stream in self.streams.values():
+            stream.close_code = STOPPING_CLOSE
+            stream.close(_STOPPING, "protocol")
+        if not self.streams:
+            self.streams_closed.set()
 
     def send(self, node: str, message: DownMessage) -> bool:
         """Queue a message for a node; False when the node has no open stream."""
@@ -325,6 +348,8 @@ class AgentService:
                 frame = await ws.receive()
             if register_scope.cancelled_caught:
                 raise StreamClosed(f"no registration within {REGISTER_TIMEOUT_S:g} s")
+            if self.stopping:
+                raise StreamClosed(_STOPPING, code=STOPPING_CLOSE)
             register = self._decode(frame)
             if not isinstance(register, Register):
                 raise StreamClosed(
@@ -370,14 +395,12 @@ class AgentService:
                     if isinstance(message, Heartbeat):
                         await ws.pong()  # the ack: this control plane read it
                         self._repace(stream)
-            raise StreamClosed(
-                stream.close_reason, code=1008 if stream.close_reason else 1000,
-                kind=stream.close_kind,
-            )
+            code = stream.close_code or (1008 if stream.close_reason else 1000)
+            raise StreamClosed(stream.close_reason, code=code, kind=stream.close_kind)
         except PeerClosed:
             pass  # the agent went away (a reason it gave is its own: nothing to add)
         except StreamClosed as closed:
-            if closed.reason:
+            if closed.reason and closed.code != STOPPING_CLOSE:  # said once, by stop_streams
                 self.metrics.streams_refused[closed.kind] += 1
                 log.warning(
                     "closing the stream of %s: %s",
@@ -392,6 +415,8 @@ class AgentService:
                 self.plane.disconnected(stream.node)
                 if stream.woken is not None:
                     stream.woken.set()
+                if self.stopping and not self.streams:
+                    self.streams_closed.set()
 
     async def _claim(self, node: str, peer: str) -> None:
         """Take `node`'s name for a stream from `peer`: at once when no stream holds it;

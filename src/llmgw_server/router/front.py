@@ -275,6 +275,25 @@ class Router:
                     in_flight[(model, replica.endpoint.url)] = replica.outstanding
         return self.traffic.report(in_flight)
 
+    def hold_at_start(self) -> None:
+        """Just started (a restart): the control plane has not heard from its agents yet,
+        so hold each placed model's requests as for a model at zero (same budgets and
+        hold_timeout_s) until its replicas are back, rather than answer 503 "no healthy
+        replica"; `end_start_hold` ends this (the wiring, after STARTUP_HOLD_S)."""
+        self._start_hold = frozenset(
+            m.name for m in self.config.catalog.models if m.profile is not None
+        )
+        for model in self._start_hold:
+            self.meters.setdefault(model, ModelMeter())
+
+    def end_start_hold(self) -> None:
+        """What is still held for a model that is not autoscaled is answered now."""
+        for model in self._start_hold - self._autoscaled:
+            meter = self.meters.pop(model, None)
+            if meter is not None:
+                meter.may_serve()
+        self._start_hold = frozenset()
+
     async def wait_load_wanted(self) -> None:
         """Until a request is held (the control plane should hear of it at once)."""
         await self._load_wanted.wait()
