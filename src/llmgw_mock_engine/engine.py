@@ -17,6 +17,9 @@ With vLLM's `--kv-events-config` (and the scheduler model on) it publishes vLLM'
 KV-cache events over ZMQ as the model stores and evicts blocks
 (llmgw_mock_engine.kv_publisher), and `POST /tokenize` gives a prompt's token ids as those
 events carry them (llmgw_mock_engine.kv_events.token_id).
+
+It serves OpenAI's Responses API and Anthropic's Messages API too, as vLLM 0.32.0 answers
+them (llmgw_mock_engine.text_apis), with the answers of its chat completions.
 """
 
 from __future__ import annotations
