@@ -264,6 +264,10 @@ class Decider:
                 out.notes += said
                 if due is not None:
                     out.times.append(due)
+            elif rid in known.failures and serves(self.status[rid], records):
+                # Serving again: no failure in a row. A crash soon after still backs off
+                # longer (known.failed counts from the attempt unless it served long).
+                del known.failures[rid]
         out.moving, out.kept, out.ready = moving + stale, len(keep), ready
         return out
 
