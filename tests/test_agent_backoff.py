@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from llmgw_agent.agent import (
     CONNECT_TIMEOUT_S,
+    RESTART_JITTER_S,
     Session,
     backoff_delay,
     next_attempt,
     reconnect_delay,
+    restart_redial_delay,
 )
 from llmgw_agent.config import AgentConfig
 from llmgw_core.agent_lane import MAX_COME_BACK_S
@@ -175,3 +177,14 @@ def test_a_refusals_retry_after_is_read_within_the_cap() -> None:
     assert retry_after(rejected((b"content-type", b"text/plain"))) is None
     assert retry_after(rejected((b"retry-after", b"Wed, 21 Oct 2026 07:28:00 GMT"))) is None
     assert retry_after(rejected((b"retry-after", b"99999"))) == MAX_COME_BACK_S
+
+
+def test_an_agent_told_of_a_restart_redials_within_the_jitter_until_its_window_ends() -> None:
+    rng = random.Random(3)
+    delays = [restart_redial_delay(5.0, 30.0, None, rng) for _ in range(200)]
+    assert all(d is not None and 0 <= d <= RESTART_JITTER_S for d in delays)
+    assert max(d for d in delays if d is not None) > RESTART_JITTER_S / 2  # spread, not fixed
+    # No restart, its window over, or the control plane gave a turn: the backoff decides.
+    assert restart_redial_delay(5.0, None, None, rng) is None
+    assert restart_redial_delay(30.0, 30.0, None, rng) is None
+    assert restart_redial_delay(5.0, 30.0, 2.0, rng) is None

@@ -117,6 +117,19 @@ def test_the_server_unit_is_sandboxed_tightly() -> None:
     assert one(settings, "CapabilityBoundingSet") == ""
 
 
+def test_the_server_unit_takes_its_socket_from_the_socket_unit() -> None:
+    """systemd holds the router's socket across a restart (test_restart_e2e): the socket
+    unit listens where the server's default config does, and the service asks for it."""
+    from llmgw_core.config import ServerSection
+
+    socket_unit = read_unit((UNITS / "llmgw-server.socket").read_text())["Socket"]
+    default = ServerSection().listen
+    assert one(socket_unit, "ListenStream") == f"{default.host}:{default.port}"
+    unit = read_unit((UNITS / "llmgw-server.service").read_text())["Unit"]
+    assert "llmgw-server.socket" in unit["Wants"]
+    assert "llmgw-server.socket" in one(unit, "After").split()
+
+
 def test_the_agent_unit_leaves_engines_alone_on_restart() -> None:
     """systemd's default KillMode (control-group) would kill every engine with the agent,
     and a restarted agent would have nothing to adopt."""
