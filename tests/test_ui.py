@@ -141,7 +141,10 @@ async def test_the_stream_sends_traffic_when_routers_report_at_most_every_few_se
     feed = FleetFeed(wall_clock=lambda: 0.0)
     store = TrafficStore()
     out = Lines()
-    wall = lambda: 1000.0 + trio.current_time()  # noqa: E731
+
+    def wall() -> float:
+        return 1000.0 + trio.current_time()
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             ui_server.stream, feed, lambda: {}, cast(Responder, out), None, store, wall
