@@ -18,7 +18,7 @@ import pytest
 
 from llmgw_mock_engine.responses_api import ResponseStore
 from llmgw_server.router.stored import holder_of
-from procs import Procs, models_toml
+from procs import Procs, metric, models_toml
 
 RESPONSE_EVENTS = [
     "response.created",
@@ -147,6 +147,11 @@ def test_a_path_the_mock_lacks_is_its_own_404(procs: Procs) -> None:
     assert answer.json()["error"]["message"] == "mock engine: no route /v1/nowhere"
 
 
+def completion_tokens(router_url: str) -> float:
+    page = httpx.get(router_url + "/metrics").text
+    return metric(page, "llmgw_tokens_total", model="m", kind="completion")
+
+
 def test_through_a_router_the_chain_stays_on_the_replica_the_id_names(procs: Procs) -> None:
     engines = [procs.mock("m", "--mock-tokens", "4") for _ in range(2)]
     router = procs.router(
@@ -163,14 +168,17 @@ def test_through_a_router_the_chain_stays_on_the_replica_the_id_names(procs: Pro
         assert answer.previous_response_id == previous.id and holder_of(answer.id)
         assert client.responses.retrieve(answer.id).output_text == answer.output_text
         previous = answer
+    before_stream = completion_tokens(router.url)
     streamed = list(client.responses.create(model="m", input="Hi", stream=True))
     assert [e.type for e in streamed] == RESPONSE_EVENTS
+    assert completion_tokens(router.url) - before_stream == 4
     holders = [
         json.loads(httpx.get(e.url + "/mock/stats").text)["stored_responses"]["stored"]
         for e in engines
     ]
     assert sorted(holders) == [1, 4], holders  # the chain on one replica, one alone
 
+    before_messages = completion_tokens(router.url)
     claude = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
     ask: list[anthropic.types.MessageParam] = [{"role": "user", "content": "Hi"}]
     message = claude.messages.create(model="m", max_tokens=8, messages=ask)
@@ -178,6 +186,9 @@ def test_through_a_router_the_chain_stays_on_the_replica_the_id_names(procs: Pro
     with claude.messages.stream(model="m", max_tokens=8, messages=ask) as stream:
         assert text_of(stream.get_final_message().content) == text_of(message.content)
     assert claude.messages.count_tokens(model="m", messages=ask).input_tokens > 0
+    # The router read each answer's usage where vLLM puts it (the Responses stream's
+    # response.completed, the Messages stream's message_delta): 4 tokens each.
+    assert completion_tokens(router.url) - before_messages == 2 * 4
 
 
 def test_the_store_drops_its_oldest_past_its_count_or_its_bytes() -> None:
