@@ -258,7 +258,8 @@ class ControlPlane:
     # -- operator actions ------------------------------------------------------
 
     def set_catalog(self, catalog: Catalog) -> None:
-        """A reloaded catalog: changed profiles roll, replicas counts apply."""
+        """A reloaded catalog: added models are placed, removed ones drained, changed
+        profiles roll, replicas counts apply; `explain` knows the new catalog at once."""
         self.config = attrs.evolve(self.config, catalog=catalog)
         self._run(lambda: self.reconciler.set_catalog(catalog, self.now()))
 
