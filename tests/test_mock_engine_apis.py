@@ -210,3 +210,25 @@ def test_the_store_drops_its_oldest_past_its_count_or_its_bytes() -> None:
     big.put(response(0, 1000), [])  # one over the bound is kept: the latest answer
     big.put(response(1, 1000), [])
     assert list(big.held) == ["resp_1"] and big.dropped == 1
+
+
+def test_with_the_scheduler_model_they_report_cached_tokens_as_chat_does(procs: Procs) -> None:
+    engine = procs.mock(
+        "m", "--mock-tokens", "4", "--mock-kv-blocks", "64", "--mock-block-size", "2"
+    )
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="none", max_retries=0)
+    words = "one two three four five six seven eight"
+    first, again = (client.responses.create(model="m", input=words) for _ in range(2))
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    # The prompt's whole blocks, less its last token (which the engine always computes).
+    assert again.usage.input_tokens_details.cached_tokens == first.usage.input_tokens - 2
+    claude = anthropic.Anthropic(base_url=engine.url, api_key="none", max_retries=0)
+    message = claude.messages.create(
+        model="m", max_tokens=64, messages=[{"role": "user", "content": words}]
+    )
+    usage = message.usage  # vLLM's: cached tokens out of input_tokens
+    assert usage.cache_read_input_tokens == again.usage.input_tokens_details.cached_tokens
+    assert usage.input_tokens + usage.cache_read_input_tokens == first.usage.input_tokens
+    records = httpx.get(engine.url + "/mock/stats").json()["requests"]
+    assert [r["completed"] for r in records] == [True] * 3
