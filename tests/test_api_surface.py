@@ -415,9 +415,11 @@ async def test_models_are_listed_as_their_engines_describe_them_and_outlive_a_re
             auth = {"authorization": f"Bearer {CLIENT_KEY}"}
             async with httpx.AsyncClient(headers=auth) as raw:
                 (card,) = (await raw.get(base)).json()["data"]
+                # The engine's own fields too (vLLM's permission), as it sent them.
                 assert card == {
                     "id": "m", "object": "model", "created": 1764800000, "owned_by": "vllm",
                     "root": "/models/m", "parent": None, "max_model_len": 2048,
+                    "permission": [{"id": "modelperm-1", "allow_sampling": True}],
                 }  # fmt: skip
                 describing.healthy = False  # down: the other replica serves, the card stays
                 while running.router.balancers["m"].healthy_count != 1:

@@ -136,6 +136,13 @@ def test_demo_banner_is_the_control_planes_placement_and_it_cleans_up(tmp_path: 
             body = json.loads(found(r"-d '(.*)'", curl))
             answer = httpx.post(url, json=body, timeout=20).text
         assert answer.rstrip().endswith("data: [DONE]"), answer
+        # /v1/models carries what the engines say of their models: the context length
+        # clients size prompts from.
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=20).json()["data"]
+        assert {c["id"]: c.get("max_model_len") for c in cards} == {
+            "demo-model": 4096,
+            "demo-big": 4096,
+        }
 
         # The drain the banner suggests is a make-before-break move: sim-node-1's replicas
         # start on sim-node-2 before they stop, and demo-model answers all along.

@@ -876,6 +876,9 @@ class MockEngine:
                 "created": created,
                 "owned_by": "llmgw-mock",
                 "root": self.settings.model,
+                # As vLLM's base models carry it (its adapters do not): clients size
+                # prompts from it.
+                "max_model_len": self.settings.max_model_len,
             }
             for name in self.settings.served_model_names
         ]

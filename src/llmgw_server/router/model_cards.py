@@ -4,8 +4,11 @@ gives it (issue 21), so that clients that size prompts from `max_model_len` keep
 Read by the health prober from a replica (`card_of`), kept per model by the router
 (`Router.cards`) and used while the model is listed, whichever replica said it: a replica
 that is down leaves the last description in place. An engine is not trusted with what
-the client sees: only the fields below, of their types and sizes, are taken, and the id
-is always the model's name here.
+the client sees: the fields clients read are taken only of their types and sizes, the id
+is always the model's name here and the object "model". The engine's other fields
+(llama-server's `meta` with `n_ctx_train`, `n_params`...; vLLM's `permission`) are kept
+as they came, in their order, while they fit MAX_EXTRA_FIELDS and MAX_EXTRA_BYTES; the
+rest are left out.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ _MAX_TEXT = 512
 # the ones clients read, with the type each must have.
 _TEXT_FIELDS = ("owned_by", "root", "parent")
 _COUNT_FIELDS = ("created", "max_model_len")
+_OURS = ("id", "object", *_TEXT_FIELDS, *_COUNT_FIELDS)
+# An engine's own other fields, as JSON, all together: llama-server's `meta` is about
+# 200 bytes, vLLM's `permission` about 300. A bound on what each model's card holds and
+# every /v1/models answer repeats.
+MAX_EXTRA_BYTES = 4096
+MAX_EXTRA_FIELDS = 32
+_MAX_KEY = 64
 
 
 def plain_card(name: str) -> dict[str, Any]:
@@ -34,7 +44,7 @@ def card_of(listing: bytes, name: str) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(listing)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested past the parser's depth
         return None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
@@ -55,4 +65,26 @@ def card_of(listing: bytes, name: str) -> dict[str, Any] | None:
         value = entry.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53:
             card[key] = value
+    card.update(_extra_fields(entry))
     return card
+
+
+def _extra_fields(entry: dict[str, Any]) -> dict[str, Any]:
+    """The engine's fields that are not ours to check, within the bounds above: each one
+    whole or not at all (a field that would pass MAX_EXTRA_BYTES is left out, a later
+    smaller one may still fit)."""
+    extra: dict[str, Any] = {}
+    used = 2  # the braces of the fields as one JSON object
+    for key, value in entry.items():
+        if key in _OURS or len(key) > _MAX_KEY or len(extra) == MAX_EXTRA_FIELDS:
+            continue
+        try:
+            # As the router will send it: NaN and Infinity are not JSON.
+            item = json.dumps({key: value}, allow_nan=False)
+        except (ValueError, RecursionError):
+            continue
+        size = len(item) - 2 + (2 if extra else 0)  # its `"key": value`, and ", " before it
+        if used + size <= MAX_EXTRA_BYTES:
+            extra[key] = value
+            used += size
+    return extra
