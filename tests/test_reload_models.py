@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import signal
+import sys
 import threading
 import time
 
@@ -16,7 +18,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
+from llmgw_core.config import digest_of
+from procs import Proc, free_port
 from test_fleet_e2e import model
+from test_router_apart import exec_start
 
 ADDED_SERVES_WITHIN_S = 30.0  # issue 36's "Done when"
 KEY = "sk-reload-models"
@@ -65,19 +70,48 @@ class Streams:
             assert not t.is_alive(), "a stream hangs"
 
 
-@pytest.mark.parametrize("workers", [1, 2])  # with workers, their parent owns the control plane
-def test_a_model_added_by_sighup_serves_and_one_removed_is_drained(
-    fleet: Fleet, workers: int
-) -> None:
+def router_apart(fleet: Fleet, token: str) -> Proc:
+    """A router apart (`llmgw-server router`, as its unit runs it) following the fleet's
+    control plane, with the same API key; its file declares no model."""
+    etc, credentials = fleet.procs.tmp / "etc", fleet.procs.tmp / "credentials"
+    (etc / "certs").mkdir(parents=True)
+    credentials.mkdir()
+    (etc / "certs" / "ca.crt").write_bytes((fleet.certs / "ca.crt").read_bytes())
+    (credentials / "router-token").write_text(token + "\n")
+    port = free_port()
+    (etc / "router.toml").write_text(
+        f'[server]\nlisten = "127.0.0.1:{port}"\n[router]\nhealth_interval_s = 0.5\n'
+        + key_for("chat", "gone", "huge")
+    )
+    argv = [
+        arg.replace("/etc/llmgw/", f"{etc}/").replace("%d", str(credentials))
+        for arg in exec_start()
+    ]
+    argv[argv.index("--control") + 1] = fleet.control
+    router = Proc([sys.executable, "-m", "llmgw_server", *argv[1:]], port)
+    fleet.procs.all.append(router)
+    router.wait_http("/readyz", timeout=60)
+    return router
+
+
+# The router that serves the clients: the server's own, its two workers (their parent
+# owns the control plane and relays the feed), or a router apart over the control port.
+@pytest.mark.parametrize("via", ["server", "workers", "apart"])
+def test_a_model_added_by_sighup_serves_and_one_removed_is_drained(fleet: Fleet, via: str) -> None:
     path = fleet.procs.tmp / "server.toml"
+    token = "router-" + secrets.token_hex(8)
+    admin = f'\n[admin]\nrouter_token_digest = "sha256:{digest_of(token)}"\nopen_status = true\n'
     fleet.server(
-        key_for("chat", "gone") + model("chat") + model("gone", extra=SLOW), workers=workers
+        key_for("chat", "gone") + model("chat") + model("gone", extra=SLOW),
+        control=admin,
+        workers=2 if via == "workers" else 1,
     )
     fleet.agent("gpu-1", "node-2xl4.toml")
     fleet.agent("gpu-2", "node-2xl4.toml")
     wait_until(lambda: fleet.serving("chat") and fleet.serving("gone"), timeout=60, what="both")
     (gone_replica,) = {r["replica_id"] for r in fleet.serving("gone")}
-    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key=KEY, max_retries=0)
+    url = router_apart(fleet, token).url if via == "apart" else fleet.url
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     wait_until(
         lambda: sorted(m.id for m in client.models.list()) == ["chat", "gone"], what="routers"
     )
@@ -124,4 +158,4 @@ def test_a_model_added_by_sighup_serves_and_one_removed_is_drained(
     # The other model served throughout, untouched.
     assert client.chat.completions.create(model="chat", messages=CHAT).choices
     assert [m["name"] for m in fleet.status()["models"]] == ["chat", "huge"]
-    print(f"workers={workers}: the added model served {took:.1f} s after SIGHUP")
+    print(f"{via}: the added model served {took:.1f} s after SIGHUP")
