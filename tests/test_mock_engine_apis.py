@@ -166,7 +166,10 @@ def test_through_a_router_the_chain_stays_on_the_replica_the_id_names(procs: Pro
             model="m", input=f"turn {turn}", previous_response_id=previous.id
         )
         assert answer.previous_response_id == previous.id and holder_of(answer.id)
+        before_read = completion_tokens(router.url)
         assert client.responses.retrieve(answer.id).output_text == answer.output_text
+        # Reading a stored response again repeats its usage: counted once, when made.
+        assert completion_tokens(router.url) == before_read
         previous = answer
     before_stream = completion_tokens(router.url)
     streamed = list(client.responses.create(model="m", input="Hi", stream=True))

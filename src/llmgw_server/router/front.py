@@ -365,7 +365,8 @@ class Router:
             # A replica's failed attempts were counted as they failed (_failed).
             replica = None if judge(status) is Verdict.FAILED else record.replica
             self.traffic.finished(base, replica, status, record.ttfb_s)
-        if record.prompt_tokens is not None:
+        # A stored response read again (GET, cancel) repeats the usage counted when made.
+        if record.prompt_tokens is not None and not record.path.startswith(_STORED_READS):
             key = record.key_id if digest in self.keys and record.key_id else "-"
             metrics.tokens[(model, key, "prompt")] += record.prompt_tokens
             if record.completion_tokens is not None:
@@ -1003,6 +1004,9 @@ def _end_to_end(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
     named = {t.strip().lower() for t in connection.split(b",")}
     named |= {name.replace(b"-", b"_") for name in named}
     return [(k, v) for k, v in kept if k not in named]
+
+
+_STORED_READS = (RESPONSES + b"/").decode()
 
 
 def _auth_failure(record: AccessRecord) -> str | None:
