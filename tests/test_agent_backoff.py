@@ -184,7 +184,9 @@ def test_an_agent_told_of_a_restart_redials_within_the_jitter_until_its_window_e
     delays = [restart_redial_delay(5.0, 30.0, None, rng) for _ in range(200)]
     assert all(d is not None and 0 <= d <= RESTART_JITTER_S for d in delays)
     assert max(d for d in delays if d is not None) > RESTART_JITTER_S / 2  # spread, not fixed
-    # No restart, its window over, or the control plane gave a turn: the backoff decides.
+    # No restart, or its window over: the backoff decides.
     assert restart_redial_delay(5.0, None, None, rng) is None
     assert restart_redial_delay(30.0, 30.0, None, rng) is None
-    assert restart_redial_delay(5.0, 30.0, 2.0, rng) is None
+    # The busy new control plane's turn is kept, with the restart's jitter, not base_s's.
+    turns = [restart_redial_delay(5.0, 30.0, 2.0, rng) for _ in range(100)]
+    assert all(t is not None and 2.0 <= t <= 2.0 + RESTART_JITTER_S for t in turns)

@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 
 from fleet import Fleet, wait_until
+from llmgw_agent.agent import RESTART_JITTER_S
 from procs import answers
 
 MODEL = (
@@ -34,13 +35,14 @@ MODEL = (
 SLOW = 'LLMGW_MOCK_TPS = "40"'
 PROBE_EVERY_S = 0.05
 STREAMS = 4
-# The longest any request may wait across the restart: the old process drains its streams
-# in flight (0.4 s here), the new one starts (about a second of Python's imports on an idle
-# machine, several on a busy one), and the agent, told that the control plane stops, comes
-# back within RESTART_JITTER_S (0.5 s) of the new control port. With the default 2 s
-# backoff instead, it comes back seconds later; without the socket, a connection is
-# refused; without the hold, a request meets 503.
-MAX_DELAY_S = 6.0
+# The longest any request may wait across the restart is the restart itself (from SIGTERM:
+# the old process drains its streams in flight, 0.4 s here, and the new one starts, about
+# a second of Python's imports on an idle machine, several on a busy one) and then the
+# agent, told that the control plane stops, back within RESTART_JITTER_S (0.5 s) of the new
+# control port, and registered: this much past the restart. On its backoff instead (up to
+# a minute here) it comes back far later; without the socket a connection is refused;
+# without the hold a request meets 503.
+AGENT_BACK_S = RESTART_JITTER_S + 2.5
 
 # Execs the server with the socket at descriptor 3 and the variables sd_listen_fds(3)
 # reads, its own pid included, as systemd does (exec keeps the pid).
@@ -121,6 +123,15 @@ class ActivatedServer:
             self.popen.wait(10)
 
 
+def control_port_listening(log: Path, deadline: float) -> float:
+    """When the restarted server's control port listens (its second such line)."""
+    while time.monotonic() < deadline:
+        if log.read_text().count("control plane listening on") >= 2:
+            return time.monotonic()
+        time.sleep(0.01)
+    raise AssertionError(f"the restarted server never listened:\n{log.read_text()}")
+
+
 @contextmanager
 def traffic_on(port: int) -> Iterator[Traffic]:
     traffic = Traffic(port)
@@ -155,22 +166,28 @@ def test_a_restart_fails_no_request_and_delays_none_past_the_bound(fleet: Fleet)
         with traffic_on(fleet.port) as traffic:
             wait_until(lambda: len(traffic.outcomes) >= 20, what="traffic before the restart")
             old = servers[0].popen
+            stopped_at = time.monotonic()
             os.kill(old.pid, signal.SIGTERM)
             assert old.wait(20) == 0
             restarted_at = time.monotonic()
             servers.append(ActivatedServer(sock, config, log))
+            listening_at = control_port_listening(log, deadline=restarted_at + 30)
             # Until the agent is back on the new control plane, and a while of traffic after.
             wait_until(lambda: len(fleet.serving("chat")) == 2, what="both replicas back")
             back = len(traffic.outcomes)
             wait_until(lambda: len(traffic.outcomes) >= back + 20, what="traffic after")
         outcomes = traffic.outcomes
         failed = [o.error for o in outcomes if o.error is not None]
-        assert failed == [], f"{len(failed)} of {len(outcomes)} failed:\n{log.read_text()}"
+        assert failed == [], f"{len(failed)} of {len(outcomes)} failed: {failed[:5]}\n{log.read_text()}"
         across = [o for o in outcomes if o.ended >= restarted_at]
         assert across, "no request crossed the restart"
         slowest = max(o.ended - o.started for o in outcomes)
-        print(f"{len(outcomes)} requests, {len(across)} ended after the restart, slowest {slowest:.2f} s")
-        assert slowest <= MAX_DELAY_S, (slowest, log.read_text())
+        restart_s = listening_at - stopped_at
+        print(
+            f"{len(outcomes)} requests, {len(across)} ended after the restart, slowest "
+            f"{slowest:.2f} s, restart (SIGTERM to the new control port) {restart_s:.2f} s"
+        )
+        assert slowest <= restart_s + AGENT_BACK_S, (slowest, restart_s, log.read_text())
         output = log.read_text()
         assert "serving on 1 sockets from systemd" in output
         assert "closing 1 agent streams: the control plane is stopping" in output

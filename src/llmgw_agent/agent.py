@@ -127,11 +127,13 @@ def restart_redial_delay(
     now: float, redial_until: float | None, come_back_s: float | None, rng: random.Random
 ) -> float | None:
     """The wait before the next dial while a stopped control plane restarts (until
-    `redial_until`); None: the backoff decides (no restart, its window passed, or the
-    control plane said when to come back, which is kept)."""
-    if redial_until is None or now >= redial_until or come_back_s is not None:
+    `redial_until`); None: the backoff decides (no restart, or its window passed). A
+    turn the busy new control plane gave (`come_back_s`) is kept, with this jitter rather
+    than the backoff's (the control plane spread the turns already)."""
+    if redial_until is None or now >= redial_until:
         return None
-    return rng.uniform(0, RESTART_JITTER_S)
+    turn = 0.0 if come_back_s is None else min(max(come_back_s, 0.0), MAX_COME_BACK_S)
+    return turn + rng.uniform(0, RESTART_JITTER_S)
 
 
 class NameHeld(Exception):
