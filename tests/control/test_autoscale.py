@@ -166,6 +166,12 @@ def test_its_words_name_the_load_under_load_and_the_wait_while_waking() -> None:
         Reason.STEADY,
         "2 in flight: at least 1",
     )
+    at_zero = need_now(spec, ModelLoad(last_request_at=0), 0, 30)
+    assert (at_zero.replicas, at_zero.reason, at_zero.detail) == (
+        0,
+        Reason.STEADY,
+        "at its floor (0)",
+    )
     lately = need_now(spec, ModelLoad(last_request_at=0), 1, 30)
     assert (lately.replicas, lately.detail) == (1, "kept until idle for 60 s")
     quiet = need_now(_spec(min=2, target_in_flight=4.0), ModelLoad(last_request_at=0), 2, 0)

@@ -113,8 +113,10 @@ def need_now(spec: Autoscale, load: ModelLoad, current: int, now: float) -> Need
         elif load.ttft_p90_ms > TTFT_HOLD_SHARE * spec.ttft_p90_ms:
             needs.append(Need(current, Reason.TTFT, detail))
     # The first of equals is said: a wake before the targets, the targets before the
-    # floor (under load, the reader wants the load's words, not "at its floor").
-    needs = [base, *needs] if base.reason is Reason.WOKEN else [*needs, base]
+    # floor under load (the reader wants the load's words, not "at its floor"), and the
+    # floor before them with none ("at its floor (0)", not "0 in flight: wants 0").
+    loaded = load.in_flight or load.held
+    needs = [*needs, base] if loaded and base.reason is not Reason.WOKEN else [base, *needs]
     top = max(needs, key=lambda n: n.replicas)
     if top.replicas > spec.max:
         return Need(spec.max, Reason.BOUNDS, f"{top.detail}: wants {top.replicas}, max {spec.max}")

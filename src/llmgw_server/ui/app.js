@@ -169,12 +169,13 @@ function modelRow(m, replicas) {
   const scaling = el("td", { className: "autoscale" });
   const a = m.autoscale;
   if (a) {
-    scaling.append(
+    // Inside a div: el() leaves out the parts not there (the DOM's append writes "null").
+    scaling.append(el("div", {},
       el("div", {}, a.min + " to " + a.max + " replicas; target " + text(a.target)),
       a.held ? el("div", { className: "held" }, a.held + (a.held === 1 ? " request" : " requests") + " held, waiting for a replica") : null,
       a.now ? el("div", { className: "muted" }, "now: " + text(a.now)) : null,
       a.last_change ? el("div", { className: "last-change" }, "last change: " + text(a.last_change)) : null,
-    );
+    ));
   } else {
     scaling.append(el("span", { className: "muted" }, "fixed"));
   }
