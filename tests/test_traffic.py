@@ -80,7 +80,8 @@ def test_what_is_kept_is_bounded() -> None:
         store.add(i * BUCKET_S, 5.0, [row(MODEL_ROW, 1), row(A, 1)])
     view = store.view((MODEL_KEEP + 50) * BUCKET_S)["models"]["chat"]
     assert len(view["points"]) == MODEL_KEEP
-    assert len(view["replicas"][0]["points"]) == REPLICA_KEEP
+    assert view["replicas"][0]["points"] == []  # the page is sent a replica's figures only
+    assert len(store._series[("chat", A)]) == REPLICA_KEEP
     store.add(0.0, 5.0, [row(B, 1), row("http://c:1", 1), row("http://d:1", 1)])
     assert store.dropped == 2  # a third series fits, the others are counted
     # A series with nothing for an hour goes.
@@ -139,7 +140,7 @@ def test_the_meter_counts_by_model_and_replica_and_each_report_starts_afresh() -
     meter = TrafficMeter()
     for ttfb in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
         meter.finished("chat", A, 200, ttfb)
-    meter.finished("chat", A, 404, 0.01)
+    meter.finished("chat", A, 404, 5.0)  # an error's time is no TTFT
     meter.failed("chat", B)  # tried on B first, which answered 500
     meter.finished("chat", None, 503, 0.0)  # refused by the router: the model's row only
     rows = {(s.model, s.replica): s for s in meter.report({("chat", A): 2})}

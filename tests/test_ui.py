@@ -153,10 +153,12 @@ async def test_the_stream_sends_traffic_when_routers_report_at_most_every_few_se
         assert out.lines[0][1]["traffic"]["models"] == {}  # the first line: nothing yet
         await trio.sleep(20)  # no report: keep-alives only
         assert all("traffic" not in line for _, line in out.lines[1:])
-        # Reports come every 0.1 s (many routers): the page gets one line every 5 s.
+        # Reports come every 0.1 s (many routers), and the fleet changes as often: statuses
+        # go every half-second, the traffic with one of them every 5 s.
         sent = len(out.lines)
         for _ in range(200):
             store.add(wall(), 5.0, [Sample("chat", MODEL_ROW, 1, 0, 1, 50.0, 0)])
+            feed.bump()
             await trio.sleep(0.1)
         lines = [(at, line) for at, line in out.lines[sent:] if "traffic" in line]
         assert 3 <= len(lines) <= 5

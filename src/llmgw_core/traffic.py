@@ -8,7 +8,7 @@ merge percentiles, so the page shows an upper bound); its in flight is the
 time-average of the routers' totals (each report's count weighs interval_s/BUCKET_S).
 
 Bounded: a model's series keeps `MODEL_KEEP` buckets (an hour), a replica's
-`REPLICA_KEEP` (its last 5 minutes: enough to see which one fails now); at most
+`REPLICA_KEEP` (its last minute: enough to see which one fails now); at most
 `MAX_SERIES` series (models and replicas), a new one past that is counted in
 `dropped`; a series with nothing for an hour goes.
 """
@@ -23,8 +23,8 @@ import attrs
 
 BUCKET_S = 10.0
 MODEL_KEEP = 360  # an hour of a model's buckets
-REPLICA_KEEP = 30  # five minutes of a replica's
-MAX_SERIES = 20_000  # models and replicas; ~60 MB at worst (see docs/control-plane.md)
+REPLICA_KEEP = 7  # a replica's last minute (ALERT_WINDOW_S) and the bucket under way
+MAX_SERIES = 20_000  # models and replicas (see docs/control-plane.md for the memory)
 ALERT_WINDOW_S = 60.0  # a replica's 5xx share is judged over its last minute
 ALERT_SHARE = 0.05  # more than 5% of its answers were 5xx ...
 ALERT_MIN_REQUESTS = 5  # ... out of at least this many: one 500 of two is no pattern
@@ -111,7 +111,8 @@ class TrafficStore:
                 replicas.setdefault(model, []).append((replica, series))
         for model, rows in replicas.items():
             doc = models.setdefault(model, _doc((), now))
-            docs = [dict(_doc(series, now), url=url) for url, series in rows]
+            # A replica's figures only: its buckets stay here (`failing` reads them).
+            docs = [dict(_doc(series, now, points=False), url=url) for url, series in rows]
             for d in docs:
                 d["failing"] = self.failing(model, d["url"], now)
             docs.sort(key=lambda d: (not d["failing"], -d["minute"]["requests"], d["url"]))
@@ -134,7 +135,7 @@ def _totals(series: Iterable[Bucket], since: float) -> tuple[int, int, int]:
     return requests, e4xx, e5xx
 
 
-def _doc(series: Iterable[Bucket], now: float) -> dict[str, Any]:
+def _doc(series: Iterable[Bucket], now: float, points: bool = True) -> dict[str, Any]:
     buckets = list(series)
     requests, e4xx, e5xx = _totals(buckets, now - ALERT_WINDOW_S)
     recent = [b for b in buckets if b.start + BUCKET_S > now - ALERT_WINDOW_S]
@@ -142,8 +143,8 @@ def _doc(series: Iterable[Bucket], now: float) -> dict[str, Any]:
     return {
         # Columns, not objects: an hour of a model is 360 rows of 6 numbers.
         "points": [
-            [b.start, b.requests, b.e4xx, b.e5xx, b.ttft_p90_ms, round(b.in_flight, 2)]
-            for b in buckets
+            [b.start, b.requests, b.e4xx, b.e5xx, b.ttft_p90_ms, b.in_flight]
+            for b in (buckets if points else ())
         ],
         "minute": {
             "requests": requests,
