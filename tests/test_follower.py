@@ -142,6 +142,9 @@ class FakeTarget:
     def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
         self.endpoints[model] = tuple(endpoints)
 
+    def forget_model(self, model: str) -> None:
+        self.endpoints.pop(model, None)
+
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
         self.draining, self.skipped = draining, skip
 
@@ -187,9 +190,9 @@ async def test_a_table_sets_endpoints_and_drains_and_its_version_is_reported(
         # The config's static model is never the feed's; the drain skips it too.
         assert target.endpoints == {"chat": (A, B)}
         assert (target.draining, target.skipped) == (frozenset({A}), frozenset({"static"}))
-        await peer.table(RouteTable(5, {}, frozenset(), True))  # chat is placed no more
+        await peer.table(RouteTable(5, {}, frozenset(), True))  # chat is placed no more: forgotten
         assert await peer.next_up() == InFlight(5, {})
-        assert target.endpoints == {"chat": ()} and target.draining == frozenset()
+        assert target.endpoints == {} and target.draining == frozenset()
         assert follower.table is not None and follower.table.version == 5
 
 
@@ -317,7 +320,8 @@ async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> N
         await until(lambda: hub.in_flight(A) == 0, "the count to fall", hub)
         assert follower.table is not None and follower.table.version == version
         hub.publish({}, frozenset(), complete=True)  # the model is no longer placed
-        await until(lambda: not endpoints(router, "chat"), "the model to lose its endpoints")
+        await until(lambda: "chat" not in router.balancers, "the model to be forgotten")
+        assert A not in router.pools and B not in router.pools  # their connections closed
         assert endpoints(router, "static") == [STATIC]  # the config's own stay
 
 

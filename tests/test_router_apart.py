@@ -129,6 +129,9 @@ class Routed:
     def set_endpoints(self, model: str, endpoints: Sequence[Endpoint]) -> None:
         self.endpoints[model] = tuple(endpoints)
 
+    def forget_model(self, model: str) -> None:
+        self.endpoints.pop(model, None)
+
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
         pass
 

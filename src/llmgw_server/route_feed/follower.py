@@ -71,6 +71,11 @@ class RouteTarget(Protocol):
         """Serve `model` from `endpoints` (none: the model has no replica)."""
         ...
 
+    def forget_model(self, model: str) -> None:
+        """`model` left the table (removed from the catalog): not served, and unknown
+        here, as a name never placed is."""
+        ...
+
     def set_draining(self, draining: frozenset[Endpoint], *, skip: frozenset[str]) -> None:
         """Mark the replicas of `draining` endpoints (and unmark the others) in every
         model but `skip`."""
@@ -267,7 +272,7 @@ def apply_table(
     ignored: set[str] | None = None,
     log_changes: bool = True,
 ) -> None:
-    """Give the router the table's endpoints (a model gone from it gets none), mark the
+    """Give the router the table's endpoints (a model gone from it is forgotten), mark the
     replicas that drain and give it the adapters. `static` models are left alone, and an
     adapter named like one or adapting one is not served (each named in `ignored` once)."""
     ignored = set() if ignored is None else ignored
@@ -289,7 +294,7 @@ def apply_table(
         if model not in table.models and model not in static:
             if log_changes:
                 log.info("%s is no longer placed by the control plane", model)
-            router.set_endpoints(model, ())
+            router.forget_model(model)
     router.set_draining(table.draining, skip=static)
     adapters = {}
     for adapter, model in table.adapters.items():

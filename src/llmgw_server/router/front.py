@@ -220,6 +220,12 @@ class Router:
 
     # -- what the route feed needs (route_feed.follower.RouteTarget) --
 
+    def forget_model(self, model: str) -> None:
+        """A model gone from the route table (a reload removed it, and its drain ended):
+        a request naming it gets 404, not 503 "no healthy replica" for good."""
+        self.set_endpoints(model, ())  # its engines' pools closed, unless shared
+        self.balancers.pop(model, None)
+
     def static_models(self) -> frozenset[str]:
         return frozenset(m.name for m in self.config.catalog.models if m.profile is None)
 
@@ -897,7 +903,7 @@ class Router:
         log.warning("%d for %s from replica %s: %s%s", status, model, where, escaped(why), more)
 
     def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
-        self.traffic.failed(self.adapters.get(model, model), replica.endpoint.url)
+# MUTATION-SITE
         if balancer.failed(replica, trio.current_time()):
             self.metrics.ejections[(model, replica.endpoint.url)] += 1
             log.warning(
