@@ -150,11 +150,17 @@ def test_the_meter_counts_by_model_and_replica_and_each_report_starts_afresh() -
     assert meter.report({}) == ()  # nothing since, nothing in flight: nothing to say
 
 
-def test_the_meter_is_bounded_and_keeps_the_models_and_the_failing_first() -> None:
+def test_the_meter_is_bounded_and_keeps_the_models_and_the_failing_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     meter = TrafficMeter()
     for i in range(MAX_ROWS + 10):
         meter.finished("chat", f"http://10.0.{i // 250}.{i % 250}:1", 200, 0.1)
     assert meter.left_out == 11  # the model's row took one place
+    assert [r.message for r in caplog.records].count(
+        f"more than {MAX_ROWS} models and replicas answered within a traffic report's "
+        "interval: the fleet page misses the others' (said once)"
+    ) == 1
     meter.failed("chat", "http://10.0.0.0:1")
     rows = meter.report({}, limit=3)
     assert [r.replica for r in rows][:2] == [MODEL_ROW, "http://10.0.0.0:1"]

@@ -12,6 +12,7 @@ times a row an interval (the latest kept).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 import attrs
 
 from llmgw_core.traffic import MODEL_ROW, Sample
+
+log = logging.getLogger("llmgw.traffic")
 
 MAX_ROWS = 4096  # route_feed.messages.MAX_TRAFFIC_ROWS: what one frame may carry
 MAX_TTFT_SAMPLES = 1024
@@ -52,6 +55,12 @@ class TrafficMeter:
         row = self._rows.get(key)
         if row is None:
             if len(self._rows) >= MAX_ROWS:
+                if not self.left_out:
+                    log.warning(
+                        "more than %d models and replicas answered within a traffic report's "
+                        "interval: the fleet page misses the others' (said once)",
+                        MAX_ROWS,
+                    )
                 self.left_out += 1
                 return
             row = self._rows[key] = _Counts()
