@@ -90,8 +90,10 @@ lint: venv $(LAYERS_STAMP)
 	$(BIN)/mypy tests
 	PYTHONPATH=src $(LAYERS)/bin/lint-imports
 
+# KEEP=DIR: the demo keeps its configs, certificates and logs there (a local fleet:
+# docs/scaling.md).
 demo: venv
-	$(BIN)/python -m llmgw_server.demo
+	$(BIN)/python -m llmgw_server.demo $(if $(KEEP),--keep $(KEEP))
 
 bench: venv
 	@command -v wrk >/dev/null || (apt-get install -y -q wrk || (apt-get update -q && apt-get install -y -q wrk))
