@@ -75,6 +75,7 @@ def test_the_edited_agent_example_is_a_real_node(conf: Path) -> None:
     assert config.name == "gpu-node-1"
     assert config.server == "wss://10.0.0.1:8081/v1/agent"
     assert config.advertise_host == "10.0.0.11"
+    assert config.bind_host == "10.0.0.11"  # engines listen where routers reach them only
     assert config.inventory_file is None  # the GPUs come from NVML, never from a simulation
     certs = conf / "agents" / "certs"
     assert (config.tls.ca, config.tls.cert, config.tls.key) == (

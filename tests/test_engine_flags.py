@@ -25,11 +25,12 @@ import trio.testing
 import trio_websocket
 
 from llmgw_agent.adapters import EngineLaunch, build_command
-from llmgw_agent.agent import Agent
+from llmgw_agent.agent import Agent, engine_command
 from llmgw_agent.config import parse_agent_config
 from llmgw_agent.engine_flags import help_command, parse_help, refusals, unknown
 from llmgw_agent.flag_reader import FlagCache, Help, program_identity, read_help
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardState
+from llmgw_core.tomlshape import ConfigError
 from llmgw_core.wire import PROTOCOL, Ack, ShardUpdate, Start, Stop, Welcome, decode_up, encode
 from procs import free_port
 
@@ -394,6 +395,31 @@ def vllm_agent(tmp_path: Path, port: int, engine: Path, env: dict[str, str], **m
         engines=(EngineInfo("vllm", True, "0.32.0"),),
     )
     return Agent(config, node)
+
+
+def _host_flag(kind: str, **config: object) -> str:
+    """The --host that a node whose agent config has `config` gives a `kind` engine."""
+    agent = parse_agent_config(
+        {"name": "n1", "server": "ws://10.0.0.1:8081/v1/agent", "insecure": True, **config}, "<test>"
+    )
+    argv = engine_command(agent, _spec("r1", (), engine=kind, port=20001)).argv
+    return argv[argv.index("--host") + 1]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "llamacpp", "mock"])
+def test_engines_listen_on_the_advertised_address_unless_bind_host_says(kind: str) -> None:
+    # Not every interface: an engine's /health, /metrics and /tokenize need no key.
+    assert _host_flag(kind, advertise_host="10.0.0.7") == "10.0.0.7"
+    assert _host_flag(kind, advertise_host="gpu-node-7.example") == "gpu-node-7.example"
+    assert _host_flag(kind, advertise_host="10.0.0.7", bind_host="0.0.0.0") == "0.0.0.0"
+    assert _host_flag(kind, advertise_host="10.0.0.7", bind_host="10.9.0.7") == "10.9.0.7"
+    local = "ws://127.0.0.1:8081/v1/agent"
+    assert _host_flag(kind, server=local) == "127.0.0.1"  # advertise_host's own default
+
+
+def test_a_bind_host_that_is_no_address_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"bind_host: 'every interface' is not a host name"):
+        _host_flag("vllm", advertise_host="10.0.0.7", bind_host="every interface")
 
 
 def _calls(tmp_path: Path) -> list[str]:

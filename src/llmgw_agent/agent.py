@@ -468,33 +468,7 @@ class Agent:
     async def _run_engine(self, shard: _Shard) -> None:
         spec = shard.spec
         config = self.config
-        engine = config.engines[spec.engine]
-        command = build_command(
-            engine.command,
-            EngineLaunch(
-                engine=spec.engine,
-                model=spec.hf_model,
-                served_name=spec.model_name,
-                host=config.bind_host,
-                port=spec.port,
-                gpu_indices=spec.gpu_indices,
-                tensor_parallel=spec.tensor_parallel,
-                pipeline_parallel=spec.pipeline_parallel,
-                args=spec.args,
-                env=tuple(sorted({**engine.env, **spec.env}.items())),
-                nnodes=spec.nnodes,
-                node_rank=spec.rank,
-                master_addr=spec.head_address,
-                master_port=spec.dist_port,
-                api_key=spec.api_key,
-                key_file=str(records.key_path(config.state_dir, spec)),
-                max_model_len=spec.max_model_len,
-                lora=spec.lora,
-                max_lora_rank=spec.max_lora_rank,
-                kv_events_port=spec.ports[2] if spec.kv_events else 0,
-                kv_replay_port=spec.ports[3] if spec.kv_events else 0,
-            ),
-        )
+        command = engine_command(config, spec)
         log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
         health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
         assert self._client is not None
@@ -684,6 +658,38 @@ class Agent:
                 json.dump({"cordoned": self.cordoned, "draining": self.draining}, f)
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
+
+
+def engine_command(config: AgentConfig, spec: LaunchSpec) -> Command:
+    """How this node launches `spec`: listening on `bind_host` (by default the address it
+    advertises to routers, not every interface)."""
+    engine = config.engines[spec.engine]
+    return build_command(
+        engine.command,
+        EngineLaunch(
+            engine=spec.engine,
+            model=spec.hf_model,
+            served_name=spec.model_name,
+            host=config.bind_host,
+            port=spec.port,
+            gpu_indices=spec.gpu_indices,
+            tensor_parallel=spec.tensor_parallel,
+            pipeline_parallel=spec.pipeline_parallel,
+            args=spec.args,
+            env=tuple(sorted({**engine.env, **spec.env}.items())),
+            nnodes=spec.nnodes,
+            node_rank=spec.rank,
+            master_addr=spec.head_address,
+            master_port=spec.dist_port,
+            api_key=spec.api_key,
+            key_file=str(records.key_path(config.state_dir, spec)),
+            max_model_len=spec.max_model_len,
+            lora=spec.lora,
+            max_lora_rank=spec.max_lora_rank,
+            kv_events_port=spec.ports[2] if spec.kv_events else 0,
+            kv_replay_port=spec.ports[3] if spec.kv_events else 0,
+        ),
+    )
 
 
 def _shm_before(record: records.ShardRecord) -> frozenset[str] | None:

@@ -112,6 +112,15 @@ def _a_host(host: str) -> str:
     return host
 
 
+def _a_bind_host(host: str) -> str:
+    if not is_host(host):
+        raise Problem(
+            f"{host!r} is not a host name or IP address: give the address engines listen "
+            'on (by default advertise_host; "0.0.0.0" for every interface)'
+        )
+    return host
+
+
 def _inventory_file(value: object) -> Path:
     """Checked with the config, not when the node is probed: a missing file is an error of
     this key, said as written and as resolved (a relative path is taken from the config's
@@ -156,7 +165,14 @@ class AgentConfig:
         default=attrs.Factory(_local_advertise_host, takes_self=True),
         metadata=rules(check=_a_host),
     )
-    bind_host: str = "0.0.0.0"  # the address engines listen on
+    # The address engines listen on: by default the advertised one, which the routers
+    # reach them at, so that an engine's unkeyed paths (/health, /metrics, /tokenize) are
+    # not open on every interface; "0.0.0.0" (or "::") says so. A host name is passed to
+    # the engine as given, which resolves it as the routers do.
+    bind_host: str = attrs.field(
+        default=attrs.Factory(lambda config: config.advertise_host, takes_self=True),
+        metadata=rules(check=_a_bind_host),
+    )
     labels: dict[str, str] = attrs.field(factory=dict)
     fabric: dict[str, str] = attrs.field(factory=dict)
     stop_grace_s: float = attrs.field(default=30.0, metadata=rules(min=0))
