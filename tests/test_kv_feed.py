@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+import attrs
 import pytest
 import trio
 import zmq
@@ -87,6 +88,46 @@ async def test_a_missed_message_is_replayed_and_a_restart_clears(
             # The replica leaves: unsubscribed, and its entries forgotten.
             replicas.clear()
             await until(lambda: index.held(ENGINE) == 0, "the replica forgotten")
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_subscription_is_said_when_it_starts_and_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    with_replay = Endpoint("127.0.0.1", 9, kv_events=events, kv_replay=replay)
+    live_only = Endpoint("127.0.0.1", 10, kv_events=f"tcp://127.0.0.1:{free_port()}")
+    replicas = {with_replay, live_only, Endpoint("127.0.0.1", 11)}  # 11: publishes none
+
+    live_started = (
+        f"following the KV events of http://127.0.0.1:10 at {live_only.kv_events} "
+        "(replay none: a gap is rebuilt from the live events)"
+    )
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "llmgw.kv_feed"]
+
+    with caplog.at_level(logging.INFO, logger="llmgw.kv_feed"), trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follow_kv_events, KvIndex(), lambda: set(replicas))
+            await until(lambda: len(said()) == 2, "the starts said")
+            assert sorted(said()) == [
+                live_started,
+                f"following the KV events of {ENGINE} at {events} (replay {replay})",
+            ]
+            replicas.discard(with_replay)
+            await until(lambda: len(said()) == 3, "the end said")
+            assert said()[2] == (
+                f"no longer following the KV events of {ENGINE}: no model has that replica now"
+            )
+            # The same engine with a new key: a new subscription, the old one ended.
+            replicas.discard(live_only)
+            replicas.add(attrs.evolve(live_only, api_key="new"))
+            await until(lambda: len(said()) == 5, "the change said")
+            assert said()[3:] == [
+                live_started,
+                "no longer following the KV events of http://127.0.0.1:10: followed anew",
+            ]
             nursery.cancel_scope.cancel()
 
 

@@ -107,14 +107,25 @@ async def follow_kv_events(
         while True:
             wanted = {e for e in endpoints() if e.kv_events}
             for endpoint in wanted - followed.keys():
+                log.info("following the KV events of %s", _where(endpoint))
                 scope = trio.CancelScope()
                 followed[endpoint] = scope
                 subscription = Subscription(index, endpoint, failures, said)
                 nursery.start_soon(_within, scope, subscription.run)
+            kept = {e.url for e in wanted}
             for endpoint in followed.keys() - wanted:
+                # The same URL still wanted: its key or events address changed.
+                why = "followed anew" if endpoint.url in kept else "no model has that replica now"
+                log.info("no longer following the KV events of %s: %s", endpoint, why)
                 followed.pop(endpoint).cancel()
                 index.forget(endpoint.url)
             await trio.sleep(FOLLOW_INTERVAL_S)
+
+
+def _where(endpoint: Endpoint) -> str:
+    """Which engine, and the addresses its events are read at, as the operator set them."""
+    replay = endpoint.kv_replay or "none: a gap is rebuilt from the live events"
+    return f"{endpoint} at {endpoint.kv_events} (replay {replay})"
 
 
 async def _within(scope: trio.CancelScope, run: Callable[[], Awaitable[None]]) -> None:
