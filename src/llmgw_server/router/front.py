@@ -903,7 +903,7 @@ class Router:
         log.warning("%d for %s from replica %s: %s%s", status, model, where, escaped(why), more)
 
     def _failed(self, model: str, balancer: Balancer, replica: Replica, why: str) -> None:
-# MUTATION-SITE
+        self.traffic.failed(self.adapters.get(model, model), replica.endpoint.url)
         if balancer.failed(replica, trio.current_time()):
             self.metrics.ejections[(model, replica.endpoint.url)] += 1
             log.warning(
