@@ -40,6 +40,7 @@ from llmgw_server.route_feed.messages import (
     Load,
     Routes,
     RouteTable,
+    Traffic,
     decode_up,
     encode,
 )
@@ -164,7 +165,7 @@ class Peer:
     async def table(self, table: RouteTable) -> None:
         await self.end.send(encode(Routes(table)))
 
-    async def next_up(self) -> Hello | InFlight | Load:
+    async def next_up(self) -> Hello | InFlight | Load | Traffic:
         return decode_up(await self.end.receive())
 
 
