@@ -26,6 +26,8 @@ import os
 import re
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import httpx
 import openai
 
 from fleet import Fleet, wait_until
+from llmgw_agent.inventory_probe import VERSION_TIMEOUT_S
 from procs import Proc
 from real_vllm import RealVllm, serving_env
 from test_llamacpp_managed import chat_streamed, cmdline, engine_pid, environ, running, start_agent
@@ -41,6 +44,10 @@ MODEL = "tiny"
 ADAPTER = "tiny-lora"  # the tiny model's LoRA adapter (tests/tiny_llama.py), a model of its own
 KV_CACHE_BYTES = 64 * 1024 * 1024
 ENGINE_UP_S = 420.0  # 35-143 s seen on this machine; a loaded one takes longer
+# A restarted agent adopts its engine once its inventory probe (`vllm --version`, bounded
+# by VERSION_TIMEOUT_S) is done; the rest (its start, registration, a health probe) is
+# seconds, given 60 more for a starved machine.
+ADOPT_S = VERSION_TIMEOUT_S + 60.0
 PACE_S = 0.5  # between the chat loop's requests
 PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
 # A model whose profile, once reloaded, has a typo in its args: vLLM 0.32.0 takes
@@ -130,6 +137,18 @@ def held(pgid: int) -> set[str]:
     return names
 
 
+def until_adopted(agent: Proc, check: Callable[[], Any], since: float, what: str) -> Any:
+    """`check` true within ADOPT_S of `since` (before the agent's restart), or a failure
+    that shows the agent's last lines and the fleet's view of its node."""
+    left = round(max(0.0, since + ADOPT_S - time.monotonic()), 1)
+    try:
+        return wait_until(check, left, what)
+    except AssertionError as exc:
+        tail = "\n".join(agent.output().splitlines()[-30:])
+        since_s = f"{ADOPT_S:g} s from the agent's restart"
+        raise AssertionError(f"{exc} ({since_s}); the agent:\n{tail}") from None
+
+
 def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
     fleet.server(models(real_vllm.model, real_vllm.lora))
     env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
@@ -177,10 +196,20 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     agent.signal(signal.SIGTERM)
     assert agent.popen.wait(30) == 0
     assert running(pid)  # vLLM serves on without its agent
+    restarted_at = time.monotonic()
     agent = start_agent(fleet, fleet.procs.tmp / "cpu-1.toml", "cpu-1 again")
-    wait_until(lambda: f"adopting engine pid {pid}" in agent.output(), what="adoption")
-    wait_until(lambda: fleet.node("cpu-1")["status"] == "reachable", what="re-registration")
-    adopted = wait_until(lambda: serving(fleet), what="the adopted replica serving")
+    # Adoption comes after the agent's inventory probe, which runs `vllm --version`
+    # (vLLM's imports: seconds idle, past 20 s on a busy machine; the probe's own bound
+    # is VERSION_TIMEOUT_S): waited for as long as the agent itself would wait, from
+    # before the agent's start, and told with what the agent said if it never comes.
+    adopting = f"adopting engine pid {pid}"
+    until_adopted(agent, lambda: adopting in agent.output(), restarted_at, "adoption")
+
+    def reachable() -> bool:
+        return bool(fleet.node("cpu-1")["status"] == "reachable")
+
+    until_adopted(agent, reachable, restarted_at, "re-registration")
+    adopted = until_adopted(agent, lambda: serving(fleet), restarted_at, "the adopted replica")
     assert (adopted["replica_id"], adopted["attempt"]) == (replica["replica_id"], replica["attempt"])
     assert ": starting pid" not in agent.output()
     assert running(pid) and environ(pid)["VLLM_API_KEY"] == key
