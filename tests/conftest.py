@@ -84,6 +84,8 @@ def fleet(procs: Procs) -> Iterator[object]:
     import signal
 
     from fleet import Fleet
+    from llmgw_agent.adoption import MARKER
+    from llmgw_agent.procinfo import environ_value
 
     f = Fleet(procs)
     try:
@@ -93,6 +95,11 @@ def fleet(procs: Procs) -> Iterator[object]:
         pids = f.every_engine_pid()
         procs.stop_all()
         for pid in pids:  # engines orphaned by an agent killed with SIGKILL
+            # Only a process an agent launched: a pid of an engine long gone may be
+            # another test's process by now (pid_max is 32,768 on CI's machines, and the
+            # suite starts thousands), a worker or a router leading its own group.
+            if not environ_value(pid, MARKER):
+                continue
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
