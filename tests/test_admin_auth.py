@@ -95,6 +95,9 @@ class Plane:
     def now(self) -> float:
         return trio.current_time()
 
+    def held(self) -> dict[str, int]:
+        return {}
+
     def cordon(self, node: str, on: bool) -> None:
         self._act("cordon", node, on)
 

@@ -342,11 +342,14 @@ def test_huge_headers_get_431_or_400_or_a_close(server: Server, shape: str, size
         head += b"X" * size + b": v\r\n"
     out = exchange(server, head + b"\r\n")
     # h11 checks the limit only while a head is incomplete, after each read of up to
-    # 64 KiB: a head that completes within the read that crosses the limit passes.
+    # 64 KiB: a head that completes within the read that crosses the limit passes. On a
+    # starved machine 256 KiB may take the server longer to read than this module's short
+    # header timeout (0.62 s seen in CI): a 408 then, never the head served (200).
+    late = {408} if out.seconds >= HEADER_TIMEOUT_S else set()
     if len(head) > 2 * MAX_HEADER_BYTES:
-        out.check({400, 431})
+        out.check({400, 431} | late)
     else:
-        out.check({200, 400, 431})
+        out.check({200, 400, 431} | late)
     server.still_serves()
 
 

@@ -28,7 +28,6 @@ from urllib.parse import parse_qs
 
 import attrs
 
-from llmgw_core.autoscaling import held_counts
 from llmgw_core.bearer import bearer_matches
 from llmgw_core.config import AdminSection
 from llmgw_core.inventory import Inventory
@@ -167,7 +166,7 @@ class AdminAPI:
                 self.plane.now(),
                 self.node_parts,
                 len(view.nodes) if page is None else page.of,
-                held=held_counts(self.plane.routes.loads()),
+                held=self.plane.held(),
             )
             data = to_json(attrs.evolve(doc, page=page))
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
@@ -182,7 +181,7 @@ class AdminAPI:
                         plane.output_tails,
                         plane.now(),
                         kept,
-                        held=held_counts(plane.routes.loads()),
+                        held=plane.held(),
                     )
                 ),
                 responder,

@@ -88,6 +88,10 @@ class ControlPlane:
         """Awake time: the monotonic clock less this process's stalls."""
         return self.clock.awake(trio.current_time())
 
+    def held(self) -> dict[str, int]:
+        """Each model's requests held by the routers, as they last reported."""
+        return held_counts(self.routes.loads())
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the drain watchers and the clock; wake the reconciler when a deadline comes."""
         async with trio.open_nursery() as nursery:
@@ -160,7 +164,7 @@ class ControlPlane:
                 if self.history.due(trio.current_time()):
                     self._record_history()
                 # The page shows what routers hold: its end too (a wake bumps at once).
-                held = held_counts(self.routes.loads())
+                held = self.held()
                 if held != held_shown:
                     held_shown = held
                     self.feed.bump()
