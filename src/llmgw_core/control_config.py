@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from llmgw_core.config_schema import Problem, read_table, rule_after, rules
+from llmgw_core.store_config import StoreSection
 from llmgw_core.tomlshape import Table
 
 
@@ -59,6 +60,9 @@ class ControlSection:
     # Ports the control plane assigns to engines (HTTP and rendezvous) on every node.
     engine_port_min: int = attrs.field(default=20000, metadata=rules(min=1024))
     engine_port_max: int = attrs.field(default=20999, metadata=rules(min=1024, max=65535))
+    # The etcd cluster that keeps the control plane's state, for a leader and standbys
+    # (store_config.py); None: this process is the one control plane.
+    store: StoreSection | None = None
 
 
 @rule_after(ControlSection)

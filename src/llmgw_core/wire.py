@@ -30,6 +30,27 @@ NAME_HELD_CLOSE = 4409
 # cleanly (SIGTERM, as a restart does): the agent dials again after a small jitter rather
 # than its backoff, for as long as a restart takes (llmgw_agent.agent, RESTART_*).
 STOPPING_CLOSE = 4503
+# The close code (after HTTP's 307 Temporary Redirect) of a stream (an agent's or a
+# router's route feed) opened to a control plane that does not lead: a standby of a
+# control plane kept in a store (`[control.store]`). Its reason is `not_leader_reason`:
+# where the leader is, or why none leads now; the peer dials that leader (or, with none,
+# the next control plane it knows after a short jitter).
+NOT_LEADER_CLOSE = 4307
+_LEADER_AT = "leader at "
+
+
+def not_leader_reason(leader_url: str | None, why: str = "no leader is elected now") -> str:
+    """The close reason of NOT_LEADER_CLOSE: `leader at URL`, or why none leads."""
+    return f"{_LEADER_AT}{leader_url}" if leader_url else why
+
+
+def leader_from_reason(reason: str | None) -> str | None:
+    """The leader's URL a NOT_LEADER_CLOSE names, None when it names none."""
+    if reason and reason.startswith(_LEADER_AT):
+        url = reason[len(_LEADER_AT) :].strip()
+        if url.startswith(("ws://", "wss://")) and " " not in url:
+            return url
+    return None
 
 
 def accepts(agent_protocol: int) -> str | None:
