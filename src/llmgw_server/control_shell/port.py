@@ -8,8 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from llmgw_core.config import Config
 from llmgw_core.tls_config import server_context
-from llmgw_http.server import HTTPServer, ServerLimits
+from llmgw_http.server import Handler, HTTPServer, ServerLimits, UpgradeHandler
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.controlplane import ControlPlane
 from llmgw_server.control_shell.cross_site import ControlPortGate, port_names
@@ -28,7 +29,33 @@ async def serve_control_port(
     nursery: trio.Nursery,
 ) -> int:
     """Start the control plane and its port in `nursery`; the port it listens on."""
-    config = plane.config
+    listeners = await open_control_listeners(plane.config)
+    await nursery.start(plane.run)
+    handlers = AdminAPI(plane, reload=reload).handle, plane.serve_upgrade
+    return await serve_control_listeners(plane.config, listeners, *handlers, nursery=nursery)
+
+
+async def open_control_listeners(config: Config) -> list[trio.SocketListener]:
+    """The control port's sockets (`control_listen`). Raises ControlListenFailed."""
+    s = config.server
+    try:
+        return await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
+    except OSError as exc:
+        raise ControlListenFailed(
+            f"cannot listen on {s.control_listen} (control_listen): {exc}"
+        ) from exc
+
+
+async def serve_control_listeners(
+    config: Config,
+    listeners: list[trio.SocketListener],
+    handle: Handler,
+    upgrade: UpgradeHandler,
+    *,
+    nursery: trio.Nursery,
+) -> int:
+    """Serve the control port on `listeners` in `nursery`: every request and upgrade
+    passes the gate, then goes to `handle` or `upgrade`; the port it listens on."""
     s, tls = config.server, config.agents
     if tls.insecure:
         log.warning(
@@ -37,23 +64,14 @@ async def serve_control_port(
             s.control_listen,
         )
     # Every request and upgrade on the port passes the gate first (cross_site).
-    gate = ControlPortGate(
-        port_names(s, tls), AdminAPI(plane, reload=reload).handle, plane.serve_upgrade
-    )
+    gate = ControlPortGate(port_names(s, tls), handle, upgrade)
     control = HTTPServer(
         gate.handle,
         ServerLimits(),
         upgrade=gate.upgrade,
         ssl_context=None if tls.insecure else server_context(tls),
     )
-    try:
-        listeners = await trio.open_tcp_listeners(s.control_listen.port, host=s.control_listen.host)
-    except OSError as exc:
-        raise ControlListenFailed(
-            f"cannot listen on {s.control_listen} (control_listen): {exc}"
-        ) from exc
     port: int = listeners[0].socket.getsockname()[1]
-    await nursery.start(plane.run)
     await nursery.start(control.serve, listeners)
     host = s.control_listen.host
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
