@@ -34,6 +34,12 @@ def _prefix(prefix: str) -> str:
     return prefix
 
 
+def _advertise(url: str) -> str:
+    if url and (not url.startswith(("ws://", "wss://")) or url.rstrip("/").count("/") != 2):
+        raise Problem(f"must be ws://HOST:PORT or wss://HOST:PORT, not {url!r}")
+    return url.rstrip("/")
+
+
 @attrs.frozen
 class StoreSection:
     # The etcd members' client URLs; any that answers serves (etcd forwards to its leader).
@@ -44,6 +50,10 @@ class StoreSection:
     # a standby leads after it ends. Longer than the stalls a busy machine gives a
     # process (a SIGKILLed leader is replaced within about this long).
     lease_ttl_s: float = attrs.field(default=10.0, metadata=rules(min=2.0, max=300.0))
+    # This control plane's URL as agents, routers and operators reach it (ws:// or wss://
+    # HOST:PORT), given per process (`llmgw-server --advertise`): a standby names the leader's
+    # to its peers. Default: control_listen's host and port.
+    advertise: str = attrs.field(default="", metadata=rules(check=_advertise))
     # etcd's own authentication: a user, with its password in this environment variable.
     user: str = ""
     password_env: str = ""

@@ -10,7 +10,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from llmgw_core.config import Config, ListenAddress, load_config
+import attrs
+
+from llmgw_core.config import Config, ListenAddress, load_config, parse_listen
 from llmgw_core.tomlshape import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -69,6 +71,47 @@ def add_global_options(
     )
 
 
+def add_serve_options(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """What one process of several running the same config sets for itself (control
+    planes that share a store: a port each, and the URL its peers reach it at)."""
+    default = argparse.SUPPRESS if after_command else None
+    parser.add_argument(
+        "--listen", metavar="HOST:PORT", default=default, help="[server] listen, for this process"
+    )
+    parser.add_argument(
+        "--control-listen",
+        metavar="HOST:PORT",
+        default=default,
+        help="[server] control_listen, for this process",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="URL",
+        default=default,
+        help="[control.store] advertise: this control plane's wss:// (or ws://) URL as "
+        "agents, routers and operators reach it",
+    )
+
+
+def with_process_options(config: Config, args: argparse.Namespace) -> Config:
+    """The config with this process's own --listen, --control-listen and --advertise.
+    Raises ValueError."""
+    server = config.server
+    if getattr(args, "listen", None):
+        server = attrs.evolve(server, listen=parse_listen(args.listen))
+    if getattr(args, "control_listen", None):
+        server = attrs.evolve(server, control_listen=parse_listen(args.control_listen))
+    control = config.control
+    if getattr(args, "advertise", None):
+        if control.store is None:
+            raise ValueError("--advertise is for control planes that share a [control.store]")
+        url = args.advertise.rstrip("/")
+        if not url.startswith(("ws://", "wss://")) or url.count("/") != 2:
+            raise ValueError(f"--advertise must be ws://HOST:PORT or wss://HOST:PORT, not {url!r}")
+        control = attrs.evolve(control, store=attrs.evolve(control.store, advertise=url))
+    return attrs.evolve(config, server=server, control=control)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw-server",
@@ -86,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents = [common if admin else local]
         return sub.add_parser(name, help=help, description=help, parents=parents)
 
-    command("serve", "run the server (the default)")
+    add_serve_options(parser, after_command=False)
+    add_serve_options(command("serve", "run the server (the default)"), after_command=True)
     command(
         "router",
         "run a router apart that follows the control plane at --control (its https:// URL), "
@@ -186,6 +230,11 @@ def run_cli(argv: list[str]) -> int:
         return 0
     if args.command == "router":
         return _router(args, config)
+    try:
+        config = with_process_options(config, args)
+    except ValueError as exc:
+        print(f"llmgw-server: {exc}", file=sys.stderr)
+        return 2
     from llmgw_server.wiring import run
 
     return run(config)

@@ -54,6 +54,7 @@ from llmgw_server.router.workers import Workers
 if TYPE_CHECKING:
     from llmgw_core.dial import Target
     from llmgw_server.control_shell.controlplane import ControlPlane
+    from llmgw_server.control_shell.seat import Seat
     from llmgw_server.route_feed.hub import RouteHub
     from llmgw_server.route_feed.relay import TableRelay
 
@@ -301,6 +302,7 @@ class Running:
     http: HTTPServer
     control_port: int | None = None
     plane: ControlPlane | None = None
+    seat: Seat | None = None  # control planes that share a store: this one's seat
 
 
 @attrs.define
@@ -312,11 +314,15 @@ class _SingleProcess:
     reloader: Reloader
     plane: ControlPlane | None = None
     control_port: int | None = None
+    seat: Seat | None = None
 
     def listening(self) -> str:
         return _http_address(self.config, self.port)
 
     async def start(self, nursery: trio.Nursery, router: Router) -> Follower | None:
+        if self.config.runs_control_plane and self.config.control.store is not None:
+            await self._take_seat(nursery, router)
+            return None
         self.plane = _control_plane(self.config)
         if self.plane is not None:
             plane = self.plane
@@ -325,7 +331,18 @@ class _SingleProcess:
             nursery.start_soon(_follow_in_process, plane.routes, router)
         return None
 
+    async def _take_seat(self, nursery: trio.Nursery, router: Router) -> None:
+        """Control planes share a store: this one leads or stands by, as elected."""
+        from llmgw_server.control_shell.seat import Seat
+
+        seat = self.seat = Seat(self.config, self.reloader.reload)
+        self.reloader.apply = with_control_plane(self.reloader.apply, seat.set_catalog)
+        self.control_port = await nursery.start(seat.run)
+        nursery.start_soon(_follow_leader, seat, router)
+
     def closing(self) -> None:
+        if self.seat is not None:
+            self.seat.resign_soon()  # the next leader takes over now, not at the lease's end
         if self.plane is not None:
             self.plane.closing = True
 
@@ -334,14 +351,61 @@ class _SingleProcess:
             await _stop_agent_streams(self.plane)
 
 
-async def _follow_in_process(routes: RouteHub, router: Router) -> None:
+async def _follow_in_process(
+    routes: RouteHub, router: Router, follower: Follower | None = None
+) -> None:
     """This process's router follows the route table like any other, over memory channels."""
     from llmgw_server.route_feed.connection import local_pair
 
     hub_end, router_end = local_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(routes.serve, hub_end, "this process")
-        await Follower(router, "in-process").follow(router_end)
+        await (follower or Follower(router, "in-process")).follow(router_end)
+
+
+# How soon this process's router dials the leader's feed again after it ended.
+_LEADER_REDIAL_S = 0.25
+
+
+async def _follow_leader(seat: Seat, router: Router) -> None:
+    """Where control planes share a store, this process's router follows whichever leads:
+    its own plane over memory channels, or the leader's route feed across the network
+    with the token that leader put in the store; with none, it serves its last table."""
+    follower = Follower(router, "in-process")
+    while True:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_on_change() -> None:
+                    await seat.changed()
+                    scope.cancel()
+
+                nursery.start_soon(cancel_on_change)
+                plane, leadership = seat.plane, seat.leadership()
+                if plane is not None:
+                    await _follow_in_process(plane.routes, router, follower)
+                elif leadership.leader_url is not None:
+                    await _follow_remote_leader(seat, follower, leadership.leader_url)
+                await trio.sleep_forever()  # until the leadership changes
+
+
+async def _follow_remote_leader(seat: Seat, follower: Follower, url: str) -> None:
+    from llmgw_server.route_feed.remote import client_context, feed_target, follow_once
+    from llmgw_server.store.etcd import StoreError
+
+    where = feed_target(url)
+    ca = seat.config.agents.ca
+    ssl_context = client_context(ca) if where.secure else None
+    while True:
+        why = "the leader has put no token in the store yet"
+        try:
+            token = await seat.peer_token()
+        except StoreError as exc:
+            token, why = None, f"the store: {exc}"
+        if token is not None:
+            _, why = await follow_once(follower, where, token, ssl_context, ca)
+        log.info("the leader's route feed at %s: %s; dialing again", url, why)
+        await trio.sleep(_LEADER_REDIAL_S)
 
 
 async def main(
@@ -360,7 +424,9 @@ async def main(
     async with trio.open_nursery() as nursery:
         serve = partial(serve_router, router, listeners, layout, sighup=reloader)
         http = await nursery.start(partial(serve, stop=trio.Event() if stop is None else stop))
-        task_status.started(Running(port, router, http, layout.control_port, layout.plane))
+        task_status.started(
+            Running(port, router, http, layout.control_port, layout.plane, layout.seat)
+        )
 
 
 # -- a router apart ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal, assert_never, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, assert_never, get_args
 from urllib.parse import parse_qs
 
 import attrs
@@ -72,14 +72,24 @@ OutputTailsOf = Mapping[tuple[str, str, int], tuple[str, ...]]
 _SET_TOKEN = "set [admin] token_digest or token_env"
 
 
+class SeatView(Protocol):
+    """A control plane among several sharing a store (seat.Seat), as status shows it."""
+
+    def status_doc(self) -> dict[str, object]: ...
+
+    def metrics_page(self) -> bytes: ...
+
+
 class AdminAPI:
     def __init__(
         self,
         plane: ControlPlane,
         access: AdminSection | None = None,
         reload: Callable[[], Awaitable[ReloadPlan]] | None = None,
+        seat: SeatView | None = None,
     ) -> None:
         self.plane = plane
+        self.seat = seat  # where control planes share a store: who leads, the store's health
         self.access = plane.config.admin if access is None else access
         self.reload = reload  # POST /v1/admin/reload: the config file again (router.reload)
         self.node_parts = NodeParts()
@@ -169,6 +179,8 @@ class AdminAPI:
                 held=self.plane.held(),
             )
             data = to_json(attrs.evolve(doc, page=page))
+            if self.seat is not None:
+                data["control"] = self.seat.status_doc()
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
             await responder.whole(200, json.dumps(data, separators=(",", ":")).encode())
         elif request.method == b"GET" and rest == ["stream"]:
@@ -237,6 +249,8 @@ class AdminAPI:
             return
         plane = self.plane
         page = plane.metrics.render(plane.reconciler.view(), len(plane.agents.streams))
+        if self.seat is not None:
+            page += self.seat.metrics_page()
         await responder.whole(200, page, [(b"content-type", b"text/plain; version=0.0.4")])
 
     def _metrics_token(self, request: Request) -> bool:

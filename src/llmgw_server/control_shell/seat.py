@@ -1,0 +1,286 @@
+"""A control plane among several that share a store (`[control.store]`): its seat.
+
+Every control plane of a fleet runs the same config; each keeps its control port open,
+and the election (election.py, over etcd) says which one leads. The seat owns, for this
+process, the port, the election, and while it leads a *term*: a ControlPlane of that
+leadership's epoch, built as at a restart (agents register again and their engines are
+adopted) from where the last leader stopped (its stored state), and dropped whole when
+the leadership ends. Between terms the port answers as a standby (standby.py).
+
+A term ends when the election says so (the lease could not be renewed, a guarded write
+failed, a resignation): from that instant the plane's fence (`Election.may_act`) refuses
+every command and table, then its agent streams and route feeds are closed so that every
+peer looks for the next leader, and its tasks are cancelled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+import attrs
+import trio
+
+from llmgw_core.bearer import bearer_digest
+from llmgw_core.catalog import Catalog
+from llmgw_core.config import Config
+from llmgw_core.store_config import StoreSection
+from llmgw_http.server import Request, Responder
+from llmgw_server.control_shell.admin import AdminAPI
+from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
+from llmgw_server.control_shell.election import Election, Member, Standing
+from llmgw_server.control_shell.port import open_control_listeners, serve_control_listeners
+from llmgw_server.control_shell.seat_metrics import SeatMetrics
+from llmgw_server.control_shell.standby import StandbyAnswers
+from llmgw_server.reload import ReloadPlan
+from llmgw_server.route_feed.hub import ROUTES_PATH
+from llmgw_server.store.etcd import EtcdClient, StoreError
+
+log = logging.getLogger("llmgw.control")
+
+PEER_TOKEN_KEY = b"peer_token"
+# How long a term's end waits for its agents' close frames before cutting what is left.
+_STREAMS_CLOSE_S = 1.0
+
+
+def catalog_digest(config: Config) -> str:
+    """What two control planes must agree on to lead the same fleet: the catalog."""
+    return hashlib.sha256(repr(config.catalog).encode()).hexdigest()[:16]
+
+
+def advertised_url(config: Config, port: int) -> str:
+    """This control plane's URL as its peers dial it: `[control.store] advertise`, else
+    control_listen's host and the port it listens on."""
+    store = config.control.store
+    if store is not None and store.advertise:
+        return store.advertise
+    host = config.server.control_listen.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{'ws' if config.agents.insecure else 'wss'}://{host}:{port}"
+
+
+@attrs.frozen
+class Leadership:
+    """What the port's standby answers and the in-process router read of the election."""
+
+    leading: bool
+    leader_url: str | None
+    why: str
+    epoch: int
+
+
+class Seat:
+    def __init__(
+        self, config: Config, reload: Callable[[], Awaitable[ReloadPlan]] | None
+    ) -> None:
+        assert config.control.store is not None
+        self.config = config
+        self.store: StoreSection = config.control.store
+        self.reload = reload
+        self.metrics = SeatMetrics()
+        self.plane: ControlPlane | None = None  # while this process leads
+        self._admin: AdminAPI | None = None
+        self.standby = StandbyAnswers(self.leadership, self.metrics_page)
+        self.election: Election | None = None
+        self.client: EtcdClient | None = None
+        self.url = ""
+        self.port = 0
+        # The route feed of each term accepts the token its leader put in the store, so
+        # that every control plane's own router follows the leader (peers share the store).
+        self._peer_digest: str | None = None
+        self._term: trio.CancelScope | None = None
+        self._streams: set[trio.CancelScope] = set()  # each upgraded stream of the term
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.closing = False
+
+    # -- what others read ------------------------------------------------------
+
+    def leadership(self) -> Leadership:
+        standing = self.election.standing if self.election is not None else None
+        if standing is None:
+            return Leadership(False, None, "the election has not started", 0)
+        leader = standing.leader
+        url = leader.url if leader is not None and not standing.leading else None
+        return Leadership(self.plane is not None, url, standing.why, standing.epoch)
+
+    async def changed(self) -> None:
+        """Wait until this seat's leadership changes (it leads, or another does)."""
+        await self._changed.wait()
+
+    async def peer_token(self) -> str | None:
+        """The token the leader's route feed takes from control planes, from the store."""
+        if self.client is None:
+            return None
+        found = await self.client.get(self.store.prefix.encode() + PEER_TOKEN_KEY)
+        return None if found is None else found.value.decode()
+
+    # -- running -----------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the store's client, the election and the port (and each term) until
+        cancelled; `started()` with the control port once it listens."""
+        listeners = await open_control_listeners(self.config)
+        self.port = listeners[0].socket.getsockname()[1]
+        self.url = advertised_url(self.config, self.port)
+        me = Member(
+            id=secrets.token_hex(4),
+            url=self.url,
+            catalog_digest=catalog_digest(self.config),
+            started_at=time.time(),
+        )
+        client = EtcdClient.for_store(self.store, observe=self.metrics.store_request)
+        self.client = client
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                election = Election(client, self.store, me)
+                self.election = election
+                await serve_control_listeners(
+                    self.config, listeners, self.handle, self.upgrade, nursery=nursery
+                )
+                log.info("control plane %s at %s: joining the election", me.id, self.url)
+                await nursery.start(election.run)
+                task_status.started(self.port)
+                await self._follow_election(election, nursery)
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
+
+    async def _follow_election(self, election: Election, nursery: trio.Nursery) -> None:
+        while True:
+            standing = election.standing
+            if standing.leading and self.plane is None and not self.closing:
+                await self._begin_term(standing, nursery)
+            elif not standing.leading and self.plane is not None:
+                await self._end_term(standing.why)
+            self._signal()
+            await election.changed()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _begin_term(self, standing: Standing, nursery: trio.Nursery) -> None:
+        election = self.election
+        assert election is not None
+        token = secrets.token_urlsafe(32)
+        try:
+            written = await election.write({self._key(PEER_TOKEN_KEY): token.encode()}, ())
+        except StoreError as exc:
+            log.warning("could not begin leading (epoch %d): %s", standing.epoch, exc)
+            return
+        if not written:
+            return  # the leadership ended already: the election says so next
+        self._peer_digest = bearer_digest(b"Bearer " + token.encode())
+        interval = min(HEARTBEAT_INTERVAL_S, self.config.control.unreachable_after_s / 3)
+        plane = ControlPlane(
+            self.config,
+            heartbeat_interval_s=interval,
+            epoch=standing.epoch,
+            may_act=election.may_act,
+        )
+        self.metrics.began(standing.epoch)
+        log.info("leading the fleet as epoch %d", standing.epoch)
+        self.plane = plane
+        self._admin = AdminAPI(plane, reload=self.reload, seat=self)
+        self._term = await nursery.start(self._run_term, plane)
+
+    async def _run_term(
+        self, plane: ControlPlane, *, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(plane.run)
+                task_status.started(scope)
+
+    async def _end_term(self, why: str) -> None:
+        plane, self.plane, self._admin = self.plane, None, None
+        if plane is None:
+            return
+        log.warning("no longer leading (epoch %d): %s", plane.epoch, why)
+        self.metrics.ended()
+        plane.closing = True
+        plane.agents.stop_streams()
+        with trio.move_on_after(_STREAMS_CLOSE_S):
+            await plane.agents.streams_closed.wait()
+        for scope in list(self._streams):
+            scope.cancel()
+        if self._term is not None:
+            self._term.cancel()
+            self._term = None
+        self._peer_digest = None
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        """A reloaded catalog: this term's plane takes it, and so does the next term's."""
+        self.config = attrs.evolve(self.config, catalog=catalog)
+        if self.plane is not None:
+            self.plane.set_catalog(catalog)
+
+    def resign_soon(self) -> None:
+        """This process stops (SIGTERM): hand over now, not when the lease would end."""
+        self.closing = True
+        if self._nursery is not None and self.election is not None:
+            self._nursery.start_soon(self._resign, self.election)
+
+    async def _resign(self, election: Election) -> None:
+        await self._end_term("this control plane is stopping: it resigned")
+        await election.resign()
+
+    # -- the control port -----------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        admin = self._admin
+        if admin is None:
+            await self.standby.handle(request, responder)
+        else:
+            await admin.handle(request, responder)
+
+    async def upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
+        plane = self.plane
+        if plane is None:
+            await self.standby.upgrade(request, raw)
+            return
+        with trio.CancelScope() as scope:
+            self._streams.add(scope)
+            try:
+                if request.path == ROUTES_PATH and self._is_peer(request):
+                    await plane.serve_routes(request, raw, router_digest=self._peer_digest)
+                else:
+                    await plane.serve_upgrade(request, raw)
+            finally:
+                self._streams.discard(scope)
+
+    def _is_peer(self, request: Request) -> bool:
+        digest = bearer_digest(request.header(b"authorization"))
+        return digest is not None and digest == self._peer_digest
+
+    def _key(self, name: bytes) -> bytes:
+        return self.store.prefix.encode() + name
+
+    # -- what operators read -------------------------------------------------------
+
+    def metrics_page(self) -> bytes:
+        return self.metrics.render(self.leadership())
+
+    def status_doc(self) -> dict[str, object]:
+        """Who leads, since when, the epoch, and the store's health, for `status`."""
+        election = self.election
+        standing = election.standing if election is not None else None
+        leader = standing.leader if standing is not None else None
+        return {
+            "leading": self.plane is not None,
+            "epoch": standing.epoch if standing is not None else 0,
+            "leader": None if leader is None else {"id": leader.id, "url": leader.url},
+            "since": standing.since if standing is not None else None,
+            "why": standing.why if standing is not None else "",
+            "store_ok": standing.store_ok if standing is not None else False,
+            "this": self.url,
+            "store_latency_ms": self.metrics.latency_ms(),
+            "leadership_changes": self.metrics.changes,
+        }
