@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from llmgw_core.wire import (
     Drain,
     Heartbeat,
     Mark,
+    Pace,
     Register,
     ShardUpdate,
     Start,
@@ -69,6 +71,41 @@ DOWN = [
     Stop(3, "qwen-1", 1),
     Mark(4, True, False),
 ]
+
+
+EPOCH_7 = [
+    Welcome(PROTOCOL, 5.0, epoch=7),
+    Pace(10.0, epoch=7),
+    Start(1, SPEC, epoch=7),
+    Drain(2, "qwen-1", 1, epoch=7),
+    Stop(3, "qwen-1", 1, epoch=7),
+    Mark(4, True, False, epoch=7),
+]
+
+
+@pytest.mark.parametrize("message", EPOCH_7, ids=lambda m: type(m).__name__)
+def test_every_message_down_carries_its_leaders_epoch(message: DownMessage) -> None:
+    frame = encode(message)
+    assert json.loads(frame)["epoch"] == 7
+    assert decode_down(frame) == message
+    # From a control plane of protocol 2 (no epoch): epoch 0, never fenced.
+    older = {k: v for k, v in json.loads(frame).items() if k != "epoch"}
+    assert decode_down(json.dumps(older)) == attrs.evolve(message, epoch=0)
+
+
+def test_keys_a_version_does_not_know_are_skipped() -> None:
+    """How an agent of protocol 2 takes a welcome of protocol 3 (its converter is this one,
+    which forbids no extra key), and this one a later version's."""
+    data = json.loads(encode(Welcome(2, 5.0, epoch=7)))
+    data["a_later_key"] = {"x": 1}
+    assert decode_down(json.dumps(data)) == Welcome(2, 5.0, epoch=7)
+
+
+def test_a_negative_epoch_is_a_bad_frame() -> None:
+    data = json.loads(encode(Mark(4, True, False, epoch=7)))
+    data["epoch"] = -1
+    with pytest.raises(WireError, match="'mark' frame is malformed"):
+        decode_down(json.dumps(data))
 
 
 @pytest.mark.parametrize("message", UP, ids=lambda m: type(m).__name__)

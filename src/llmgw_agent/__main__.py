@@ -142,7 +142,8 @@ def check_config(file: str) -> int:
             )
             return 2
     engines = ", ".join(sorted(config.engines)) or "none"
-    print(f"{file}: ok, node {config.name}, server {config.server}, GPUs {gpus}, engines {engines}")
+    server = ", ".join(config.servers)
+    print(f"{file}: ok, node {config.name}, server {server}, GPUs {gpus}, engines {engines}")
     return 0
 
 

@@ -41,6 +41,7 @@ from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import help_command, refusals
 from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
+from llmgw_agent.following import ControlPlanes, Ended, stale
 from llmgw_agent.shm_leftovers import clean_after
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
@@ -55,11 +56,14 @@ from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S, MAX_COME_BACK_S
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_core.logsafe import escaped
+from llmgw_core.ratelog import RateLimit
 from llmgw_core.tls_config import client_context
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     NAME_HELD_CLOSE,
+    NOT_LEADER_CLOSE,
     PROTOCOL,
+    STALE_EPOCH_CLOSE,
     STOPPING_CLOSE,
     Ack,
     DownMessage,
@@ -76,6 +80,8 @@ from llmgw_core.wire import (
     WireError,
     decode_down,
     encode,
+    leader_from_reason,
+    stale_epoch_reason,
 )
 from llmgw_core.ws_frames import (
     Heard,
@@ -104,6 +110,8 @@ DISCONNECT_TIMEOUT_S = 5.0
 # start. Past the window the backoff takes over, as for a control plane that is gone.
 RESTART_JITTER_S = 0.5
 RESTART_REDIAL_WINDOW_S = 30.0
+# Commands refused for a stale epoch are logged at most once per this, with a count.
+STALE_LOG_PERIOD_S = 10.0
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random) -> float:
@@ -143,12 +151,25 @@ class NameHeld(Exception):
 
 @attrs.define
 class Session:
-    """What one connection showed of the control plane, for the backoff (trio's clock)."""
+    """What one connection showed of the control plane, for the backoff (trio's clock)
+    and the choice of the next control plane (`following`)."""
 
+    url: str = ""  # the control plane dialled
     welcomed_at: float | None = None  # None: it never registered
     heard: Heard | None = None  # when the control plane was last heard from on it
     bound: SilenceBound | None = None  # its silence bound
     stopping: bool = False  # the control plane closed it because it stops (a restart)
+    not_leader: str | None = None  # a standby's NOT_LEADER_CLOSE: its reason
+    stale: bool = False  # its welcome's epoch was stale: the agent closed it
+
+    def ended(self) -> Ended:
+        if self.not_leader is not None:
+            return Ended.NOT_LEADER
+        if self.stale:
+            return Ended.STALE
+        if self.welcomed_at is not None or self.stopping:
+            return Ended.LEADER_LOST
+        return Ended.FAILED
 
 
 def _interval(seconds: float) -> float:
@@ -214,10 +235,17 @@ class Agent:
         self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
         self._silence_s = 0.0  # the current stream's silence bound, for the log
-        secure = config.server.startswith("wss:")
+        self.planes = ControlPlanes(config.servers)  # the one dialled, and the next
+        # The highest epoch of a leadership seen (kept with the flags): a welcome or a
+        # command of a lower one comes from a leader that lost its lease (`stale`).
+        self.epoch = 0
+        self.stale_commands_refused = 0
+        self._stale_log = RateLimit(STALE_LOG_PERIOD_S)
+        secure = config.server.startswith("wss:")  # every one's scheme (config)
         self._ssl_context = client_context(config.tls) if secure and config.tls.cert else None
         if config.insecure:
-            log.warning("insecure = true: the stream to %s is plaintext", config.server)
+            servers = ", ".join(config.servers)
+            log.warning("insecure = true: the stream to %s is plaintext", servers)
         self._load_flags()
 
     # -- the daemon ---------------------------------------------------------
@@ -238,7 +266,7 @@ class Agent:
         attempt = 0
         redial_until: float | None = None  # see RESTART_REDIAL_WINDOW_S
         while True:
-            session = Session()
+            session = Session(self.planes.current)
             come_back: float | None = None  # when the control plane asked to be dialled
             try:
                 await self._session(session)
@@ -250,7 +278,7 @@ class Agent:
                     "the control plane %s refused this agent: %s. Two machines run an agent "
                     "as node %r (a cloned VM image, a copied certificate?): the first one "
                     "keeps the node; give this one its own name and certificate",
-                    self.config.server,
+                    session.url,
                     escaped(str(group.exceptions[0])),
                     self.inventory.name,
                 )
@@ -258,31 +286,50 @@ class Agent:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
                 come_back = failed.come_back_s
-                log.warning(
-                    "cannot connect to the control plane %s: %s", self.config.server, failed
-                )
+                log.warning("cannot connect to the control plane %s: %s", session.url, failed)
             except* (
                 OSError,
                 trio.TooSlowError,
                 trio_websocket.HandshakeError,
                 trio_websocket.ConnectionClosed,
             ) as group:
-                log.warning("control plane %s: %s", self.config.server, _short(group.exceptions[0]))
+                log.warning("control plane %s: %s", session.url, _short(group.exceptions[0]))
             except* WireError as group:
                 log.error("the control plane sent a bad frame: %s", group.exceptions[0])
             except* Exception as group:
                 # Nothing that goes wrong with one connection may reach the engines.
-                log.error("the session with %s failed", self.config.server, exc_info=group)
+                log.error("the session with %s failed", session.url, exc_info=group)
             now = trio.current_time()
-            if session.stopping:
+            redial = self.planes.after(
+                session.ended(),
+                now=now,
+                rng=self.rng,
+                healthy=next_attempt(0, session) == 0,
+                welcomed=session.welcomed_at is not None,
+                leader=leader_from_reason(session.not_leader),
+                reason=session.not_leader or "",
+                come_back_s=come_back,
+            )
+            if redial is not None and redial.delay_s is not None:
+                why = f"{redial.why}: " if redial.why else ""
+                log.info("%sdialing %s in %.2f s", why, self.planes.current, redial.delay_s)
+                await trio.sleep(redial.delay_s)
+                continue
+            if redial is not None:  # several control planes: the backoff, then the next
+                if redial.why:
+                    log.info("%s", redial.why)
+            elif session.stopping:
                 redial_until = now + RESTART_REDIAL_WINDOW_S
             elif session.welcomed_at is not None:
                 redial_until = None  # back: later failures take the backoff
-            delay_or_none = restart_redial_delay(now, redial_until, come_back, self.rng)
-            if delay_or_none is not None:
-                log.info("the control plane is restarting: dialing again in %.2f s", delay_or_none)
-                await trio.sleep(delay_or_none)
-                continue
+            if redial is None:
+                delay_or_none = restart_redial_delay(now, redial_until, come_back, self.rng)
+                if delay_or_none is not None:
+                    log.info(
+                        "the control plane is restarting: dialing again in %.2f s", delay_or_none
+                    )
+                    await trio.sleep(delay_or_none)
+                    continue
             attempt = next_attempt(attempt, session)
             delay = reconnect_delay(
                 attempt,
@@ -291,7 +338,10 @@ class Agent:
                 self.config.reconnect_cap_s,
                 self.rng,
             )
-            log.info("reconnecting in %.2f s", delay)
+            if len(self.config.servers) > 1:
+                log.info("reconnecting to %s in %.2f s", self.planes.current, delay)
+            else:
+                log.info("reconnecting in %.2f s", delay)
             await trio.sleep(delay)
 
     async def _session(self, session: Session) -> None:
@@ -301,7 +351,7 @@ class Agent:
         if cut.cancelled_caught:
             log.warning(
                 "nothing from the control plane %s for %g s, not even a pong: dialing again",
-                self.config.server,
+                session.url,
                 self._silence_s,
             )
 
@@ -312,7 +362,7 @@ class Agent:
         # acknowledges each heartbeat keeps a quiet stream alive without a ping.
         heard = Heard(trio.current_time())
         async with open_agent_stream(
-            self.config.server,
+            session.url,
             self._ssl_context,
             ca=self.config.tls.ca,
             connect_timeout_s=CONNECT_TIMEOUT_S,
@@ -334,12 +384,33 @@ class Agent:
                         raise NameHeld(closed.reason.reason or "") from None
                     if closed.reason is not None and closed.reason.code == STOPPING_CLOSE:
                         session.stopping = True
+                    if closed.reason is not None and closed.reason.code == NOT_LEADER_CLOSE:
+                        session.not_leader = closed.reason.reason or ""
+                        return  # `following` says where next, and logs why
                     raise
                 if not isinstance(welcome, Welcome):
                     raise WireError(f"expected welcome, got {type(welcome).__name__}")
+                if stale(welcome.epoch, self.epoch):
+                    log.warning(
+                        "%s welcomed this agent with epoch %d, but it follows epoch %d (that "
+                        "control plane led once and no longer does): closing the stream",
+                        session.url,
+                        welcome.epoch,
+                        self.epoch,
+                    )
+                    session.stale = True
+                    reason = stale_epoch_reason(welcome.epoch, self.epoch)
+                    await ws.aclose(code=STALE_EPOCH_CLOSE, reason=reason)
+                    return
+                self._follow(welcome.epoch)  # kept before any command of this stream
                 heard.now()
                 paced = Paced.at(_interval(welcome.heartbeat_interval_s))
-                log.info("registered with %s (%d shards)", self.config.server, len(self.shards))
+                log.info(
+                    "registered with %s (epoch %d, %d shards)",
+                    session.url,
+                    welcome.epoch,
+                    len(self.shards),
+                )
                 for shard in self.shards.values():
                     if shard.unsent_failure is not None:
                         self._send(shard.unsent_failure)
@@ -358,6 +429,8 @@ class Agent:
                     async for frame in inbox_receive:
                         try:
                             message = decode_down(frame)
+                            if not self._follows(message):
+                                continue
                             if isinstance(message, Pace):
                                 paced.set(_interval(message.heartbeat_interval_s))
                                 self._silence_s = paced.bound.cut_after_s
@@ -377,6 +450,8 @@ class Agent:
             if ws.closed is not None and ws.closed.code == STOPPING_CLOSE:
                 session.stopping = True
                 log.info("the control plane closed the stream: %s", ws.closed.reason)
+            elif ws.closed is not None and ws.closed.code == NOT_LEADER_CLOSE:
+                session.not_leader = ws.closed.reason or ""  # the leader stepped down
             elif ws.closed is not None and ws.closed.reason:
                 log.warning("the control plane closed the stream: %s", ws.closed.reason)
 
@@ -414,6 +489,30 @@ class Agent:
         return True
 
     # -- commands ------------------------------------------------------------
+
+    def _follow(self, epoch: int) -> None:
+        """A welcome or command of `epoch`, not stale: a higher one is kept from now on (and
+        in the state directory, before any command of its leader is carried out)."""
+        if epoch > self.epoch:
+            log.info("following epoch %d (was %d)", epoch, self.epoch)
+            self.epoch = epoch
+            self._save_flags()
+
+    def _follows(self, message: DownMessage) -> bool:
+        """Whether to take a message that came after the welcome; one of a stale epoch is
+        refused (an Ack says so, where it has a command id) and counted."""
+        if not stale(message.epoch, self.epoch):
+            self._follow(message.epoch)
+            return True
+        self.stale_commands_refused += 1
+        reason = stale_epoch_reason(message.epoch, self.epoch)
+        held = self._stale_log.allow(message.epoch, trio.current_time())
+        if held is not None:
+            more = f" ({held} more since the last such line)" if held else ""
+            log.warning("refused a %s: %s%s", type(message).__name__.lower(), reason, more)
+        if not isinstance(message, Welcome | Pace):
+            self._send(Ack(message.command_id, ok=False, error=reason))
+        return False
 
     def _command(self, message: DownMessage) -> None:
         if isinstance(message, Start):
@@ -648,14 +747,21 @@ class Agent:
                 data = json.load(f)
             self.cordoned = bool(data.get("cordoned"))
             self.draining = bool(data.get("draining"))
+            epoch = data.get("epoch", 0)  # absent from a file of an older agent: 0
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+                self.epoch = epoch
         except (OSError, ValueError, AttributeError):
             pass
 
     def _save_flags(self) -> None:
+        """Written whole, then renamed: a crash mid-write must not lose the epoch."""
+        flags = {"cordoned": self.cordoned, "draining": self.draining, "epoch": self.epoch}
         try:
             self.config.state_dir.mkdir(parents=True, exist_ok=True)
-            with open(self._flags_path(), "w") as f:
-                json.dump({"cordoned": self.cordoned, "draining": self.draining}, f)
+            partial = self._flags_path() + ".partial"
+            with open(partial, "w") as f:
+                json.dump(flags, f)
+            os.replace(partial, self._flags_path())
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
 

@@ -19,6 +19,7 @@ from llmgw_core.config_schema import (
     Problem,
     read_path,
     read_text,
+    read_texts,
     reading_base_dir,
     rule_after,
     rule_before,
@@ -88,19 +89,48 @@ def _server_url(server: str) -> str:
     return server
 
 
+def _servers(value: object) -> tuple[str, ...]:
+    """`server`: one control plane's URL, or a list of them (the control planes of a fleet
+    kept in a store, any of which may lead): one scheme for all, as one [tls] (or
+    `insecure`) serves them all."""
+    if not isinstance(value, list):
+        if not isinstance(value, str):
+            raise Problem(f"must be a URL or an array of URLs, not {type_name(value)}")
+        return (_server_url(read_text(value)),)
+    urls = read_texts(value)
+    if not urls:
+        raise Problem("must name at least one control plane's ws:// or wss:// URL")
+    for i, url in enumerate(urls):
+        try:
+            _server_url(url)
+        except Problem as problem:
+            raise Problem(problem.message, f"[{i}]") from None
+        if url in urls[:i]:
+            raise Problem(f"{url!r} is listed twice", f"[{i}]")
+        if urlsplit(url).scheme != urlsplit(urls[0]).scheme:
+            raise Problem(
+                f"{url!r} and {urls[0]!r}: give every control plane the same scheme "
+                "(all wss:// with [tls], or all ws:// with insecure = true)",
+                f"[{i}]",
+            )
+    return urls
+
+
 def _server_parts(server: object) -> SplitResult | None:
-    """The server URL's parts, None for one that is not a valid URL (its field says why)."""
+    """The (first) server URL's parts, None for a value that is not valid (its field says
+    why)."""
     try:
-        return urlsplit(_server_url(read_text(server)))
+        return urlsplit(_servers(server)[0])
     except Problem:
         return None
 
 
 def _local_advertise_host(config: AgentConfig) -> str:
-    """127.0.0.1 only goes without saying when the control plane (and its router) is on
-    this machine too: on a real node a loopback address would send every request to the
+    """127.0.0.1 only goes without saying when the control planes (and their routers) are
+    on this machine too: on a real node a loopback address would send every request to the
     router's own machine. Empty: the file must say (see `_agent_rules`)."""
-    return "127.0.0.1" if is_loopback(urlsplit(config.server).hostname or "") else ""
+    local = all(is_loopback(urlsplit(url).hostname or "") for url in config.servers)
+    return "127.0.0.1" if local else ""
 
 
 def _a_host(host: str) -> str:
@@ -140,8 +170,10 @@ class AgentConfig:
     a path) are taken from the config file's directory, not the working directory."""
 
     name: str
-    # ws:// or wss:// URL of the control plane's agent stream.
-    server: str = attrs.field(metadata=rules(check=_server_url))
+    # ws:// or wss:// URL of the control plane's agent stream (`server` in the file), or
+    # the URLs of every control plane of a fleet kept in a store: the agent registers
+    # with whichever leads, and follows only a leader named among these.
+    servers: tuple[str, ...] = attrs.field(metadata=rules(key="server", parse=_servers))
     insecure: bool = False  # a plaintext ws:// server, said explicitly
     tls: AgentTLS = attrs.field(factory=AgentTLS)
     inventory_file: Path | None = attrs.field(default=None, metadata=rules(parse=_inventory_file))
@@ -180,6 +212,11 @@ class AgentConfig:
     # The config file, for messages; set by the reader, never by the file.
     file: str = attrs.field(default="", kw_only=True, metadata=rules(in_file=False))
 
+    @property
+    def server(self) -> str:
+        """The first control plane's URL: the one dialled first."""
+        return self.servers[0]
+
 
 @rule_before(AgentConfig)
 def _plaintext_said(data: dict[str, object]) -> None:
@@ -188,17 +225,17 @@ def _plaintext_said(data: dict[str, object]) -> None:
     insecure = data.get("insecure", False)
     if parts is None or parts.scheme != "ws" or not isinstance(insecure, bool):
         return  # a bad server URL or insecure value is reported by its field
-    server = str(data["server"])
+    server = ", ".join(map(repr, _servers(data["server"])))
     if not insecure:
         raise Problem(
-            f"{server!r} is plaintext: use wss:// with [tls], or set insecure = true "
+            f"{server} is plaintext: use wss:// with [tls], or set insecure = true "
             "where the network is trusted",
             "server",
         )
     if "tls" in data:
         # Refused rather than ignored: a [tls] left in says the operator meant TLS.
         raise Problem(
-            f"is for a wss:// server, but {server!r} is plaintext (insecure = true): "
+            f"is for a wss:// server, but {server} is plaintext (insecure = true): "
             "remove [tls], or use wss:// and drop insecure",
             "tls",
         )
@@ -219,17 +256,18 @@ def _agent_rules(config: AgentConfig) -> None:
             f"must be at least {config.reconnect_base_s}, not {config.reconnect_cap_s}",
             "reconnect.cap_s",
         )
-    server_host = parts.hostname or ""
     if not config.advertise_host:
         raise Problem(
             "is required: the address or DNS name of this node that the router and this "
             "agent reach its engines at (the control plane is on another machine)",
             "advertise_host",
         )
-    if is_loopback(config.advertise_host) and not is_loopback(server_host):
+    remote = [urlsplit(url).hostname or "" for url in config.servers]
+    remote = [host for host in remote if not is_loopback(host)]
+    if is_loopback(config.advertise_host) and remote:
         raise Problem(
             f"{config.advertise_host!r} is a loopback address, but the control plane is at "
-            f"{server_host}: its router could not reach this node's engines there; "
+            f"{remote[0]}: its router could not reach this node's engines there; "
             "give this node's address",
             "advertise_host",
         )

@@ -18,7 +18,7 @@ from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport
 
-PROTOCOL = 2
+PROTOCOL = 3
 # The first version whose agents take a `Pace`: an older one keeps its welcome's interval.
 PACE_PROTOCOL = 2
 MAX_FRAME_BYTES = 1024 * 1024
@@ -36,6 +36,11 @@ STOPPING_CLOSE = 4503
 # where the leader is, or why none leads now; the peer dials that leader (or, with none,
 # the next control plane it knows after a short jitter).
 NOT_LEADER_CLOSE = 4307
+# The close code (after HTTP's 412 Precondition Failed) an agent closes a stream with
+# whose welcome carries an epoch below the highest it has seen: a control plane that led
+# once and no longer does (paused past its lease, then woken). The reason is
+# `stale_epoch_reason`; the agent moves on to its next control plane.
+STALE_EPOCH_CLOSE = 4412
 _LEADER_AT = "leader at "
 
 
@@ -53,6 +58,11 @@ def leader_from_reason(reason: str | None) -> str | None:
     return None
 
 
+def stale_epoch_reason(epoch: int, highest: int) -> str:
+    """Why an agent refuses a welcome or a command of `epoch` (STALE_EPOCH_CLOSE, an Ack)."""
+    return f"stale epoch {epoch}: this agent follows epoch {highest}"
+
+
 def accepts(agent_protocol: int) -> str | None:
     """Why the control plane refuses an agent of this protocol version, None when it
     takes it.
@@ -61,7 +71,10 @@ def accepts(agent_protocol: int) -> str | None:
     fleet upgrades in rolling fashion, control plane first, then agents one by one;
     it answers each agent in the agent's own version (the Welcome carries it). An
     agent two or more versions behind, or newer than the control plane, is refused.
-    Version 2 added `Pace`, never sent to an agent of version 1.
+    Version 2 added `Pace`, never sent to an agent of version 1. Version 3 added the
+    leader's epoch to the welcome and to every command (0 from a control plane without a
+    store); it is sent to an agent of version 2 as well, which ignores a key it does not
+    know (the converter forbids no extra key), and which follows one control plane only.
     """
     if agent_protocol == PROTOCOL or agent_protocol == PROTOCOL - 1:
         return None
@@ -116,10 +129,21 @@ class Ack:
 # Down: control plane -> agent
 
 
+# Every message down carries the epoch of the leadership that sent it: the election's
+# revision in the store, 0 from a control plane without one (never fenced). An agent
+# refuses a welcome or a command from an epoch below the highest it has seen.
+
+
+def _an_epoch(_: object, __: attrs.Attribute[int], epoch: int) -> None:
+    if epoch < 0:
+        raise ValueError(f"an epoch is 0 or more, not {epoch}")
+
+
 @attrs.frozen
 class Welcome:
     protocol: int
     heartbeat_interval_s: float
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 @attrs.frozen
@@ -127,12 +151,14 @@ class Pace:
     """The heartbeat interval from now on (a fleet that grew or shrank: heartbeat_pace)."""
 
     heartbeat_interval_s: float
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 @attrs.frozen
 class Start:
     command_id: int
     spec: LaunchSpec
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 @attrs.frozen
@@ -140,6 +166,7 @@ class Drain:
     command_id: int
     replica_id: str
     rank: int
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 @attrs.frozen
@@ -147,6 +174,7 @@ class Stop:
     command_id: int
     replica_id: str
     rank: int
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 @attrs.frozen
@@ -156,6 +184,7 @@ class Mark:
     command_id: int
     cordoned: bool
     draining: bool
+    epoch: int = attrs.field(default=0, validator=_an_epoch)
 
 
 UpMessage = Register | Heartbeat | ShardUpdate | Ack

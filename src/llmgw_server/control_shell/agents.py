@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Container, Iterable
 from typing import Any, Protocol, assert_never
 
+import attrs
 import trio
 
 from llmgw_core.agent_lane import AGENT_QUEUE_S
@@ -202,6 +203,7 @@ class AgentEvents(Protocol):
 
     metrics: ControlMetrics
     clock: AwakeTime  # what a ping's answer window is counted in
+    epoch: int  # its leadership's, on every message to an agent (0: no store)
 
     def registered(self, message: Register, heartbeat_interval_s: float) -> None: ...
     def heartbeat(self, node: str) -> None: ...
@@ -251,9 +253,16 @@ class AgentService:
             self.streams_closed.set()
 
     def send(self, node: str, message: DownMessage) -> bool:
-        """Queue a message for a node; False when the node has no open stream."""
+        """Queue a message for a node, stamped with this control plane's epoch (read at
+        each send: a leadership won again has a new one); False when the node has no open
+        stream."""
         stream = self.streams.get(node)
-        if stream is None or not stream.queue(encode(message)):
+        if stream is None:
+            return False
+        epoch = self.plane.epoch
+        if message.epoch != epoch:
+            message = attrs.evolve(message, epoch=epoch)
+        if not stream.queue(encode(message)):
             return False
         self.metrics.frame_out(message)
         return True

@@ -46,8 +46,11 @@ _STALL_LOG_S = 1.0  # a stall this long is logged (at most one line a minute)
 
 
 class ControlPlane:
-    def __init__(self, config: Config, *, heartbeat_interval_s: float) -> None:
+    def __init__(self, config: Config, *, heartbeat_interval_s: float, epoch: int = 0) -> None:
         self.config = config
+        # The epoch of this control plane's leadership, stamped on every message to an
+        # agent (AgentService.send): 0 without a store, a single control plane never fenced.
+        self.epoch = epoch
         self.routes = RouteHub()  # what routers follow
         self.metrics = ControlMetrics()
         self.feed = FleetFeed()  # what the fleet page follows

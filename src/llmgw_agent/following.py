@@ -1,0 +1,182 @@
+"""Which control plane an agent dials next, and which epochs it takes commands from.
+
+Pure: the connect loop (`llmgw_agent.agent`) says how each session ended, and
+`ControlPlanes.after` says which of the configured control planes comes next and how
+long to wait first. A fleet kept in a store has several control planes, one leading:
+a standby closes the agent's stream with NOT_LEADER_CLOSE, naming the leader (dialled
+next, at once) or none (an election: the next one in the list, after a short jitter).
+When the leader's stream ends, the list is tried from the next one on with that same
+jitter. Such short waits last a failover window (FAILOVER_WINDOW_S) from the first sign
+of a failover; past it, the backoff decides, as for a control plane that is gone. A
+session that was healthy for a while (`next_attempt` resets the backoff) closes the
+window, so that a later loss of the leader gets a new one, while a leader that keeps
+admitting agents and failing them soon after does not have them dial in lockstep
+forever. An agent with one control plane keeps its old behaviour (the restart window,
+the backoff), but for a standby's NOT_LEADER.
+
+Only a leader named among the configured URLs is followed: a hostile or misconfigured
+standby must not send an agent, with its client certificate, anywhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from urllib.parse import urlsplit
+
+import attrs
+
+from llmgw_core.logsafe import escaped
+
+# How long, from the first sign of a failover (a standby's NOT_LEADER, a stale welcome,
+# the leader's stream ending), the agent tries the control planes with the short jitters
+# below rather than its backoff: an election takes a lease's length (10 s by default) and
+# a restarted control plane a few seconds.
+FAILOVER_WINDOW_S = 30.0
+# A leader named by a standby is dialled after up to this: it takes over a whole fleet
+# at once, which its control port's admission paces.
+LEADER_JITTER_S = 0.05
+# Between the control planes of the list during a failover: the fleet's dials spread
+# over 0.4 s, and a standby is not asked again before an election had time to end.
+ELECTION_JITTER_S = (0.1, 0.5)
+
+
+def stale(epoch: int, highest: int) -> bool:
+    """Whether a welcome or a command of `epoch` comes from a leadership older than the
+    highest this agent has seen. Epoch 0 is a control plane without a store, never fenced
+    (it has no epochs; a leader that lost its lease always has one above 0)."""
+    return 0 < epoch < highest
+
+
+class Ended(enum.Enum):
+    """How a session ended, as far as the choice of the next control plane goes."""
+
+    NOT_LEADER = "not leader"  # closed with NOT_LEADER_CLOSE by a standby
+    STALE = "stale"  # its welcome's epoch was stale: closed by the agent
+    LEADER_LOST = "leader lost"  # registered, then ended (broken, cut, closed, stopping)
+    FAILED = "failed"  # never registered: refused, unreachable, a bad frame
+
+
+@attrs.frozen
+class Redial:
+    """The next dial (of `ControlPlanes.current`): the wait before it (None: the
+    backoff's), and why the agent moves, for the log ("": a failed dial, said already)."""
+
+    delay_s: float | None
+    why: str
+
+
+@attrs.define
+class ControlPlanes:
+    """The configured control planes, the one dialled now, and the failover's state."""
+
+    urls: tuple[str, ...]
+    index: int = 0
+    # The failover's window ends then; kept once past (spent) until a healthy session,
+    # so that a failover lasts one window. None: no failover since the last healthy one.
+    failover_until: float | None = None
+    hops: int = 0  # named leaders dialled at once in a row, without a welcome between
+
+    @property
+    def current(self) -> str:
+        return self.urls[self.index]
+
+    def configured(self, url: str) -> int | None:
+        """The index of the configured control plane `url` names (the same scheme, host,
+        port and path), None when it is none of them."""
+        key = _url_key(url)
+        if key is None:
+            return None
+        return next((i for i, own in enumerate(self.urls) if _url_key(own) == key), None)
+
+    def after(
+        self,
+        ended: Ended,
+        *,
+        now: float,
+        rng: random.Random,
+        healthy: bool = False,
+        welcomed: bool = False,
+        leader: str | None = None,
+        reason: str = "",
+        come_back_s: float | None = None,
+    ) -> Redial | None:
+        """Move to the control plane to dial next after a session that ended so, and say
+        how long to wait. None: this agent has one control plane and the session was no
+        standby's answer nor a stale welcome: the caller's restart window and backoff
+        decide, as before.
+
+        `healthy`: the session answered for a while (the backoff starts over); `welcomed`:
+        it registered; `leader` and `reason`: what a NOT_LEADER close said; `come_back_s`:
+        the turn a busy control port gave."""
+        if healthy:
+            self.failover_until = None
+        if welcomed:
+            self.hops = 0
+        was = self.current
+        if ended is Ended.NOT_LEADER:
+            self._failover(now)
+            if leader is None:
+                self._advance()
+                why = f"{was} does not lead ({escaped(reason or 'no reason given')})"
+                return self._short(why, now, rng)
+            index = self.configured(leader)
+            if index is None:
+                self._advance()
+                why = (
+                    f"{was} names {escaped(leader)} as the leader, which is not one of this "
+                    "agent's control planes (`server`): not followed"
+                )
+                return self._short(why, now, rng)
+            self.index = index
+            if self.hops >= len(self.urls):
+                # Standbys that name each other (a stale view of who leads): not at once.
+                return self._short(f"{was} names {self.current} as the leader again", now, rng)
+            self.hops += 1
+            return Redial(rng.uniform(0, LEADER_JITTER_S), f"{was} does not lead: the leader is")
+        if ended is Ended.STALE:
+            self._failover(now)
+            self._advance()
+            return self._short(f"{was} leads no more (a stale epoch)", now, rng)
+        if len(self.urls) == 1:
+            return None
+        if ended is Ended.LEADER_LOST:
+            self._failover(now)
+            self._advance()
+            return self._short(f"the stream with {was} ended", now, rng)
+        if come_back_s is not None:
+            # A busy control port's turn is kept, at the same control plane (most likely
+            # the new leader, which the whole fleet dials).
+            if self._in_window(now):
+                delay = max(come_back_s, 0.0) + rng.uniform(*ELECTION_JITTER_S)
+                return Redial(delay, f"{was} is busy")
+            return Redial(None, f"{was} is busy")
+        self._advance()
+        return self._short("", now, rng)
+
+    def _failover(self, now: float) -> None:
+        if self.failover_until is None:
+            self.failover_until = now + FAILOVER_WINDOW_S
+
+    def _in_window(self, now: float) -> bool:
+        return self.failover_until is not None and now < self.failover_until
+
+    def _advance(self) -> None:
+        self.index = (self.index + 1) % len(self.urls)
+
+    def _short(self, why: str, now: float, rng: random.Random) -> Redial:
+        """The next control plane after the election's jitter, while the window lasts."""
+        if not self._in_window(now):
+            return Redial(None, why)
+        return Redial(rng.uniform(*ELECTION_JITTER_S), why)
+
+
+def _url_key(url: str) -> tuple[str, str, int | None, str, str] | None:
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    return (parts.scheme.lower(), parts.hostname, port, parts.path.rstrip("/"), parts.query)
