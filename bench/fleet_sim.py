@@ -6,13 +6,22 @@ does (llmgw_core.dial for the TCP and TLS dial, with its own certificate from
 the fleet CA; register; a heartbeat every interval; the agent's silence bound
 and full-jitter reconnect backoff), and nothing else: no engines.
 
+With several control planes (--url URL1,URL2,...: a fleet kept in a store), each
+node follows the leader with the agent's own code (llmgw_agent.following): a
+standby's NOT_LEADER close names the leader or sends it to the next one, a lost
+leader's stream sends it down the list with the election's jitter, and a welcome
+or a command of an epoch below the highest the node has seen is refused (the
+welcome's stream closed with STALE_EPOCH_CLOSE), as the agent does.
+
 Talks to the bench over stdin/stdout, one line each:
   in:  "go T"     boot node i at T + uniform(0, boot_s) (T on CLOCK_MONOTONIC, shared
                   by every process on the machine)
        "epoch T"  count the nodes registered since T from now on
        "stop"     exit
   out: "ready", then every 0.5 s a JSON report: registered now, registered since the
-       epoch, connection attempts, heartbeats sent, and the times of registrations.
+       epoch, connection attempts, heartbeats sent, and the times of registrations;
+       with the leaders' epochs: the nodes registered now per epoch, each
+       registration's time per epoch, and what stale epochs were refused.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import resource
 import ssl
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
@@ -36,11 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, next_attempt, reconnect_delay
 from llmgw_agent.config import AgentConfig
+from llmgw_agent.following import ControlPlanes, stale
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
+    NOT_LEADER_CLOSE,
     PROTOCOL,
+    STALE_EPOCH_CLOSE,
     Heartbeat,
     Pace,
     Register,
@@ -48,6 +61,8 @@ from llmgw_core.wire import (
     WireError,
     decode_down,
     encode,
+    leader_from_reason,
+    stale_epoch_reason,
 )
 from llmgw_core.ws_frames import Heard, Paced
 
@@ -107,7 +122,7 @@ def inventory(i: int) -> Inventory:
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.url = args.url
+        self.urls = tuple(url.strip() for url in args.url.split(",") if url.strip())
         self.rng = random.Random(args.first)
         self.registered: set[int] = set()
         self.epoch = float("inf")
@@ -118,6 +133,12 @@ class Worker:
         self.heartbeats = 0
         self.contexts: dict[int, ssl.SSLContext] = {}
         self.failures: dict[str, int] = {}
+        self.epochs: dict[int, int] = {}  # each node's highest epoch seen (absent: 0)
+        self.registered_epoch: dict[int, int] = {}  # the epoch of its stream now
+        self.new_by_epoch: dict[int, list[float]] = {}  # registrations' times since the last report
+        self.stale_welcomes = 0  # welcomes refused for a stale epoch (stream closed)
+        self.stale_messages = 0  # messages after a welcome refused for a stale epoch
+        self.moves: dict[str, int] = {}  # why nodes went to another control plane
 
     def context(self, i: int) -> ssl.SSLContext | None:
         """The node's own TLS context, made once as the real agent does."""
@@ -135,9 +156,10 @@ class Worker:
     async def agent(self, i: int, boot_at: float) -> None:
         await trio.sleep(max(0.0, boot_at - time.monotonic()))
         register = encode(Register(PROTOCOL, "fleet-sim", inventory(i)))
+        planes = ControlPlanes(self.urls)
         attempt = 0
         while True:
-            session = Session()
+            session = Session(planes.current)
             come_back: float | None = None
             try:
                 await self.session(i, register, session)
@@ -155,6 +177,24 @@ class Worker:
             ) as group:
                 self.failed(group.exceptions[0], session)
             self.registered.discard(i)
+            self.registered_epoch.pop(i, None)
+            # Where next, as the agent's connect loop decides (llmgw_agent.agent.Agent.run).
+            redial = planes.after(
+                session.ended(),
+                now=trio.current_time(),
+                rng=self.rng,
+                healthy=next_attempt(0, session) == 0,
+                welcomed=session.welcomed_at is not None,
+                leader=leader_from_reason(session.not_leader),
+                reason=session.not_leader or "",
+                come_back_s=come_back,
+            )
+            if redial is not None:
+                key = session.ended().value
+                self.moves[key] = self.moves.get(key, 0) + 1
+            if redial is not None and redial.delay_s is not None:
+                await trio.sleep(redial.delay_s)
+                continue
             attempt = next_attempt(attempt, session)
             await trio.sleep(reconnect_delay(attempt, come_back, BASE_S, CAP_S, self.rng))
 
@@ -168,7 +208,7 @@ class Worker:
         self.connects += 1
         heard = Heard(trio.current_time())
         async with open_agent_stream(
-            self.url,
+            session.url,
             self.context(i),
             connect_timeout_s=CONNECT_TIMEOUT_S,  # the agent's own patience
             disconnect_timeout_s=1.0,
@@ -178,12 +218,30 @@ class Worker:
         ) as ws:
             await ws.send_message(register)
             with trio.fail_after(10):
-                welcome = decode_down(await ws.get_message())
+                try:
+                    welcome = decode_down(await ws.get_message())
+                except trio_websocket.ConnectionClosed as closed:
+                    if closed.reason is not None and closed.reason.code == NOT_LEADER_CLOSE:
+                        session.not_leader = closed.reason.reason or ""
+                        return
+                    raise
             if not isinstance(welcome, Welcome):
                 raise WireError(f"expected welcome, got {type(welcome).__name__}")
+            highest = self.epochs.get(i, 0)
+            if stale(welcome.epoch, highest):
+                self.stale_welcomes += 1
+                session.stale = True
+                await ws.aclose(
+                    code=STALE_EPOCH_CLOSE, reason=stale_epoch_reason(welcome.epoch, highest)
+                )
+                return
+            if welcome.epoch > highest:
+                self.epochs[i] = welcome.epoch
             heard.now()
             now = time.monotonic()
             self.registered.add(i)
+            self.registered_epoch[i] = welcome.epoch
+            self.new_by_epoch.setdefault(welcome.epoch, []).append(now)
             self.new_registrations.append(now)
             if now >= self.epoch and i not in self.since_epoch:
                 self.since_epoch.add(i)
@@ -191,7 +249,7 @@ class Worker:
             paced = Paced.at(welcome.heartbeat_interval_s)
             session.welcomed_at, session.heard, session.bound = heard.at, heard, paced.bound
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_drain, ws, nursery.cancel_scope, paced)
+                nursery.start_soon(self.drain, i, ws, nursery.cancel_scope, paced)
                 # The real agent's first heartbeat comes one interval after the welcome,
                 # and a pace moves the next one as the agent's does.
                 seq = 0
@@ -208,6 +266,31 @@ class Worker:
                     seq += 1
                     await ws.send_message(encode(Heartbeat(seq)))
                     self.heartbeats += 1
+            if ws.closed is not None and ws.closed.code == NOT_LEADER_CLOSE:
+                session.not_leader = ws.closed.reason or ""  # the leader stepped down
+
+    async def drain(
+        self,
+        i: int,
+        ws: trio_websocket.WebSocketConnection,
+        scope: trio.CancelScope,
+        paced: Paced,
+    ) -> None:
+        """What the control plane sends: a pace is followed unless its epoch is stale (a
+        simulated node runs no command, so it acks none)."""
+        try:
+            while True:
+                message = decode_down(await ws.get_message())
+                highest = self.epochs.get(i, 0)
+                if stale(message.epoch, highest):
+                    self.stale_messages += 1
+                    continue
+                if message.epoch > highest:
+                    self.epochs[i] = message.epoch
+                if isinstance(message, Pace):
+                    paced.set(message.heartbeat_interval_s)
+        except trio_websocket.ConnectionClosed:
+            scope.cancel()
 
     async def report(self) -> None:
         while True:
@@ -219,8 +302,13 @@ class Worker:
                 "at": self.new_registrations,
                 "firsts": self.new_firsts,
                 "failures": self.failures,
+                "by_epoch": _counts(self.registered_epoch.values()),
+                "at_epoch": self.new_by_epoch,
+                "stale_welcomes": self.stale_welcomes,
+                "stale_messages": self.stale_messages,
+                "moves": self.moves,
             }
-            self.new_registrations, self.new_firsts = [], []
+            self.new_registrations, self.new_firsts, self.new_by_epoch = [], [], {}
             print(json.dumps(line), flush=True)
             await trio.sleep(0.5)
 
@@ -255,21 +343,18 @@ class Worker:
             nursery.cancel_scope.cancel()
 
 
-async def _drain(
-    ws: trio_websocket.WebSocketConnection, scope: trio.CancelScope, paced: Paced
-) -> None:
-    try:
-        while True:
-            message = decode_down(await ws.get_message())
-            if isinstance(message, Pace):
-                paced.set(message.heartbeat_interval_s)
-    except trio_websocket.ConnectionClosed:
-        scope.cancel()
+def _counts(values: Iterable[int]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--url", required=True)
+    parser.add_argument(
+        "--url", required=True, help="the control plane's agent URL, or several, comma-separated"
+    )
     parser.add_argument("--first", type=int, required=True)
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--boot-s", type=float, default=10.0)
