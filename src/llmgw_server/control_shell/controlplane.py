@@ -46,12 +46,24 @@ _STALL_LOG_S = 1.0  # a stall this long is logged (at most one line a minute)
 
 
 class ControlPlane:
-    def __init__(self, config: Config, *, heartbeat_interval_s: float, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        heartbeat_interval_s: float,
+        epoch: int = 0,
+        may_act: Callable[[], bool] | None = None,
+    ) -> None:
         self.config = config
         # The epoch of this control plane's leadership, stamped on every message to an
-        # agent (AgentService.send): 0 without a store, a single control plane never fenced.
+        # agent (AgentService.send) and every route table: 0 without a store, a single
+        # control plane never fenced.
         self.epoch = epoch
-        self.routes = RouteHub()  # what routers follow
+        # The fence (election.Election.may_act): read before every command and table, so
+        # that a leader that lost its lease (a pause past it) acts on nothing it then sees.
+        self.may_act = may_act or _always
+        self._fenced = 0  # commands and tables the fence held back
+        self.routes = RouteHub(epoch=epoch)  # what routers follow
         self.metrics = ControlMetrics()
         self.feed = FleetFeed()  # what the fleet page follows
         self.history = History()  # each autoscaled model's last hour, for the page
@@ -139,15 +151,32 @@ class ControlPlane:
         if request.path != ROUTES_PATH:
             await self.agents.serve_upgrade(request, raw)
             return
-        admin = self.config.admin
+        await self.serve_routes(request, raw, router_digest=self.config.admin.router_token_digest)
+
+    async def serve_routes(
+        self, request: Request, raw: trio.abc.Stream, *, router_digest: str | None
+    ) -> None:
+        """A router's route feed, for the holder of the token whose digest is given (the
+        routers' own, or the token a leader gives the control planes that share its store)."""
         await serve_websocket(
             self.routes,
             request,
             raw,
-            router_digest=admin.router_token_digest,
-            admin_digest=admin.token_digest,
+            router_digest=router_digest,
+            admin_digest=self.config.admin.token_digest,
             peer=_peer(raw),
         )
+
+    def _fence_holds(self, what: str) -> bool:
+        """True when this control plane may no longer act (its leadership ended)."""
+        if self.may_act():
+            return False
+        self._fenced += 1
+        if self._fenced == 1:
+            log.warning(
+                "leadership (epoch %d) ended: %s and all after it not sent", self.epoch, what
+            )
+        return True
 
     async def _publish_when_settled(self) -> None:
         await trio.sleep_until(self._settled_at)
@@ -317,6 +346,8 @@ class ControlPlane:
             self._wake.set()
 
     def _deliver(self, command: Command) -> None:
+        if self._fence_holds(type(command).__name__):
+            return
         agents = self.agents
         if isinstance(command, StartShard):
             spec = command.spec
@@ -399,6 +430,8 @@ class ControlPlane:
     def _publish(self) -> int:
         """Publish what serves, with the replicas being drained (kept so that followers
         count what they still have in flight there); returns the table's version."""
+        if self._fence_holds("the route table"):
+            return self.routes.table.version
         # Each router logs what it serves ("<model> is served by ..."), not this.
         models = dict(self.reconciler.serving())
         for model, endpoint in self._draining.values():
@@ -420,3 +453,7 @@ def _peer(stream: trio.abc.Stream) -> str:
     except (AttributeError, OSError, ValueError):
         return "an unknown peer"
     return f"{host}:{port}"
+
+
+def _always() -> bool:
+    return True

@@ -94,7 +94,10 @@ class StandbyAnswers:
             await trio.aclose_forcefully(raw)
             return
         standing = self._standing()
-        reason = not_leader_reason(standing.leader_url, standing.why)
+        # The same path on the leader: what its peer lists (an agent compares URLs whole).
+        leader = standing.leader_url
+        path = request.path.decode("ascii", "replace")
+        reason = not_leader_reason(None if leader is None else leader + path, standing.why)
         with trio.move_on_after(_CLOSE_S):
             try:
                 rest = b""
