@@ -129,3 +129,7 @@ def real_vllm() -> object:
     if not built.is_built():
         pytest.fail(f"no real vLLM in {built.cache_dir()}: run `make real-vllm` first")
     return built.real_vllm()
+
+
+# A real etcd: the fixtures `etcd` (one member) and `etcd3` (three), tests/etcd_cluster.py.
+pytest_plugins = ["etcd_cluster"]
