@@ -10,11 +10,14 @@ lease the failover tests use.
 
 from __future__ import annotations
 
+import datetime
 import http.client
+import ipaddress
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -22,7 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from llmgw_core.certs import issue_node
 from procs import free_port
 
 HEARTBEAT_MS = 100
@@ -40,9 +48,13 @@ def etcd_binary() -> str:
     return found
 
 
-def healthy(port: int) -> bool:
+def healthy(port: int, tls: ssl.SSLContext | None = None) -> bool:
     """The member on `port` answers /health with true: it has a leader and serves reads."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+    connection = (
+        http.client.HTTPSConnection("127.0.0.1", port, timeout=1, context=tls)
+        if tls
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+    )
     try:
         connection.request("GET", "/health")
         response = connection.getresponse()
@@ -53,12 +65,66 @@ def healthy(port: int) -> bool:
         connection.close()
 
 
-class EtcdCluster:
-    """N etcd members on loopback, each with its own data directory under `directory`."""
+def etcd_certificate(ca: Path, directory: Path) -> tuple[Path, Path]:
+    """etcd's certificate for 127.0.0.1, signed by the CA in `ca`, for server and client
+    use both: etcd's JSON gateway dials the member's own gRPC with it, and under
+    --client-cert-auth a certificate for server use alone is refused there ("tls: bad
+    certificate", every gateway request failing with 503)."""
+    ca_cert = x509.load_pem_x509_certificate((ca / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "etcd")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "etcd.crt", directory / "etcd.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
 
-    def __init__(self, directory: Path, members: int = 1) -> None:
+
+class EtcdCluster:
+    """N etcd members on loopback, each with its own data directory under `directory`.
+
+    `tls`: a CA directory of llmgw_core.certs (`init_ca`): the members serve clients
+    over https with a certificate of that CA (`etcd_certificate`) and admit only clients
+    with a certificate of that CA (`client_cert`, `client_key`: one issued for the
+    cluster's own health checks)."""
+
+    def __init__(self, directory: Path, members: int = 1, *, tls: Path | None = None) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        self.tls = tls
+        self._tls_context: ssl.SSLContext | None = None
+        if tls is not None:
+            self.server_cert, self.server_key = etcd_certificate(tls, directory)
+            self.client_cert, self.client_key, _ = issue_node(tls, "etcd-health")
+            self._tls_context = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+            self._tls_context.load_cert_chain(self.client_cert, self.client_key)
         self.names = [f"m{i}" for i in range(members)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]
@@ -76,14 +142,15 @@ class EtcdCluster:
     @property
     def endpoints(self) -> list[str]:
         """The members' client URLs."""
-        return [f"http://127.0.0.1:{port}" for port in self.client_ports]
+        scheme = "https" if self.tls else "http"
+        return [f"{scheme}://127.0.0.1:{port}" for port in self.client_ports]
 
     def _launch(self, i: int, state: str) -> None:
         peers = ",".join(
             f"{name}=http://127.0.0.1:{port}"
             for name, port in zip(self.names, self.peer_ports, strict=True)
         )
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        client = self.endpoints[i]
         peer = f"http://127.0.0.1:{self.peer_ports[i]}"
         argv = [
             self.binary,
@@ -99,6 +166,13 @@ class EtcdCluster:
             "--heartbeat-interval", str(HEARTBEAT_MS),
             "--election-timeout", str(ELECTION_MS),
         ]  # fmt: skip
+        if self.tls is not None:
+            argv += [
+                "--cert-file", str(self.server_cert),
+                "--key-file", str(self.server_key),
+                "--client-cert-auth",
+                "--trusted-ca-file", str(self.tls / "ca.crt"),
+            ]  # fmt: skip
         with (self.directory / f"{self.names[i]}.log").open("ab") as log:
             self._procs[i] = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -116,7 +190,7 @@ class EtcdCluster:
         """Until each running member (of `members`) answers /health with true."""
         wanted = [i for i in (members or range(len(self.names))) if self.running(i)]
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not all(healthy(self.client_ports[i]) for i in wanted):
+        while not all(healthy(self.client_ports[i], self._tls_context) for i in wanted):
             for i in wanted:
                 proc = self._procs[i]
                 if proc is not None and proc.poll() is not None:

@@ -12,12 +12,15 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import trio
 
 import llmgw_server.store.etcd as etcd_module
 from etcd_cluster import EtcdCluster
+from llmgw_core.certs import init_ca, issue_node
+from llmgw_core.store_config import StoreSection
 from llmgw_server.store.etcd import (
     Compare,
     EtcdClient,
@@ -320,7 +323,7 @@ async def test_failover_when_the_member_in_use_dies(etcd3: EtcdCluster) -> None:
                 await anext(stream)
 
 
-async def test_authentication(tmp_path: Path) -> None:
+async def test_authentication(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A user whose role may write under /fleet/ only, as a deployment would set it up."""
     cluster = EtcdCluster(tmp_path / "etcd")
     try:
@@ -356,7 +359,14 @@ async def test_authentication(tmp_path: Path) -> None:
                     StoreError, match="user 'gw' cannot log in: etcdserver: authentication failed"
                 ):
                     await wrong.get(key)
-            async with client(cluster.endpoints, user="gw", password="pw") as c:
+            monkeypatch.setenv("LLMGW_TEST_ETCD_PASSWORD", "pw")
+            store = StoreSection(
+                endpoints=tuple(cluster.endpoints),
+                user="gw",
+                password_env="LLMGW_TEST_ETCD_PASSWORD",
+            )
+            c = EtcdClient.for_store(store)
+            try:
                 await c.put(key, b"1")
                 with pytest.raises(StoreError, match="put refused: etcdserver: permission denied"):
                     await c.put(b"/elsewhere", b"1")
@@ -369,6 +379,50 @@ async def test_authentication(tmp_path: Path) -> None:
                 with pytest.raises(StoreError, match=r"watch refused: .*permission denied"):
                     async with c.watch(b"/elsewhere"):
                         pass
+            finally:
+                await c.aclose()
+    finally:
+        cluster.close()
+
+
+async def test_for_store_over_mutual_tls(tmp_path: Path) -> None:
+    """[control.store] with https endpoints, its CA and a client certificate: etcd
+    admitting only clients with a certificate of that CA."""
+    init_ca(tmp_path / "ca")
+    cert, key, _ = issue_node(tmp_path / "ca", "llmgw")
+    init_ca(tmp_path / "other")
+    cluster = EtcdCluster(tmp_path / "etcd", tls=tmp_path / "ca")
+    try:
+        store = StoreSection(
+            endpoints=tuple(cluster.endpoints), ca=tmp_path / "ca" / "ca.crt", cert=cert, key=key
+        )
+        observed: list[str] = []
+        with trio.fail_after(10):
+            c = EtcdClient.for_store(store, observe=lambda op, s: observed.append(op))
+            try:
+                await c.put(b"/tls/k", b"1")
+                assert (await c.get(b"/tls/k")).value == b"1"  # type: ignore[union-attr]
+            finally:
+                await c.aclose()
+            assert observed == ["put", "range"]
+            for changed, words in [
+                (
+                    attrs.evolve(store, cert=None, key=None),
+                    "cannot connect: .*alert bad certificate",
+                ),
+                (
+                    attrs.evolve(store, ca=tmp_path / "other" / "ca.crt"),
+                    "certificate verify failed",
+                ),
+            ]:
+                c = EtcdClient.for_store(changed, timeout_s=1)
+                try:
+                    with pytest.raises(StoreUnavailable, match=words):
+                        await c.get(b"/tls/k")
+                finally:
+                    await c.aclose()
+        with pytest.raises(StoreError, match=r"^\[control.store\] TLS files: "):
+            EtcdClient.for_store(attrs.evolve(store, key=tmp_path / "other" / "server.key"))
     finally:
         cluster.close()
 
@@ -417,12 +471,13 @@ NO_LEADER_IN_STREAM = (
         (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n", b"", "a body over 1 MiB", "no answer within 0.5 s"),
         (b"HTTP/1.1 200 OK\r\n\r\n", b"x" * 65536, "a body over 1 MiB", "a watch message over 1 MiB"),
         (b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"kvs": [1]}', b"", "not etcd's", "the stream ended"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 14\r\n\r\n{"header": {}}', b"", "not etcd's", "the stream ended"),
         (b"HTTP/1.1 500 Oops\r\nContent-Length: 5\r\n\r\noops!", b"", "HTTP 500 with a body that is not etcd's JSON", ""),
         (None, b"", "no answer within 0.5 s", ""),
         (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n%s" % (len(NO_LEADER), NO_LEADER), b"", "etcd: etcdserver: no leader", ""),
         (b"HTTP/1.1 200 OK\r\n\r\n" + NO_LEADER_IN_STREAM, b"", "no answer within 0.5 s", "etcd: etcdserver: no leader"),
     ],
-    ids=["garbage", "huge-declared", "huge-streamed", "not-etcd-json", "not-etcd-error", "silent", "etcd-unavailable", "etcd-unavailable-in-stream"],
+    ids=["garbage", "huge-declared", "huge-streamed", "not-etcd-json", "no-revision", "not-etcd-error", "silent", "etcd-unavailable", "etcd-unavailable-in-stream"],
 )  # fmt: skip
 async def test_an_endpoint_that_is_not_etcd(
     etcd: EtcdCluster,

@@ -881,12 +881,25 @@ def _describe(exc: httpx.HTTPError) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return "no answer in time"
     if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect: {_one_line(exc)}"
+        return f"cannot connect: {_reason(exc)}"
     if isinstance(exc, httpx.RemoteProtocolError):
-        return f"answered something that is not HTTP: {_one_line(exc)}"
+        return f"answered something that is not HTTP: {_reason(exc)}"
     if isinstance(exc, httpx.TransportError):
-        return f"the connection broke: {_one_line(exc)}"
-    return _one_line(exc)
+        return f"the connection broke: {_reason(exc)}"
+    return _reason(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first words along the exception's causes: a TLS alert shows as a trio
+    BrokenResourceError with none, raised from the ssl.SSLError that names it."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if str(seen):
+            return _one_line(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__
 
 
 def _words(value: object) -> str:
