@@ -139,6 +139,8 @@ class Worker:
         self.stale_welcomes = 0  # welcomes refused for a stale epoch (stream closed)
         self.stale_messages = 0  # messages after a welcome refused for a stale epoch
         self.moves: dict[str, int] = {}  # why nodes went to another control plane
+        # NOT_LEADER closes that came before the register could be sent.
+        self.not_leader_before_register = 0
 
     def context(self, i: int) -> ssl.SSLContext | None:
         """The node's own TLS context, made once as the real agent does."""
@@ -216,13 +218,19 @@ class Worker:
             heard=heard,
             local_address=source_address(i) if self.args.own_addresses else None,
         ) as ws:
-            await ws.send_message(register)
+            sent = False
             with trio.fail_after(10):
                 try:
+                    # A standby accepts and closes at once: its close may come before the
+                    # register is sent (then the send raises), as well as after.
+                    await ws.send_message(register)
+                    sent = True
                     welcome = decode_down(await ws.get_message())
                 except trio_websocket.ConnectionClosed as closed:
                     if closed.reason is not None and closed.reason.code == NOT_LEADER_CLOSE:
                         session.not_leader = closed.reason.reason or ""
+                        if not sent:
+                            self.not_leader_before_register += 1
                         return
                     raise
             if not isinstance(welcome, Welcome):
@@ -307,6 +315,7 @@ class Worker:
                 "stale_welcomes": self.stale_welcomes,
                 "stale_messages": self.stale_messages,
                 "moves": self.moves,
+                "not_leader_before_register": self.not_leader_before_register,
             }
             self.new_registrations, self.new_firsts, self.new_by_epoch = [], [], {}
             print(json.dumps(line), flush=True)
