@@ -4,8 +4,7 @@ each member's status. The gateway rather than gRPC keeps the control plane on tr
 gRPC client would need a thread of its own); it costs JSON and base64, nothing that
 matters at a control plane's rates.
 
-The gateway's JSON is proto3's: keys and values are base64, int64s are strings, and a
-field at its zero value (0, false, empty) is absent. Everything read is checked: an
+The values and their JSON are store/etcd_values.py's. Everything read is checked: an
 answer that is not etcd's, or larger than `MAX_RESPONSE_BYTES` (a watch message larger
 than `MAX_LINE_BYTES`), fails that endpoint with one line, never a traceback.
 
@@ -20,8 +19,6 @@ sending it again could apply it twice (a guarded create would then report a loss
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import socket
@@ -36,6 +33,54 @@ import httpx
 import trio
 
 from llmgw_core.store_config import StoreSection
+from llmgw_server.store.etcd_values import (
+    Compare,
+    CompareResult,
+    CompareTarget,
+    EndpointStatus,
+    KeyValue,
+    Lease,
+    Op,
+    TxnResult,
+    WatchEvent,
+    b64,
+    doc_of,
+    int_or_zero,
+    keepalive_ttl_of,
+    key_range,
+    kv_of,
+    lease_of,
+    mapping,
+    page_of,
+    prefix_end,
+    proto_int,
+    range_of,
+    revision_of,
+    token_of,
+    txn_result_of,
+)
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_RESPONSE_BYTES",
+    "PAGE_KEYS",
+    "Compare",
+    "CompareResult",
+    "CompareTarget",
+    "EndpointStatus",
+    "EtcdClient",
+    "KeyValue",
+    "Lease",
+    "Op",
+    "StoreError",
+    "StoreOutcomeUnknown",
+    "StoreUnavailable",
+    "TxnResult",
+    "WatchCompacted",
+    "WatchEvent",
+    "WatchStream",
+    "prefix_end",
+]
 
 # Bounds on what an endpoint may send: a whole answer, and one message of a watch's stream
 # (etcd's own request limit is 1.5 MiB a value; a watch message carries one revision's
@@ -78,145 +123,6 @@ class WatchCompacted(StoreError):
     def __init__(self, message: str, compact_revision: int) -> None:
         super().__init__(message)
         self.compact_revision = compact_revision
-
-
-@attrs.frozen
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int  # 0 for a deleted key (a delete event's kv)
-    lease: int
-
-
-@attrs.frozen
-class Lease:
-    id: int
-    ttl_s: int
-
-
-CompareTarget = Literal["CREATE", "MOD", "VERSION", "VALUE", "LEASE"]
-CompareResult = Literal["EQUAL", "NOT_EQUAL", "GREATER", "LESS"]
-# The field of a Compare that carries its value, by target.
-_COMPARE_FIELD = {
-    "CREATE": "create_revision",
-    "MOD": "mod_revision",
-    "VERSION": "version",
-    "VALUE": "value",
-    "LEASE": "lease",
-}
-
-
-@attrs.frozen
-class Compare:
-    """One guard of a transaction. A key that does not exist has create revision,
-    mod revision, version and lease 0."""
-
-    key: bytes
-    target: CompareTarget
-    result: CompareResult
-    value: int | bytes
-
-    @classmethod
-    def create_revision(cls, key: bytes, equals: int) -> Compare:
-        return cls(key, "CREATE", "EQUAL", equals)
-
-    @classmethod
-    def mod_revision(cls, key: bytes, equals: int) -> Compare:
-        return cls(key, "MOD", "EQUAL", equals)
-
-    @classmethod
-    def version(cls, key: bytes, equals: int) -> Compare:
-        return cls(key, "VERSION", "EQUAL", equals)
-
-    @classmethod
-    def lease(cls, key: bytes, equals: int) -> Compare:
-        return cls(key, "LEASE", "EQUAL", equals)
-
-    @classmethod
-    def value_is(cls, key: bytes, equals: bytes) -> Compare:
-        return cls(key, "VALUE", "EQUAL", equals)
-
-    def to_json(self) -> dict[str, str]:
-        value = _b64(self.value) if isinstance(self.value, bytes) else str(self.value)
-        return {
-            "key": _b64(self.key),
-            "target": self.target,
-            "result": self.result,
-            _COMPARE_FIELD[self.target]: value,
-        }
-
-
-@attrs.frozen
-class Op:
-    """A put, a delete or a read inside a transaction."""
-
-    kind: Literal["put", "delete", "get"]
-    key: bytes
-    value: bytes = b""
-    lease: int = 0
-    prefix: bool = False
-
-    @classmethod
-    def put(cls, key: bytes, value: bytes, lease: int = 0) -> Op:
-        return cls("put", key, value, lease=lease)
-
-    @classmethod
-    def delete(cls, key: bytes, prefix: bool = False) -> Op:
-        return cls("delete", key, prefix=prefix)
-
-    @classmethod
-    def get(cls, key: bytes, prefix: bool = False) -> Op:
-        return cls("get", key, prefix=prefix)
-
-    def to_json(self) -> dict[str, dict[str, str]]:
-        if self.kind == "put":
-            return {
-                "request_put": {
-                    "key": _b64(self.key),
-                    "value": _b64(self.value),
-                    "lease": str(self.lease),
-                }
-            }
-        name = "request_delete_range" if self.kind == "delete" else "request_range"
-        return {name: _key_range(self.key, self.prefix)}
-
-
-@attrs.frozen
-class TxnResult:
-    succeeded: bool
-    revision: int
-    # The kvs each read of the branch that ran found, in order; () for a put or a delete.
-    responses: tuple[tuple[KeyValue, ...], ...]
-
-
-@attrs.frozen
-class WatchEvent:
-    kind: Literal["put", "delete"]
-    kv: KeyValue
-    revision: int  # the revision that made the change (kv.mod_revision)
-
-
-@attrs.frozen
-class EndpointStatus:
-    url: str
-    ok: bool
-    leader: bool  # this member leads etcd's own raft
-    revision: int
-    latency_s: float
-    error: str = ""
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """The end of the key range of every key beginning with `prefix` (etcd's range_end)."""
-    end = bytearray(prefix)
-    while end and end[-1] == 0xFF:
-        end.pop()
-    if not end:
-        return b"\0"  # every key
-    end[-1] += 1
-    return bytes(end)
 
 
 class _EndpointFailed(Exception):
@@ -311,17 +217,17 @@ class EtcdClient:
 
     async def grant(self, ttl_s: int) -> Lease:
         # A grant sent twice leaves a second lease that ends by itself: safe to resend.
-        return await self._call("grant", "/v3/lease/grant", {"TTL": str(ttl_s)}, _lease)
+        return await self._call("grant", "/v3/lease/grant", {"TTL": str(ttl_s)}, lease_of)
 
     async def keepalive(self, lease_id: int) -> int:
         """Renews the lease; the TTL it has now, 0 when it is gone."""
         body = {"ID": str(lease_id)}
-        return await self._call("keepalive", "/v3/lease/keepalive", body, _keepalive_ttl)
+        return await self._call("keepalive", "/v3/lease/keepalive", body, keepalive_ttl_of)
 
     async def revoke(self, lease_id: int) -> None:
         """Ends the lease and deletes its keys; a lease already gone is no error."""
         try:
-            await self._call("revoke", "/v3/lease/revoke", {"ID": str(lease_id)}, _doc)
+            await self._call("revoke", "/v3/lease/revoke", {"ID": str(lease_id)}, doc_of)
         except _Refused as exc:
             if exc.code != _NOT_FOUND:
                 raise _store_error("revoke", exc) from None
@@ -329,33 +235,33 @@ class EtcdClient:
     # Keys
 
     async def get(self, key: bytes) -> KeyValue | None:
-        kvs, _ = await self._call("range", "/v3/kv/range", {"key": _b64(key)}, _range)
+        kvs, _ = await self._call("range", "/v3/kv/range", {"key": b64(key)}, range_of)
         return kvs[0] if kvs else None
 
     async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         """Every key beginning with `prefix`, in key order, and the revision they were
         read at: PAGE_KEYS a request, every page at the first one's revision (a page is
         bound by MAX_RESPONSE_BYTES too: 1,000 keys of this project's size are far below)."""
-        body: dict[str, str] = {**_key_range(prefix, True), "limit": str(PAGE_KEYS)}
+        body: dict[str, str] = {**key_range(prefix, True), "limit": str(PAGE_KEYS)}
         found: list[KeyValue] = []
         revision = 0
         while True:
-            kvs, at, more = await self._call("range", "/v3/kv/range", body, _page)
+            kvs, at, more = await self._call("range", "/v3/kv/range", body, page_of)
             found.extend(kvs)
             revision = revision or at
             if not more or not kvs:
                 return found, revision
-            body = {**body, "key": _b64(kvs[-1].key + b"\0"), "revision": str(revision)}
+            body = {**body, "key": b64(kvs[-1].key + b"\0"), "revision": str(revision)}
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
         """Writes the key; the revision of the write."""
-        body = {"key": _b64(key), "value": _b64(value), "lease": str(lease)}
-        return await self._call("put", "/v3/kv/put", body, _revision, idempotent=False)
+        body = {"key": b64(key), "value": b64(value), "lease": str(lease)}
+        return await self._call("put", "/v3/kv/put", body, revision_of, idempotent=False)
 
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         """Deletes the key (every key beginning with it); the store's revision after."""
-        body = _key_range(key, prefix)
-        return await self._call("delete", "/v3/kv/deleterange", body, _revision, idempotent=False)
+        body = key_range(key, prefix)
+        return await self._call("delete", "/v3/kv/deleterange", body, revision_of, idempotent=False)
 
     async def txn(
         self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
@@ -366,7 +272,7 @@ class EtcdClient:
             "success": [op.to_json() for op in success],
             "failure": [op.to_json() for op in failure],
         }
-        return await self._call("txn", "/v3/kv/txn", body, _txn_result, idempotent=False)
+        return await self._call("txn", "/v3/kv/txn", body, txn_result_of, idempotent=False)
 
     # Watches
 
@@ -380,7 +286,7 @@ class EtcdClient:
         last event's revision + 1) and WatchCompacted when the start revision is gone.
         A connection gone silent (a lost host) is cut by TCP keepalive within about
         `timeout_s` + 3 s of quiet."""
-        create: dict[str, str] = _key_range(key, prefix)
+        create: dict[str, str] = key_range(key, prefix)
         if start_revision:
             create["start_revision"] = str(start_revision)
         started = trio.current_time()
@@ -465,9 +371,9 @@ class EtcdClient:
             try:
                 with trio.fail_after(self._timeout_s):
                     doc = await self._exchange(url, "/v3/maintenance/status", {}, None, _Attempt())
-                    revision = _revision(doc)
-                    member = _int(_mapping(doc.get("header")).get("member_id"))
-                    leader = member != 0 and member == _int(doc.get("leader"))
+                    revision = revision_of(doc)
+                    member = proto_int(mapping(doc.get("header")).get("member_id"))
+                    leader = member != 0 and member == proto_int(doc.get("leader"))
             except trio.TooSlowError:
                 error = f"no answer within {self._timeout_s:g} s"
             except _EndpointFailed as exc:
@@ -607,7 +513,7 @@ class EtcdClient:
         body = {"name": self._user, "password": self._password}
         try:
             return await self._over_endpoints(
-                "authenticate", "/v3/auth/authenticate", body, _token, None, True
+                "authenticate", "/v3/auth/authenticate", body, token_of, None, True
             )
         except _Refused as exc:
             raise StoreError(
@@ -661,9 +567,9 @@ class WatchStream:
 
     def _take(self, result: dict[str, Any]) -> None:
         try:
-            header = _mapping(result.get("header"))
-            self.revision = max(self.revision, _int(header.get("revision")))
-            compacted = _int(result.get("compact_revision"))
+            header = mapping(result.get("header"))
+            self.revision = max(self.revision, proto_int(header.get("revision")))
+            compacted = proto_int(result.get("compact_revision"))
             if compacted:
                 raise WatchCompacted(
                     f"etcd {self.url}: the watch's start revision {self._start_revision} is"
@@ -673,7 +579,7 @@ class WatchStream:
             if result.get("canceled"):
                 raise _Refused(self.url, 0, str(result.get("cancel_reason") or "canceled"))
             for event in result.get("events") or ():
-                kv = _kv(event["kv"])
+                kv = kv_of(event["kv"])
                 kind: Literal["put", "delete"] = (
                     "delete" if event.get("type") == "DELETE" else "put"
                 )
@@ -694,7 +600,7 @@ class WatchStream:
             raise _EndpointFailed("a watch message that is not etcd's")
         error = doc.get("error")
         if isinstance(error, dict):
-            code, message = _int_or(error.get("grpc_code")), _words(error.get("message"))
+            code, message = int_or_zero(error.get("grpc_code")), _words(error.get("message"))
             if code == _UNAVAILABLE:
                 raise _EndpointFailed(f"etcd: {message}")
             raise _Refused(self.url, code, message)
@@ -721,119 +627,6 @@ class WatchStream:
             except httpx.HTTPError as exc:
                 raise _EndpointFailed(_describe(exc)) from None
             self._buffer += chunk
-
-
-# The gateway's JSON
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _bytes(value: object) -> bytes:
-    if value is None:
-        return b""
-    if not isinstance(value, str):
-        raise TypeError("base64 text expected")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error:
-        raise ValueError("not base64") from None
-
-
-def _int(value: object) -> int:
-    """A proto3 JSON integer: absent is 0, an int64 comes as a string."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise TypeError("an integer expected")
-    return int(value)
-
-
-def _int_or(value: object) -> int:
-    try:
-        return _int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-def _mapping(value: object) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise TypeError("an object expected")
-    return value
-
-
-def _key_range(key: bytes, prefix: bool) -> dict[str, str]:
-    body = {"key": _b64(key)}
-    if prefix:
-        body["range_end"] = _b64(prefix_end(key))
-    return body
-
-
-def _kv(doc: object) -> KeyValue:
-    d = _mapping(doc)
-    return KeyValue(
-        key=_bytes(d.get("key")),
-        value=_bytes(d.get("value")),
-        create_revision=_int(d.get("create_revision")),
-        mod_revision=_int(d.get("mod_revision")),
-        version=_int(d.get("version")),
-        lease=_int(d.get("lease")),
-    )
-
-
-def _kvs(doc: Mapping[str, Any]) -> list[KeyValue]:
-    return [_kv(kv) for kv in doc.get("kvs") or ()]
-
-
-def _doc(doc: dict[str, Any]) -> dict[str, Any]:
-    return doc
-
-
-def _revision(doc: Mapping[str, Any]) -> int:
-    """The store's revision an answer was made at (every answer of etcd's has one, from 1
-    on; a watch message may not)."""
-    revision = _int(_mapping(doc.get("header")).get("revision"))
-    if revision < 1:
-        raise ValueError("no revision")
-    return revision
-
-
-def _range(doc: dict[str, Any]) -> tuple[list[KeyValue], int]:
-    return _kvs(doc), _revision(doc)
-
-
-def _page(doc: dict[str, Any]) -> tuple[list[KeyValue], int, bool]:
-    return _kvs(doc), _revision(doc), bool(doc.get("more"))
-
-
-def _lease(doc: dict[str, Any]) -> Lease:
-    lease = Lease(id=_int(doc.get("ID")), ttl_s=_int(doc.get("TTL")))
-    if not lease.id:
-        raise ValueError("no lease")
-    return lease
-
-
-def _token(doc: dict[str, Any]) -> str:
-    token = doc["token"]
-    if not isinstance(token, str) or not token or not token.isprintable():
-        raise ValueError("no token")
-    return token
-
-
-def _keepalive_ttl(doc: dict[str, Any]) -> int:
-    # A stream of one answer: {"result": {"ID": ..., "TTL": ...}} (no TTL: the lease is gone).
-    return _int(_mapping(doc["result"]).get("TTL"))
-
-
-def _txn_result(doc: dict[str, Any]) -> TxnResult:
-    responses = []
-    for response in doc.get("responses") or ():
-        found = _mapping(response).get("response_range")
-        responses.append(tuple(_kvs(_mapping(found))) if found is not None else ())
-    return TxnResult(bool(doc.get("succeeded")), _revision(doc), tuple(responses))
 
 
 async def _read_body(response: httpx.Response, *, first_line: bool = False) -> bytes:
