@@ -108,7 +108,8 @@ class StoreError(Exception):
 
 
 class StoreUnavailable(StoreError):
-    """No endpoint answered within the timeout."""
+    """No endpoint gave etcd's answer: none answered within the timeout, or only with
+    something that is not etcd's, or etcd's "unavailable" (no leader)."""
 
 
 class StoreOutcomeUnknown(StoreUnavailable):
@@ -156,6 +157,10 @@ Observe = Callable[[str, float], None]
 
 
 class EtcdClient:
+    """One process's client of an etcd cluster, for the whole of its run (`aclose` at the
+    end). Its calls may run concurrently; it keeps at most 100 connections (httpx's
+    pool), and each open watch holds one of them."""
+
     def __init__(
         self,
         endpoints: Sequence[str],
