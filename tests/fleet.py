@@ -112,15 +112,18 @@ class Fleet:
         via: int | None = None,
         command: Sequence[str] = MOCK,
         reconnect: str = "base_s = 0.1\ncap_s = 0.5",
+        servers: Sequence[str] = (),
     ) -> Proc:
         """An agent with its own certificate (`cert_for`: one issued to another name);
         `via`: the port of a relay in front of the control plane; `command`: how it
         launches its (mock) engines; `reconnect`: its [reconnect] table (a quick backoff
-        unless a test needs the default's)."""
+        unless a test needs the default's); `servers`: the control planes' URLs, where
+        several share a store."""
         path = self.procs.tmp / f"{name}.toml"
         crt, key, _ = issue_node(self.certs, cert_for or name)
+        server = json.dumps(list(servers) or f"wss://127.0.0.1:{via or self.control_port}/v1/agent")
         path.write_text(
-            f'name = "{name}"\nserver = "wss://127.0.0.1:{via or self.control_port}/v1/agent"\n'
+            f'name = "{name}"\nserver = {server}\n'
             f'state_dir = "{self.procs.tmp / name}"\ninventory_file = "{SIM / inventory}"\n'
             f'fabric = {{ ib_domain = "{fabric}" }}\nbind_host = "127.0.0.1"\nstop_grace_s = 3\n'
             f'[tls]\nca = "{self.certs}/ca.crt"\ncert = "{crt}"\nkey = "{key}"\n'

@@ -44,6 +44,8 @@ log = logging.getLogger("llmgw.control")
 PEER_TOKEN_KEY = b"peer_token"
 # How long a term's end waits for its agents' close frames before cutting what is left.
 _STREAMS_CLOSE_S = 1.0
+# How long a resignation may take (the store away): past it, the lease ends on its own.
+_RESIGN_S = 3.0
 
 
 def catalog_digest(config: Config) -> str:
@@ -229,8 +231,12 @@ class Seat:
             self._nursery.start_soon(self._resign, self.election)
 
     async def _resign(self, election: Election) -> None:
+        # The election first: it fences at once and frees the leader key (one request),
+        # so a standby leads while this process is still closing its streams.
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + _RESIGN_S  # the store may be away
+            await election.resign()
         await self._end_term("this control plane is stopping: it resigned")
-        await election.resign()
 
     # -- the control port -----------------------------------------------------------
 

@@ -1,0 +1,189 @@
+"""Control planes that share an etcd, end to end as real processes (issue 35): three
+`llmgw-server` on one config, two agents with simulated GPUs and mock engines, two
+routers apart that know every control plane, and a request loop through the routers
+apart throughout. Each fault: no failed request, no engine restarted, no replica placed
+twice, a new leader within its bound."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from etcd_cluster import EtcdCluster
+from fleet import Fleet, wait_until
+from ha_fleet import ControlPlaneProc, HAFleet, RequestLoop
+
+pytestmark = pytest.mark.xdist_group("ha_e2e")
+
+MODEL = (
+    '\n[[models]]\nname = "chat"\nreplicas = 2\n[models.profile]\nengine = "vllm"\n'
+    'model = "org/chat"\ngpu_memory_gib = 20\n'
+)
+
+
+def started_engines(fleet: Fleet) -> int:
+    """Engines the agents started, from their logs (an adopted engine is not started)."""
+    return sum(proc.output().count(": starting pid ") for proc in fleet.every_agent)
+
+
+def placements(plane: ControlPlaneProc) -> int:
+    return plane.proc.output().count("starting replica ")
+
+
+def running_fleet(fleet: Fleet, endpoints: list[str]) -> HAFleet:
+    ha = HAFleet(fleet, endpoints)
+    ha.config(MODEL)
+    for _ in range(3):
+        ha.control_plane()
+    ha.leader()
+    ha.agent("gpu-1")
+    ha.agent("gpu-2")
+    wait_until(
+        lambda: len([r for r in ha.status()["replicas"] if r["serving"]]) == 2,
+        timeout=60,
+        what="both replicas serving",
+    )
+    ha.router_apart()
+    ha.router_apart()
+    return ha
+
+
+def admin_write_accepted(ha: HAFleet) -> bool:
+    """An admin write (uncordon a node, which changes nothing) accepted by the leader,
+    reached through any living control plane."""
+    for plane in ha.planes:
+        if not plane.alive:
+            continue
+        try:
+            answer = httpx.post(
+                plane.control + "/v1/admin/nodes/gpu-1/uncordon",
+                json={},
+                headers=ha.admin_headers,
+                verify=ha.fleet.tls,
+                timeout=2,
+                follow_redirects=True,
+            )
+        except httpx.HTTPError:
+            continue
+        if answer.status_code == 200:
+            return True
+    return False
+
+
+def test_the_leader_sigkilled_another_leads_and_no_request_fails(
+    fleet: Fleet, etcd: EtcdCluster
+) -> None:
+    ha = running_fleet(fleet, etcd.endpoints)
+    with ha.explained():
+        engines = started_engines(fleet)
+        assert engines == 2
+        loop = RequestLoop([r.url for r in ha.routers])
+        loop.start()
+        try:
+            wait_until(lambda: loop.done > 20, what="requests before the fault")
+            old = ha.leader()
+            old_epoch = ha.status()["control"]["epoch"]
+            killed_at = time.monotonic()
+            old.proc.signal(signal.SIGKILL)
+            wait_until(lambda: admin_write_accepted(ha), timeout=20, what="a new leader's write")
+            took = time.monotonic() - killed_at
+            new = ha.leader()
+            assert new is not old
+            status = ha.status()
+            assert status["control"]["epoch"] > old_epoch
+            wait_until(
+                lambda: (
+                    {n["name"] for n in ha.status()["nodes"] if n["status"] == "reachable"}
+                    == {"gpu-1", "gpu-2"}
+                ),
+                timeout=20,
+                what="both agents registered with the new leader",
+            )
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests after the fault")
+        finally:
+            loop.stop()
+        assert not loop.errors, loop.errors[:5]
+        assert started_engines(fleet) == engines  # adopted, never restarted
+        assert placements(new) == 0, new.proc.output()[-3000:]
+        assert took < 3 * ha.lease_ttl_s + 5, took
+
+
+def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) -> None:
+    ha = running_fleet(fleet, etcd.endpoints)
+    with ha.explained():
+        engines = started_engines(fleet)
+        loop = RequestLoop([r.url for r in ha.routers])
+        loop.start()
+        try:
+            wait_until(lambda: loop.done > 20, what="requests before the fault")
+            old = ha.leader()
+            signalled = time.monotonic()
+            old.proc.signal(signal.SIGTERM)
+            wait_until(lambda: admin_write_accepted(ha), timeout=20, what="a new leader's write")
+            took = time.monotonic() - signalled
+            new = ha.leader()
+            assert new is not old
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests after the handover")
+        finally:
+            loop.stop()
+        assert not loop.errors, loop.errors[:5]
+        assert started_engines(fleet) == engines
+        assert placements(new) == 0, new.proc.output()[-3000:]
+        # Well inside the lease: it resigned, nobody waited for the lease to end.
+        assert took < ha.lease_ttl_s, took
+
+
+def test_a_leader_paused_past_its_lease_wakes_and_does_not_act(
+    fleet: Fleet, etcd: EtcdCluster
+) -> None:
+    ha = running_fleet(fleet, etcd.endpoints)
+    with ha.explained():
+        engines = started_engines(fleet)
+        loop = RequestLoop([r.url for r in ha.routers])
+        loop.start()
+        try:
+            wait_until(lambda: loop.done > 20, what="requests before the fault")
+            old = ha.leader()
+            old.proc.signal(signal.SIGSTOP)
+            try:
+                new = wait_until(
+                    lambda: [p for p in ha.planes if p is not old and ha.is_leader(p)],
+                    timeout=30,
+                    what="another leader while the old one is stopped",
+                )[0]
+                # The agents move to it (the paused leader's streams go silent).
+                wait_until(
+                    lambda: (
+                        {n["name"] for n in ha.status(new)["nodes"] if n["status"] == "reachable"}
+                        == {"gpu-1", "gpu-2"}
+                    ),
+                    timeout=30,
+                    what="both agents registered with the new leader",
+                )
+                # An operator's act while the old leader sleeps: only the new one carries it out.
+                assert admin_write_accepted(ha)
+            finally:
+                old.proc.signal(signal.SIGCONT)
+            wait_until(
+                lambda: "no longer leading" in old.proc.output(), what="the old leader to step down"
+            )
+            assert not ha.is_leader(old)
+            assert ha.leader() is new
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests after the pause")
+        finally:
+            loop.stop()
+        assert not loop.errors, loop.errors[:5]
+        assert started_engines(fleet) == engines
+        # The woken leader sent nothing: no agent refused (or took) a stale command.
+        for proc in fleet.every_agent:
+            assert "stale epoch" not in proc.output()
+        log = old.proc.output()
+        woke = log.index("no longer leading")
+        assert not re.search(r"starting replica|draining replica|stopping replica", log[woke:])
