@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from llmgw_core.tls_advice import cert_error, name_mismatch
+from llmgw_server.admin_reach import LeaderClient, controls
 from llmgw_server.control.documents import (
     DocumentError,
     ExplainDoc,
@@ -263,7 +264,8 @@ def run(
     poll_s: float = 0.5,
     as_json: bool = False,
 ) -> int:
-    base = control.rstrip("/") + "/v1/admin"
+    urls = controls(control)
+    base = urls[0] + "/v1/admin"
     headers = {"authorization": f"Bearer {token}"} if token else {}
     verify: ssl.SSLContext | bool = True
     if ca:
@@ -273,7 +275,8 @@ def run(
             print(f"llmgw-server: cannot use the CA file {ca}: {exc}", file=sys.stderr)
             return 2
     try:
-        with httpx.Client(timeout=10, headers=headers, verify=verify) as client:
+        with httpx.Client(timeout=10, headers=headers, verify=verify) as http:
+            client = LeaderClient(urls, http)
             if command == "status":
                 response = client.get(f"{base}/status")
                 if response.status_code == 200:
@@ -386,6 +389,11 @@ def _failed(response: httpx.Response, token: str | None) -> int:
             if token is None
             else " (the token given was refused)"
         )
+    elif response.status_code == 307:
+        message += (
+            " (the CLI goes to the leader only when --control lists it: give every control "
+            "plane, comma-separated)"
+        )
     elif response.status_code == 409:
         message += " (--force drains anyway: those replicas are stopped without a replacement)"
     elif response.status_code == 404 and message.startswith(_ROUTERS_404):
@@ -399,7 +407,7 @@ def _failed(response: httpx.Response, token: str | None) -> int:
 
 
 def _drain(
-    client: httpx.Client,
+    client: LeaderClient,
     base: str,
     node: str,
     token: str | None,
