@@ -33,6 +33,7 @@ from llmgw_server.route_feed.follower import COUNT_INTERVAL_S, Follower, RouteTa
 from llmgw_server.route_feed.hub import RouteHub, refusal
 from llmgw_server.route_feed.messages import (
     LOAD_INTERVAL_S,
+    OLDEST_PROTOCOL,
     PROTOCOL,
     FeedError,
     Hello,
@@ -40,6 +41,7 @@ from llmgw_server.route_feed.messages import (
     Load,
     Routes,
     RouteTable,
+    StaleEpoch,
     Traffic,
     decode_up,
     encode,
@@ -176,7 +178,7 @@ async def fake_following(target: FakeTarget) -> AsyncIterator[tuple[Follower, Pe
     async with trio.open_nursery() as nursery:
         nursery.start_soon(follower.follow, router_end)
         peer = Peer(hub_end)
-        assert await peer.next_up() == Hello(PROTOCOL, "fake")
+        assert await peer.next_up() == Hello(OLDEST_PROTOCOL, "fake", PROTOCOL)
         yield follower, peer
         nursery.cancel_scope.cancel()
 
@@ -283,6 +285,69 @@ async def test_the_peer_closing_ends_the_feed_and_the_table_stays() -> None:
     with trio.fail_after(5):
         await follower.follow(router_end)  # returns: the ordinary end
     assert target.endpoints == {"chat": (A,)} and follower.complete.is_set()
+
+
+async def follow_tables(follower: Follower, *tables: RouteTable) -> None:
+    """`follower` follows one connection on which a hub sends `tables`, then closes it."""
+    hub_end, router_end = local_pair()
+    for table in tables:
+        await hub_end.send(encode(Routes(table)))
+    hub_end.outbox.close()
+    with trio.fail_after(5):
+        await follower.follow(router_end)
+
+
+async def test_a_table_of_a_lower_epoch_is_refused_and_ends_the_feed() -> None:
+    router = Router(config())
+    follower = Follower(router, "fake")
+    await follow_tables(follower, RouteTable(1, {"chat": (A,)}, frozenset(), True, epoch=5))
+    assert follower.epoch == 5 and endpoints(router, "chat") == [A]
+    # A control plane that led at epoch 4, woken: its table is refused, the feed ends.
+    with pytest.raises(StaleEpoch, match=r"stale epoch 4 was refused .* follows epoch 5"):
+        await follow_tables(follower, RouteTable(9, {"chat": (B,)}, frozenset(), True, epoch=4))
+    assert endpoints(router, "chat") == [A] and follower.table is not None
+    assert (follower.table.version, follower.epoch, follower.refused_stale) == (1, 5, 1)
+    assert router.metrics.tables_refused == {"stale_epoch": 1}
+    metrics = router.metrics.render(router.balancers, router.pools).decode()
+    assert 'llmgw_route_tables_refused_total{reason="stale_epoch"} 1' in metrics.splitlines()
+    # Epoch 0 (a single control plane) is never fenced; the same epoch and a later one are
+    # applied as ever, the later one becoming the floor.
+    await follow_tables(follower, RouteTable(2, {"chat": (B,)}, frozenset(), True))
+    assert endpoints(router, "chat") == [B] and follower.epoch == 5
+    await follow_tables(
+        follower,
+        RouteTable(3, {"chat": (A,)}, frozenset(), True, epoch=5),
+        RouteTable(4, {"chat": (A, B)}, frozenset(), True, epoch=6),
+    )
+    assert endpoints(router, "chat") == [A, B] and follower.epoch == 6
+    with pytest.raises(StaleEpoch):
+        await follow_tables(follower, RouteTable(5, {}, frozenset(), True, epoch=5))
+    assert endpoints(router, "chat") == [A, B] and follower.refused_stale == 2
+
+
+async def test_an_incomplete_table_of_a_new_leader_raises_the_epoch() -> None:
+    target = FakeTarget()
+    follower = Follower(target, "fake")
+    follower.apply(RouteTable(1, {"chat": (A,)}, frozenset(), True, epoch=2))
+    follower.apply(RouteTable(1, {}, frozenset(), False, epoch=3))  # a new leader, starting
+    assert target.endpoints == {"chat": (A,)}
+    assert follower.table is not None and follower.table.epoch == follower.epoch == 3
+
+
+async def test_a_connections_first_table_brings_a_load_report_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A router that holds requests when it connects (a new control plane, after a
+    failover) says so as soon as it has the table, not a load interval later."""
+    target = FakeTarget()
+    target.load = {"chat": RouterLoad(held=2)}
+    async with fake_following(target) as (_, peer):
+        start = trio.current_time()
+        table = RouteTable(1, {"chat": ()}, frozenset(), True, autoscaled=frozenset({"chat"}))
+        await peer.table(table)
+        reports = [await peer.next_up(), await peer.next_up()]
+        assert Load({"chat": RouterLoad(held=2)}) in reports and InFlight(1, {}) in reports
+        assert trio.current_time() - start < LOAD_INTERVAL_S / 4
 
 
 def test_the_router_is_a_route_target_summing_in_flight_over_its_models() -> None:

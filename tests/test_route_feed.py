@@ -163,7 +163,9 @@ def test_up_and_down_do_not_mix() -> None:
         ("not json", "not JSON"),
         ("[1]", "JSON object"),
         ('{"router": "r"}', "unknown message type None"),
-        ('{"type": "hello", "protocol": 2, "router": "r"}', "protocol 2 is not supported"),
+        ('{"type": "hello", "protocol": 3, "router": "r"}', "protocol 3 is not supported"),
+        ('{"type": "hello", "protocol": 0, "router": "r"}', "protocol 0 is not supported"),
+        ('{"type": "hello", "protocol": 1, "router": "r", "newest": "2"}', "expected int"),
         ('{"type": "hello", "router": "r"}', "required field missing @ frame.protocol"),
         ('{"type": "hello", "protocol": "1", "router": "r"}', "expected int @ frame.protocol"),
         ('{"type": "hello", "protocol": true, "router": "r"}', "expected int @ frame.protocol"),
@@ -312,4 +314,49 @@ async def test_a_workers_parent_forwards_its_workers_loads_combined_and_a_held_o
         await control.wait_held()
         assert trio.current_time() - start < LOAD_INTERVAL_S / 2
         assert control.loads()["chat"][0].held == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_workers_parent_refuses_a_stale_epoch_and_tells_a_new_leader_what_is_held_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The relay fences as a router's Follower does: a table of a lower epoch ends the
+    feed and never reaches the workers; connecting to a new control plane, it reports
+    what its workers hold as soon as it has the table."""
+    zero = frozenset({"chat"})
+    relay = TableRelay(RouteHub(relays=True), "parent")
+    old, new = RouteHub(epoch=5), RouteHub(epoch=6)
+    for hub in (old, new):
+        hub.publish({"chat": ()}, frozenset(), complete=True, autoscaled=zero)
+    worker, parent_end = local_pair()
+    async with trio.open_nursery() as nursery:
+        up_relay, up_control = local_pair()
+        nursery.start_soon(old.serve, up_control, "parent")
+        nursery.start_soon(relay.follow, up_relay)
+        while relay.table is None:
+            await trio.sleep(0.01)
+        nursery.start_soon(relay.hub.serve, parent_end, "worker")
+        await worker.send(encode(Hello(1, "worker", PROTOCOL)))
+        relayed = decode_down(await worker.receive()).table
+        await worker.send(encode(Load({"chat": RouterLoad(held=1, requests=1)})))
+        await old.wait_held()
+        up_control.outbox.close()  # the old leader is gone
+        # A control plane of a stale epoch: refused, and the workers keep their table.
+        stale = RouteHub(epoch=4)
+        stale.publish({"chat": (Endpoint("10.0.0.9", 8000),)}, frozenset(), complete=True)
+        up_relay, up_control = local_pair()
+        nursery.start_soon(stale.serve, up_control, "parent")
+        with pytest.raises(FeedError, match="stale epoch 4"), trio.fail_after(5):
+            await relay.follow(up_relay)
+        assert relay.refused_stale == 1 and relay.epoch == 5
+        assert relay.hub.table.version == relayed.version
+        # The new leader hears of the held request at once, not a load interval later.
+        up_relay, up_control = local_pair()
+        nursery.start_soon(new.serve, up_control, "parent")
+        nursery.start_soon(relay.follow, up_relay)
+        start = trio.current_time()
+        while not new.loads():
+            await trio.sleep(0.01)
+        assert trio.current_time() - start < LOAD_INTERVAL_S / 4
+        assert new.loads()["chat"][0].held == 1 and relay.epoch == 6
         nursery.cancel_scope.cancel()

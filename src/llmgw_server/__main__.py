@@ -50,9 +50,12 @@ def add_global_options(
         return
     parser.add_argument(
         "--control",
+        metavar="URL",
+        action="append",
         default=default(None),
         help="the control plane's admin URL (default: control_listen of --config, "
-        "else http://127.0.0.1:8081)",
+        "else http://127.0.0.1:8081); for router, each control plane's (repeated, or "
+        "comma-separated): the router follows the one that leads",
     )
     parser.add_argument(
         "--ca",
@@ -241,14 +244,14 @@ def run_cli(argv: list[str]) -> int:
 
 
 def _router(args: argparse.Namespace, config: Config) -> int:
-    from llmgw_server.route_feed.remote import feed_target, read_router_token
+    from llmgw_server.route_feed.remote import feed_targets, read_router_token
     from llmgw_server.wiring import run_router_apart
 
     if not args.control:
         print("llmgw-server router: --control URL is required", file=sys.stderr)
         return 2
     try:
-        feed_target(args.control)
+        feed_targets(args.control)
         token = read_router_token(args.token_file)
     except ValueError as exc:
         print(f"llmgw-server router: {exc}", file=sys.stderr)
@@ -296,7 +299,7 @@ def _admin(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"llmgw-server: {exc}", file=sys.stderr)
         return 2
-    control, ca = args.control, args.ca
+    control, ca = args.control[-1] if args.control else None, args.ca  # the last one given
     if args.config and (control is None or ca is None):
         try:
             config = load_config(args.config)

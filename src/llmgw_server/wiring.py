@@ -438,15 +438,14 @@ class _Apart:
 
     config: Config
     port: int
-    where: Target
+    where: list[Target]  # the control planes: the one that leads is followed
     token: str
     ca: Path | None
     ssl_context: ssl.SSLContext | None
 
     def listening(self) -> str:
-        scheme = "wss" if self.where.secure else "ws"
-        following = f"{scheme}://{self.where.where}{self.where.resource}"
-        return f"{_http_address(self.config, self.port)}, following {following}"
+        feeds = [f"{'wss' if t.secure else 'ws'}://{t.where}{t.resource}" for t in self.where]
+        return f"{_http_address(self.config, self.port)}, following {' or '.join(feeds)}"
 
     async def start(self, nursery: trio.Nursery, router: Router) -> Follower | None:
         from llmgw_server.route_feed.remote import follow_forever
@@ -466,23 +465,24 @@ class _Apart:
 
 async def router_apart_main(
     config: Config,
-    control: str,
+    control: str | Sequence[str],
     token: str,
     ca: Path | None,
     *,
     stop: trio.Event | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A router that follows the control plane at `control` serves until SIGINT/SIGTERM
-    (or `stop`); `started()` with the port it serves. /readyz answers 503 until the first
+    """A router that follows the control plane at `control` (or the one that leads of
+    several: URLs given apart or comma-separated) serves until SIGINT/SIGTERM (or
+    `stop`); `started()` with the port it serves. /readyz answers 503 until the first
     complete route table is applied and its replicas were probed once."""
-    from llmgw_server.route_feed.remote import client_context, feed_target
+    from llmgw_server.route_feed.remote import client_context, feed_targets
 
-    where = feed_target(control)
+    where = feed_targets(control)
     router = Router(config)
     listeners = await _listeners(config)
     port: int = listeners[0].socket.getsockname()[1]
-    ssl_context = client_context(ca) if where.secure else None
+    ssl_context = client_context(ca) if any(t.secure for t in where) else None
     layout = _Apart(config, port, where, token, ca, ssl_context)
     async with trio.open_nursery() as nursery:
         serve = partial(serve_router, router, listeners, layout, sighup=_router_reloader(router))
@@ -703,15 +703,17 @@ def run(config: Config) -> int:
     return 0
 
 
-def run_router_apart(config: Config, control: str, token: str, ca: Path | None) -> int:
+def run_router_apart(
+    config: Config, control: str | Sequence[str], token: str, ca: Path | None
+) -> int:
     """The `router` command: serve until a signal; 1 when the port cannot be had."""
-    from llmgw_server.route_feed.remote import client_context, feed_target, follow_forever
+    from llmgw_server.route_feed.remote import client_context, feed_targets, follow_forever
 
     return_large_buffers()
     try:
         if config.server.workers > 1:
-            where = feed_target(control)
-            ssl_context = client_context(ca) if where.secure else None
+            where = feed_targets(control)
+            ssl_context = client_context(ca) if any(t.secure for t in where) else None
             follow = partial(
                 follow_forever, where=where, token=token, ssl_context=ssl_context, ca=ca
             )

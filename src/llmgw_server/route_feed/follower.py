@@ -18,7 +18,11 @@ One `Follower` lives as long as its router, across connections: a router
 keeps serving the last table it applied while no control plane is reachable,
 and a table marked incomplete (a control plane that just started and has not
 heard from every agent yet) does not replace a complete one; only its drain
-intents are applied.
+intents are applied. It keeps the highest epoch it applied, too: a table of a lower
+one (a control plane that no longer leads) is refused, counted, and ends the feed
+(`StaleEpoch`, a FeedError) so that its owner looks for the leader; the router keeps
+serving the table it has. Each connection's first load report goes out as soon as its
+first table is applied: a new control plane hears at once of requests held here.
 
 Models named in the router's own config with static endpoints are the config's:
 the feed never changes them, nor gives their names to adapters.
@@ -40,15 +44,18 @@ from llmgw_core.traffic import Sample
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
     LOAD_INTERVAL_S,
+    OLDEST_PROTOCOL,
     PROTOCOL,
     TRAFFIC_INTERVAL_S,
     Hello,
     InFlight,
     Load,
     RouteTable,
+    StaleEpoch,
     Traffic,
     decode_down,
     encode,
+    stale,
 )
 
 log = logging.getLogger("llmgw.follower")
@@ -112,6 +119,13 @@ class TrafficSource(Protocol):
         ...
 
 
+@runtime_checkable
+class RefusalCounter(Protocol):
+    """A router that counts the tables it refused (router.front.Router, on /metrics)."""
+
+    def table_refused(self, reason: str) -> None: ...
+
+
 Reporter = Callable[[Connection, trio.CancelScope], Awaitable[None]]
 
 
@@ -122,7 +136,8 @@ async def run_feed(
     to `take` while `report` (given the scope to cancel when the peer is gone) sends the
     reports, until the peer closes the connection. What the connection raises, or a
     frame that cannot be used (FeedError), is raised as it is, not in a group."""
-    await connection.send(encode(Hello(PROTOCOL, name)))
+    # The oldest protocol first: a control plane of protocol 1 takes that one alone.
+    await connection.send(encode(Hello(OLDEST_PROTOCOL, name, PROTOCOL)))
     failure: BaseException | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(report, connection, nursery.cancel_scope)
@@ -150,29 +165,42 @@ class Follower:
         self.complete = trio.Event()
         self._static = router.static_models()
         self._ignored: set[str] = set()  # feed models shadowed by static ones, logged once
+        self.epoch = 0  # the highest epoch of a table applied (0: none, or unfenced ones)
+        self.refused_stale = 0  # tables refused for a stale epoch
         self._version = -1  # of the last table received on the current connection
         self._received = trio.Event()
+        self._first_table = trio.Event()  # of the current connection
         self._report_failure: BaseException | None = None
 
     async def follow(self, connection: Connection) -> None:
         """Follow one connection until the peer closes it (see the module's docstring)."""
         self._version = -1
+        self._first_table = trio.Event()
         self._report_failure = None
         await run_feed(connection, self.name, self._received_table, self._report_forever)
         if self._report_failure is not None:
             raise self._report_failure
 
     def _received_table(self, table: RouteTable) -> None:
+        if stale(table.epoch, self.epoch):
+            self.refused_stale += 1
+            if isinstance(self.router, RefusalCounter):
+                self.router.table_refused("stale_epoch")
+            raise StaleEpoch(table.epoch, self.epoch)
         self.apply(table)
         self._version = table.version
         self._received.set()
+        self._first_table.set()
 
     def apply(self, table: RouteTable) -> None:
         """Serve `table`, or only its drain intents when it is incomplete and the router
         already serves a complete one."""
         held = self.table
+        self.epoch = max(self.epoch, table.epoch)
         if not table.complete and held is not None and held.complete:
-            table = attrs.evolve(held, version=table.version, draining=table.draining)
+            table = attrs.evolve(
+                held, version=table.version, draining=table.draining, epoch=table.epoch
+            )
         apply_table(self.router, table, held, self._static, self._ignored, self.log_changes)
         self.table = table
         if table.complete:
@@ -197,7 +225,14 @@ class Follower:
             await self.router.wait_load_wanted()
             return self.router.load_report()
 
-        await report_load(connection, scope, lambda: self.table, self.router.load_report, load)
+        await report_load(
+            connection,
+            scope,
+            lambda: self.table,
+            self.router.load_report,
+            load,
+            self._first_table,
+        )
 
     async def _report_in_flight(self, connection: Connection, scope: trio.CancelScope) -> None:
         sent: InFlight | None = None
@@ -226,14 +261,21 @@ async def report_load(
     table: Callable[[], RouteTable | None],
     now: Callable[[], Mapping[str, RouterLoad]],
     wanted: Callable[[], Awaitable[Mapping[str, RouterLoad]]],
+    first_table: trio.Event | None = None,
 ) -> None:
     """While the table autoscales models, send `Load` every LOAD_INTERVAL_S (`now()`),
-    and at once whenever `wanted()` returns one (a request was held)."""
+    at once whenever `wanted()` returns one (a request was held), and at once when
+    `first_table` is set (the connection's first table: requests held before it, as
+    across a switch of control plane, reach the new one without waiting)."""
     try:
         while True:
             report: Mapping[str, RouterLoad] | None = None
             with trio.move_on_after(LOAD_INTERVAL_S):
-                report = await wanted()
+                if first_table is not None:
+                    await first_table.wait()
+                else:
+                    report = await wanted()
+            first_table = None
             current = table()
             if current is None or not current.autoscaled:
                 continue

@@ -12,6 +12,10 @@ A follower sends every table it applies back as the version of its reports, so a
 drain waits until every follower has seen the drain intent (`caught_up`) and none
 has a request in flight there (`in_flight`). A follower that goes away drops out
 of both.
+
+A hub made with an `epoch` (a leader's, of a control plane kept in a store) stamps
+every table it sends with it, so that routers refuse the tables of a control plane
+that no longer leads (route_feed.messages); epoch 0 is a single control plane's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bo
 from llmgw_http.server import Request
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.messages import (
+    EPOCH_PROTOCOL,
     MAX_FRAME_BYTES,
     MAX_TRAFFIC_ROWS,
     FeedError,
@@ -47,6 +52,7 @@ from llmgw_server.route_feed.messages import (
     Traffic,
     decode_up,
     encode,
+    spoken,
 )
 from llmgw_server.route_feed.ws import WebSocketFeed
 
@@ -64,16 +70,26 @@ TTFT_KEPT = 256  # TTFT reports kept a model, all followers together (a minute o
 class _Follower:
     name: str
     peer: str
+    protocol: int  # the route feed protocol it is followed in (messages.spoken)
     version: int = -1  # of the table its last report answers; -1: none yet
     counts: Mapping[str, int] = attrs.field(factory=dict)
     load: Mapping[str, RouterLoad] = attrs.field(factory=dict)  # its last Load
 
 
 class RouteHub:
-    def __init__(self, relays: bool = False, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        relays: bool = False,
+        wall_clock: Callable[[], float] = time.time,
+        *,
+        epoch: int = 0,
+    ) -> None:
         """`relays`: a workers' parent's hub, whose followers' traffic is summed for its
-        relay to send on (`take_traffic`); a control plane's keeps it (`traffic`)."""
-        self.table = RouteTable(0, {}, frozenset(), complete=False)
+        relay to send on (`take_traffic`); a control plane's keeps it (`traffic`).
+        `epoch`: the leadership every table is stamped with (0: a single control plane);
+        the next `publish` stamps a new one set here."""
+        self.epoch = epoch
+        self.table = RouteTable(0, {}, frozenset(), complete=False, epoch=epoch)
         self._followers: dict[int, _Follower] = {}
         self._ids = itertools.count()
         self._published = trio.Event()
@@ -107,12 +123,16 @@ class RouteHub:
         the table is). `adapters`: LoRA adapter -> its model (None: none)."""
         old = self.table
         adapters = dict(adapters or {})
-        same = (dict(old.models), old.draining, old.complete, dict(old.adapters), old.autoscaled)
-        if same == (dict(models), draining, complete, adapters, autoscaled):
+        same = (
+            dict(old.models), old.draining, old.complete, dict(old.adapters), old.autoscaled,
+            old.epoch,
+        )  # fmt: skip
+        if same == (dict(models), draining, complete, adapters, autoscaled, self.epoch):
             return old.version
         self.table = RouteTable(
-            old.version + 1, dict(models), draining, complete, adapters, autoscaled, True
-        )
+            old.version + 1, dict(models), draining, complete, adapters, autoscaled, True,
+            self.epoch,
+        )  # fmt: skip
         self._published.set()
         self._published = trio.Event()
         return self.table.version
@@ -191,11 +211,24 @@ class RouteHub:
         if not isinstance(hello, Hello):
             raise FeedError(f"the first message must be hello, not {type(hello).__name__}")
         name = escaped(hello.router, limit=100)
-        follower = _Follower(name, peer)
+        follower = _Follower(name, peer, spoken(hello))
         key = next(self._ids)
         self._followers[key] = follower
         self._notify()
-        log.info("router %s (%s) follows the route table", follower.name, peer)
+        log.info(
+            "router %s (%s) follows the route table (route feed protocol %d)",
+            follower.name,
+            peer,
+            follower.protocol,
+        )
+        if self.epoch and follower.protocol < EPOCH_PROTOCOL:
+            log.warning(
+                "router %s (%s) speaks route feed protocol %d: it does not refuse the tables "
+                "of a control plane that no longer leads; upgrade it",
+                follower.name,
+                peer,
+                follower.protocol,
+            )
         failure: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:

@@ -13,6 +13,17 @@ still using it. While the table names autoscaled models, `Load` too: each one's
 load as this router sees it (every `LOAD_INTERVAL_S`, and at once when it holds a
 request for a model that no replica serves), for the control plane's autoscaler.
 A control plane from before autoscaling names none, and is sent none.
+
+Epochs (route feed protocol 2): a control plane kept in a store (`[control.store]`)
+stamps each table with its leadership's epoch; a router refuses a table of an epoch
+below the highest it has applied (a control plane that no longer leads: `StaleEpoch`)
+and looks for the leader. Epoch 0 is a single control plane's, never fenced.
+
+Versions: a router's `Hello` says the oldest protocol it speaks (`protocol`, what a
+control plane of protocol 1 checks, word for word) and its newest (`newest`); the
+control plane follows it in the newest both speak (`spoken`). A table is one shape for
+every version: a router of protocol 1 ignores the epoch (as every router ignores a
+field it does not know), and a control plane of protocol 1 sends none (epoch 0).
 `Traffic` every `TRAFFIC_INTERVAL_S` while it served anything: each model's and
 replica's requests, 4xx and 5xx answers, TTFT p90 and in flight, for the fleet page
 (at most `MAX_TRAFFIC_ROWS` rows a frame: ~120 bytes each, ~500 KB at most).
@@ -37,7 +48,9 @@ from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
 from llmgw_core.traffic import Sample
 
-PROTOCOL = 1
+PROTOCOL = 2  # the newest route feed protocol: 2 stamps each table with an epoch
+OLDEST_PROTOCOL = 1  # the oldest a router or a control plane of this release speaks
+EPOCH_PROTOCOL = 2  # the first whose routers refuse a table of a stale epoch
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a table of thousands of replicas still fits
 LOAD_INTERVAL_S = 2.0  # how often a router reports its autoscaled models' load
 MAX_LOAD_MODELS = 10_000  # models one load frame may name
@@ -47,6 +60,25 @@ MAX_TRAFFIC_ROWS = 4096  # models and replicas one traffic frame may name
 
 class FeedError(Exception):
     """A frame that cannot be used: not JSON, unknown type, wrong fields, wrong protocol."""
+
+
+class StaleEpoch(FeedError):
+    """A table of an epoch below the highest this router applied: its control plane led
+    once and no longer does (paused past its lease, then woken)."""
+
+    def __init__(self, epoch: int, highest: int) -> None:
+        super().__init__(
+            f"a route table of stale epoch {epoch} was refused (this router follows "
+            f"epoch {highest}): that control plane no longer leads"
+        )
+        self.epoch = epoch
+        self.highest = highest
+
+
+def stale(epoch: int, highest: int) -> bool:
+    """Whether a table of `epoch` is refused by a router that applied `highest`: a lower
+    epoch is; epoch 0 (a single control plane's) never is."""
+    return 0 < epoch < highest
 
 
 @attrs.frozen
@@ -65,6 +97,8 @@ class RouteTable:
     (`Load`) and hold their requests while no replica serves (scaled to zero).
     `traffic`: the control plane takes `Traffic` reports (one from before them would
     close the feed on an unknown message: its tables lack the field, False).
+    `epoch`: the leadership of the control plane that sent it (0: a single control
+    plane, or one from before epochs; never fenced).
     """
 
     version: int
@@ -74,6 +108,7 @@ class RouteTable:
     adapters: Mapping[str, str] = attrs.field(factory=dict, hash=False)
     autoscaled: frozenset[str] = frozenset()
     traffic: bool = False
+    epoch: int = 0
 
 
 EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
@@ -92,10 +127,19 @@ class Routes:
 
 @attrs.frozen
 class Hello:
-    """The first frame of every feed: the protocol and a name for the router (logs only)."""
+    """The first frame of every feed: the protocols the router speaks and a name for it
+    (logs only). `protocol`: the oldest it speaks; `newest`: the newest (0: `protocol`
+    alone, as a router of protocol 1 says it)."""
 
     protocol: int
     router: str
+    newest: int = 0
+
+
+def spoken(hello: Hello) -> int:
+    """The protocol a control plane of this release follows the router of `hello` in:
+    the newest both speak."""
+    return min(max(hello.protocol, hello.newest), PROTOCOL)
 
 
 @attrs.frozen
@@ -185,11 +229,8 @@ def decode_down(frame: str | bytes) -> DownMessage:
 def decode_up(frame: str | bytes) -> UpMessage:
     message = _decode(frame, UpMessage, _UP_TAGS)
     assert isinstance(message, Hello | InFlight | Load | Traffic)
-    if isinstance(message, Hello) and message.protocol != PROTOCOL:
-        raise FeedError(
-            f"route feed protocol {message.protocol} is not supported (this control plane "
-            f"speaks {PROTOCOL})"
-        )
+    if isinstance(message, Hello):
+        _check_hello(message)
     if isinstance(message, InFlight):
         if message.version < 0:
             raise FeedError(f"an in_flight frame's version must not be negative: {message.version}")
@@ -201,6 +242,19 @@ def decode_up(frame: str | bytes) -> UpMessage:
     if isinstance(message, Traffic):
         _check_traffic(message)
     return message
+
+
+def _check_hello(hello: Hello) -> None:
+    speaks = f"this control plane speaks {OLDEST_PROTOCOL} to {PROTOCOL}"
+    if hello.protocol > PROTOCOL:
+        raise FeedError(
+            f"route feed protocol {hello.protocol} is not supported ({speaks}): "
+            "upgrade the control plane before its routers"
+        )
+    if max(hello.protocol, hello.newest) < OLDEST_PROTOCOL:
+        raise FeedError(
+            f"route feed protocol {hello.protocol} is not supported ({speaks}): upgrade the router"
+        )
 
 
 def _check_traffic(message: Traffic) -> None:
@@ -254,6 +308,8 @@ def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> object:
 def _check_table(table: RouteTable) -> None:
     if table.version < 0:
         raise FeedError(f"a table's version must not be negative: {table.version}")
+    if table.epoch < 0:
+        raise FeedError(f"a table's epoch must not be negative: {table.epoch}")
     for model, endpoints in table.models.items():
         if not model:
             raise FeedError("a table names a model with an empty name")

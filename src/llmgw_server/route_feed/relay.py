@@ -11,7 +11,7 @@ from llmgw_core.autoscaling import RouterLoad, combine
 from llmgw_server.route_feed.connection import Connection
 from llmgw_server.route_feed.follower import report_load, report_traffic, run_feed
 from llmgw_server.route_feed.hub import RouteHub
-from llmgw_server.route_feed.messages import InFlight, RouteTable, encode
+from llmgw_server.route_feed.messages import InFlight, RouteTable, StaleEpoch, encode, stale
 
 
 class TableRelay:
@@ -21,23 +21,32 @@ class TableRelay:
     instead of serving each table it publishes it to `hub`, which the workers follow;
     back up go their in-flight counts, summed by the hub, under the control plane's
     version of the latest table every worker has applied. The hub numbers its tables
-    itself: `_versions` maps its versions to the control plane's.
+    itself: `_versions` maps its versions to the control plane's. It refuses a table of a
+    stale epoch as a Follower does (the workers keep the table they have).
     """
 
     def __init__(self, hub: RouteHub, name: str) -> None:
         self.hub = hub
         self.name = name
         self.table: RouteTable | None = None  # the last table received
+        self.epoch = 0  # the highest epoch of a table relayed
+        self.refused_stale = 0  # tables refused for a stale epoch
         self._versions: dict[int, int] = {}  # hub version -> the control plane's
         self._wake = trio.Event()
+        self._first_table = trio.Event()  # of the current connection
         self._arrived_before: dict[str, int] = {}  # hub.arrived when load() last read it
 
     async def follow(self, connection: Connection) -> None:
         """Follow until the peer closes the connection (see route_feed.follower)."""
         self._versions = {}
+        self._first_table = trio.Event()
         await run_feed(connection, self.name, self._received_table, self._report_forever)
 
     def _received_table(self, table: RouteTable) -> None:
+        if stale(table.epoch, self.epoch):
+            self.refused_stale += 1
+            raise StaleEpoch(table.epoch, self.epoch)
+        self.epoch = max(self.epoch, table.epoch)
         self.table = table
         local = self.hub.publish(
             table.models,
@@ -48,6 +57,7 @@ class TableRelay:
         )
         self._versions[local] = table.version
         self._wake.set()
+        self._first_table.set()
 
     async def _wake_on_reports(self) -> None:
         while True:
@@ -86,12 +96,10 @@ class TableRelay:
         """Tell the control plane what the workers report, each time it changes."""
         sent: InFlight | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                report_load, connection, scope, lambda: self.table, self.load, self._load_held
-            )
+            table, load, held = (lambda: self.table), self.load, self._load_held
+            nursery.start_soon(report_load, connection, scope, table, load, held, self._first_table)
             nursery.start_soon(self._wake_on_reports)
-            table, rows = (lambda: self.table), self.hub.take_traffic
-            nursery.start_soon(report_traffic, connection, scope, table, rows)
+            nursery.start_soon(report_traffic, connection, scope, table, self.hub.take_traffic)
             try:
                 while True:
                     await self._wake.wait()

@@ -5,26 +5,41 @@ it on the routers' lane), authenticated with the router token, and follows it; i
 dials again forever, with jittered backoff and a log line saying why each attempt
 failed. What follows is a `Following`: a router's Follower, or a workers' parent's
 TableRelay. The dialing itself, and its words, are llmgw_core.dial's.
+
+Several control planes (`--control` repeated or comma-separated: the leader and the
+standbys of control planes that share a store): the router follows whichever leads. A
+standby closes the feed with NOT_LEADER_CLOSE naming the leader: the router dials it at
+once, but only when it is one of its own URLs (same host and port; it is dialed as the
+router's URL says, never as the standby wrote it: a standby cannot send the router's
+token elsewhere). Naming none (no leader now), a refused stale epoch, or a leader's feed
+that broke or went silent: the next URL after a short jitter (`SWITCH_JITTER_S`), for a
+failover's time (`FAILOVER_WINDOW_S`), then the usual backoff. Throughout, the router
+serves its last table (`Dialing` decides; it is pure).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import ssl
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+import attrs
 import trio
 import trio_websocket
 
 from llmgw_core.agent_lane import ROUTER_ALPN
 from llmgw_core.dial import Advice, ConnectFailed, Dialed, Target, describe_rejection, dial
+from llmgw_core.logsafe import escaped
+from llmgw_core.wire import NOT_LEADER_CLOSE, leader_from_reason
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
 from llmgw_server.route_feed.connection import Connection
-from llmgw_server.route_feed.messages import MAX_FRAME_BYTES, FeedError, RouteTable
+from llmgw_server.route_feed.messages import MAX_FRAME_BYTES, FeedError, RouteTable, StaleEpoch
 from llmgw_server.route_feed.ws import WebSocketFeed
 
 log = logging.getLogger("llmgw.router")
@@ -37,6 +52,13 @@ CONNECT_TIMEOUT_S = 10.0
 BACKOFF_BASE_S = 0.25
 BACKOFF_CAP_S = 2.0
 KEEPALIVE_INTERVAL_S = 5.0  # the control plane is pinged after 10 s of quiet, cut after 20 s
+# Between control planes during a failover (a standby with no leader yet, a leader gone):
+# short, so that the router is on the new leader soon after it is elected, and jittered,
+# so that the routers of a fleet do not dial it all at once.
+SWITCH_JITTER_S = (0.1, 0.5)
+# How long after a leader's feed ended the next control plane is dialed after that jitter
+# rather than the backoff: an election (a lease of 10 s by default) and some.
+FAILOVER_WINDOW_S = 30.0
 
 
 class Following(Protocol):
@@ -73,6 +95,40 @@ def feed_target(control: str) -> Target:
     return Target(parts.hostname, port or (443 if secure else 80), ROUTES_RESOURCE, secure)
 
 
+def feed_targets(controls: str | Sequence[str]) -> list[Target]:
+    """The route feeds of the control planes `controls` names: one URL, or several (each
+    `--control` given, each comma-separated). Raises ValueError."""
+    given = [controls] if isinstance(controls, str) else list(controls)
+    urls = [url.strip() for value in given for url in value.split(",") if url.strip()]
+    if not urls:
+        raise ValueError("--control URL is required")
+    targets: list[Target] = []
+    for url in urls:
+        where = feed_target(url)
+        if any(_same_place(where, t) for t in targets):
+            raise ValueError(f"--control names {where.where} twice")
+        targets.append(where)
+    return targets
+
+
+def _same_place(a: Target, b: Target) -> bool:
+    return (a.host.lower(), a.port) == (b.host.lower(), b.port)
+
+
+def known_leader(url: str, targets: Sequence[Target]) -> int | None:
+    """Which of `targets` is at the host and port of the leader's `url` (a standby's
+    NOT_LEADER_CLOSE), None when none is: such a leader is not followed."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+    except ValueError:
+        return None
+    if not parts.hostname:
+        return None
+    leader = Target(parts.hostname, port, ROUTES_RESOURCE, True)
+    return next((i for i, t in enumerate(targets) if _same_place(leader, t)), None)
+
+
 def read_router_token(token_file: str | None) -> str:
     """The raw router token: the first line of `token_file`, else $LLMGW_ROUTER_TOKEN.
     Raises ValueError saying what is missing."""
@@ -100,29 +156,91 @@ def client_context(ca: Path | None) -> ssl.SSLContext:
     return context
 
 
+@attrs.frozen
+class FeedEnd:
+    """How one try at following a control plane ended."""
+
+    followed: bool  # its feed was opened (a standby's close is not following)
+    why: str
+    standby: bool = False  # closed with NOT_LEADER_CLOSE: it does not lead
+    leader: str | None = None  # the leader that standby named (None: none leads now)
+    stale: bool = False  # it sent a table of a stale epoch, refused here
+
+
+@attrs.define
+class Dialing:
+    """Which control plane to dial next, and when, after each try (pure: `jitter` and
+    the times are given)."""
+
+    targets: Sequence[Target]
+    jitter: Callable[[float, float], float] = random.uniform
+    at: int = 0  # the index of the one dialed last
+    failures: int = 0  # tries in a row that followed nothing, outside a failover
+    failover_until: float = -math.inf  # dial the next one after SWITCH_JITTER_S until then
+    redirected: bool = False  # the last try was sent on by a standby
+
+    def after(self, end: FeedEnd, now: float) -> tuple[float, str]:
+        """Move on from `end` (at `now`): (the delay before the next dial, which is
+        `targets[at]`, and what this router does, in words)."""
+        redirected, self.redirected = self.redirected, False
+        ahead = (self.at + 1) % len(self.targets)
+        if end.standby and end.leader is not None:
+            named = known_leader(end.leader, self.targets)
+            if named is not None:
+                self.at, self.redirected = named, True
+                # At once; a second redirect in a row (standbys that disagree while an
+                # election settles) waits the jitter: never a loop of dials.
+                delay = self._switch() if redirected else 0.0
+                return delay, "the leader is one of --control"
+            self.at = ahead
+            return self._switch(), "that leader is none of --control: not followed"
+        if end.standby or end.stale:
+            self.at = ahead
+            return self._switch(), "looking for the leader"
+        if end.followed:  # a leader's feed that ended: a failover, perhaps
+            self.failures = 0
+            self.failover_until = now + FAILOVER_WINDOW_S
+            self.at = ahead
+            return self._switch(), "looking for the leader"
+        self.at = ahead
+        if now < self.failover_until:
+            return self._switch(), "looking for the leader"
+        self.failures += 1
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(self.failures, 10))
+        # Routers that lost the same control plane spread.
+        return delay * self.jitter(0.5, 1.0), "backing off"
+
+    def _switch(self) -> float:
+        return self.jitter(*SWITCH_JITTER_S)
+
+
 async def follow_forever(
     follower: Following,
-    where: Target,
+    where: Target | Sequence[Target],
     token: str,
     ssl_context: ssl.SSLContext | None,
     ca: Path | None,
 ) -> None:
-    """Follow the control plane, dialing again after every failure, forever."""
-    failures = 0
+    """Follow the control plane that leads among `where` (one, or several that share a
+    store), dialing again after every failure, forever (see the module's docstring)."""
+    dialing = Dialing([where] if isinstance(where, Target) else list(where))
     while True:
-        followed, why = await follow_once(follower, where, token, ssl_context, ca)
-        failures = 0 if followed else failures + 1
-        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** min(failures, 10))
-        delay *= random.uniform(0.5, 1.0)  # routers that lost the same control plane spread
+        dialed = dialing.targets[dialing.at]
+        end = await follow_ended(follower, dialed, token, ssl_context, ca)
+        delay, doing = dialing.after(end, trio.current_time())
         table = follower.table
         held = (
             f"serving the last route table ({len(table.models)} models)"
             if table is not None
             else "no route table yet"
         )
-        log.warning(
-            "route feed from %s: %s; %s; dialing again in %.1f s", where.where, why, held, delay
-        )
+        following = dialing.targets[dialing.at]
+        then = f"dialing {following.where}" if following != dialed else "dialing again"
+        then += f" in {delay:.1f} s" if delay else " now"
+        if len(dialing.targets) > 1:
+            then = f"{doing}; {then}"
+        level = logging.INFO if end.standby and delay == 0 else logging.WARNING
+        log.log(level, "route feed from %s: %s; %s; %s", dialed.where, end.why, held, then)
         await trio.sleep(delay)
 
 
@@ -134,14 +252,26 @@ async def follow_once(
     ca: Path | None,
 ) -> tuple[bool, str]:
     """Dial and follow until the feed ends: (whether it was followed, why it ended)."""
+    end = await follow_ended(follower, where, token, ssl_context, ca)
+    return end.followed, end.why
+
+
+async def follow_ended(
+    follower: Following,
+    where: Target,
+    token: str,
+    ssl_context: ssl.SSLContext | None,
+    ca: Path | None,
+) -> FeedEnd:
+    """Dial and follow until the feed ends: how it ended."""
     try:
         with trio.fail_after(CONNECT_TIMEOUT_S):
             stream = await dial(where, ssl_context, ca, alpn=ROUTER_ALPN, advice=ROUTER_ADVICE)
     except ConnectFailed as exc:
-        return False, str(exc)
+        return FeedEnd(False, str(exc))
     except trio.TooSlowError:
-        return False, f"no answer from {where.where} within {CONNECT_TIMEOUT_S:g} s"
-    outcome = (False, "")
+        return FeedEnd(False, f"no answer from {where.where} within {CONNECT_TIMEOUT_S:g} s")
+    outcome = FeedEnd(False, "")
     try:
         async with trio.open_nursery() as nursery:
             outcome = await _follow_stream(nursery, follower, stream, where, token)
@@ -150,11 +280,10 @@ async def follow_once(
     except* trio_websocket.ConnectionRejected as group:
         first = group.exceptions[0]
         assert isinstance(first, trio_websocket.ConnectionRejected)
-        outcome = (False, describe_rejection(first))
+        outcome = FeedEnd(False, describe_rejection(first))
     except* (trio_websocket.HandshakeError, OSError, trio.BrokenResourceError) as group:
-        outcome = (
-            False,
-            f"the websocket handshake with {where.where} failed: {group.exceptions[0]!r}",
+        outcome = FeedEnd(
+            False, f"the websocket handshake with {where.where} failed: {group.exceptions[0]!r}"
         )
     finally:
         await trio.aclose_forcefully(stream)
@@ -167,7 +296,7 @@ async def _follow_stream(
     stream: Dialed,
     where: Target,
     token: str,
-) -> tuple[bool, str]:
+) -> FeedEnd:
     host = where.host if where.port == (443 if where.secure else 80) else where.where
     ws = None
     with trio.move_on_after(CONNECT_TIMEOUT_S):
@@ -181,9 +310,10 @@ async def _follow_stream(
         )
     if ws is None:
         hint = "" if where.secure else " (if the control port runs TLS, dial https://)"
-        return False, (
+        return FeedEnd(
+            False,
             f"no answer to the websocket handshake from {where.where} within "
-            f"{CONNECT_TIMEOUT_S:g} s{hint}"
+            f"{CONNECT_TIMEOUT_S:g} s{hint}",
         )
     log.info("following the route table of %s", where.where)
     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
@@ -192,10 +322,12 @@ async def _follow_stream(
     nursery.start_soon(read_frames, ws, inbox_send, None, heard)
     nursery.start_soon(cut_when_silent, ws, heard, silence_bound(KEEPALIVE_INTERVAL_S), silent)
     why = "the control plane closed the route feed"
+    stale = closed_here = False
     with silent:
         try:
             await follower.follow(WebSocketFeed(ws, inbox_receive, "the control plane"))
         except FeedError as exc:
+            stale, closed_here = isinstance(exc, StaleEpoch), True
             why = f"a frame from the control plane cannot be used: {exc}"
             with trio.move_on_after(1):
                 await ws.aclose(code=1008, reason=str(exc)[:120])
@@ -204,11 +336,20 @@ async def _follow_stream(
         except Exception as exc:  # a bug here must not stop the router serving
             log.exception("following the route table failed")
             why = f"following failed: {type(exc).__name__}: {exc}"
+    closed = ws.closed
     if silent.cancelled_caught:
         cut = silence_bound(KEEPALIVE_INTERVAL_S).cut_after_s
         why = f"nothing heard from the control plane for {cut:g} s"
-    elif ws.closed is not None and ws.closed.reason:
-        why += f" ({ws.closed.reason})"
+    elif closed is None or closed_here:
+        pass  # why says it; the close's reason is this router's own
+    elif closed.code == NOT_LEADER_CLOSE:
+        reason = escaped(closed.reason or "", limit=200)
+        leader = leader_from_reason(closed.reason)
+        with trio.move_on_after(1):
+            await ws.aclose()
+        return FeedEnd(False, f"it does not lead ({reason})", standby=True, leader=leader)
+    elif closed.reason:
+        why += f" ({closed.reason})"
     with trio.move_on_after(1):
         await ws.aclose()
-    return True, why
+    return FeedEnd(True, why, stale=stale)

@@ -154,6 +154,9 @@ class Router:
         self.tokenizer = Tokenizer(refused=self.metrics.tokenize_refused)
         self._tokenize_turn = 0
         self._load_wanted = trio.Event()  # set when a request is held: report at once
+        # A request was held since the last load report: one held while no one waited
+        # (the feed between two reports, or between two control planes) is not missed.
+        self._held_unreported = False
         self.ready = False  # the first health probe round is done
         self.draining = False
         self._5xx_log = RateLimit(period_s=10.0)
@@ -250,6 +253,7 @@ class Router:
     def load_report(self) -> dict[str, RouterLoad]:
         """Each autoscaled model's load since the last report (route_feed.messages.Load)."""
         now = trio.current_time()
+        self._held_unreported = False
         report = {}
         for model, meter in self.meters.items():
             if model not in self._autoscaled:
@@ -300,9 +304,15 @@ class Router:
                 meter.may_serve()
         self._start_hold = frozenset()
 
+    def table_refused(self, reason: str) -> None:
+        """The route feed refused a table (route_feed.follower): counted on /metrics."""
+        self.metrics.tables_refused[reason] += 1
+
     async def wait_load_wanted(self) -> None:
-        """Until a request is held (the control plane should hear of it at once)."""
-        await self._load_wanted.wait()
+        """Until a request is held (the control plane should hear of it at once): at once
+        when one was held since the last `load_report`."""
+        if not self._held_unreported:
+            await self._load_wanted.wait()
 
     def in_flight(self, endpoints: frozenset[Endpoint]) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -654,6 +664,7 @@ class Router:
         metrics = self.metrics
         metrics.held[model] += 1
         metrics.held_bytes[model] += size
+        self._held_unreported = True
         self._load_wanted.set()
         self._load_wanted = trio.Event()
         started = trio.current_time()

@@ -44,6 +44,8 @@ class RouterMetrics:
         # Requests answered 503 instead of held, or after: by model and reason (meter).
         self.held_refused: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.queued: defaultdict[str, Histogram] = defaultdict(lambda: Histogram(_HELD_BUCKETS))
+        # Route tables the feed refused, by reason (route_feed.follower): stale_epoch.
+        self.tables_refused: Counter[str] = Counter({"stale_epoch": 0})
 
     def chose(self, model: str, choice: Choice, prompt: PromptKey | None, *, first: bool) -> None:
         self.decisions[(model, choice.decision.value)] += 1
@@ -112,6 +114,14 @@ class RouterMetrics:
         )
         for model, hist in sorted(self.queued.items()):
             out.extend(hist.render("llmgw_request_queued_seconds", _labels(model=model)))
+        family(
+            "llmgw_route_tables_refused_total",
+            "counter",
+            "Route tables refused, by reason: stale_epoch (sent by a control plane whose "
+            "leadership is older than one this router followed: it no longer leads).",
+        )
+        for reason, n in sorted(self.tables_refused.items()):
+            out.append(f"llmgw_route_tables_refused_total{_labels(reason=reason)} {n}")
         family("llmgw_upstream_retries_total", "counter", "Attempts made on another replica.")
         for model, n in sorted(self.retries.items()):
             out.append(f"llmgw_upstream_retries_total{_labels(model=model)} {n}")
