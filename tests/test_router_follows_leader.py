@@ -28,11 +28,11 @@ import trio_websocket
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import digest_of, parse_config
 from llmgw_core.dial import Target
-from llmgw_core.wire import NOT_LEADER_CLOSE, not_leader_reason
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_mock_engine.engine import MockEngine, MockSettings
 from llmgw_server import wiring
 from llmgw_server.__main__ import run_cli
+from llmgw_server.control_shell.standby import StandbyAnswers
 from llmgw_server.route_feed import follower as follower_module
 from llmgw_server.route_feed.hub import RouteHub, serve_websocket
 from llmgw_server.route_feed.messages import (
@@ -101,11 +101,16 @@ class Plane:
                 self.hub, request, raw, router_digest=digest, admin_digest=None, peer="router"
             )
             return
-        async with trio.open_nursery() as nursery:
-            ws_request = await trio_websocket.wrap_server_stream(nursery, raw)
-            ws = await ws_request.accept()
-            await ws.aclose(code=NOT_LEADER_CLOSE, reason=not_leader_reason(self.leader))
-            nursery.cancel_scope.cancel()
+        # The control port's own standby (control_shell.standby): NOT_LEADER_CLOSE, its
+        # reason naming the leader's URL with the feed's path, or why none leads.
+        standing = Standing(self.leader)
+        await StandbyAnswers(lambda: standing, lambda: b"").upgrade(request, raw)
+
+
+@attrs.frozen
+class Standing:
+    leader_url: str | None
+    why: str = "no leader is elected now"
 
 
 async def _nothing(request: Request, responder: Responder) -> None:
@@ -210,7 +215,7 @@ async def test_a_router_goes_from_a_standby_to_the_leader_it_names_at_once(
     (line,) = [line for line in feed_lines(router_log) if "does not lead" in line]
     assert line == (
         f"route feed from 127.0.0.1:{standby.port}: it does not lead (leader at "
-        f"{leader.advertised}); no route table yet; the leader is one of --control; "
+        f"{leader.advertised}/v1/routes); no route table yet; the leader is one of --control; "
         f"dialing 127.0.0.1:{leader.port} now"
     )
 
@@ -258,7 +263,7 @@ async def test_a_leader_named_outside_the_routers_list_is_never_dialed(
             nursery.cancel_scope.cancel()
     assert elsewhere.dials == [] and elsewhere.tokens == []
     (line,) = [line for line in feed_lines(router_log) if "does not lead" in line]
-    assert f"(leader at {elsewhere.advertised})" in line
+    assert f"(leader at {elsewhere.advertised}/v1/routes)" in line
     assert "that leader is none of --control: not followed" in line
 
 
