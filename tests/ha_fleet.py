@@ -4,8 +4,10 @@ that know every control plane, and a request loop through the routers apart."""
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
+import subprocess
 import sys
 import threading
 import time
@@ -147,6 +149,28 @@ class HAFleet:
         answer.raise_for_status()
         data: dict[str, Any] = answer.json()
         return data
+
+    def cli(
+        self, *args: str, via: Sequence[ControlPlaneProc] = ()
+    ) -> subprocess.CompletedProcess[str]:
+        """The admin CLI given every control plane (or `via`), trusting the fleet's CA."""
+        controls = ",".join(p.control for p in (via or self.planes))
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmgw_server",
+                "--control",
+                controls,
+                "--ca",
+                str(self.fleet.certs / "ca.crt"),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "LLMGW_ADMIN_TOKEN": self.admin_token},
+        )
 
     def router_apart(self) -> Proc:
         port = free_port()

@@ -107,6 +107,15 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
             wait_until(lambda: loop.done > served + 20, what="requests after the fault")
         finally:
             loop.stop()
+        # The CLI, given every control plane (the dead one first), finds the leader.
+        cli = ha.cli("status")
+        assert cli.returncode == 0, cli.stderr
+        assert f"at {new.url} (epoch {status['control']['epoch']} since" in cli.stdout
+        assert "control planes: 2: " in cli.stdout and "store: ok" in cli.stdout
+        # Given only a standby, it is told where the leader is and to list it.
+        standby = next(p for p in ha.planes if p.alive and p is not new)
+        alone = ha.cli("status", via=[standby])
+        assert alone.returncode == 1 and "give every control plane" in alone.stderr
         assert not loop.errors, loop.errors[:5]
         assert started_engines(fleet) == engines  # adopted, never restarted
         assert placements(new) == 0, new.proc.output()[-3000:]

@@ -26,6 +26,7 @@ import httpx
 from llmgw_core.tls_advice import cert_error, name_mismatch
 from llmgw_server.admin_reach import LeaderClient, controls
 from llmgw_server.control.documents import (
+    ControlDoc,
     DocumentError,
     ExplainDoc,
     ModelDoc,
@@ -119,7 +120,33 @@ def render_status(status: StatusDoc) -> str:
     out = [nodes, "", replicas, "", models]
     if status.guard:
         out += ["", f"mass-loss guard: {status.guard}"]
+    if status.control is not None:
+        out += ["", *_control_lines(status.control)]
     return "\n".join(out)
+
+
+def _control_lines(control: ControlDoc) -> list[str]:
+    """Who leads the control planes that share a store, and the store's health."""
+    leader = control.leader
+    since = (
+        ""
+        if control.since is None
+        else " since " + time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(control.since))
+    )
+    lines = [
+        f"leader: {leader.id} at {leader.url} (epoch {control.epoch}{since})"
+        if leader is not None
+        else f"leader: none ({control.why})"
+    ]
+    if control.control_planes is not None:
+        planes = ", ".join(
+            p.url + (" (leads)" if leader is not None and p.id == leader.id else "")
+            for p in control.control_planes
+        )
+        lines.append(f"control planes: {len(control.control_planes)}: {planes}")
+    latency = "" if control.store_latency_ms is None else f", {control.store_latency_ms:g} ms"
+    lines.append(f"store: {'ok' if control.store_ok else 'unreachable'}{latency}")
+    return lines
 
 
 def _autoscaling(model: ModelDoc) -> str:

@@ -132,6 +132,30 @@ class PageDoc:
 
 
 @attrs.define
+class ControlPlaneDoc:
+    id: str
+    url: str  # as its peers dial it (wss://HOST:PORT)
+    started_at: float  # wall-clock seconds
+
+
+@attrs.define
+class ControlDoc:
+    """Control planes that share a store ([control.store]): who leads and since when
+    (wall-clock seconds), the leadership's epoch, every control plane that is up (None:
+    the store did not say in time), and the store's health as the answering one sees it."""
+
+    this: str  # the control plane that answered
+    leader: ControlPlaneDoc | None
+    epoch: int
+    since: float | None
+    why: str
+    store_ok: bool
+    store_latency_ms: float | None
+    leadership_changes: int  # this control plane's, since it started
+    control_planes: tuple[ControlPlaneDoc, ...] | None
+
+
+@attrs.define
 class StatusDoc:
     """GET /v1/admin/status: the fleet, or a page of it (`page` only then)."""
 
@@ -140,6 +164,7 @@ class StatusDoc:
     models: tuple[ModelDoc, ...]
     guard: str | None  # why the mass-loss guard holds
     page: PageDoc | None = None
+    control: ControlDoc | None = None  # where control planes share a store
 
 
 @attrs.define

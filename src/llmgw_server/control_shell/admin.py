@@ -36,6 +36,7 @@ from llmgw_core.tomlshape import ConfigError
 from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import (
     AutoscaleDoc,
+    ControlDoc,
     EngineDoc,
     ExplainDoc,
     GpuDoc,
@@ -75,7 +76,7 @@ _SET_TOKEN = "set [admin] token_digest or token_env"
 class SeatView(Protocol):
     """A control plane among several sharing a store (seat.Seat), as status shows it."""
 
-    def status_doc(self) -> dict[str, object]: ...
+    async def control_doc(self) -> ControlDoc: ...
 
     def metrics_page(self) -> bytes: ...
 
@@ -178,9 +179,8 @@ class AdminAPI:
                 len(view.nodes) if page is None else page.of,
                 held=self.plane.held(),
             )
-            data = to_json(attrs.evolve(doc, page=page))
-            if self.seat is not None:
-                data["control"] = self.seat.status_doc()
+            control = None if self.seat is None else await self.seat.control_doc()
+            data = to_json(attrs.evolve(doc, page=page, control=control))
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
             await responder.whole(200, json.dumps(data, separators=(",", ":")).encode())
         elif request.method == b"GET" and rest == ["stream"]:

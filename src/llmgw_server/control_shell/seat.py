@@ -29,6 +29,7 @@ from llmgw_core.catalog import Catalog
 from llmgw_core.config import Config
 from llmgw_core.store_config import StoreSection
 from llmgw_http.server import Request, Responder
+from llmgw_server.control.documents import ControlDoc, ControlPlaneDoc
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.control_shell.election import Election, Member, Standing
@@ -46,6 +47,8 @@ PEER_TOKEN_KEY = b"peer_token"
 _STREAMS_CLOSE_S = 1.0
 # How long a resignation may take (the store away): past it, the lease ends on its own.
 _RESIGN_S = 3.0
+_RETRY_S = 0.2
+_MEMBERS_S = 1.0  # status waits this long for the store's list of control planes
 
 
 def catalog_digest(config: Config) -> str:
@@ -171,14 +174,28 @@ class Seat:
     async def _begin_term(self, standing: Standing, nursery: trio.Nursery) -> None:
         election = self.election
         assert election is not None
+        log.info("beginning to lead as epoch %d", standing.epoch)
         token = secrets.token_urlsafe(32)
-        try:
-            written = await election.write({self._key(PEER_TOKEN_KEY): token.encode()}, ())
-        except StoreError as exc:
-            log.warning("could not begin leading (epoch %d): %s", standing.epoch, exc)
-            return
+        while True:
+            try:
+                written = await election.write({self._key(PEER_TOKEN_KEY): token.encode()}, ())
+                break
+            except StoreError as exc:
+                # Until the lease ends, the store may answer again: the election says when
+                # this leadership is over.
+                log.warning("beginning to lead (epoch %d): the store: %s", standing.epoch, exc)
+                if not election.may_act():
+                    return
+                await trio.sleep(_RETRY_S)
         if not written:
-            return  # the leadership ended already: the election says so next
+            # The guard or the fence refused: the leadership ended already, and the
+            # election says so next.
+            log.warning(
+                "elected as epoch %d, but the store's guard refused the first write: not "
+                "leading",
+                standing.epoch,
+            )
+            return
         self._peer_digest = bearer_digest(b"Bearer " + token.encode())
         interval = min(HEARTBEAT_INTERVAL_S, self.config.control.unreachable_after_s / 3)
         plane = ControlPlane(
@@ -274,19 +291,32 @@ class Seat:
     def metrics_page(self) -> bytes:
         return self.metrics.render(self.leadership())
 
-    def status_doc(self) -> dict[str, object]:
-        """Who leads, since when, the epoch, and the store's health, for `status`."""
+    async def control_doc(self) -> ControlDoc:
+        """Who leads, since when, the epoch, every control plane and the store's health,
+        for `status`."""
         election = self.election
         standing = election.standing if election is not None else None
         leader = standing.leader if standing is not None else None
-        return {
-            "leading": self.plane is not None,
-            "epoch": standing.epoch if standing is not None else 0,
-            "leader": None if leader is None else {"id": leader.id, "url": leader.url},
-            "since": standing.since if standing is not None else None,
-            "why": standing.why if standing is not None else "",
-            "store_ok": standing.store_ok if standing is not None else False,
-            "this": self.url,
-            "store_latency_ms": self.metrics.latency_ms(),
-            "leadership_changes": self.metrics.changes,
-        }
+        members: tuple[ControlPlaneDoc, ...] | None = None
+        if election is not None:
+            with trio.move_on_after(_MEMBERS_S):
+                try:
+                    found = await election.members()
+                    members = tuple(sorted(map(_member_doc, found), key=lambda m: m.url))
+                except StoreError:
+                    members = None
+        return ControlDoc(
+            this=self.url,
+            leader=None if leader is None else _member_doc(leader),
+            epoch=standing.epoch if standing is not None else 0,
+            since=standing.since if standing is not None else None,
+            why=standing.why if standing is not None else "the election has not started",
+            store_ok=standing.store_ok if standing is not None else False,
+            store_latency_ms=self.metrics.latency_ms(),
+            leadership_changes=self.metrics.changes,
+            control_planes=members,
+        )
+
+
+def _member_doc(member: Member) -> ControlPlaneDoc:
+    return ControlPlaneDoc(member.id, member.url, member.started_at)
