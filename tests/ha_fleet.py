@@ -19,6 +19,7 @@ import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from etcd_cluster import EtcdCluster
 from fleet import Fleet, wait_until
 from llmgw_core.config import digest_of
 from procs import Proc, free_port
@@ -66,7 +67,13 @@ class HAFleet:
         self.path = self.fleet.server_config(models, control + store, agents=admin)
 
     def control_plane(self) -> ControlPlaneProc:
-        port, control_port = free_port(), free_port()
+        return self._start(free_port(), free_port())
+
+    def control_plane_at(self, old: ControlPlaneProc) -> ControlPlaneProc:
+        """A control plane again on `old`'s ports (a restart: agents and routers list it)."""
+        return self._start(old.port, old.control_port)
+
+    def _start(self, port: int, control_port: int) -> ControlPlaneProc:
         argv = [
             sys.executable,
             "-m",
@@ -107,12 +114,18 @@ class HAFleet:
         )
 
     @contextmanager
-    def explained(self) -> Iterator[None]:
+    def explained(self, etcd: EtcdCluster | None = None) -> Iterator[None]:
         """A failed assertion inside says what every process logged last."""
         try:
             yield
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.logs()}") from None
+            members = range(len(etcd.endpoints)) if etcd is not None else range(0)
+            store = "".join(
+                f"\n--- etcd member {i}:\n" + "\n".join(etcd.log(i).splitlines()[-15:])
+                for i in members
+                if etcd is not None
+            )
+            raise AssertionError(f"{exc}\n{self.logs()}{store}") from None
 
     @property
     def server_urls(self) -> list[str]:

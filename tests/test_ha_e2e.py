@@ -196,3 +196,83 @@ def test_a_leader_paused_past_its_lease_wakes_and_does_not_act(
         log = old.proc.output()
         woke = log.index("no longer leading")
         assert not re.search(r"starting replica|draining replica|stopping replica", log[woke:])
+
+
+def test_etcd_away_for_30_s_then_back(fleet: Fleet, etcd3: EtcdCluster) -> None:
+    """With the store away the leader steps down at its lease's end; routers keep serving
+    and agents keep their engines; status on any control plane says why. Back: a leader
+    adopts what runs. One member killed first: nothing notices."""
+    ha = running_fleet(fleet, etcd3.endpoints)
+    with ha.explained(etcd3):
+        engines = started_engines(fleet)
+        loop = RequestLoop([r.url for r in ha.routers])
+        loop.start()
+        try:
+            wait_until(lambda: loop.done > 20, what="requests before the fault")
+            first = ha.leader()
+            etcd3.kill(0)  # a quorum of two is left
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests with a member gone")
+            assert admin_write_accepted(ha)
+            assert ha.leader() is first  # no change of leader for a member's loss
+            etcd3.stop_all()
+            stopped = time.monotonic()
+            wait_until(
+                lambda: not any(ha.is_leader(p) for p in ha.planes),
+                timeout=3 * ha.lease_ttl_s + 10,
+                what="the leader to step down without its store",
+            )
+            answer = httpx.get(first.control + "/v1/admin/status", verify=fleet.tls, timeout=5)
+            assert answer.status_code == 503
+            assert "no leader" in answer.json()["error"]["message"]
+            served = loop.done
+            # The fault's length is the point here: requests go on throughout.
+            wait_until(lambda: time.monotonic() - stopped >= 30, timeout=40, what="30 s")
+            assert loop.done > served + 50, (served, loop.done)
+            etcd3.start_all()
+            wait_until(lambda: admin_write_accepted(ha), timeout=30, what="a leader again")
+            wait_until(
+                lambda: (
+                    {n["name"] for n in ha.status()["nodes"] if n["status"] == "reachable"}
+                    == {"gpu-1", "gpu-2"}
+                ),
+                timeout=30,
+                what="both agents registered with the leader",
+            )
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests after the store's return")
+        finally:
+            loop.stop()
+        assert not loop.errors, loop.errors[:5]
+        assert started_engines(fleet) == engines
+        assert sum(placements(p) for p in ha.planes) == 2  # the first leader's two, only
+
+
+def test_every_control_plane_restarted_one_at_a_time(fleet: Fleet, etcd: EtcdCluster) -> None:
+    ha = running_fleet(fleet, etcd.endpoints)
+    with ha.explained():
+        engines = started_engines(fleet)
+        loop = RequestLoop([r.url for r in ha.routers])
+        loop.start()
+        try:
+            for plane in list(ha.planes):
+                wait_until(lambda: loop.done > 10, what="requests")
+                plane.proc.signal(signal.SIGTERM)
+                plane.proc.popen.wait(20)
+                ha.planes.remove(plane)
+                ha.control_plane_at(plane)
+                wait_until(lambda: admin_write_accepted(ha), timeout=20, what="a leader")
+                wait_until(
+                    lambda: (
+                        {n["name"] for n in ha.status()["nodes"] if n["status"] == "reachable"}
+                        == {"gpu-1", "gpu-2"}
+                    ),
+                    timeout=30,
+                    what="both agents registered with the leader",
+                )
+            served = loop.done
+            wait_until(lambda: loop.done > served + 20, what="requests after the restarts")
+        finally:
+            loop.stop()
+        assert not loop.errors, loop.errors[:5]
+        assert started_engines(fleet) == engines

@@ -80,9 +80,7 @@ class Leadership:
 
 
 class Seat:
-    def __init__(
-        self, config: Config, reload: Callable[[], Awaitable[ReloadPlan]] | None
-    ) -> None:
+    def __init__(self, config: Config, reload: Callable[[], Awaitable[ReloadPlan]] | None) -> None:
         assert config.control.store is not None
         self.config = config
         self.store: StoreSection = config.control.store
@@ -111,7 +109,9 @@ class Seat:
         if standing is None:
             return Leadership(False, None, "the election has not started", 0)
         leader = standing.leader
-        url = leader.url if leader is not None and not standing.leading else None
+        # Only a leader the store vouches for now, and not this one (it stepped down).
+        named = leader is not None and standing.store_ok and leader.url != self.url
+        url = leader.url if named and leader is not None and not standing.leading else None
         return Leadership(self.plane is not None, url, standing.why, standing.epoch)
 
     async def changed(self) -> None:
@@ -139,7 +139,11 @@ class Seat:
             catalog_digest=catalog_digest(self.config),
             started_at=time.time(),
         )
-        client = EtcdClient.for_store(self.store, observe=self.metrics.store_request)
+        # A renewal sent to a silent member must fail over to another within the lease.
+        timeout_s = min(2.0, self.store.lease_ttl_s / 4)
+        client = EtcdClient.for_store(
+            self.store, observe=self.metrics.store_request, timeout_s=timeout_s
+        )
         self.client = client
         try:
             async with trio.open_nursery() as nursery:
@@ -191,8 +195,7 @@ class Seat:
             # The guard or the fence refused: the leadership ended already, and the
             # election says so next.
             log.warning(
-                "elected as epoch %d, but the store's guard refused the first write: not "
-                "leading",
+                "elected as epoch %d, but the store's guard refused the first write: not leading",
                 standing.epoch,
             )
             return
