@@ -276,3 +276,53 @@ def test_every_control_plane_restarted_one_at_a_time(fleet: Fleet, etcd: EtcdClu
             loop.stop()
         assert not loop.errors, loop.errors[:5]
         assert started_engines(fleet) == engines
+
+
+AT_ZERO = """
+[[models]]
+name = "idle"
+[models.profile]
+engine = "vllm"
+model = "org/idle"
+gpu_memory_gib = 20
+[models.autoscale]
+min = 0
+max = 1
+target_in_flight = 2
+"""
+
+
+def test_a_model_at_zero_woken_during_a_failover_serves_its_held_request(
+    fleet: Fleet, etcd: EtcdCluster
+) -> None:
+    """The leader dies and a request for a model at zero arrives at a router apart before
+    any standby leads: the router holds it, tells the new leader on connecting, and the
+    request is served by the replica that leader starts."""
+    ha = HAFleet(fleet, etcd.endpoints)
+    ha.config(MODEL + AT_ZERO, control="autoscale_interval_s = 0.5")
+    for _ in range(3):
+        ha.control_plane()
+    with ha.explained(etcd):
+        ha.leader()
+        ha.agent("gpu-1")
+        ha.agent("gpu-2")
+        wait_until(
+            lambda: len([r for r in ha.status()["replicas"] if r["serving"]]) == 2,
+            timeout=60,
+            what="chat's replicas serving",
+        )
+        router = ha.router_apart()
+        old = ha.leader()
+        old.proc.signal(signal.SIGKILL)
+        body = {"model": "idle", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with (
+            httpx.Client(base_url=router.url, timeout=60) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as answer,
+        ):
+            assert answer.status_code == 200
+            rest = b"".join(answer.iter_bytes())
+        assert rest.startswith(b": waiting for a replica of idle to start")
+        assert rest.endswith(b"data: [DONE]\n\n") and b'"content"' in rest, rest[-300:]
+        new = ha.leader()
+        assert new is not old
+        assert "scaling idle from 0 to 1 replicas" in new.proc.output()
