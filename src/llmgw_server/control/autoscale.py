@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
+from collections.abc import Iterable
 
 import attrs
 
@@ -145,6 +146,31 @@ class Autoscaler:
         """Begin at `current` replicas (those running), or at `min` (at least one)."""
         start = max(spec.min, 1) if current is None else current
         return cls(spec, min(max(start, spec.min), spec.max), now)
+
+    @classmethod
+    def resume(
+        cls,
+        spec: Autoscale,
+        desired: int,
+        changed_at: float,
+        window: Iterable[tuple[float, int]] = (),
+    ) -> Autoscaler:
+        """Go on from a count another control plane decided (control.persisted): its
+        last change and the readings of `window` still count in the down window."""
+        scaler = cls(spec, min(max(desired, spec.min), spec.max), changed_at)
+        scaler._readings.extend(sorted(window))
+        return scaler
+
+    def window(self) -> list[tuple[float, int]]:
+        """The readings that can still hold replicas, oldest first: each needs more than
+        every later one (a later reading that needs as many outlives it in the window),
+        so there is at most one per count. O(readings)."""
+        kept: list[tuple[float, int]] = []
+        for at, n in reversed(self._readings):
+            if not kept or n > kept[-1][1]:
+                kept.append((at, n))
+        kept.reverse()
+        return kept
 
     def decide(self, load: ModelLoad, now: float) -> Decision:
         """This cycle's count: up at once, down only as the window allows."""

@@ -23,6 +23,7 @@ from llmgw_server.control.commands import Command, StartShard
 from llmgw_server.control.known import Known
 from llmgw_server.control.launch import launch_specs
 from llmgw_server.control.lifecycle import Node
+from llmgw_server.control.persisted import StoredReplica
 from llmgw_server.control.placement import Assignment
 from llmgw_server.control.placing import Shortfall
 from llmgw_server.control.replicas import (
@@ -117,14 +118,86 @@ class Decider:
         # running replicas kept beyond their count: a restarted control plane keeps what
         # runs until it has measured the load.
         self.holding: dict[str, int] = {}
+        # Restored from a store (control.persisted): replicas it says run, none of whose
+        # nodes has registered yet. Each counts toward its model (unless retiring) until
+        # one of its nodes registers (its agent then says what runs) or `grace_until`,
+        # when it is placed again, as a replica whose node is lost.
+        self.awaited: dict[str, StoredReplica] = {}
+        self._awaited_on: dict[str, set[str]] = {}  # node -> awaited replica ids
+        self._awaited_of: dict[str, set[str]] = {}  # model -> awaited replica ids
+        # The nodes the store names that have not registered: the settle time ends once
+        # none is left. None: no store spoke.
+        self._unheard: set[str] | None = None
+
+    def await_replicas(self, replicas: Mapping[str, StoredReplica], now: float) -> list[str]:
+        """What a store says runs, before any node registered; returns notes. O(replicas)."""
+        self.awaited = dict(replicas)
+        self._unheard = set()
+        for rid, stored in replicas.items():
+            self._awaited_of.setdefault(stored.model, set()).add(rid)
+            for node in stored.nodes:
+                self._awaited_on.setdefault(node, set()).add(rid)
+                self._unheard.add(node)
+        if not self._unheard:
+            if self.shortfall.end_settle(now):
+                return ["the store names no replica: missing replicas are placed at once"]
+            return []
+        n, m = len(self._unheard), len(replicas)
+        return [
+            f"the store names {m} replica(s) on {n} node(s): placement waits for those nodes "
+            f"to register, for settle_after_start_s ({self.settings.settle_after_start_s:g} "
+            f"s) at most, and their replicas are replaced only after lost_after_s "
+            f"({self.settings.lost_after_s:g} s)"
+        ]
+
+    def registered(self, node: str, now: float) -> tuple[set[str], list[str]]:
+        """A node registered: the awaited replicas with a rank on it are its agents' to
+        report from now on. Returns the models to judge again and notes. O(those)."""
+        models = set()
+        for rid in self._awaited_on.pop(node, ()):
+            stored = self.awaited.pop(rid, None)
+            if stored is None:
+                continue
+            self.known.store.touched.add(rid)
+            models.add(stored.model)
+            of = self._awaited_of[stored.model]
+            of.discard(rid)
+            if not of:
+                del self._awaited_of[stored.model]
+            for other in stored.nodes:
+                self._awaited_on.get(other, set()).discard(rid)
+        notes = []
+        unheard = self._unheard
+        if unheard is not None and node in unheard:
+            unheard.discard(node)
+            if not unheard:
+                self._unheard = None
+                if self.shortfall.end_settle(now):
+                    models |= set(self._missing)
+                    notes.append(
+                        "every node the store names has registered: missing replicas are "
+                        "placed from now on, without the rest of the settle time"
+                    )
+        return models, notes
+
+    def _awaited_count(self, model: str, now: float) -> int:
+        if now >= self.grace_until:
+            return 0
+        return sum(not self.awaited[rid].retiring for rid in self._awaited_of.get(model, ()))
 
     def next_due(self) -> float | None:
-        times = (self._due.next(), self._settle_due)
+        awaited = self.grace_until if self.awaited else None
+        times = (self._due.next(), self._settle_due, awaited)
         return min((t for t in times if t is not None), default=None)
 
     def due(self, now: float) -> set[str]:
         """The models whose time to be judged again has come."""
         out = set(self._due.pop_due(now))
+        if self.awaited and now >= self.grace_until:
+            # Their nodes never registered: replaced as a lost node's replicas are.
+            out |= set(self._awaited_of)
+            self.known.store.touched.update(self.awaited)
+            self.awaited, self._awaited_on, self._awaited_of = {}, {}, {}
         if self._settle_due is not None and now >= self._settle_due:
             self._settle_due = None
             out |= set(self._missing)
@@ -135,9 +208,7 @@ class Decider:
         plus placement."""
         # An autoscaled model whose autoscaler has not started (`holding`) may be at 0
         # replicas (min 0) and still keep what runs until its first cycle.
-        wanted = {
-            m.name: m for m in catalog.profiled if m.replicas > 0 or m.name in self.holding
-        }
+        wanted = {m.name: m for m in catalog.profiled if m.replicas > 0 or m.name in self.holding}
         order = {name: i for i, name in enumerate(wanted)}
         todo = sorted(set(models), key=lambda m: (order.get(m, len(order)), m))
         judged = {name: self._judge(name, wanted.get(name), catalog, now) for name in todo}
@@ -243,13 +314,15 @@ class Decider:
         keeping = max(desired, min(len(staying), self.holding.get(name, 0)))
         keep, surplus = staying[:keeping], staying[keeping:]
         out.retiring += [(rid, records, "surplus") for rid, records in surplus]
+        # What the store says runs on nodes not registered yet counts, up to the count.
+        awaited = min(self._awaited_count(name, now), max(desired - len(keep), 0))
         record = self._record(name)
-        record.kept = len(keep)
+        record.kept = len(keep) + awaited
         ready = sum(serves(self.status[rid], records) for rid, records in keep)
         # A roll replaces serving stale replicas one at a time: a replacement is placed
         # only while no kept replica of the model is starting; replicas beyond the stale
         # ones (a scale-up with the change) are placed at once.
-        missing = max(desired - len(keep), 0)
+        missing = max(desired - len(keep) - awaited, 0)
         rolling = min(len(stale), max(missing, 0))
         placed_now = 1 if rolling and len(keep) == ready else 0
         self._set_missing(name, record, missing - rolling + placed_now)
@@ -446,4 +519,6 @@ def endpoint(spec: LaunchSpec) -> Endpoint:
         return found
     host = f"[{found.host}]" if ":" in found.host else found.host
     events, replay = spec.ports[2:]
-    return attrs.evolve(found, kv_events=f"tcp://{host}:{events}", kv_replay=f"tcp://{host}:{replay}")
+    return attrs.evolve(
+        found, kv_events=f"tcp://{host}:{events}", kv_replay=f"tcp://{host}:{replay}"
+    )

@@ -18,6 +18,7 @@ from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import MarkNode
 from llmgw_server.control.launch import free_port
 from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
+from llmgw_server.control.persisted import OperatorFlags
 from llmgw_server.control.shards import Failure, ShardKey, ShardRecord, backoff, unconfirmed
 from llmgw_server.control.store import ShardStore
 from llmgw_server.control.work import Work
@@ -46,6 +47,14 @@ class Known:
         # the replica is kept again or gone).
         self.drained: set[str] = set()
         self._unmarked: set[str] = set()  # nodes whose agent has yet to hear of their flags
+        self.touched_nodes: set[str] = set()  # flags changed since the reconciler last looked
+        # Restored from a store (control.persisted): the operator's flags of every node,
+        # none for a node not named. They win over what an agent reports at its node's
+        # first registration here: the leader wrote them before it sent them, so the
+        # agent's may only be older (it missed the Mark). None: no store spoke; the
+        # agents' flags are taken, as after a restart.
+        self.stored_flags: dict[str, OperatorFlags] | None = None
+        self.unreadable_flags: frozenset[str] = frozenset()  # their agents' word is taken
 
     def register(
         self,
@@ -63,7 +72,16 @@ class Known:
         transitions = self.lifecycle.register(inventory, now, heartbeat_interval_s)
         node = self.lifecycle.nodes[name]
         if not known:
-            node.cordoned, node.draining = cordoned, draining
+            flags = self._stored(name)
+            if flags is None:
+                node.cordoned, node.draining = cordoned, draining
+                node.drain_since = now if draining else None
+            else:
+                node.cordoned, node.draining = flags.cordoned, flags.draining
+                node.drain_forced, node.drain_since = flags.drain_forced, flags.drain_since
+                if (flags.cordoned, flags.draining) != (cordoned, draining):
+                    self._unmarked.add(name)  # the store's word: tell the agent
+            self.touched_nodes.add(name)
         elif (node.cordoned, node.draining) != (cordoned, draining):
             self._unmarked.add(name)  # this control plane's operator spoke last: tell the agent
         before = self.store.touching(name)
@@ -145,6 +163,7 @@ class Known:
         if record.state is state and record.detail == detail:
             return Change(frozenset({record.spec.model_name})) if confirmed else None
         newly_failed = state is ShardState.FAILED and record.state is not ShardState.FAILED
+        self.store.touched.add(replica_id)  # a drain reported makes it retiring
         record.state, record.detail = state, detail
         notes: list[str] = []
         if state is ShardState.READY:
@@ -169,15 +188,20 @@ class Known:
         cordoned: bool | None = None,
         draining: bool | None = None,
         drain_forced: bool | None = None,
+        now: float | None = None,
     ) -> Change:
-        """The operator's flags (KeyError for an unknown node)."""
+        """The operator's flags (KeyError for an unknown node); a drain that begins began
+        at `now`."""
         node = self.lifecycle.nodes[name]
+        if draining is not None and draining != node.draining:
+            node.drain_since = now if draining else None
         node.cordoned = node.cordoned if cordoned is None else cordoned
         node.draining = node.draining if draining is None else draining
         node.drain_forced = node.drain_forced if drain_forced is None else drain_forced
         # Unreachable, the node hears of it when it comes back: it keeps the flags
         # for the next control plane.
         self._unmarked.add(name)
+        self.touched_nodes.add(name)
         models = self.store.models_of(self.store.touching(name))
         return Change(frozenset(models), frozenset({name}))
 
@@ -200,10 +224,25 @@ class Known:
         before = self.store.touching(name)
         models = self.store.models_of(before)
         self.lifecycle.forget(name)
+        self.touched_nodes.add(name)
+        if self.stored_flags is not None:
+            self.stored_flags.pop(name, None)
         for record in self.store.on_node(name):
             self.store.remove(record.key)
         gone = frozenset(rid for rid in before if rid not in self.store)
         return Change(frozenset(models), gone=gone)
+
+    def restore_flags(self, flags: dict[str, OperatorFlags], unreadable: frozenset[str]) -> None:
+        """The store speaks for every node's flags from now on (`stored_flags`)."""
+        self.stored_flags = flags
+        self.unreadable_flags = unreadable
+
+    def _stored(self, name: str) -> OperatorFlags | None:
+        """The flags the store holds for a node registering here first, None for the
+        agent's word (no store, or its record was unreadable)."""
+        if self.stored_flags is None or name in self.unreadable_flags:
+            return None
+        return self.stored_flags.pop(name, None) or OperatorFlags()
 
     # -- reading ------------------------------------------------------------------
 

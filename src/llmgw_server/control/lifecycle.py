@@ -64,6 +64,7 @@ class Node:
     # replacement. Kept by this control plane only (agents keep `draining`, not this):
     # after a restart a drain goes on unforced, the side that takes no model offline.
     drain_forced: bool = False
+    drain_since: float | None = None  # when the operator's drain began (while draining)
 
     @property
     def name(self) -> str:

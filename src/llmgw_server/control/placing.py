@@ -52,6 +52,15 @@ class Shortfall:
             return [f"settle time of {settle_s:g} s over: missing replicas are placed from now on"]
         return []
 
+    def end_settle(self, now: float) -> bool:
+        """What runs is known (every node a store named has registered: control.persisted),
+        so the settle time ends now; False when it was over already."""
+        if now >= self.settle_until:
+            return False
+        self.settle_until = now
+        self._settle_said = "said"  # the caller says why it ended
+        return True
+
     def place(
         self,
         missing: Mapping[str, int],

@@ -27,6 +27,7 @@ from llmgw_server.control.decide import Decider, endpoint
 from llmgw_server.control.drains import DrainRefused, Stuck, drain_notes, replicas_on, stuck
 from llmgw_server.control.known import Change, Known
 from llmgw_server.control.lifecycle import NodeTransition
+from llmgw_server.control.persisted import StoredReplica, Touched, read
 from llmgw_server.control.placement import Assignment, Explanation, explain
 from llmgw_server.control.scaling import Change as ScaleChange
 from llmgw_server.control.scaling import Scaling
@@ -47,6 +48,11 @@ class Step:
     # A reconcile ran: which replicas serve may have changed even without a command.
     reconciled: bool = False
     failed: tuple[str, ...] = ()  # the model of each shard newly reported failed
+    # What may have changed of what a leader keeps in its store (control.persisted).
+    touched: Touched = attrs.field(factory=Touched)
+
+
+_NOTHING = Touched()
 
 
 def random_engine_key() -> str:
@@ -112,7 +118,49 @@ class Reconciler:
             draining=draining,
             heartbeat_interval_s=heartbeat_interval_s,
         )
+        models, notes = self._decider.registered(inventory.name, now)
+        if models or notes:
+            change = attrs.evolve(
+                change, models=change.models | models, notes=(*change.notes, *notes)
+            )
         return self._step(now, change)
+
+    def restore(self, stored: Mapping[str, bytes], now: float, wall_minus_monotonic: float) -> Step:
+        """A new leader, before any agent registered, takes up what its store keeps
+        (control.persisted): the replicas' placement (placement waits for exactly their
+        nodes, and replaces a replica only once its nodes stayed away for lost_after_s),
+        the operator's flags (they win over what agents report) and the autoscalers'
+        counts and windows. A value that cannot be read is left out with a note."""
+        if self.lifecycle.nodes or self.known.store.models():
+            raise RuntimeError("restore a reconciler before any node registers")
+        now = self._clock(now)
+        restored = read(stored, now, wall_minus_monotonic)
+        notes = list(restored.notes)
+        models = {m.name for m in self.catalog.models}
+        if restored.found:
+            self.known.restore_flags(restored.nodes, restored.unreadable_nodes)
+            notes += self._decider.await_replicas(restored.replicas, now)
+            models |= {r.model for r in restored.replicas.values()}
+            for name, m in sorted(restored.models.items()):
+                if not self.scaling.resume(
+                    name, m.desired, m.changed_at, m.idle_since, m.window, m.last_change
+                ):
+                    notes.append(f"stored autoscaler of {name} skipped: not autoscaled now")
+            self._scaled()
+        return self._step(now, Change(frozenset(models), notes=tuple(notes)))
+
+    @property
+    def settle_until(self) -> float:
+        """Until then no new replica is placed: the settle time after the start, or less
+        once every node a store named registered (`restore`)."""
+        return self._decider.shortfall.settle_until
+
+    def awaited_replicas(self) -> list[str]:
+        """The replicas a store named whose nodes have not registered. O(those)."""
+        return list(self._decider.awaited)
+
+    def awaited_replica(self, replica_id: str) -> StoredReplica | None:
+        return self._decider.awaited.get(replica_id)
 
     def heartbeat(self, node: str, now: float) -> Step:
         """O(1) when nothing changes: no reconcile unless the node comes back."""
@@ -188,7 +236,7 @@ class Reconciler:
     def cordon(self, node: str, on: bool, now: float) -> Step:
         """No new placements on the node (raises KeyError for an unknown node)."""
         now = self._clock(now)
-        return self._step(now, self.known.mark(node, cordoned=on))
+        return self._step(now, self.known.mark(node, cordoned=on, now=now))
 
     def request_drain(self, node: str, now: float, *, force: bool = False) -> Step:
         """An operator's drain: refused with DrainRefused when a replica on the node fits
@@ -205,7 +253,9 @@ class Reconciler:
         else serves on there; `request_drain` refuses such a drain first."""
         if not on:
             now = self._clock(now)
-            return self._step(now, self.known.mark(node, draining=False, drain_forced=False))
+            return self._step(
+                now, self.known.mark(node, draining=False, drain_forced=False, now=now)
+            )
         return self._drain(node, now, force=force, stuck=self.drain_check(node))
 
     def _drain(self, node: str, now: float, *, force: bool, stuck: Sequence[Stuck]) -> Step:
@@ -221,7 +271,7 @@ class Reconciler:
             forced=known.drain_forced,
         )
         forced = known.drain_forced or force
-        change = self.known.mark(node, draining=True, drain_forced=forced)
+        change = self.known.mark(node, draining=True, drain_forced=forced, now=now)
         return self._step(now, attrs.evolve(change, notes=tuple(notes)))
 
     def drain_check(self, node: str) -> list[Stuck]:
@@ -344,4 +394,18 @@ class Reconciler:
             self._wake,
             ran,
             change.failed,
+            self._touched(),
         )
+
+    def _touched(self) -> Touched:
+        """What changed of what is stored since the last step; O(that)."""
+        store, known, scaling = self.known.store, self.known, self.scaling
+        if not (store.touched or known.touched_nodes or scaling.touched):
+            return _NOTHING
+        touched = Touched(
+            frozenset(store.touched), frozenset(known.touched_nodes), frozenset(scaling.touched)
+        )
+        store.touched.clear()
+        known.touched_nodes.clear()
+        scaling.touched.clear()
+        return touched

@@ -68,6 +68,9 @@ class Scaling:
         self.autoscalers: dict[str, Autoscaler] = {}  # started ones
         self.changes: dict[str, Change] = {}  # each model's last change
         self.started: dict[str, float] = {}  # when each autoscaler started
+        # Models whose autoscaler's state may have changed since the reconciler last
+        # looked (it takes them for the store each step: control.persisted).
+        self.touched: set[str] = set()
 
     def follow(self, catalog: Catalog) -> None:
         """The catalog's autoscaled models from now on. A model whose bounds or targets
@@ -76,6 +79,7 @@ class Scaling:
         specs = {m.name: m.autoscale for m in catalog.profiled if m.autoscale is not None}
         for name in list(self.autoscalers):
             spec = specs.get(name)
+            self.touched.add(name)
             if spec is None:
                 del self.autoscalers[name]
                 self.changes.pop(name, None)
@@ -108,6 +112,7 @@ class Scaling:
                 start = max(min(kept.get(name, 0), spec.max), spec.min)
                 scaler = self.autoscalers[name] = Autoscaler.start(spec, now, start)
                 self.started[name] = now
+            self.touched.add(name)
             load = loads.get(name, ModelLoad())
             if load.last_request_at is None:
                 # No router has seen a request: idle since the autoscaler started.
@@ -126,11 +131,34 @@ class Scaling:
         if scaler is None or scaler.desired:
             return None
         before = scaler.desired
+        self.touched.add(model)
         decision = scaler.decide(ModelLoad(held=held, last_request_at=now), now)
         if decision.desired == before:
             return None
         change = self.changes[model] = Change(model, before, decision.desired, decision)
         return change
+
+    def resume(
+        self,
+        model: str,
+        desired: int,
+        changed_at: float,
+        idle_since: float,
+        window: Iterable[tuple[float, int]] = (),
+        last_change: Change | None = None,
+    ) -> bool:
+        """Start `model`'s autoscaler where another control plane left it (its count
+        within the current bounds, its windows going on); False when the model is not
+        autoscaled in this catalog."""
+        spec = self.specs.get(model)
+        if spec is None:
+            return False
+        self.autoscalers[model] = Autoscaler.resume(spec, desired, changed_at, window)
+        self.started[model] = idle_since
+        if last_change is not None:
+            self.changes[model] = last_change
+        self.touched.add(model)
+        return True
 
     def view(self, model: str) -> ScaleView | None:
         spec = self.specs.get(model)

@@ -27,12 +27,16 @@ class ShardStore:
         self._touching: dict[str, set[str]] = {}
         self._nodes_of: dict[str, frozenset[str]] = {}
         self._model_of: dict[str, frozenset[str]] = {}
+        # Replicas whose records changed since the reconciler last took them (for the
+        # store a leader keeps: control.persisted); emptied every step.
+        self.touched: set[str] = set()
 
     # -- the one place records change ---------------------------------------------
 
     def add(self, record: ShardRecord) -> None:
         """Add a record, replacing one with the same node, replica and rank. O(ranks)."""
         rid = record.spec.replica_id
+        self.touched.add(rid)
         self._records[record.key] = record
         self._replicas.setdefault(rid, {})[record.key] = record
         self._reindex(rid)
@@ -41,6 +45,7 @@ class ShardStore:
         """O(ranks)."""
         record = self._records.pop(key)
         rid = record.spec.replica_id
+        self.touched.add(rid)
         del self._replicas[rid][key]
         if not self._replicas[rid]:
             del self._replicas[rid]
@@ -52,6 +57,7 @@ class ShardStore:
             self.add(ShardRecord(command.node, command.spec, ShardState.PENDING))
         elif isinstance(command, DrainShard | StopShard):
             record = self._records[(command.node, command.replica_id, command.rank)]
+            self.touched.add(command.replica_id)
             if isinstance(command, StopShard):
                 record.stop_sent = True
             elif record.drain_at is None:
