@@ -253,11 +253,16 @@ def stored_model(
     return StoredModel(scaler.desired, scaler.changed_at + w, idle_since + w, window, change)
 
 
-def _model_value(scaling: Scaling, name: str, w: float) -> bytes | None:
+def _model_of(scaling: Scaling, name: str, w: float) -> StoredModel | None:
     scaler = scaling.autoscalers.get(name)
     if scaler is None:
         return None
-    return encode(stored_model(scaler, scaling.started[name], scaling.changes.get(name), w))
+    return stored_model(scaler, scaling.started[name], scaling.changes.get(name), w)
+
+
+def _model_value(scaling: Scaling, name: str, w: float) -> bytes | None:
+    model = _model_of(scaling, name, w)
+    return None if model is None else encode(model)
 
 
 def _replica_value(reconciler: Reconciler, rid: str) -> bytes | None:
@@ -337,8 +342,12 @@ class Keeper:
     def __init__(self, stored: Mapping[str, bytes]) -> None:
         # Values this version cannot read are left alone: never deleted by a diff.
         self.stored = {k: v for k, v in stored.items() if _readable(k, v)}
+        # Each autoscaled model as last written: an autoscaling cycle touches every one,
+        # and most are as they were (their readings' times are stored rounded up).
+        self._models: dict[str, StoredModel] = {}
 
     def everything(self, reconciler: Reconciler, wall_minus_monotonic: float) -> Writes:
+        self._models.clear()
         after = snapshot(reconciler, wall_minus_monotonic)
         writes = diff(self.stored, after)
         self.stored = after
@@ -352,7 +361,13 @@ class Keeper:
         for name in touched.nodes:
             values[node_key(name)] = _node_value(reconciler, name, w)
         for name in touched.models:
-            values[model_key(name)] = _model_value(reconciler.scaling, name, w)
+            key, model = model_key(name), _model_of(reconciler.scaling, name, w)
+            if model is None:
+                self._models.pop(name, None)
+                values[key] = None
+            elif self._models.get(name) != model or key not in self.stored:
+                self._models[name] = model
+                values[key] = encode(model)
         puts, deletes = {}, []
         for key in sorted(values):
             value = values[key]
