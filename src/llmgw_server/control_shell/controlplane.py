@@ -14,7 +14,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import assert_never
 
 import attrs
@@ -63,6 +63,9 @@ class ControlPlane:
         # that a leader that lost its lease (a pause past it) acts on nothing it then sees.
         self.may_act = may_act or _always
         self._fenced = 0  # commands and tables the fence held back
+        # Where control planes share a store: each step's changes of what is kept there,
+        # handed over before its commands are delivered (seat.Seat queues the writes).
+        self._keep: Callable[[Step], None] | None = None
         self.routes = RouteHub(epoch=epoch)  # what routers follow
         self.metrics = ControlMetrics()
         self.feed = FleetFeed()  # what the fleet page follows
@@ -321,7 +324,18 @@ class ControlPlane:
             self.metrics.reconcile.observe(time.perf_counter() - started)
         self.apply(step)
 
+    def keep(self, keep: Callable[[Step], None]) -> None:
+        """Hand every step from now on to `keep` first (what the store keeps changes)."""
+        self._keep = keep
+
+    def restore(self, stored: Mapping[str, bytes], wall_minus_monotonic: float) -> None:
+        """A new leader takes up what its store keeps (Reconciler.restore), before any
+        agent registers and before `run`."""
+        self.apply(self.reconciler.restore(stored, self.now(), wall_minus_monotonic))
+
     def apply(self, step: Step) -> None:
+        if self._keep is not None:
+            self._keep(step)
         self.feed.stepped(step)
         for model in step.failed:
             # Only the catalog's names: an agent names what it reports, and each name

@@ -30,12 +30,14 @@ from llmgw_core.config import Config
 from llmgw_core.store_config import StoreSection
 from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import ControlDoc, ControlPlaneDoc
+from llmgw_server.control.persisted import Keeper
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.control_shell.election import Election, Member, Standing
 from llmgw_server.control_shell.port import open_control_listeners, serve_control_listeners
 from llmgw_server.control_shell.seat_metrics import SeatMetrics
 from llmgw_server.control_shell.standby import StandbyAnswers
+from llmgw_server.control_shell.store_writes import StoreWrites
 from llmgw_server.reload import ReloadPlan
 from llmgw_server.route_feed.hub import ROUTES_PATH
 from llmgw_server.store.etcd import EtcdClient, StoreError
@@ -43,6 +45,7 @@ from llmgw_server.store.etcd import EtcdClient, StoreError
 log = logging.getLogger("llmgw.control")
 
 PEER_TOKEN_KEY = b"peer_token"
+STATE_PREFIX = b"state/"  # what the leader keeps (control.persisted), under the prefix
 # How long a term's end waits for its agents' close frames before cutting what is left.
 _STREAMS_CLOSE_S = 1.0
 # How long a resignation may take (the store away): past it, the lease ends on its own.
@@ -200,24 +203,57 @@ class Seat:
             )
             return
         self._peer_digest = bearer_digest(b"Bearer " + token.encode())
+        stored = await self._stored(election)
+        if stored is None:
+            return  # the leadership ended meanwhile
         interval = min(HEARTBEAT_INTERVAL_S, self.config.control.unreachable_after_s / 3)
+        writes = StoreWrites(self._key(STATE_PREFIX))
+        keeper = Keeper(stored)
         plane = ControlPlane(
             self.config,
             heartbeat_interval_s=interval,
             epoch=standing.epoch,
             may_act=election.may_act,
         )
+        # Stored times are wall-clock: this leader's offset to its core's clock, once.
+        offset = time.time() - plane.now()
+        plane.restore(stored, offset)
+        writes.add(keeper.everything(plane.reconciler, offset))
+        plane.keep(lambda step: writes.add(keeper.step(plane.reconciler, step.touched, offset)))
         self.metrics.began(standing.epoch)
-        log.info("leading the fleet as epoch %d", standing.epoch)
+        log.info(
+            "leading the fleet as epoch %d (the store kept %d values)", standing.epoch, len(stored)
+        )
         self.plane = plane
         self._admin = AdminAPI(plane, reload=self.reload, seat=self)
-        self._term = await nursery.start(self._run_term, plane)
+        self._term = await nursery.start(self._run_term, plane, writes)
+
+    async def _stored(self, election: Election) -> dict[str, bytes] | None:
+        """What the last leader kept (relative keys), read until the store answers or
+        this leadership ends (None)."""
+        assert self.client is not None
+        prefix = self._key(STATE_PREFIX)
+        while election.may_act():
+            try:
+                kvs, _ = await self.client.get_prefix(prefix)
+            except StoreError as exc:
+                log.warning("reading what the last leader kept: %s", exc)
+                await trio.sleep(_RETRY_S)
+                continue
+            return {kv.key[len(prefix) :].decode(errors="replace"): kv.value for kv in kvs}
+        return None
 
     async def _run_term(
-        self, plane: ControlPlane, *, task_status: trio.TaskStatus[trio.CancelScope]
+        self,
+        plane: ControlPlane,
+        writes: StoreWrites,
+        *,
+        task_status: trio.TaskStatus[trio.CancelScope],
     ) -> None:
+        assert self.election is not None
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(writes.flush_forever, self.election)
                 await nursery.start(plane.run)
                 task_status.started(scope)
 
