@@ -143,6 +143,19 @@ class HAFleet:
             return False
         return re.search(r"^llmgw_control_leader 1$", page, re.M) is not None
 
+    def leadership_changes(self) -> int:
+        """Leaderships begun or ended, summed over the living control planes' /metrics."""
+        total = 0
+        for plane in self.planes:
+            if plane.alive:
+                page = httpx.get(plane.control + "/metrics", verify=self.fleet.tls, timeout=5)
+                found = re.search(
+                    r"^llmgw_control_leadership_changes_total (\d+)$", page.text, re.M
+                )
+                assert found is not None, page.text[-500:]
+                total += int(found.group(1))
+        return total
+
     def leader(self, timeout: float = 30) -> ControlPlaneProc:
         leaders: list[ControlPlaneProc] = wait_until(
             lambda: [p for p in self.planes if self.is_leader(p)], timeout=timeout, what="a leader"

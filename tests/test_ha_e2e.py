@@ -86,6 +86,8 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
         try:
             wait_until(lambda: loop.done > 20, what="requests before the fault")
             old = ha.leader()
+            # Leadership changed once (the first began) and never without a fault.
+            assert ha.leadership_changes() == 1
             old_epoch = ha.status()["control"]["epoch"]
             killed_at = time.monotonic()
             old.proc.signal(signal.SIGKILL)
@@ -117,6 +119,7 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
         alone = ha.cli("status", via=[standby])
         assert alone.returncode == 1 and "give every control plane" in alone.stderr
         assert not loop.errors, loop.errors[:5]
+        assert ha.leadership_changes() == 1  # the new leader's beginning, nothing else
         assert started_engines(fleet) == engines  # adopted, never restarted
         assert placements(new) == 0, new.proc.output()[-3000:]
         assert took < 3 * ha.lease_ttl_s + 5, took
