@@ -78,3 +78,9 @@ def test_the_drop_in_advertises_each_hosts_own_name_on_the_same_config() -> None
     assert argv[3:] == ["--advertise", "wss://%H:8081"]
     args = build_parser().parse_args(argv[1:])
     assert args.advertise == "wss://%H:8081"
+
+
+def test_a_store_with_workers_is_refused() -> None:
+    """The workers' parent runs a control plane without an election: it would lead too."""
+    with pytest.raises(ConfigError, match=r"control\.store: .*workers = 1 \(not 2\)"):
+        config({"endpoints": ["http://127.0.0.1:2379"]}, server={"workers": 2})

@@ -426,7 +426,16 @@ def parse_config(
     auth = read_table(auth_table, AuthSection, environ=environ)
     if models_required:
         _check_auth_models(auth, catalog, auth_table)
-    control = read_table(root.table("control"), ControlSection)
+    control_table = root.table("control")
+    control = read_table(control_table, ControlSection)
+    if control.store is not None and server.workers > 1:
+        # The workers' parent runs its control plane without an election: it would lead
+        # beside the elected one.
+        control_table.fail(
+            "store",
+            f"control planes that share a store run with [server] workers = 1 (not "
+            f"{server.workers}) for now: put routers apart with workers beside them",
+        )
     if root.has("admin"):
         admin = read_table(root.table("admin"), AdminSection, environ=environ)
     else:

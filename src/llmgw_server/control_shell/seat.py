@@ -181,7 +181,7 @@ class Seat:
     async def _begin_term(self, standing: Standing, nursery: trio.Nursery) -> None:
         election = self.election
         assert election is not None
-        log.info("beginning to lead as epoch %d", standing.epoch)
+        log.debug("beginning to lead as epoch %d", standing.epoch)
         token = secrets.token_urlsafe(32)
         while True:
             try:
