@@ -85,7 +85,13 @@ class Fleet:
         return proc
 
     def server_config(
-        self, models: str, control: str = "", agents: str = "", workers: int = 1, router: str = ""
+        self,
+        models: str,
+        control: str = "",
+        agents: str = "",
+        workers: int = 1,
+        router: str = "",
+        lost_after_s: float = 4,
     ) -> Path:
         """The server's config file, as `server` writes it."""
         path = self.procs.tmp / "server.toml"
@@ -94,9 +100,8 @@ class Fleet:
             f"shutdown_grace_s = 2\nworkers = {workers}\n"
             f'[agents]\nca = "{self.certs}/ca.crt"\ncert = "{self.certs}/server.crt"\n'
             f'key = "{self.certs}/server.key"\n{agents}\n'
-
             f"[router]\nhealth_interval_s = 0.5\n{router}\n"
-            "[control]\nunreachable_after_s = 1.5\nlost_after_s = 4\nsettle_after_start_s = 1\n"
+            f"[control]\nunreachable_after_s = 1.5\nlost_after_s = {lost_after_s}\nsettle_after_start_s = 1\n"
             f"restart_backoff_s = 0.5\ndrain_timeout_s = 2\nengine_port_min = {self.ports[0]}\n"
             f"engine_port_max = {self.ports[1]}\n{control}\n{models}"
         )
@@ -169,8 +174,14 @@ class Fleet:
         """The admin CLI against this fleet's control plane (trusting the fleet's CA)."""
         return subprocess.run(
             [
-                sys.executable, "-m", "llmgw_server",
-                "--control", self.control, "--ca", str(self.certs / "ca.crt"), *args,
+                sys.executable,
+                "-m",
+                "llmgw_server",
+                "--control",
+                self.control,
+                "--ca",
+                str(self.certs / "ca.crt"),
+                *args,
             ],
             capture_output=True,
             text=True,

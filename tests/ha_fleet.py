@@ -64,7 +64,10 @@ class HAFleet:
             f'\n[admin]\nrouter_token_digest = "sha256:{digest_of(self.router_token)}"\n'
             f'token_digest = "sha256:{digest_of(self.admin_token)}"\nopen_status = true\n'
         )
-        self.path = self.fleet.server_config(models, control + store, agents=admin)
+        # A node is lost after 15 s, not the fleet tests' 4: a failover's agents take up to
+        # their silence bound (2 s), a dial of the frozen leader (5 s) and an election (the
+        # lease) to register with the new leader, which replaces what it waits for only then.
+        self.path = self.fleet.server_config(models, control + store, agents=admin, lost_after_s=15)
 
     def control_plane(self) -> ControlPlaneProc:
         return self._start(free_port(), free_port())

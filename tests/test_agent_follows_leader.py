@@ -27,6 +27,7 @@ from llmgw_agent.agent import Agent
 from llmgw_agent.config import AgentConfig, parse_agent_config
 from llmgw_agent.following import (
     ELECTION_JITTER_S,
+    FAILOVER_DIAL_S,
     FAILOVER_WINDOW_S,
     LEADER_JITTER_S,
     ControlPlanes,
@@ -67,6 +68,20 @@ def test_a_leader_named_by_a_standby_is_dialled_next_at_once() -> None:
     assert redial is not None and redial.delay_s is not None
     assert planes.current == C and 0 <= redial.delay_s <= LEADER_JITTER_S
     assert redial.why == f"{A} does not lead: the leader is"
+
+
+def test_a_dial_during_a_failover_gives_up_on_a_frozen_control_plane_sooner() -> None:
+    """A standby may name the leader that froze (its key lives until its lease ends), and
+    a frozen process's kernel still accepts: during a failover the dial's patience is
+    short, so the agent moves on; otherwise a busy leader's queue is waited for."""
+    planes = ControlPlanes((A, B, C))
+    assert planes.dial_patience_s(0.0, 45.0) == 45.0  # no failover
+    planes.after(Ended.NOT_LEADER, now=0.0, rng=random.Random(1), leader=C)
+    assert planes.dial_patience_s(1.0, 45.0) == FAILOVER_DIAL_S
+    assert planes.dial_patience_s(FAILOVER_WINDOW_S + 1, 45.0) == 45.0  # the window ended
+    alone = ControlPlanes((A,))
+    alone.after(Ended.LEADER_LOST, now=0.0, rng=random.Random(1))
+    assert alone.dial_patience_s(1.0, 45.0) == 45.0  # no other to try
 
 
 def test_a_leader_is_recognised_whatever_the_case_of_its_host_or_a_trailing_slash() -> None:

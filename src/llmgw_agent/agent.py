@@ -365,7 +365,7 @@ class Agent:
             session.url,
             self._ssl_context,
             ca=self.config.tls.ca,
-            connect_timeout_s=CONNECT_TIMEOUT_S,
+            connect_timeout_s=self.planes.dial_patience_s(trio.current_time(), CONNECT_TIMEOUT_S),
             disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,

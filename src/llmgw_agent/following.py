@@ -33,6 +33,9 @@ from llmgw_core.logsafe import escaped
 # below rather than its backoff: an election takes a lease's length (10 s by default) and
 # a restarted control plane a few seconds.
 FAILOVER_WINDOW_S = 30.0
+# A dial's patience during a failover (TCP, TLS, the websocket's handshake): a frozen
+# control plane's kernel still accepts, and nothing answers after.
+FAILOVER_DIAL_S = 5.0
 # A leader named by a standby is dialled after up to this: it takes over a whole fleet
 # at once, which its control port's admission paces.
 LEADER_JITTER_S = 0.05
@@ -80,6 +83,16 @@ class ControlPlanes:
     @property
     def current(self) -> str:
         return self.urls[self.index]
+
+    def dial_patience_s(self, now: float, patience_s: float) -> float:
+        """How long a dial may take: `patience_s` (a busy control plane may queue an agent
+        that long), but during a failover among several at most FAILOVER_DIAL_S: the
+        leader a standby names may be the one that froze (a paused process, a lost host
+        whose kernel still accepts), and the next one in the list is a better bet."""
+        failing_over = self.failover_until is not None and now < self.failover_until
+        if len(self.urls) > 1 and failing_over:
+            return min(patience_s, FAILOVER_DIAL_S)
+        return patience_s
 
     def configured(self, url: str) -> int | None:
         """The index of the configured control plane `url` names (the same scheme, host,

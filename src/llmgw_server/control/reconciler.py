@@ -159,6 +159,12 @@ class Reconciler:
         """The replicas a store named whose nodes have not registered. O(those)."""
         return list(self._decider.awaited)
 
+    @property
+    def awaiting(self) -> bool:
+        """Whether a replica a store named still waits for its nodes: until then what
+        serves is not known whole. O(1)."""
+        return bool(self._decider.awaited)
+
     def awaited_replica(self, replica_id: str) -> StoredReplica | None:
         return self._decider.awaited.get(replica_id)
 

@@ -452,7 +452,10 @@ class ControlPlane:
             if endpoint not in models.get(model, ()):
                 models[model] = (*models.get(model, ()), endpoint)
         draining = frozenset(endpoint for _, endpoint in self._draining.values())
-        complete = trio.current_time() >= self._settled_at
+        # Incomplete while agents may still be registering (the settle time), or while a
+        # replica the store named waits for its nodes (a new leader): routers that serve
+        # a complete table keep it meanwhile, rather than lose what still runs.
+        complete = trio.current_time() >= self._settled_at and not self.reconciler.awaiting
         # Each adapter is served by its model's replicas, under its own name.
         adapters = self.reconciler.catalog.adapters
         autoscaled = frozenset(self.reconciler.scaling.specs)
