@@ -268,7 +268,13 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     # serves until the new one does, then is stopped; a client that never retries
     # meets no error throughout.
     second = fleet.agent("cpu-2", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
-    wait_until(lambda: fleet.node("cpu-2")["status"] == "reachable", what="cpu-2 to register")
+    # The agent registers once its inventory probe ran `vllm --version` (torch and vLLM
+    # imported: up to VERSION_TIMEOUT_S on a busy machine, as for adoption below).
+    wait_until(
+        lambda: fleet.node("cpu-2")["status"] == "reachable",
+        timeout=ADOPT_S,
+        what="cpu-2 to register",
+    )
     (old,) = fleet.serving(MODEL)
     with ChatLoop(fleet.url) as loop:
         wait_until(lambda: loop.done >= 2, 120.0, "requests before the drain")
