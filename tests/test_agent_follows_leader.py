@@ -296,6 +296,15 @@ def standby(leader: Callable[[], str | None]) -> Behaviour:
     return behaviour
 
 
+def hasty_standby(leader: Callable[[], str | None]) -> Behaviour:
+    """Closes at once, before the agent's register arrives (as StandbyAnswers does)."""
+
+    async def behaviour(ws: trio_websocket.WebSocketConnection) -> None:
+        await ws.aclose(code=NOT_LEADER_CLOSE, reason=not_leader_reason(leader()))
+
+    return behaviour
+
+
 def leader(epoch: int, *then: DownMessage, acks: list[Ack] | None = None) -> Behaviour:
     """Welcomes with `epoch`, sends `then`, collects the acks, and reads until closed."""
 
@@ -361,6 +370,23 @@ async def test_the_agent_goes_from_a_standby_to_the_leader_it_names(
     lines = logged(caplog)
     assert f"{first.url} does not lead: the leader is: dialing {lead.url} in 0.00 s" in lines
     assert f"registered with {lead.url} (epoch 5, 0 shards)" in lines
+
+
+async def test_a_standby_that_closes_before_the_register_still_names_the_leader(
+    tmp_path: Path,
+) -> None:
+    """The standby's close may reach the agent before its register is sent: the close
+    still says where the leader is (not a failed dial, which takes the next one)."""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            lead = await Stub(leader(5)).start(nursery)
+            passed_over = await Stub(hasty_standby(lambda: None)).start(nursery)
+            first = await Stub(hasty_standby(lambda: lead.url)).start(nursery)
+            agent = agent_for(tmp_path, first.url, passed_over.url, lead.url)
+            await nursery.start(agent.run)
+            await registered(agent)
+            nursery.cancel_scope.cancel()
+    assert (first.dials, passed_over.dials, lead.dials) == (1, 0, 1)
 
 
 async def test_with_no_leader_the_agent_tries_the_next_control_plane_after_the_jitter(

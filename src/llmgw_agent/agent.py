@@ -375,8 +375,9 @@ class Agent:
             # while the welcome is awaited must not be lost between the two.
             self._outbox = outbox_send
             try:
-                await ws.send_message(encode(self._register()))
                 try:
+                    # A standby may close before the register is sent: its close says why.
+                    await ws.send_message(encode(self._register()))
                     with trio.fail_after(10):
                         welcome = decode_down(await ws.get_message())
                 except trio_websocket.ConnectionClosed as closed:
