@@ -78,6 +78,7 @@ sys.path.insert(0, str(HERE))
 from fleet_bench import (  # noqa: E402
     Sims,
     autogroups,
+    cpu_seconds,
     free_port,
     load,
     node_name,
@@ -87,6 +88,7 @@ from fleet_bench import (  # noqa: E402
     yardstick,
 )
 
+import procs  # noqa: E402
 from etcd_cluster import EtcdCluster  # noqa: E402
 from llmgw_core.certs import init_ca, issue_node  # noqa: E402
 from llmgw_core.config import digest_of  # noqa: E402
@@ -264,6 +266,8 @@ class Fault:
     ready_s: float | None = None
     wake_s: float | None = None  # a request for the model at zero, sent at the fault, served
     wake_error: str = ""
+    sim_cores: float = 0.0  # the busiest simulator process, until every agent registered
+    plane_cores: dict[int, float] = attrs.Factory(dict)  # the living control planes, the same
     answer_s: float | None = None  # a new leader answered the admin write (200 or 404)
     write_statuses: dict[str, int] = attrs.Factory(dict)  # every answer to the write probes
     notes: list[str] = attrs.Factory(list)
@@ -611,6 +615,10 @@ class Bench:
         if self.faults:
             self.faults[-1].end = time.monotonic()
         fault.at = time.monotonic()
+        sims_cpu0 = self.sims.cpu()
+        planes_cpu0 = {
+            p.k: cpu_seconds(p.proc.pid) for p in self.planes if p.alive and p is not old and p.proc
+        }
         if kind == "kill":
             old.kill()
         else:
@@ -641,6 +649,14 @@ class Bench:
                 )
                 times = sorted(self.sims.at_epoch.get(fault.new_epoch, []))
                 fault.agents_s = (times[-1] - fault.at) if times else None
+                wall = time.monotonic() - fault.at
+                busiest = [b - a for a, b in zip(sims_cpu0, self.sims.cpu(), strict=True)]
+                fault.sim_cores = max(busiest) / wall
+                fault.plane_cores = {
+                    p.k: (cpu_seconds(p.proc.pid) - planes_cpu0[p.k]) / wall
+                    for p in self.planes
+                    if p.k in planes_cpu0 and p.alive and p.proc
+                }
                 if self.args.real_agents:
                     every = n + self.args.real_agents
 
@@ -920,6 +936,13 @@ def summary(values: list[float | None]) -> str:
     return text + (f" ({missing} never)" if missing else "")
 
 
+def cores(f: Fault) -> str:
+    """The CPU the busiest simulator process and each living control plane used until
+    every agent registered (near 1.0: that process was saturated)."""
+    planes = ", ".join(f"plane {k} {c:.2f}" for k, c in sorted(f.plane_cores.items()))
+    return f"cores: simulator {f.sim_cores:.2f}, {planes}"
+
+
 def seconds(value: float | None) -> str:
     return "never" if value is None else f"{value:.2f} s"
 
@@ -981,7 +1004,7 @@ def report(
             f"| {seconds(f.ready_s)} | {seconds(f.wake_s)}{' ' + f.wake_error if f.wake_error else ''} "
             f"| {'-' if f.kind == 'kill' else seconds(f.woken_stepped_down_s)} "
             f"| {f.requests} ({f.failed}) | {stale[0]} / {stale[1]} "
-            f"| {'; '.join([*f.notes, 'write probes: ' + describe(f.write_statuses)])} |"
+            f"| {'; '.join([*f.notes, cores(f), 'write probes: ' + describe(f.write_statuses)])} |"
         )
     lines += [
         "",
@@ -1044,6 +1067,9 @@ def report(
 
 async def main_async(args: argparse.Namespace) -> None:
     raise_nofile()
+    # The tests' port allocator (etcd's ports) hands out 10000, 10001... in every process:
+    # a test running beside the bench would take the same ports between check and bind.
+    procs._handed_out = secrets.randbelow(len(procs.PORTS))
     work = Path(tempfile.mkdtemp(prefix="llmgw-failover-bench-"))
     certs = work / "certs"
     t = time.monotonic()

@@ -164,7 +164,7 @@ class Worker:
             session = Session(planes.current)
             come_back: float | None = None
             try:
-                await self.session(i, register, session)
+                await self.session(i, register, session, planes)
             except* ConnectFailed as group:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
@@ -206,13 +206,14 @@ class Worker:
         key = f"{why_failed(exc)} ({when})"
         self.failures[key] = self.failures.get(key, 0) + 1
 
-    async def session(self, i: int, register: str, session: Session) -> None:
+    async def session(self, i: int, register: str, session: Session, planes: ControlPlanes) -> None:
         self.connects += 1
         heard = Heard(trio.current_time())
         async with open_agent_stream(
             session.url,
             self.context(i),
-            connect_timeout_s=CONNECT_TIMEOUT_S,  # the agent's own patience
+            # The agent's own patience (shorter during a failover among several).
+            connect_timeout_s=planes.dial_patience_s(trio.current_time(), CONNECT_TIMEOUT_S),
             disconnect_timeout_s=1.0,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,
