@@ -59,6 +59,7 @@ from llmgw_core.logsafe import escaped
 from llmgw_core.ratelog import RateLimit
 from llmgw_core.tls_config import client_context
 from llmgw_core.wire import (
+    LOST_LEADER_HEADER,
     MAX_FRAME_BYTES,
     NAME_HELD_CLOSE,
     NOT_LEADER_CLOSE,
@@ -236,6 +237,9 @@ class Agent:
         self.rng = random.Random()
         self._silence_s = 0.0  # the current stream's silence bound, for the log
         self.planes = ControlPlanes(config.servers)  # the one dialled, and the next
+        # The control plane this agent last lost or could not reach, with several: named
+        # to the next ones it dials (LOST_LEADER_HEADER), until one welcomes it.
+        self._lost: str | None = None
         # The highest epoch of a leadership seen (kept with the flags): a welcome or a
         # command of a lower one comes from a leader that lost its lease (`stale`).
         self.epoch = 0
@@ -300,6 +304,8 @@ class Agent:
                 # Nothing that goes wrong with one connection may reach the engines.
                 log.error("the session with %s failed", session.url, exc_info=group)
             now = trio.current_time()
+            if len(self.config.servers) > 1:
+                self._lost = _lost_after(session, self._lost, busy=come_back is not None)
             redial = self.planes.after(
                 session.ended(),
                 now=now,
@@ -366,6 +372,7 @@ class Agent:
             self._ssl_context,
             ca=self.config.tls.ca,
             connect_timeout_s=self.planes.dial_patience_s(trio.current_time(), CONNECT_TIMEOUT_S),
+            headers=[] if self._lost is None else [(LOST_LEADER_HEADER, self._lost.encode())],
             disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,
@@ -420,6 +427,7 @@ class Agent:
                 self.connected.set()
                 self._silence_s = paced.bound.cut_after_s
                 session.welcomed_at, session.heard, session.bound = heard.at, heard, paced.bound
+                self._lost = None  # a leader welcomed it
                 bad_frame: WireError | None = None
                 async with trio.open_nursery() as nursery:
                     inbox_send, inbox_receive = trio.open_memory_channel[str | bytes](64)
@@ -816,6 +824,18 @@ async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
     async with trio.open_nursery() as nursery:
         task_status.started(nursery)
         await trio.sleep_forever()
+
+
+def _lost_after(session: Session, lost: str | None, *, busy: bool) -> str | None:
+    """The control plane to name as lost after `session`: the one dialled when it ended
+    the agent's stream or could not be reached; unchanged after a standby's NOT_LEADER,
+    a stale welcome, or a busy leader's "come back later" (it lives)."""
+    ended = session.ended()
+    if busy or ended in (Ended.NOT_LEADER, Ended.STALE):
+        return lost
+    if ended is Ended.FAILED or session.welcomed_at is not None:
+        return session.url
+    return lost
 
 
 def _short(exc: BaseException) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -296,6 +296,7 @@ async def open_agent_stream(
     max_message_size: int,
     heard: Heard | None = None,
     local_address: str | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
     whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
@@ -320,6 +321,7 @@ async def open_agent_stream(
                         stream,  # type: ignore[arg-type]  # any stream works; it is typed narrowly
                         host_header,
                         where.resource,
+                        extra_headers=list(headers),
                         max_message_size=max_message_size,
                     )
                     handshake.cancel_scope.cancel()

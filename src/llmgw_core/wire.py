@@ -44,6 +44,13 @@ STALE_EPOCH_CLOSE = 4412
 _LEADER_AT = "leader at "
 
 
+# A peer that lost its leader (its stream broke, or a dial of it failed) names it in this
+# header of its next dials: a standby that would name that same leader (its key lives until
+# its lease ends) holds the stream until the election says otherwise, rather than send the
+# peer back to a dead control plane.
+LOST_LEADER_HEADER = b"x-llmgw-lost-leader"
+
+
 def not_leader_reason(leader_url: str | None, why: str = "no leader is elected now") -> str:
     """The close reason of NOT_LEADER_CLOSE: `leader at URL`, or why none leads."""
     return f"{_LEADER_AT}{leader_url}" if leader_url else why

@@ -51,6 +51,7 @@ _STREAMS_CLOSE_S = 1.0
 # How long a resignation may take (the store away): past it, the lease ends on its own.
 _RESIGN_S = 3.0
 _RETRY_S = 0.2
+_HOLD_S = 8.0  # the longest a standby holds a stream for the election
 _MEMBERS_S = 1.0  # status waits this long for the store's list of control planes
 
 
@@ -91,7 +92,10 @@ class Seat:
         self.metrics = SeatMetrics()
         self.plane: ControlPlane | None = None  # while this process leads
         self._admin: AdminAPI | None = None
-        self.standby = StandbyAnswers(self.leadership, self.metrics_page)
+        # A stream with no leader to name is held for the election: within the agent's
+        # wait for its welcome (10 s), and about a lease (the longest an election takes).
+        hold_s = min(_HOLD_S, self.store.lease_ttl_s + 1.0)
+        self.standby = StandbyAnswers(self.leadership, self.metrics_page, self.changed, hold_s)
         self.election: Election | None = None
         self.client: EtcdClient | None = None
         self.url = ""

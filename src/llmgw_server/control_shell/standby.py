@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
 
 from llmgw_core.openai_errors import error_body
-from llmgw_core.wire import NOT_LEADER_CLOSE, not_leader_reason
+from llmgw_core.wire import LOST_LEADER_HEADER, NOT_LEADER_CLOSE, not_leader_reason
 from llmgw_http.h11_connection import ReplayStream
 from llmgw_http.server import Request, Responder
 from llmgw_http.ws_server import (
@@ -54,12 +54,31 @@ def admin_url(control_url: str) -> str:
     return ("https" if scheme == "wss" else "http") + sep + rest.rstrip("/")
 
 
-class StandbyAnswers:
-    """The control port's handlers while this control plane stands by."""
+def same_control_plane(a: str, b: str) -> bool:
+    return a.strip().rstrip("/").lower() == b.strip().rstrip("/").lower()
 
-    def __init__(self, standing: Callable[[], Leading], metrics: Callable[[], bytes]) -> None:
+
+class StandbyAnswers:
+    """The control port's handlers while this control plane stands by.
+
+    A stream that finds no leader to name, or only the one its peer says it lost
+    (LOST_LEADER_HEADER: that leader's key lives until its lease ends), is held until
+    the election names another (at most `hold_s`): then the peer is sent to the new
+    leader as soon as there is one, instead of dialing every control plane in turn, each
+    a TLS handshake, for as long as the election takes."""
+
+    def __init__(
+        self,
+        standing: Callable[[], Leading],
+        metrics: Callable[[], bytes],
+        changed: Callable[[], Awaitable[None]] | None = None,
+        hold_s: float = 0.0,
+    ) -> None:
         self._standing = standing
         self._metrics = metrics
+        self._changed = changed
+        self.hold_s = hold_s
+        self.held = 0  # streams held now
 
     async def handle(self, request: Request, responder: Responder) -> None:
         if request.path == b"/metrics":
@@ -93,11 +112,8 @@ class StandbyAnswers:
                     pass
             await trio.aclose_forcefully(raw)
             return
-        standing = self._standing()
-        # The same path on the leader: what its peer lists (an agent compares URLs whole).
-        leader = standing.leader_url
         path = request.path.decode("ascii", "replace")
-        reason = not_leader_reason(None if leader is None else leader + path, standing.why)
+        lost = (request.header(LOST_LEADER_HEADER) or b"").decode("ascii", "replace")
         with trio.move_on_after(_CLOSE_S):
             try:
                 rest = b""
@@ -107,5 +123,33 @@ class StandbyAnswers:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await trio.aclose_forcefully(raw)
                 return
+        # The same path on the leader: what its peer lists (an agent compares URLs whole).
+        leader = await self._leader(path, lost)
+        standing = self._standing()
+        reason = not_leader_reason(leader, standing.why)
+        with trio.move_on_after(_CLOSE_S):
             await ServerWebSocket(raw, rest, 64 * 1024).close(NOT_LEADER_CLOSE, reason)
         await trio.aclose_forcefully(raw)
+
+    async def _leader(self, path: str, lost: str) -> str | None:
+        """The leader's URL for `path`, once there is one the peer did not lose (held at
+        most `hold_s` for it); None when there is none."""
+
+        def named() -> str | None:
+            url = self._standing().leader_url
+            if url is None or (lost and same_control_plane(url + path, lost)):
+                return None
+            return url + path
+
+        leader = named()
+        if leader is not None or self._changed is None or self.hold_s <= 0:
+            return leader
+        self.held += 1
+        try:
+            with trio.move_on_after(self.hold_s):
+                while leader is None:
+                    await self._changed()
+                    leader = named()
+        finally:
+            self.held -= 1
+        return leader

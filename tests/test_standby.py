@@ -1,0 +1,135 @@
+"""What a standby answers on its control port (control_shell.standby), over real sockets:
+the leader named at once when known; a stream held through an election and sent to its
+winner the moment it is known; a peer never sent back to the leader it says it lost."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+import trio_websocket
+
+from llmgw_core.wire import LOST_LEADER_HEADER, NOT_LEADER_CLOSE, leader_from_reason
+from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
+from llmgw_server.control_shell.standby import StandbyAnswers
+
+OLD = "ws://127.0.0.1:1"  # the leader that died: its key lives until its lease ends
+NEW = "ws://127.0.0.1:2"
+
+
+@attrs.define
+class Election:
+    leader_url: str | None
+    why: str = "no leader is elected now"
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def elect(self, url: str | None) -> None:
+        self.leader_url = url
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+async def _nothing(request: Request, responder: Responder) -> None:
+    await responder.whole(404, b"{}")
+
+
+async def serve(answers: StandbyAnswers, *, task_status: trio.TaskStatus[int]) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    server = HTTPServer(_nothing, ServerLimits(), upgrade=answers.upgrade)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, listeners)
+        task_status.started(listeners[0].socket.getsockname()[1])
+
+
+async def closed_with(port: int, lost: str | None = None) -> tuple[float, str | None]:
+    """(when the standby closed the agent's stream, the leader its close names)."""
+    headers = [] if lost is None else [(LOST_LEADER_HEADER, lost.encode())]
+    async with trio_websocket.open_websocket(
+        "127.0.0.1", port, "/v1/agent", use_ssl=False, extra_headers=headers
+    ) as ws:
+        try:
+            await ws.get_message()
+        except trio_websocket.ConnectionClosed as closed:
+            assert closed.reason is not None and closed.reason.code == NOT_LEADER_CLOSE
+            return trio.current_time(), leader_from_reason(closed.reason.reason)
+    raise AssertionError("the standby sent a message")
+
+
+async def test_a_known_leader_is_named_at_once() -> None:
+    election = Election(NEW)
+    answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=5.0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve, answers)
+            began = trio.current_time()
+            at, leader = await closed_with(port)
+            nursery.cancel_scope.cancel()
+    assert leader == NEW + "/v1/agent" and at - began < 1.0
+
+
+async def test_a_stream_is_held_through_the_election_and_sent_to_its_winner() -> None:
+    election = Election(None)
+    answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=5.0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve, answers)
+            results: list[tuple[float, str | None]] = []
+
+            async def agent() -> None:
+                results.append(await closed_with(port))
+
+            nursery.start_soon(agent)
+            while answers.held < 1:
+                await trio.sleep(0.01)
+            await trio.sleep(0.3)  # an election takes a while: the stream stays held
+            assert not results
+            elected = trio.current_time()
+            election.elect(NEW)
+            while not results:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    ((at, leader),) = results
+    assert leader == NEW + "/v1/agent" and at - elected < 1.0
+    assert answers.held == 0
+
+
+async def test_the_leader_a_peer_lost_is_not_named_to_it_again() -> None:
+    """The dead leader's key lives until its lease ends: the standby still has it as the
+    leader, but a peer that lost it waits for the next one instead of dialing it again."""
+    election = Election(OLD)
+    answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=5.0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve, answers)
+            _, other = await closed_with(port)  # a peer that lost nothing: named at once
+            assert other == OLD + "/v1/agent"
+            results: list[tuple[float, str | None]] = []
+
+            async def agent() -> None:
+                results.append(await closed_with(port, lost=OLD + "/v1/agent/"))
+
+            nursery.start_soon(agent)
+            while answers.held < 1:
+                await trio.sleep(0.01)
+            election.elect(None)  # the old key expired: still nobody to name
+            await trio.sleep(0.2)
+            assert not results
+            election.elect(NEW)
+            while not results:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert results[0][1] == NEW + "/v1/agent"
+
+
+async def test_a_hold_ends_after_its_bound_saying_why() -> None:
+    election = Election(None, why="the store is unreachable: etcd-1: refused")
+    answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=0.3)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve, answers)
+            began = trio.current_time()
+            at, leader = await closed_with(port)
+            nursery.cancel_scope.cancel()
+    assert leader is None and 0.3 <= at - began < 2.0
