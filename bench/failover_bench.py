@@ -266,6 +266,8 @@ class Fault:
     ready_s: float | None = None
     wake_s: float | None = None  # a request for the model at zero, sent at the fault, served
     wake_error: str = ""
+    half_s: float | None = None  # half the simulated agents registered with the new leader
+    most_s: float | None = None  # nine in ten
     sim_cores: float = 0.0  # the busiest simulator process, until every agent registered
     plane_cores: dict[int, float] = attrs.Factory(dict)  # the living control planes, the same
     answer_s: float | None = None  # a new leader answered the admin write (200 or 404)
@@ -649,6 +651,12 @@ class Bench:
                 )
                 times = sorted(self.sims.at_epoch.get(fault.new_epoch, []))
                 fault.agents_s = (times[-1] - fault.at) if times else None
+                # Each agent's first registration with the new leader, from the fault.
+                fault.half_s, fault.most_s = (
+                    (times[len(times) // 2] - fault.at, times[len(times) * 9 // 10] - fault.at)
+                    if times
+                    else (None, None)
+                )
                 wall = time.monotonic() - fault.at
                 busiest = [b - a for a, b in zip(sims_cpu0, self.sims.cpu(), strict=True)]
                 fault.sim_cores = max(busiest) / wall
@@ -1000,7 +1008,7 @@ def report(
         lines.append(
             f"| {f.index + 1} | {f.kind} | {f.old_epoch} -> {f.new_epoch} | {seconds(f.leader_s)} "
             f"| {seconds(f.answer_s)} | {seconds(f.write_s)} (plane {f.write_plane}) "
-            f"| {seconds(f.agents_s)} "
+            f"| {seconds(f.agents_s)} (half {seconds(f.half_s)}, 90 % {seconds(f.most_s)}) "
             f"| {seconds(f.ready_s)} | {seconds(f.wake_s)}{' ' + f.wake_error if f.wake_error else ''} "
             f"| {'-' if f.kind == 'kill' else seconds(f.woken_stepped_down_s)} "
             f"| {f.requests} ({f.failed}) | {stale[0]} / {stale[1]} "
