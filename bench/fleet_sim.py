@@ -46,10 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llmgw_agent.agent import CONNECT_TIMEOUT_S, Session, next_attempt, reconnect_delay
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.following import ControlPlanes, stale
+from llmgw_agent.following import ControlPlanes, lost_after, stale
 from llmgw_core.dial import ConnectFailed, open_agent_stream
 from llmgw_core.inventory import Gpu, Inventory
 from llmgw_core.wire import (
+    LOST_LEADER_HEADER,
     MAX_FRAME_BYTES,
     NOT_LEADER_CLOSE,
     PROTOCOL,
@@ -160,11 +161,12 @@ class Worker:
         register = encode(Register(PROTOCOL, "fleet-sim", inventory(i)))
         planes = ControlPlanes(self.urls)
         attempt = 0
+        lost: str | None = None  # the control plane lost, named to the next (as the agent)
         while True:
             session = Session(planes.current)
             come_back: float | None = None
             try:
-                await self.session(i, register, session, planes)
+                await self.session(i, register, session, planes, lost)
             except* ConnectFailed as group:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
@@ -180,6 +182,10 @@ class Worker:
                 self.failed(group.exceptions[0], session)
             self.registered.discard(i)
             self.registered_epoch.pop(i, None)
+            if len(self.urls) > 1:
+                welcomed = session.welcomed_at is not None
+                busy = come_back is not None
+                lost = lost_after(session.url, session.ended(), welcomed, lost, busy=busy)
             # Where next, as the agent's connect loop decides (llmgw_agent.agent.Agent.run).
             redial = planes.after(
                 session.ended(),
@@ -206,7 +212,9 @@ class Worker:
         key = f"{why_failed(exc)} ({when})"
         self.failures[key] = self.failures.get(key, 0) + 1
 
-    async def session(self, i: int, register: str, session: Session, planes: ControlPlanes) -> None:
+    async def session(
+        self, i: int, register: str, session: Session, planes: ControlPlanes, lost: str | None
+    ) -> None:
         self.connects += 1
         heard = Heard(trio.current_time())
         async with open_agent_stream(
@@ -218,6 +226,7 @@ class Worker:
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,
             local_address=source_address(i) if self.args.own_addresses else None,
+            headers=[] if lost is None else [(LOST_LEADER_HEADER, lost.encode())],
         ) as ws:
             sent = False
             with trio.fail_after(10):

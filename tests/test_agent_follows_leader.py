@@ -32,6 +32,7 @@ from llmgw_agent.following import (
     LEADER_JITTER_S,
     ControlPlanes,
     Ended,
+    lost_after,
     stale,
 )
 from llmgw_core.config import parse_config
@@ -82,6 +83,14 @@ def test_a_dial_during_a_failover_gives_up_on_a_frozen_control_plane_sooner() ->
     alone = ControlPlanes((A,))
     alone.after(Ended.LEADER_LOST, now=0.0, rng=random.Random(1))
     assert alone.dial_patience_s(1.0, 45.0) == 45.0  # no other to try
+
+
+def test_the_control_plane_named_as_lost_is_the_one_that_ended_the_stream_or_failed() -> None:
+    assert lost_after(A, Ended.LEADER_LOST, True, None, busy=False) == A  # its stream broke
+    assert lost_after(B, Ended.FAILED, False, A, busy=False) == B  # could not reach it
+    assert lost_after(B, Ended.NOT_LEADER, False, A, busy=False) == A  # a standby: kept
+    assert lost_after(B, Ended.STALE, False, A, busy=False) == A
+    assert lost_after(B, Ended.FAILED, False, A, busy=True) == A  # busy lives
 
 
 def test_a_leader_is_recognised_whatever_the_case_of_its_host_or_a_trailing_slash() -> None:

@@ -41,7 +41,7 @@ from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import help_command, refusals
 from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
-from llmgw_agent.following import ControlPlanes, Ended, stale
+from llmgw_agent.following import ControlPlanes, Ended, lost_after, stale
 from llmgw_agent.shm_leftovers import clean_after
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
@@ -305,7 +305,13 @@ class Agent:
                 log.error("the session with %s failed", session.url, exc_info=group)
             now = trio.current_time()
             if len(self.config.servers) > 1:
-                self._lost = _lost_after(session, self._lost, busy=come_back is not None)
+                self._lost = lost_after(
+                    session.url,
+                    session.ended(),
+                    session.welcomed_at is not None,
+                    self._lost,
+                    busy=come_back is not None,
+                )
             redial = self.planes.after(
                 session.ended(),
                 now=now,
@@ -824,18 +830,6 @@ async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
     async with trio.open_nursery() as nursery:
         task_status.started(nursery)
         await trio.sleep_forever()
-
-
-def _lost_after(session: Session, lost: str | None, *, busy: bool) -> str | None:
-    """The control plane to name as lost after `session`: the one dialled when it ended
-    the agent's stream or could not be reached; unchanged after a standby's NOT_LEADER,
-    a stale welcome, or a busy leader's "come back later" (it lives)."""
-    ended = session.ended()
-    if busy or ended in (Ended.NOT_LEADER, Ended.STALE):
-        return lost
-    if ended is Ended.FAILED or session.welcomed_at is not None:
-        return session.url
-    return lost
 
 
 def _short(exc: BaseException) -> str:

@@ -44,6 +44,20 @@ LEADER_JITTER_S = 0.05
 ELECTION_JITTER_S = (0.1, 0.5)
 
 
+def lost_after(
+    url: str, ended: Ended, welcomed: bool, lost: str | None, *, busy: bool
+) -> str | None:
+    """The control plane to name as lost (LOST_LEADER_HEADER) after a session with `url`
+    ended so: the one dialled when it ended the agent's stream or could not be reached;
+    unchanged after a standby's NOT_LEADER, a stale welcome, or a busy leader's "come
+    back later" (it lives)."""
+    if busy or ended in (Ended.NOT_LEADER, Ended.STALE):
+        return lost
+    if ended is Ended.FAILED or welcomed:
+        return url
+    return lost
+
+
 def stale(epoch: int, highest: int) -> bool:
     """Whether a welcome or a command of `epoch` comes from a leadership older than the
     highest this agent has seen. Epoch 0 is a control plane without a store, never fenced
