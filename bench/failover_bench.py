@@ -1048,8 +1048,7 @@ def report(
         f"{out['stale_total'][0]}, commands {out['stale_total'][1]}",
         f"- why simulated agents moved to another control plane: {describe(out['moves'])}; "
         f"standbys' NOT_LEADER closes that came before the register was sent: {out['early']:,} "
-        "(the simulator follows those too; llmgw_agent at 78e991d sends its register outside "
-        "the try that recognises NOT_LEADER, so it takes its backoff instead)",
+        "(followed like any other, as the agent does since ac4f38c)",
         f"- sessions that failed (simulator): {describe(out['sim_failures'])}",
         f"- fault phase: {out.get('faults_wall', 0):.0f} s",
     ]
