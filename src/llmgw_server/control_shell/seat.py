@@ -169,12 +169,20 @@ class Seat:
                 await client.aclose()
 
     async def _follow_election(self, election: Election, nursery: trio.Nursery) -> None:
+        """Begin and end terms as the election says. Beginning and ending take the store's
+        answers and a moment: what the election said meanwhile is read again before
+        waiting for its next change (a term is never left begun for an epoch that ended,
+        nor missing for one that began)."""
         while True:
-            standing = election.standing
-            if standing.leading and self.plane is None and not self.closing:
-                await self._begin_term(standing, nursery)
-            elif not standing.leading and self.plane is not None:
+            standing, plane = election.standing, self.plane
+            if plane is not None and (not standing.leading or plane.epoch != standing.epoch):
                 await self._end_term(standing.why)
+                continue
+            if standing.leading and plane is None and not self.closing:
+                await self._begin_term(standing, nursery)
+                if self.plane is None and election.standing.epoch == standing.epoch:
+                    await trio.sleep(_RETRY_S)  # refused while still elected: the fence decides
+                continue
             self._signal()
             await election.changed()
 
