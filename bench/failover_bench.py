@@ -787,13 +787,20 @@ class Bench:
                 out["fault_load0"] = load()
                 t_faults = time.monotonic()
                 kinds = ["kill"] * args.kills + ["black hole"] * args.blackholes
-                for index, kind in enumerate(kinds):
-                    fault = await self.fault(kind, index)
-                    progress(
-                        f"  new leader {fault.leader_s}, write {fault.write_s}, agents {fault.agents_s}, "
-                        f"failed so far {len(self.loop.failed)}, load {load()}"
-                    )
-                await self.settled(args.cap)
+                try:
+                    for index, kind in enumerate(kinds):
+                        fault = await self.fault(kind, index)
+                        progress(
+                            f"  new leader {fault.leader_s}, write {fault.write_s}, "
+                            f"agents {fault.agents_s}, failed so far {len(self.loop.failed)}, "
+                            f"load {load()}"
+                        )
+                    await self.settled(args.cap)
+                except RuntimeError as exc:
+                    # A fleet that does not settle is a finding: the faults so far are
+                    # reported, with why the run stopped.
+                    out["stopped"] = str(exc)
+                    progress(f"stopped: {exc}")
                 await trio.sleep(args.settle)
                 if self.faults:
                     self.faults[-1].end = time.monotonic()
@@ -1051,6 +1058,11 @@ def report(
         "(followed like any other, as the agent does since ac4f38c)",
         f"- sessions that failed (simulator): {describe(out['sim_failures'])}",
         f"- fault phase: {out.get('faults_wall', 0):.0f} s",
+        *(
+            [f"- the run stopped before its last fault: {out['stopped']}"]
+            if "stopped" in out
+            else []
+        ),
     ]
     if loop.failed:
         lines += ["", "failed requests (first 20):", ""]
