@@ -122,6 +122,7 @@ class EpochSims(Sims):
         self.stale: list[tuple[int, int]] = [(0, 0) for _ in procs]
         self.moves: list[dict[str, int]] = [{} for _ in procs]
         self.early = [0 for _ in procs]  # NOT_LEADER closes before the register was sent
+        self.long_waits: list[dict[str, list[float]]] = [{} for _ in procs]  # [count, longest]
 
     def registered_at(self, epoch: int) -> int:
         return sum(counts.get(epoch, 0) for counts in self.by_epoch)
@@ -162,6 +163,7 @@ class EpochSims(Sims):
                     self.stale[index] = (report.pop("stale_welcomes"), report.pop("stale_messages"))
                     self.moves[index] = report.pop("moves")
                     self.early[index] = report.pop("not_leader_before_register")
+                    self.long_waits[index] = report.pop("long_waits", {})
                     self.reports[index] = report
 
 
@@ -818,6 +820,13 @@ class Bench:
             out["stale_total"] = sims.stale_refused()
             out["moves"] = sims.move_counts()
             out["early"] = sum(sims.early)
+            waits: dict[str, str] = {}
+            for why in sorted({w for per in sims.long_waits for w in per}):
+                got = [per[why] for per in sims.long_waits if why in per]
+                waits[why] = (
+                    f"{sum(int(c) for c, _ in got)} (longest {max(m for _, m in got):.0f} s)"
+                )
+            out["long_waits"] = waits
             out["sim_failures"] = sims.failure_counts()
             sims.send("stop")
         finally:
@@ -1057,6 +1066,8 @@ def report(
         f"standbys' NOT_LEADER closes that came before the register was sent: {out['early']:,} "
         "(followed like any other, as the agent does since ac4f38c)",
         f"- sessions that failed (simulator): {describe(out['sim_failures'])}",
+        "- simulated agents' waits of 10 s or more before a dial, by why: "
+        + ("; ".join(f"{k}: {v}" for k, v in out.get("long_waits", {}).items()) or "none"),
         f"- fault phase: {out.get('faults_wall', 0):.0f} s",
         *(
             [f"- the run stopped before its last fault: {out['stopped']}"]

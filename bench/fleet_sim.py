@@ -75,6 +75,9 @@ BASE_S = cast(float, attrs.fields(AgentConfig).reconnect_base_s.default)
 CAP_S = cast(float, attrs.fields(AgentConfig).reconnect_cap_s.default)
 
 
+LONG_WAIT_S = 10.0
+
+
 def why_failed(exc: BaseException) -> str:
     """Why a session ended, in a few words: the cause, never the control plane's address
     (the same in every line, it would crowd the cause out of the table)."""
@@ -142,6 +145,7 @@ class Worker:
         self.moves: dict[str, int] = {}  # why nodes went to another control plane
         # NOT_LEADER closes that came before the register could be sent.
         self.not_leader_before_register = 0
+        self.long_waits: dict[str, tuple[int, float]] = {}  # why: (how many, the longest)
 
     def context(self, i: int) -> ssl.SSLContext | None:
         """The node's own TLS context, made once as the real agent does."""
@@ -201,10 +205,21 @@ class Worker:
                 key = session.ended().value
                 self.moves[key] = self.moves.get(key, 0) + 1
             if redial is not None and redial.delay_s is not None:
+                self.waited(
+                    "come back (failover)" if come_back is not None else "redial", redial.delay_s
+                )
                 await trio.sleep(redial.delay_s)
                 continue
             attempt = next_attempt(attempt, session)
-            await trio.sleep(reconnect_delay(attempt, come_back, BASE_S, CAP_S, self.rng))
+            delay = reconnect_delay(attempt, come_back, BASE_S, CAP_S, self.rng)
+            self.waited("come back" if come_back is not None else "backoff", delay)
+            await trio.sleep(delay)
+
+    def waited(self, why: str, delay_s: float) -> None:
+        """Waits of 10 s or more before a dial, by why: what keeps an agent away long."""
+        if delay_s >= LONG_WAIT_S:
+            count, longest = self.long_waits.get(why, (0, 0.0))
+            self.long_waits[why] = (count + 1, max(longest, delay_s))
 
     def failed(self, exc: BaseException, session: Session) -> None:
         """Count why a session ended, in a few words (before or after its welcome)."""
@@ -326,6 +341,7 @@ class Worker:
                 "stale_messages": self.stale_messages,
                 "moves": self.moves,
                 "not_leader_before_register": self.not_leader_before_register,
+                "long_waits": self.long_waits,
             }
             self.new_registrations, self.new_firsts, self.new_by_epoch = [], [], {}
             print(json.dumps(line), flush=True)
