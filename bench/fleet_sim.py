@@ -197,6 +197,7 @@ class Worker:
                 rng=self.rng,
                 healthy=next_attempt(0, session) == 0,
                 welcomed=session.welcomed_at is not None,
+                epoch=self.epochs.get(i, 0),
                 leader=leader_from_reason(session.not_leader),
                 reason=session.not_leader or "",
                 come_back_s=come_back,

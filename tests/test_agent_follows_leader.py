@@ -85,6 +85,22 @@ def test_a_dial_during_a_failover_gives_up_on_a_frozen_control_plane_sooner() ->
     assert alone.dial_patience_s(1.0, 45.0) == 45.0  # no other to try
 
 
+def test_a_failover_soon_after_the_last_gets_a_window_of_its_own() -> None:
+    """A leader elected in a failover that is lost again before its session counted as
+    healthy: the agent still dials the next control plane after the short jitter, not
+    after the backoff of the first failover's spent window."""
+    planes, rng = ControlPlanes((A, B, C)), random.Random(3)
+    planes.after(Ended.LEADER_LOST, now=0.0, rng=rng, welcomed=True, epoch=5)  # the first
+    # Registered with the new leader (epoch 9) late in the window; lost 5 s after, past it.
+    late = FAILOVER_WINDOW_S - 1
+    redial = planes.after(Ended.LEADER_LOST, now=late + 5, rng=rng, welcomed=True, epoch=9)
+    assert redial is not None and redial.delay_s is not None  # a window of its own
+    # The same leadership lost again (a flapping leader): the window is not renewed.
+    spent = late + 5 + FAILOVER_WINDOW_S + 1
+    again = planes.after(Ended.LEADER_LOST, now=spent, rng=rng, welcomed=True, epoch=9)
+    assert again is not None and again.delay_s is None  # the backoff
+
+
 def test_the_control_plane_named_as_lost_is_the_one_that_ended_the_stream_or_failed() -> None:
     assert lost_after(A, Ended.LEADER_LOST, True, None, busy=False) == A  # its stream broke
     assert lost_after(B, Ended.FAILED, False, A, busy=False) == B  # could not reach it

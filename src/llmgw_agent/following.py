@@ -93,6 +93,9 @@ class ControlPlanes:
     # so that a failover lasts one window. None: no failover since the last healthy one.
     failover_until: float | None = None
     hops: int = 0  # named leaders dialled at once in a row, without a welcome between
+    # The newest leadership that welcomed this agent: a welcome of a newer one ends a
+    # failover's window (its leader was elected: the next failover is another).
+    window_epoch: int = 0
 
     @property
     def current(self) -> str:
@@ -124,6 +127,7 @@ class ControlPlanes:
         rng: random.Random,
         healthy: bool = False,
         welcomed: bool = False,
+        epoch: int = 0,
         leader: str | None = None,
         reason: str = "",
         come_back_s: float | None = None,
@@ -134,10 +138,16 @@ class ControlPlanes:
         decide, as before.
 
         `healthy`: the session answered for a while (the backoff starts over); `welcomed`:
-        it registered; `leader` and `reason`: what a NOT_LEADER close said; `come_back_s`:
-        the turn a busy control port gave."""
-        if healthy:
+        it registered, with a leadership of `epoch`; `leader` and `reason`: what a
+        NOT_LEADER close said; `come_back_s`: the turn a busy control port gave.
+
+        A failover's window ends with a healthy session, or with a welcome from a newer
+        leadership than the one whose loss opened it: a failover that follows soon after
+        the last one gets a window of its own (rather than the backoff of a spent one)."""
+        if healthy or (welcomed and epoch > self.window_epoch):
             self.failover_until = None
+        if welcomed:
+            self.window_epoch = max(self.window_epoch, epoch)
         if welcomed:
             self.hops = 0
         was = self.current
