@@ -334,6 +334,10 @@ class ControlPlane:
         self.apply(self.reconciler.restore(stored, self.now(), wall_minus_monotonic))
 
     def apply(self, step: Step) -> None:
+        # A leadership that ended (its lease ran out while this process was paused, say)
+        # carries out nothing of what it then decides, and does not log it as done.
+        if self._fence_holds("a step of the reconciler"):
+            return
         if self._keep is not None:
             self._keep(step)
         self.feed.stepped(step)
