@@ -178,6 +178,24 @@ class EtcdCluster:
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 
+    def a_follower(self) -> int:
+        """A running member that does not lead etcd's raft (plain HTTP clusters): losing
+        it costs no election of etcd's, which a short lease need not outlive."""
+        for i, port in enumerate(self.client_ports):
+            if not self.running(i):
+                continue
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            try:
+                connection.request("POST", "/v3/maintenance/status", body=b"{}")
+                status = json.loads(connection.getresponse().read())
+            except (OSError, http.client.HTTPException, ValueError):
+                continue
+            finally:
+                connection.close()
+            if status.get("leader") != status.get("header", {}).get("member_id"):
+                return i
+        raise AssertionError("no running member follows another")
+
     def running(self, i: int) -> bool:
         proc = self._procs[i]
         return proc is not None and proc.poll() is None
