@@ -125,6 +125,29 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
         assert took < 3 * ha.lease_ttl_s + 5, took
 
 
+def reload_accepted(ha: HAFleet, stopping: ControlPlaneProc | None = None) -> bool:
+    """An admin write that names no node (a reload of the unchanged config) accepted by a
+    leader, reached through any living control plane: a new leader takes it at once,
+    before any agent registered with it. Not through `stopping`: its port drains."""
+    for plane in ha.planes:
+        if not plane.alive or plane is stopping:
+            continue
+        try:
+            answer = httpx.post(
+                plane.control + "/v1/admin/reload",
+                json={},
+                headers=ha.admin_headers,
+                verify=ha.fleet.tls,
+                timeout=2,
+                follow_redirects=True,
+            )
+        except httpx.HTTPError:
+            continue
+        if answer.status_code == 200:
+            return True
+    return False
+
+
 def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) -> None:
     ha = running_fleet(fleet, etcd.endpoints)
     with ha.explained():
@@ -136,7 +159,7 @@ def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) 
             old = ha.leader()
             signalled = time.monotonic()
             old.proc.signal(signal.SIGTERM)
-            wait_until(lambda: admin_write_accepted(ha), timeout=20, what="a new leader's write")
+            wait_until(lambda: reload_accepted(ha, old), timeout=20, what="a new leader's write")
             took = time.monotonic() - signalled
             new = ha.leader()
             assert new is not old
@@ -147,8 +170,8 @@ def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) 
         assert not loop.errors, loop.errors[:5]
         assert started_engines(fleet) == engines
         assert placements(new) == 0, new.proc.output()[-3000:]
-        # Well inside the lease: it resigned, nobody waited for the lease to end.
-        assert took < ha.lease_ttl_s, took
+        # It resigned: nobody waited for the lease to end (the issue's bound: 1 s).
+        assert took < 1.0, took
 
 
 def test_a_leader_paused_past_its_lease_wakes_and_does_not_act(
