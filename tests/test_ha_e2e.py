@@ -52,15 +52,19 @@ def running_fleet(fleet: Fleet, endpoints: list[str]) -> HAFleet:
     return ha
 
 
-def admin_write_accepted(ha: HAFleet) -> bool:
-    """An admin write (uncordon a node, which changes nothing) accepted by the leader,
-    reached through any living control plane."""
+def admin_write_accepted(
+    ha: HAFleet,
+    path: str = "/v1/admin/nodes/gpu-1/uncordon",
+    stopping: ControlPlaneProc | None = None,
+) -> bool:
+    """An admin write (by default: uncordon a node, which changes nothing) accepted by the
+    leader, reached through any living control plane but `stopping` (its port drains)."""
     for plane in ha.planes:
-        if not plane.alive:
+        if not plane.alive or plane is stopping:
             continue
         try:
             answer = httpx.post(
-                plane.control + "/v1/admin/nodes/gpu-1/uncordon",
+                plane.control + path,
                 json={},
                 headers=ha.admin_headers,
                 verify=ha.fleet.tls,
@@ -125,29 +129,6 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
         assert took < 3 * ha.lease_ttl_s + 5, took
 
 
-def reload_accepted(ha: HAFleet, stopping: ControlPlaneProc | None = None) -> bool:
-    """An admin write that names no node (a reload of the unchanged config) accepted by a
-    leader, reached through any living control plane: a new leader takes it at once,
-    before any agent registered with it. Not through `stopping`: its port drains."""
-    for plane in ha.planes:
-        if not plane.alive or plane is stopping:
-            continue
-        try:
-            answer = httpx.post(
-                plane.control + "/v1/admin/reload",
-                json={},
-                headers=ha.admin_headers,
-                verify=ha.fleet.tls,
-                timeout=2,
-                follow_redirects=True,
-            )
-        except httpx.HTTPError:
-            continue
-        if answer.status_code == 200:
-            return True
-    return False
-
-
 def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) -> None:
     ha = running_fleet(fleet, etcd.endpoints)
     with ha.explained():
@@ -159,7 +140,11 @@ def test_a_sigtermed_leader_hands_over_at_once(fleet: Fleet, etcd: EtcdCluster) 
             old = ha.leader()
             signalled = time.monotonic()
             old.proc.signal(signal.SIGTERM)
-            wait_until(lambda: reload_accepted(ha, old), timeout=20, what="a new leader's write")
+            wait_until(
+                lambda: admin_write_accepted(ha, "/v1/admin/reload", old),
+                timeout=20,
+                what="a new leader's write",
+            )
             took = time.monotonic() - signalled
             new = ha.leader()
             assert new is not old
