@@ -111,6 +111,7 @@ class Plane:
 class Standing:
     leader_url: str | None
     why: str = "no leader is elected now"
+    leading: bool = False
 
 
 async def _nothing(request: Request, responder: Responder) -> None:

@@ -58,6 +58,17 @@ class ReplayStream(trio.abc.Stream):
             return cert
         return None
 
+    def answered(self) -> None:
+        """This connection waits on something else from now on (a standby holds it
+        through an election): its place in the control port's admission goes to the
+        next connection, as once its answers are sent."""
+        transport = (
+            self._stream.transport_stream if isinstance(self._stream, trio.SSLStream) else None
+        )
+        answered = getattr(transport, "answered", None)
+        if answered is not None:
+            answered()
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._replay:
             data, self._replay = self._replay, b""
@@ -102,9 +113,7 @@ class H11Connection:
         if received:
             self.conn.receive_data(received)
         # Bytes of the first request head, kept only where an upgrade may need them.
-        self.raw: bytearray | None = (
-            bytearray(received) if server.upgrade and first else None
-        )
+        self.raw: bytearray | None = bytearray(received) if server.upgrade and first else None
         self._may_read = trio.Event()
         self._arrived = trio.Event()
         self._eof = False

@@ -548,8 +548,6 @@ def reset(stream: trio.SocketStream) -> None:
     stream.socket.close()
 
 
-
-
 def _raw(stream: trio.SocketStream) -> socket.socket:
     sock = sockio.raw_socket(stream)
     if sock is None:
@@ -853,6 +851,11 @@ class Watched(trio.abc.Stream):
             self.place.answers_left -= 1
             if self.place.answers_left <= 0:
                 self.place.give_back()
+
+    def answered(self) -> None:
+        """The connection's place goes back before its answers are all sent: what it waits
+        for from now on is no work of this server's (h11_connection.ReplayStream)."""
+        self.place.give_back()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.stream.wait_send_all_might_not_block()

@@ -93,6 +93,10 @@ OUTBOX_SIZE = 1024
 # a storm from spreading the server's CPU over every agent at once, and slow agents
 # cannot hold registration under 100 a second.
 REGISTRATIONS_AT_ONCE = 1024
+# How long a stream a standby held through the election it won waits for its turn among
+# the registrations: the agent has waited for its welcome since the hold began (it gives
+# up after 10 s), so one that cannot be served soon is better sent to dial again.
+ADOPTED_QUEUE_S = 1.0
 # How long the open stream of a node registering again has to answer a ping (awake
 # time, from when the ping goes out). A live agent's websocket library answers from
 # its own reader task, whatever its loop is doing, within a round trip; 2 s is the
@@ -304,7 +308,9 @@ class AgentService:
             await self.registering.acquire()
         if queued.cancelled_caught:
             await _refuse(
-                raw, 503, b"Service Unavailable",
+                raw,
+                503,
+                b"Service Unavailable",
                 b"the control plane is busy registering other nodes: dial again later",
             )
             return
@@ -317,14 +323,44 @@ class AgentService:
                 await raw.send_all(accept_response(request))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
-            ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
-            async with trio.open_nursery() as nursery:
-                try:
-                    await self._serve(ws, nursery, _peer(raw), certificate, registration)
-                finally:
-                    nursery.cancel_scope.cancel()
+            await self._serve_stream(raw, rest, certificate, registration)
         finally:
             registration.end()
+
+    async def serve_accepted(self, request: Request, raw: trio.abc.Stream, rest: bytes) -> bool:
+        """An agent's stream already answered 101 (a standby held it through the election
+        this control plane then won): served as if it had just been upgraded here, its
+        register read from `rest` and what follows. False (the stream untouched) when it
+        is no agent's stream or no turn among the registrations comes within
+        ADOPTED_QUEUE_S: the caller sends its peer here again."""
+        if request.path != AGENT_PATH:
+            return False
+        certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
+        with trio.move_on_after(ADOPTED_QUEUE_S) as queued:
+            await self.registering.acquire()
+        if queued.cancelled_caught:
+            return False
+        registration = _Turn(self.registering)
+        try:
+            # Checked at its register, as any stream's: a missing one is refused there.
+            await self._serve_stream(raw, rest, certificate, registration)
+        finally:
+            registration.end()
+        return True
+
+    async def _serve_stream(
+        self,
+        raw: trio.abc.Stream,
+        rest: bytes,
+        certificate: dict[str, Any] | None,
+        registration: _Turn,
+    ) -> None:
+        ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
+        async with trio.open_nursery() as nursery:
+            try:
+                await self._serve(ws, nursery, _peer(raw), certificate, registration)
+            finally:
+                nursery.cancel_scope.cancel()
 
     def _check_identity(self, name: str, certificate: dict[str, Any] | None, peer: str) -> None:
         """A node registers only under the name its certificate carries, and not when denied."""

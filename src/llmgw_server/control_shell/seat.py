@@ -95,7 +95,14 @@ class Seat:
         # A stream with no leader to name is held for the election: within the agent's
         # wait for its welcome (10 s), and about a lease (the longest an election takes).
         hold_s = min(_HOLD_S, self.store.lease_ttl_s + 1.0)
-        self.standby = StandbyAnswers(self.leadership, self.metrics_page, self.changed, hold_s)
+        self.standby = StandbyAnswers(
+            self.leadership,
+            self.metrics_page,
+            self.changed,
+            hold_s,
+            adopt=self._adopt,
+            here=lambda: self.url,
+        )
         self.election: Election | None = None
         self.client: EtcdClient | None = None
         self.url = ""
@@ -329,6 +336,20 @@ class Seat:
                     await plane.serve_upgrade(request, raw)
             finally:
                 self._streams.discard(scope)
+
+    async def _adopt(self, request: Request, raw: trio.abc.Stream, rest: bytes) -> bool:
+        """A stream the standby held through the election this control plane won, served
+        by its term; False when there is no term now or the term does not take it."""
+        plane = self.plane
+        if plane is None:
+            return False
+        with trio.CancelScope() as scope:
+            self._streams.add(scope)
+            try:
+                return await plane.agents.serve_accepted(request, raw, rest)
+            finally:
+                self._streams.discard(scope)
+        return True  # served until its term ended
 
     def _is_peer(self, request: Request) -> bool:
         digest = bearer_digest(request.header(b"authorization"))

@@ -34,12 +34,26 @@ from llmgw_http.ws_server import (
 
 log = logging.getLogger("llmgw.control")
 
-# The close frame and the peer's answer, at most: a standby never holds a stream.
+# The close frame and the peer's answer, at most.
 _CLOSE_S = 2.0
+# Streams held through an election at once: each keeps its socket and TLS state (tens
+# of KiB) for at most a hold; past this, a stream is closed at once without a leader to
+# name, and its peer tries the next control plane after a jitter, as without holding.
+MAX_HELD = 8192
+
+
+class _LeadsHere:
+    """What `_leader` gives when this control plane won the election meanwhile."""
+
+
+_HERE = _LeadsHere()
 
 
 class Leading(Protocol):
     """What a standby knows of the leader (election.Standing)."""
+
+    @property
+    def leading(self) -> bool: ...
 
     @property
     def leader_url(self) -> str | None: ...
@@ -65,7 +79,11 @@ class StandbyAnswers:
     (LOST_LEADER_HEADER: that leader's key lives until its lease ends), is held until
     the election names another (at most `hold_s`): then the peer is sent to the new
     leader as soon as there is one, instead of dialing every control plane in turn, each
-    a TLS handshake, for as long as the election takes."""
+    a TLS handshake, for as long as the election takes. A held stream waits on the
+    election, not on this process: its place in the port's admission goes to the next.
+    When this control plane is the one elected, `adopt` serves the held stream in its
+    new term (an agent's: its register is read there, no second handshake); a stream it
+    does not take is closed naming this control plane (`here`)."""
 
     def __init__(
         self,
@@ -73,12 +91,17 @@ class StandbyAnswers:
         metrics: Callable[[], bytes],
         changed: Callable[[], Awaitable[None]] | None = None,
         hold_s: float = 0.0,
+        adopt: Callable[[Request, trio.abc.Stream, bytes], Awaitable[bool]] | None = None,
+        here: Callable[[], str] | None = None,
     ) -> None:
         self._standing = standing
         self._metrics = metrics
         self._changed = changed
         self.hold_s = hold_s
+        self._adopt = adopt
+        self._here = here
         self.held = 0  # streams held now
+        self.adopted = 0  # held streams served by this control plane's own term
 
     async def handle(self, request: Request, responder: Responder) -> None:
         if request.path == b"/metrics":
@@ -124,26 +147,38 @@ class StandbyAnswers:
                 await trio.aclose_forcefully(raw)
                 return
         # The same path on the leader: what its peer lists (an agent compares URLs whole).
-        leader = await self._leader(path, lost)
+        leader = await self._leader(path, lost, raw)
+        if isinstance(leader, _LeadsHere):
+            if self._adopt is not None and await self._adopt(request, raw, rest):
+                self.adopted += 1
+                await trio.aclose_forcefully(raw)
+                return
+            leader = None if self._here is None else self._here() + path
         standing = self._standing()
         reason = not_leader_reason(leader, standing.why)
         with trio.move_on_after(_CLOSE_S):
             await ServerWebSocket(raw, rest, 64 * 1024).close(NOT_LEADER_CLOSE, reason)
         await trio.aclose_forcefully(raw)
 
-    async def _leader(self, path: str, lost: str) -> str | None:
+    async def _leader(self, path: str, lost: str, raw: trio.abc.Stream) -> str | _LeadsHere | None:
         """The leader's URL for `path`, once there is one the peer did not lose (held at
-        most `hold_s` for it); None when there is none."""
+        most `hold_s` for it), or _HERE once this control plane leads; None when there
+        is none."""
 
-        def named() -> str | None:
-            url = self._standing().leader_url
+        def named() -> str | _LeadsHere | None:
+            standing = self._standing()
+            if standing.leading:
+                return _HERE
+            url = standing.leader_url
             if url is None or (lost and same_control_plane(url + path, lost)):
                 return None
             return url + path
 
         leader = named()
-        if leader is not None or self._changed is None or self.hold_s <= 0:
+        if leader is not None or self._changed is None or self.hold_s <= 0 or self.held >= MAX_HELD:
             return leader
+        if isinstance(raw, ReplayStream):
+            raw.answered()
         self.held += 1
         try:
             with trio.move_on_after(self.hold_s):
