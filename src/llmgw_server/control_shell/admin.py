@@ -374,9 +374,7 @@ def replica_doc(view: ReplicaView, output_tails: OutputTailsOf, now: float) -> R
         attempt=view.attempt,
         failures=view.failures,
         crash_loop=view.crash_loop,
-        restart_in_s=None
-        if view.restart_at is None
-        else round(max(0.0, view.restart_at - now), 1),
+        restart_in_s=None if view.restart_at is None else round(max(0.0, view.restart_at - now), 1),
         shards=tuple(
             ShardDoc(
                 s.node,

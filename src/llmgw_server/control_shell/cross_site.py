@@ -253,9 +253,7 @@ class ControlPortGate:
         await self._handler(request, responder)
 
     async def upgrade(self, request: Request, raw: trio.abc.Stream) -> None:
-        refused = refusal(
-            request.method, request.path, request.headers, self.names, websocket=True
-        )
+        refused = refusal(request.method, request.path, request.headers, self.names, websocket=True)
         if refused is None:
             await self._upgrade(request, raw)
             return

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 import cattrs
@@ -93,10 +93,20 @@ def _chunks(ops: list[Op], size: int) -> list[list[Op]]:
 
 
 class Election:
-    def __init__(self, client: EtcdClient, store: StoreSection, me: Member) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        store: StoreSection,
+        me: Member,
+        campaign_delay_s: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.client = client
         self.store = store
         self.me = me
+        # How long to hold a campaign back, asked at each: a standby that holds the
+        # fleet's streams campaigns first (seat.py), so that the winner is the one with
+        # the agents already connected to it. Safety is the transaction's, never this.
+        self.campaign_delay_s = campaign_delay_s
         # etcd's TTLs are whole seconds (and it may grant more: its minimum lease).
         self.ttl_s = math.ceil(store.lease_ttl_s)
         self.core = Leadership(me, self.ttl_s)
@@ -251,6 +261,9 @@ class Election:
     # -- the leader key
 
     async def _campaign(self, lease_id: int) -> None:
+        delay = self.campaign_delay_s()
+        if delay > 0:
+            await trio.sleep(delay)
         record = LeaderRecord(self.me, since=time.time())
         key = self.leader_key
         try:
