@@ -304,6 +304,39 @@ async def test_a_standby_that_campaigns_first_wins_each_handover(etcd: EtcdClust
 
 
 @within(TEST_S)
+async def test_a_gone_leaders_term_ended_in_the_store_hands_over_before_its_lease_ends(
+    etcd: EtcdCluster,
+) -> None:
+    """A standby that knows the leader's process is gone (leader_gone) deposes it: the
+    leader key goes by a guarded delete, and another leads within a round trip rather
+    than at the lease's end. A depose naming another leadership does nothing."""
+    store = store_of(etcd.endpoints)
+    async with elections(store, ["catalog-a"] * 3) as found:
+        leader = await one_leader(found)
+        others = [e for e in found if e is not leader]
+        await until(lambda: all(e.standing.leader == leader.me for e in others), 5)
+        epoch = leader.standing.epoch
+        assert not await others[0].depose(epoch - 1, leader.me.id)  # a stale view: nothing
+        await trio.sleep(0.2)
+        assert acting(found) == [leader]
+        # The leader's process dies: its calls to the store stop, its lease lives on.
+        client_of(leader).calls.close()
+        client_of(leader).events.close()
+        start = trio.current_time()
+        assert await others[0].depose(epoch, leader.me.id)
+        took = await until(lambda: len(acting(others)) == 1, 5)
+        print(f"\nhandover after depose: {took * 1000:.0f} ms")
+        (new,) = acting(others)
+        assert new.standing.epoch > epoch
+        # Well before the dead leader's lease would have ended (2 s from its last renewal),
+        # and it is no longer listed among the control planes.
+        assert trio.current_time() - start < TTL_S * 0.75
+        assert leader.me.id not in {m.id for m in await new.members()}
+        client_of(leader).calls.open()
+        client_of(leader).events.open()
+
+
+@within(TEST_S)
 async def test_a_leader_that_stops_renewing_loses_its_fence_before_another_wins(
     etcd: EtcdCluster,
 ) -> None:

@@ -123,12 +123,15 @@ async def test_the_leader_a_peer_lost_is_not_named_to_it_again() -> None:
     """The dead leader's key lives until its lease ends: the standby still has it as the
     leader, but a peer that lost it waits for the next one instead of dialing it again."""
     election = Election(OLD)
-    answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=5.0)
+    suspected: list[str] = []
+    answers = StandbyAnswers(
+        lambda: election, lambda: b"", election.changed, hold_s=5.0, suspect=suspected.append
+    )
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve, answers)
             _, other = await closed_with(port)  # a peer that lost nothing: named at once
-            assert other == OLD + "/v1/agent"
+            assert other == OLD + "/v1/agent" and suspected == []
             results: list[tuple[float, str | None]] = []
 
             async def agent() -> None:
@@ -137,6 +140,8 @@ async def test_the_leader_a_peer_lost_is_not_named_to_it_again() -> None:
             nursery.start_soon(agent)
             while answers.held < 1:
                 await trio.sleep(0.01)
+            # The seat is asked to check whether that leader's process is gone.
+            assert suspected == [OLD]
             election.elect(None)  # the old key expired: still nobody to name
             await trio.sleep(0.2)
             assert not results

@@ -370,6 +370,20 @@ class Election:
                 return False
         return True
 
+    async def depose(self, epoch: int, member_id: str) -> bool:
+        """End the leadership of `epoch` in the store, for a leader whose process is known
+        to be gone: its leader key and its member record (`member_id`) deleted by a
+        transaction that does nothing when another leadership holds the key (its lease
+        ends by itself). The standbys' watches see the key go and campaign at once,
+        instead of at the lease's end. StoreError when the store is away."""
+        member_key = self.members_prefix + member_id.encode()
+        result = await self.client.txn(
+            [Compare.create_revision(self.leader_key, epoch)],
+            [Op.delete(self.leader_key), Op.delete(member_key)],
+            [],
+        )
+        return result.succeeded
+
     async def resign(self) -> None:
         """Stop leading at once and for good (SIGTERM): `may_act` is False from the first
         line; then the leader key is deleted (guarded by this epoch) and the lease revoked,

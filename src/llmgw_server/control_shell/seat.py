@@ -34,6 +34,7 @@ from llmgw_server.control.persisted import Keeper
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.control_shell.election import Election, Member, Standing
+from llmgw_server.control_shell.leader_gone import RECHECK_S, refuses_connections
 from llmgw_server.control_shell.port import open_control_listeners, serve_control_listeners
 from llmgw_server.control_shell.seat_metrics import SeatMetrics
 from llmgw_server.control_shell.standby import StandbyAnswers
@@ -109,6 +110,7 @@ class Seat:
             hold_s,
             adopt=self._adopt,
             here=lambda: self.url,
+            suspect=self._suspect,
         )
         self.election: Election | None = None
         self.client: EtcdClient | None = None
@@ -122,6 +124,8 @@ class Seat:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.closing = False
+        self._checked: tuple[int, float] = (0, float("-inf"))  # (epoch, when) of the last check
+        self.deposed = 0  # leaderships this control plane ended in the store (leader_gone)
 
     # -- what others read ------------------------------------------------------
 
@@ -199,6 +203,40 @@ class Seat:
                 continue
             self._signal()
             await election.changed()
+
+    def _suspect(self, url: str) -> None:
+        """A held stream's peer lost the leader the store names, at `url`: check whether
+        its process is gone (leader_gone), at most once a RECHECK_S per leadership."""
+        election, nursery = self.election, self._nursery
+        if election is None or nursery is None:
+            return
+        standing, now = election.standing, trio.current_time()
+        leader = standing.leader
+        if leader is None or standing.leading or leader.url != url:
+            return
+        epoch, at = self._checked
+        if epoch == standing.epoch and now - at < RECHECK_S:
+            return
+        self._checked = (standing.epoch, now)
+        nursery.start_soon(self._check_leader, election, leader, standing.epoch)
+
+    async def _check_leader(self, election: Election, leader: Member, epoch: int) -> None:
+        url = leader.url
+        if not await refuses_connections(url):
+            return
+        try:
+            ended = await election.depose(epoch, leader.id)
+        except StoreError as exc:
+            log.warning("the leader at %s refuses connections, but the store: %s", url, exc)
+            return
+        if ended:
+            self.deposed += 1
+            log.warning(
+                "the leader at %s (epoch %d) refuses connections: its process is gone, and its "
+                "leadership ended in the store now rather than when its lease would",
+                url,
+                epoch,
+            )
 
     def _campaign_delay_s(self) -> float:
         return 0.0 if self.standby.held else _CAMPAIGN_DEFER_S

@@ -81,9 +81,11 @@ class StandbyAnswers:
     leader as soon as there is one, instead of dialing every control plane in turn, each
     a TLS handshake, for as long as the election takes. A held stream waits on the
     election, not on this process: its place in the port's admission goes to the next.
-    When this control plane is the one elected, `adopt` serves the held stream in its
-    new term (an agent's: its register is read there, no second handshake); a stream it
-    does not take is closed naming this control plane (`here`)."""
+    A peer that lost the leader the store still names has the seat check whether that
+    leader's process is gone (`suspect`). When this control plane is the one elected,
+    `adopt` serves the held stream in its new term (an agent's: its register is read
+    there, no second handshake); a stream it does not take is closed naming this control
+    plane (`here`)."""
 
     def __init__(
         self,
@@ -93,6 +95,7 @@ class StandbyAnswers:
         hold_s: float = 0.0,
         adopt: Callable[[Request, trio.abc.Stream, bytes], Awaitable[bool]] | None = None,
         here: Callable[[], str] | None = None,
+        suspect: Callable[[str], None] | None = None,
     ) -> None:
         self._standing = standing
         self._metrics = metrics
@@ -100,6 +103,9 @@ class StandbyAnswers:
         self.hold_s = hold_s
         self._adopt = adopt
         self._here = here
+        # Told the leader's URL when a peer says it lost that leader, which the store
+        # still names: the seat checks whether its process is gone.
+        self._suspect = suspect
         self.held = 0  # streams held now
         self.adopted = 0  # held streams served by this control plane's own term
 
@@ -170,7 +176,11 @@ class StandbyAnswers:
             if standing.leading:
                 return _HERE
             url = standing.leader_url
-            if url is None or (lost and same_control_plane(url + path, lost)):
+            if url is None:
+                return None
+            if lost and same_control_plane(url + path, lost):
+                if self._suspect is not None:
+                    self._suspect(url)
                 return None
             return url + path
 
