@@ -370,6 +370,31 @@ def test_the_stores_flags_win_and_the_agent_is_told() -> None:
     assert marks == [MarkNode("n1", True, False), MarkNode("n3", False, False)]
 
 
+def test_a_new_leader_takes_a_cordon_of_a_stored_node_before_it_registers() -> None:
+    """The store names n1 (cordoned): a new leader takes an operator's uncordon and
+    cordon of it before its agent is back, keeps them in the store, and the node gets
+    the flags when it registers. A node the store does not name is still unknown."""
+    fleet = running(catalog(model("one", 1)), "n1", "n2")
+    fleet.feed(fleet.cp.cordon("n1", True, fleet.now))
+    fail_over(fleet, snapshot(fleet.cp, WALL_A))
+    fleet.feed(fleet.cp.cordon("n1", False, fleet.now))
+    assert json.loads(snapshot(fleet.cp, WALL_A).get("nodes/n1", b"{}")).get("cordoned") in (
+        None,
+        False,
+    )
+    fleet.feed(fleet.cp.drain_node("n1", False, fleet.now))
+    fleet.feed(fleet.cp.cordon("n1", True, fleet.now))
+    assert json.loads(snapshot(fleet.cp, WALL_A)["nodes/n1"])["cordoned"] is True
+    with pytest.raises(KeyError):
+        fleet.cp.cordon("n2", True, fleet.now)  # not flagged, so not in the store
+    count = len(fleet.commands)
+    fleet.agents["n1"].cordoned = False
+    fleet.register("n1")
+    assert fleet.cp.lifecycle.nodes["n1"].cordoned
+    marks = [c for c in fleet.commands[count:] if isinstance(c, MarkNode)]
+    assert marks == [MarkNode("n1", True, False)]
+
+
 def test_an_empty_store_leaves_the_agents_flags_and_the_settle_time_as_after_a_restart() -> None:
     fleet = running(catalog(model("one", 2)), "n1", "n2")
     fleet.feed(fleet.cp.cordon("n1", True, fleet.now))

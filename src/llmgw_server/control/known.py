@@ -191,8 +191,12 @@ class Known:
         now: float | None = None,
     ) -> Change:
         """The operator's flags (KeyError for an unknown node); a drain that begins began
-        at `now`."""
-        node = self.lifecycle.nodes[name]
+        at `now`. A node a store names that has not registered with this leader yet
+        has its stored flags changed, which it is given when it registers (a new leader
+        takes an operator's cordon before the fleet is back)."""
+        node = self.lifecycle.nodes.get(name)
+        if node is None:
+            return self._mark_stored(name, cordoned, draining, drain_forced, now)
         if draining is not None and draining != node.draining:
             node.drain_since = now if draining else None
         node.cordoned = node.cordoned if cordoned is None else cordoned
@@ -204,6 +208,25 @@ class Known:
         self.touched_nodes.add(name)
         models = self.store.models_of(self.store.touching(name))
         return Change(frozenset(models), frozenset({name}))
+
+    def _mark_stored(
+        self,
+        name: str,
+        cordoned: bool | None,
+        draining: bool | None,
+        drain_forced: bool | None,
+        now: float | None,
+    ) -> Change:
+        flags = None if self.stored_flags is None else self.stored_flags.get(name)
+        if flags is None:
+            raise KeyError(name)
+        if draining is not None and draining != flags.draining:
+            flags.drain_since = now if draining else None
+        flags.cordoned = flags.cordoned if cordoned is None else cordoned
+        flags.draining = flags.draining if draining is None else draining
+        flags.drain_forced = flags.drain_forced if drain_forced is None else drain_forced
+        self.touched_nodes.add(name)
+        return Change()
 
     def marks_due(self) -> list[MarkNode]:
         """The flags to send to reachable nodes that have yet to hear of them."""
