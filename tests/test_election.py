@@ -149,16 +149,30 @@ async def elections(
     first: int = 0,
     timeout_s: float = 2.0,
     campaign_delay_s: Callable[[int], float] = lambda i: 0.0,
+    keepalive_thread: bool = False,
+    max_loop_stall_s: float = 10.0,
 ) -> AsyncIterator[list[Election]]:
     """An Election per digest, each on its own client, started (in order); the i-th
-    holds its campaigns back `campaign_delay_s(i)`."""
+    holds its campaigns back `campaign_delay_s(i)`; with `keepalive_thread`, keepalives
+    go from a thread of their own, as the seat has them (not paused with the client)."""
     clients = [PausableClient(store.endpoints, timeout_s) for _ in digests]
+
+    def keepalive_client() -> EtcdClient:
+        return EtcdClient(store.endpoints, timeout_s=timeout_s)
+
     try:
         async with trio.open_nursery() as nursery:
             found = []
             for i, digest in enumerate(digests):
                 delay = functools.partial(campaign_delay_s, i)
-                election = Election(clients[i], store, member(first + i, digest), delay)
+                election = Election(
+                    clients[i],
+                    store,
+                    member(first + i, digest),
+                    delay,
+                    keepalive_client=keepalive_client if keepalive_thread else None,
+                    max_loop_stall_s=max_loop_stall_s,
+                )
                 await nursery.start(election.run)
                 found.append(election)
             yield found
@@ -236,6 +250,43 @@ async def test_a_leader_woken_from_a_pause_past_its_lease_may_not_act(etcd: Etcd
         await until(lambda: not leader.standing.leading or leader.standing.epoch != epoch, 1)
         await one_leader([leader])  # a new lease, a new campaign, a new epoch
         assert leader.standing.epoch > epoch
+
+
+@within(TEST_S)
+async def test_a_leader_whose_loop_stalls_past_its_lease_keeps_it_through_its_keepalive_thread(
+    etcd: EtcdCluster,
+) -> None:
+    """A loop held up (a registration storm's ready tasks, a long step) is no fault: the
+    keepalives go from their own thread, and the fence, read after the stall, counts
+    from the answers that thread had. Without the thread the lease ends (the test
+    above, a whole process paused)."""
+    store = store_of(etcd.endpoints)
+    async with elections(store, ["catalog-a"], keepalive_thread=True) as (leader,):
+        await one_leader([leader])
+        epoch = leader.standing.epoch
+        pacemaker = leader.pacemaker
+        assert pacemaker is not None
+        sent = pacemaker.sent
+        time.sleep(TTL_S + 0.5)  # this loop stalls; the thread does not
+        assert pacemaker.sent >= sent + 3  # every quarter of the TTL
+        assert leader.may_act() and leader.standing.epoch == epoch
+        await trio.sleep(TTL_S)
+        assert leader.may_act() and leader.standing.epoch == epoch
+
+
+@within(TEST_S)
+async def test_a_wedged_loop_does_not_keep_its_lease_through_the_thread(etcd: EtcdCluster) -> None:
+    """Past max_loop_stall_s without the loop checking in, the thread renews no more: a
+    hung process cannot hold leadership through it."""
+    store = store_of(etcd.endpoints)
+    async with elections(store, ["catalog-a"], keepalive_thread=True, max_loop_stall_s=1.0) as (
+        leader,
+    ):
+        await one_leader([leader])
+        epoch = leader.standing.epoch
+        time.sleep(1.0 + TTL_S + 0.5)
+        assert not leader.may_act()
+        await until(lambda: not leader.standing.leading or leader.standing.epoch != epoch, 2)
 
 
 @within(TEST_S)

@@ -42,6 +42,7 @@ from llmgw_server.control.leadership import (
     StepDown,
     Withdraw,
 )
+from llmgw_server.control_shell.pacemaker import Pacemaker
 from llmgw_server.store.etcd import Compare, EtcdClient, KeyValue, Op, StoreError
 
 __all__ = ["MAX_TXN_OPS", "Election", "Member", "Standing"]
@@ -53,6 +54,10 @@ log = logging.getLogger("llmgw.control")
 MAX_TXN_OPS = 100
 # What a withdrawal or a revocation may take when resigning: the process is stopping.
 _RESIGN_S = 2.0
+# A main loop that has not checked in with the keepalive thread for this long (or half a
+# lease's TTL, if longer) is wedged: the thread stops renewing and the lease ends, so a
+# hung process cannot keep leadership. Longer than any stall a busy machine gives a loop.
+_MAX_LOOP_STALL_S = 10.0
 # What a leader key that is not a LeaderRecord counts as (a person's put, another
 # version): a leader, so that nobody campaigns, named as such.
 _UNREADABLE = Member("(unreadable leader key)", "", "", 0.0)
@@ -88,6 +93,14 @@ def decode_record(data: bytes) -> LeaderRecord | None:
         return None
 
 
+def _soon(token: trio.lowlevel.TrioToken, callback: Callable[[], None]) -> None:
+    """Run `callback` in the loop of `token`, from any thread (once it runs no more)."""
+    try:
+        token.run_sync_soon(callback)
+    except trio.RunFinishedError:
+        pass
+
+
 def _chunks(ops: list[Op], size: int) -> list[list[Op]]:
     return [ops[i : i + size] for i in range(0, len(ops), size)]
 
@@ -99,8 +112,15 @@ class Election:
         store: StoreSection,
         me: Member,
         campaign_delay_s: Callable[[], float] = lambda: 0.0,
+        keepalive_client: Callable[[], EtcdClient] | None = None,
+        max_loop_stall_s: float = _MAX_LOOP_STALL_S,
     ) -> None:
         self.client = client
+        # Given a way to make a second client, the lease's keepalives go from a thread
+        # of their own (pacemaker.py); without it, from this loop.
+        self._keepalive_client = keepalive_client
+        self.max_loop_stall_s = max_loop_stall_s
+        self.pacemaker: Pacemaker | None = None
         self.store = store
         self.me = me
         # How long to hold a campaign back, asked at each: a standby that holds the
@@ -125,6 +145,7 @@ class Election:
 
     def may_act(self) -> bool:
         """The fence: this control plane leads, and its lease cannot have ended."""
+        self._absorb()
         return self.core.may_act(trio.current_time())
 
     async def changed(self) -> Standing:
@@ -144,20 +165,59 @@ class Election:
         """Hold a lease, keep the member record, campaign and watch, until cancelled;
         `started()` once the first standing is known (leading, a standby, or the store
         unreachable)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._watch_loop)
-            nursery.start_soon(self._tick_loop)
-            await self._known.wait()
-            task_status.started()
+        pacemaker = None
+        if self._keepalive_client is not None:
+            token = trio.lowlevel.current_trio_token()
+            pacemaker = Pacemaker(
+                self._keepalive_client,
+                interval_s=self.ttl_s / 4,
+                max_stall_s=max(self.max_loop_stall_s, self.ttl_s / 2),
+                answered=lambda: _soon(token, self._absorb),
+            )
+            pacemaker.start()
+            self.pacemaker = pacemaker
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._watch_loop)
+                nursery.start_soon(self._tick_loop)
+                await self._known.wait()
+                task_status.started()
+        finally:
+            if pacemaker is not None:
+                pacemaker.stop()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(pacemaker.join, _RESIGN_S)
 
     async def _tick_loop(self) -> None:
+        self._absorb()
         self._apply(self.core.tick(trio.current_time()))
         while True:
             self._tick = trio.CancelScope(deadline=self.core.next_wake())
             with self._tick:
                 await trio.sleep_forever()
+            self._absorb()
             self._apply(self.core.tick(trio.current_time()))
+
+    def _absorb(self) -> None:
+        """Take the keepalives the thread had answered (pacemaker.py), before the fence or
+        the time is read: a late loop sees its lease as etcd holds it."""
+        pacemaker = self.pacemaker
+        if pacemaker is None or self._nursery is None:
+            return
+        pacemaker.check_in()
+        for answer in pacemaker.drain():
+            # Each taken as of when it was answered, in order: a stalled loop takes several
+            # at once, and the time it reads only after them all.
+            offset = trio.current_time() - time.perf_counter()
+            sent_at, at = answer.sent_at + offset, answer.answered_at + offset
+            if answer.ttl_left is None:
+                actions = self.core.keepalive_failed(answer.lease_id, at, answer.why)
+            else:
+                actions = self.core.keepalive_answered(
+                    answer.lease_id, sent_at, answer.ttl_left, at
+                )
+            self._apply(actions)
 
     def _apply(self, actions: list[Action]) -> None:
         """Carry out the core's actions, then publish the standing they left."""
@@ -167,7 +227,10 @@ class Election:
             if isinstance(action, Grant):
                 nursery.start_soon(self._grant)
             elif isinstance(action, Renew):
-                nursery.start_soon(self._renew, action.lease_id)
+                if self.pacemaker is not None:
+                    self.pacemaker.renew_now(action.lease_id)
+                else:
+                    nursery.start_soon(self._renew, action.lease_id)
             elif isinstance(action, Campaign):
                 nursery.start_soon(self._campaign, action.lease_id)
             elif isinstance(action, Withdraw):
@@ -190,6 +253,8 @@ class Election:
     def _publish(self) -> None:
         core = self.core
         self._tick.deadline = core.next_wake()
+        if self.pacemaker is not None:
+            self.pacemaker.hold(core.lease.id if core.lease is not None else None)
         if not core.leader_known and self._watch is not None:
             self._watch.cancel()  # read the key afresh (the store failed somewhere)
         leading = core.phase is Phase.LEADING

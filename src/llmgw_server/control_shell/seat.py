@@ -173,7 +173,14 @@ class Seat:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                election = Election(client, self.store, me, self._campaign_delay_s)
+                election = Election(
+                    client,
+                    self.store,
+                    me,
+                    self._campaign_delay_s,
+                    # Keepalives from a thread of their own, on a client of their own.
+                    keepalive_client=lambda: EtcdClient.for_store(self.store, timeout_s=timeout_s),
+                )
                 self.election = election
                 await serve_control_listeners(
                     self.config, listeners, self.handle, self.upgrade, nursery=nursery
