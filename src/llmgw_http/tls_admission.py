@@ -106,9 +106,6 @@ _TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, millisecond
 _TCP_INFO_BYTES = 104
 _REFUSED_OPEN_S = 0.5  # how long a refused connection stays open for its come-back line
 _REFUSED_OPEN_MAX = 1024  # refused connections open at once (past that: reset at once)
-# A lane's rate is measured once it has been busy this long (Lane.roll): about a
-# registration's time under load, when places begin to come back at the pace they can.
-RATE_WARMUP_S = 2.0
 
 
 @attrs.frozen
@@ -200,7 +197,6 @@ class Lane:
     bucket_start: float = 0.0
     bucket_done: int = 0
     bucket_busy: bool = False
-    busy_since: float | None = None  # the start of the busy seconds in a row, if any
     promised_until: float = 0.0  # the last come-back turn given to a refused agent
 
     def __attrs_post_init__(self) -> None:
@@ -232,22 +228,13 @@ class Lane:
 
     def roll(self, now: float) -> None:
         """After each second in which every place was taken, the rate moves halfway to
-        what that second did (a quiet second says nothing of capacity), from the time the
-        lane has been busy RATE_WARMUP_S on: a storm's first seconds see few places given
-        back, since each is held for a whole registration, and a rate measured then (5 a
-        second, where the lane then served 300) cut the queue to its floor and refused
-        the rest of a failover's fleet, the come-back turns costing seconds."""
+        what that second did (a quiet second says nothing of capacity)."""
         elapsed = now - self.bucket_start
         if elapsed < 1.0:
             return
         if self.bucket_busy and elapsed < 2.0:  # (a longer gap had no events: no measure)
-            if self.busy_since is None:
-                self.busy_since = self.bucket_start
-            if self.bucket_start - self.busy_since >= RATE_WARMUP_S:
-                observed = self.bucket_done / elapsed
-                self.rate = observed if self.rate is None else (self.rate + observed) / 2
-        else:
-            self.busy_since = None
+            observed = self.bucket_done / elapsed
+            self.rate = observed if self.rate is None else (self.rate + observed) / 2
         self.bucket_start, self.bucket_done, self.bucket_busy = now, 0, False
 
     def places(self, limits: AdmissionLimits) -> int:
