@@ -171,13 +171,19 @@ def test_hellos_past_what_a_lane_serves_within_a_deadline_are_refused_at_once() 
         core.done(AGENTS, "?", 0.05 * k + 0.01)
     core.hello(AGENTS, 1.0)
     assert core.lanes[AGENTS].rate == pytest.approx(20 / 1.0)
-    assert core.queue_bound(AGENTS) == pytest.approx(50)
-    # And the places in flight to 3 s of it: a registration takes about that long.
+    # The agents' lane counts itself no slower than assumed (a storm's first second
+    # measures a starved rate): the queue stays 2.5 s of the assumed 100.
+    assert core.queue_bound(AGENTS) == pytest.approx(250)
+    # The places in flight follow the measure: 3 s of it (a registration takes about that).
     assert core.lanes[AGENTS].places(limits) == 60
-    assert core.hello(AGENTS, 1.1) == REFUSED_BUSY  # 231 queued still
-    while core.lanes[AGENTS].waiting:
-        core.unqueue(AGENTS)
-    assert core.hello(AGENTS, 1.2) is None
+    # 231 queued: 19 more fit in the 250, the next is refused.
+    assert [core.hello(AGENTS, 1.1) for _ in range(20)][-2:] == [None, REFUSED_BUSY]
+    assert core.lanes[AGENTS].waiting == 250
+    # Where the assumed rate is lower, the measure raises the bound: 2.5 s of 20 a second.
+    slow = TLSAdmission(attrs.evolve(limits, assumed_rate=10))
+    assert slow.queue_bound(AGENTS) == pytest.approx(25)
+    slow.lanes[AGENTS].rate = 20.0
+    assert slow.queue_bound(AGENTS) == pytest.approx(50)
     # Never below the lane's places, however slow it was.
     assert TLSAdmission(attrs.evolve(limits, assumed_rate=0.1)).queue_bound(AGENTS) == 4
 
