@@ -122,6 +122,7 @@ class EpochSims(Sims):
         self.stale: list[tuple[int, int]] = [(0, 0) for _ in procs]
         self.moves: list[dict[str, int]] = [{} for _ in procs]
         self.early = [0 for _ in procs]  # NOT_LEADER closes before the register was sent
+        self.before_tls = [0 for _ in procs]  # standbys' hellos answered with the leader
         self.long_waits: list[dict[str, list[float]]] = [{} for _ in procs]  # [count, longest]
 
     def registered_at(self, epoch: int) -> int:
@@ -163,6 +164,7 @@ class EpochSims(Sims):
                     self.stale[index] = (report.pop("stale_welcomes"), report.pop("stale_messages"))
                     self.moves[index] = report.pop("moves")
                     self.early[index] = report.pop("not_leader_before_register")
+                    self.before_tls[index] = report.pop("sent_before_tls", 0)
                     self.long_waits[index] = report.pop("long_waits", {})
                     self.reports[index] = report
 
@@ -820,6 +822,7 @@ class Bench:
             out["stale_total"] = sims.stale_refused()
             out["moves"] = sims.move_counts()
             out["early"] = sum(sims.early)
+            out["before_tls"] = sum(sims.before_tls)
             waits: dict[str, str] = {}
             for why in sorted({w for per in sims.long_waits for w in per}):
                 got = [per[why] for per in sims.long_waits if why in per]
@@ -1064,7 +1067,8 @@ def report(
         f"{out['stale_total'][0]}, commands {out['stale_total'][1]}",
         f"- why simulated agents moved to another control plane: {describe(out['moves'])}; "
         f"standbys' NOT_LEADER closes that came before the register was sent: {out['early']:,} "
-        "(followed like any other, as the agent does since ac4f38c)",
+        "(followed like any other, as the agent does since ac4f38c); hellos a standby "
+        f"answered with the leader before any TLS: {out.get('before_tls', 0):,}",
         f"- sessions that failed (simulator): {describe(out['sim_failures'])}",
         "- simulated agents' waits of 10 s or more before a dial, by why: "
         + ("; ".join(f"{k}: {v}" for k, v in out.get("long_waits", {}).items()) or "none"),

@@ -63,6 +63,7 @@ from llmgw_core.wire import (
     decode_down,
     encode,
     leader_from_reason,
+    not_leader_reason,
     stale_epoch_reason,
 )
 from llmgw_core.ws_frames import Heard, Paced
@@ -145,6 +146,8 @@ class Worker:
         self.moves: dict[str, int] = {}  # why nodes went to another control plane
         # NOT_LEADER closes that came before the register could be sent.
         self.not_leader_before_register = 0
+        # Standbys' hellos answered with the leader's URL before any TLS (agent_lane).
+        self.sent_before_tls = 0
         self.long_waits: dict[str, tuple[int, float]] = {}  # why: (how many, the longest)
 
     def context(self, i: int) -> ssl.SSLContext | None:
@@ -175,7 +178,11 @@ class Worker:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
                 come_back = failed.come_back_s
-                self.failed(failed, session)
+                if failed.leader is not None:  # a standby named the leader before TLS
+                    session.not_leader = not_leader_reason(failed.leader)
+                    self.sent_before_tls += 1
+                else:
+                    self.failed(failed, session)
             except* (
                 OSError,
                 trio.TooSlowError,
@@ -243,6 +250,7 @@ class Worker:
             heard=heard,
             local_address=source_address(i) if self.args.own_addresses else None,
             headers=[] if lost is None else [(LOST_LEADER_HEADER, lost.encode())],
+            lost_leader=lost is not None,
         ) as ws:
             sent = False
             with trio.fail_after(10):
@@ -342,6 +350,7 @@ class Worker:
                 "stale_messages": self.stale_messages,
                 "moves": self.moves,
                 "not_leader_before_register": self.not_leader_before_register,
+                "sent_before_tls": self.sent_before_tls,
                 "long_waits": self.long_waits,
             }
             self.new_registrations, self.new_firsts, self.new_by_epoch = [], [], {}

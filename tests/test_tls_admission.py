@@ -15,10 +15,15 @@ import trio
 from llmgw_core.agent_lane import (
     AGENT_ALPN,
     COME_BACK_PREFIX,
+    LOST_LEADER_ALPN,
     MAX_COME_BACK_S,
+    MAX_LEADER_URL_BYTES,
+    NOT_LEADER_PREFIX,
     ROUTER_ALPN,
     come_back_line,
     come_back_s,
+    not_leader_line,
+    not_leader_url,
 )
 from llmgw_core.certs import init_ca, issue_node
 from llmgw_core.config import Config, parse_config
@@ -824,4 +829,60 @@ async def test_an_operator_kept_in_the_kernel_queue_past_3_s_is_still_served(
             assert 2.99 < trio.current_time() - t0 < 8.0
             assert server.tls_admission.core.refused == {}
             await held.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def test_a_leaders_line_reads_back_and_nonsense_names_no_leader() -> None:
+    url = "wss://cp-2.example:8081/v1/agent"
+    line = not_leader_line(url)
+    assert line is not None and not_leader_url(line) == url
+    assert not_leader_url(line + b"\x16\x03") == url  # what follows is not read
+    too_long = "wss://" + "a" * MAX_LEADER_URL_BYTES + "/v1/agent"
+    assert not_leader_line(too_long) is None and not_leader_line("wss://a b/v1") is None
+    assert not_leader_line("wss://caf\u00e9/v1/agent") is None
+    for nonsense in (
+        b"",
+        NOT_LEADER_PREFIX,  # no end of line
+        NOT_LEADER_PREFIX + b"\r\n",  # no URL
+        NOT_LEADER_PREFIX + b"wss://a b\r\n",
+        NOT_LEADER_PREFIX + b"wss://\xff\r\n",
+        NOT_LEADER_PREFIX + b"x" * (MAX_LEADER_URL_BYTES + 1) + b"\r\n",
+        come_back_line(1.0),
+    ):
+        assert not_leader_url(nonsense) is None, nonsense
+
+
+async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
+    tmp_path: Path,
+) -> None:
+    """A standby's port that names a leader answers an agent's hello with the leader's
+    URL in place of its first TLS record: the dial raises ConnectFailed naming it, no
+    handshake begun. An agent that lost its leader (LOST_LEADER_ALPN offered) gets its
+    handshake (a standby may hold it for the election), and so do operators."""
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    issue_node(certs, "node-1")
+    context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(certs / "nodes" / "node-1.crt", certs / "nodes" / "node-1.key")
+    leader = "wss://127.0.0.1:1/v1/agent"
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port, server = await serve_tls(nursery, certs)
+            server.tls_admission.redirect = lambda: leader
+            where = Target("127.0.0.1", port, "/v1/agent", True)
+            with pytest.raises(ConnectFailed) as failed:
+                await dial(where, context)
+            assert failed.value.leader == leader and failed.value.come_back_s is None
+            assert leader in str(failed.value)
+            assert server.tls_admission.sent_to_leader == 1 and server.tls_failures == 0
+            lost = await dial(where, context, alpn=(AGENT_ALPN, LOST_LEADER_ALPN))
+            assert isinstance(lost, trio.SSLStream)
+            await trio.aclose_forcefully(lost)
+            assert await get(port, certs) == 200
+            # No leader named: agents are served here as before.
+            server.tls_admission.redirect = lambda: None
+            plain = await dial(where, context)
+            assert isinstance(plain, trio.SSLStream)
+            await trio.aclose_forcefully(plain)
+            assert server.tls_admission.sent_to_leader == 1
             nursery.cancel_scope.cancel()

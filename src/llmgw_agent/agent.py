@@ -82,6 +82,7 @@ from llmgw_core.wire import (
     decode_down,
     encode,
     leader_from_reason,
+    not_leader_reason,
     stale_epoch_reason,
 )
 from llmgw_core.ws_frames import (
@@ -290,7 +291,12 @@ class Agent:
                 failed = group.exceptions[0]
                 assert isinstance(failed, ConnectFailed)
                 come_back = failed.come_back_s
-                log.warning("cannot connect to the control plane %s: %s", session.url, failed)
+                if failed.leader is not None:
+                    # A standby named the leader before any handshake: `following` goes
+                    # there (and says so), as after its NOT_LEADER close.
+                    session.not_leader = not_leader_reason(failed.leader)
+                else:
+                    log.warning("cannot connect to the control plane %s: %s", session.url, failed)
             except* (
                 OSError,
                 trio.TooSlowError,
@@ -380,6 +386,7 @@ class Agent:
             ca=self.config.tls.ca,
             connect_timeout_s=self.planes.dial_patience_s(trio.current_time(), CONNECT_TIMEOUT_S),
             headers=[] if self._lost is None else [(LOST_LEADER_HEADER, self._lost.encode())],
+            lost_leader=self._lost is not None,
             disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,

@@ -51,3 +51,44 @@ def come_back_s(first: bytes) -> float | None:
     if not 0.0 <= seconds <= MAX_COME_BACK_S:  # NaN fails both
         return MAX_COME_BACK_S if seconds > MAX_COME_BACK_S else None
     return seconds
+
+
+# A standby that knows who leads answers an agent's ClientHello with this line naming the
+# leader's agent URL, in place of its first TLS record, then resets the connection: no
+# handshake on either side (a fleet booting down its list of control planes, or moving
+# to a new leader, paid a TLS handshake at a standby first: 10,000 of them queued there
+# for up to half a minute). The agent dials that leader at once, if it is one of its own
+# control planes (llmgw_agent.following), as for a standby's NOT_LEADER close. An agent
+# that has just lost a leader offers LOST_LEADER_ALPN besides AGENT_ALPN: its hello then
+# gets a handshake, and the standby may hold its stream through the election (the leader
+# the store still names may be the one it lost).
+NOT_LEADER_PREFIX = b"LLMGW-NOT-LEADER leader="
+LOST_LEADER_ALPN = b"llmgw-agent-lost-leader"
+MAX_LEADER_URL_BYTES = 200
+
+
+def not_leader_line(url: str) -> bytes | None:
+    """The line naming the leader at `url`; None when it cannot be said in one (too
+    long, or not plain ASCII without spaces)."""
+    try:
+        data = url.encode("ascii")
+    except UnicodeEncodeError:
+        return None
+    if len(data) > MAX_LEADER_URL_BYTES or not _plain(data):
+        return None
+    return NOT_LEADER_PREFIX + data + b"\r\n"
+
+
+def not_leader_url(first: bytes) -> str | None:
+    """The leader a standby's line named, from the first bytes it sent; None when they
+    are no such line (or a malformed one)."""
+    if not first.startswith(NOT_LEADER_PREFIX):
+        return None
+    data, crlf, _ = first[len(NOT_LEADER_PREFIX) :].partition(b"\r\n")
+    if not crlf or not data or len(data) > MAX_LEADER_URL_BYTES or not _plain(data):
+        return None
+    return data.decode("ascii")
+
+
+def _plain(data: bytes) -> bool:
+    return all(0x21 <= b <= 0x7E for b in data)

@@ -23,7 +23,13 @@ import attrs
 import trio
 import trio_websocket
 
-from llmgw_core.agent_lane import AGENT_ALPN, COME_BACK_PREFIX, come_back_s
+from llmgw_core.agent_lane import (
+    AGENT_ALPN,
+    COME_BACK_PREFIX,
+    LOST_LEADER_ALPN,
+    come_back_s,
+    not_leader_url,
+)
 from llmgw_core.tls_advice import name_mismatch
 from llmgw_core.ws_frames import Heard
 
@@ -35,9 +41,12 @@ class ConnectFailed(Exception):
     """A connection to the control plane that failed; `str()` says why, in words, and
     `come_back_s` when the control plane asked to be dialled again (it was busy)."""
 
-    def __init__(self, message: str, come_back_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, come_back_s: float | None = None, leader: str | None = None
+    ) -> None:
         super().__init__(message)
         self.come_back_s = come_back_s
+        self.leader = leader  # a standby named the leader before any TLS (agent_lane)
 
 
 @attrs.frozen
@@ -148,7 +157,7 @@ async def dial(
     local_address: str | None = None,
     stage: list[str] | None = None,
     *,
-    alpn: bytes | None = AGENT_ALPN,
+    alpn: bytes | tuple[bytes, ...] | None = AGENT_ALPN,
     advice: Advice = AGENT_ADVICE,
 ) -> Dialed:
     """A TCP connection (from `local_address` when given), with the TLS handshake done
@@ -167,15 +176,23 @@ async def dial(
         # Named in the ClientHello, so that the control port admits agents (AGENT_ALPN)
         # and routers apart (ROUTER_ALPN) in lanes of their own (a storm of agents cannot
         # crowd operators out, nor anonymous peers routers); the server selects no ALPN.
-        ssl_context.set_alpn_protocols([alpn.decode()])
+        offered = (alpn,) if isinstance(alpn, bytes) else alpn
+        ssl_context.set_alpn_protocols([name.decode() for name in offered])
     first = _FirstBytes(tcp)
     tls = trio.SSLStream(first, ssl_context, server_hostname=where.host, https_compatible=True)
     stage.append("the TLS handshake")
     try:
         await tls.do_handshake()
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        wait = come_back_s(first.first or first.unread())
+        said = first.first or first.unread()
+        wait = come_back_s(said)
+        leader = not_leader_url(said)
         await trio.aclose_forcefully(tcp)
+        if leader is not None:
+            raise ConnectFailed(
+                f"the control plane at {where.where} stands by: the leader is {leader}",
+                leader=leader,
+            ) from None
         if wait is not None:
             raise ConnectFailed(
                 f"the control plane at {where.where} is busy: it asks to be dialled again "
@@ -227,7 +244,7 @@ class _FirstBytes(trio.abc.Stream):
         await self.tcp.aclose()
 
 
-_FIRST_BYTES = 64  # a come-back line fits
+_FIRST_BYTES = 256  # a come-back line or a leader's URL fits
 
 Dialed = trio.SocketStream | trio.SSLStream[_FirstBytes]
 
@@ -297,12 +314,16 @@ async def open_agent_stream(
     heard: Heard | None = None,
     local_address: str | None = None,
     headers: Sequence[tuple[bytes, bytes]] = (),
+    lost_leader: bool = False,
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
     whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
     exception group, when it cannot be opened. `local_address`: the source address
-    (the fleet bench gives each simulated node its own, as real nodes have)."""
+    (the fleet bench gives each simulated node its own, as real nodes have);
+    `lost_leader`: the agent has just lost its leader (its hello says so: a standby
+    then gives it a handshake rather than naming a leader at once, agent_lane)."""
     where = target(url)
+    alpn = (AGENT_ALPN, LOST_LEADER_ALPN) if lost_leader else AGENT_ALPN
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
     stream: _Watched | None = None
@@ -312,7 +333,8 @@ async def open_agent_stream(
     try:
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(connect_timeout_s) as connecting:
-                stream = _Watched(await dial(where, ssl_context, ca, local_address, stage), heard)
+                dialed = await dial(where, ssl_context, ca, local_address, stage, alpn=alpn)
+                stream = _Watched(dialed, heard)
                 stage.append("the websocket handshake")
                 async with trio.open_nursery() as handshake:
                     handshake.start_soon(_cancel_when_set, stream.broke, handshake.cancel_scope)

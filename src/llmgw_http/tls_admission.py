@@ -83,6 +83,7 @@ import socket
 import ssl
 import struct
 from collections import Counter, deque
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -90,9 +91,11 @@ import trio
 from llmgw_core.agent_lane import (
     AGENT_ALPN,
     AGENT_QUEUE_S,
+    LOST_LEADER_ALPN,
     MAX_COME_BACK_S,
     ROUTER_ALPN,
     come_back_line,
+    not_leader_line,
 )
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
@@ -586,6 +589,19 @@ class Gate:
         # to arrive (at most _REFUSED_OPEN_MAX of them: past that, reset at once).
         self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
         self._pending_room = trio.lowlevel.ParkingLot()  # the accept loops, while it is full
+        # Set on a standby's port: the leader's agent URL, None when it names none now.
+        # An agent's hello is then answered with that URL before any TLS (agent_lane).
+        self.redirect: Callable[[], str | None] | None = None
+        self.sent_to_leader = 0
+
+    def _leader_line(self, hello: bytes) -> bytes | None:
+        """The line sending an agent's hello to the leader, None to serve it here: no
+        leader named, or the agent says it lost one (it may be held for the election)."""
+        assert self.redirect is not None
+        if LOST_LEADER_ALPN in offered_alpn(hello):
+            return None
+        url = self.redirect()
+        return None if url is None else not_leader_line(url)
 
     async def reset_refused(self) -> None:
         """Reset the refused connections whose time has come, until cancelled (then all)."""
@@ -621,20 +637,29 @@ class Gate:
             reset(stream)
         else:
             now = trio.current_time()
-            line = come_back_line(self.core.come_back_s(now, why, self.rng.random()))
-            raw = _raw(stream)
-            try:
-                raw.send(line)
-                # Reset later, not now: a reset that reached the client before its
-                # connect() had returned would fail the connect, the line unread.
-                raw.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass  # the client learns of the reset alone, and backs off as it would
-            self.refused_open.append((now + _REFUSED_OPEN_S, stream))
+            self._say_and_reset(
+                stream, come_back_line(self.core.come_back_s(now, why, self.rng.random()))
+            )
         held = self.refusals_log.allow(why, trio.current_time())
         if held is not None:
             more = f" ({held} more since the last such line)" if held else ""
             log.warning("refused a TLS connection from %s: %s%s", source, why, more)
+
+    def _say_and_reset(self, stream: trio.SocketStream, line: bytes) -> None:
+        """Write `line` in place of the first TLS record, then reset the connection once
+        it had time to arrive."""
+        if len(self.refused_open) >= _REFUSED_OPEN_MAX:
+            reset(stream)
+            return
+        raw = _raw(stream)
+        try:
+            raw.send(line)
+            # Reset later, not now: a reset that reached the client before its connect()
+            # had returned would fail the connect, the line unread.
+            raw.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the client learns of the reset alone, and backs off as it would
+        self.refused_open.append((trio.current_time() + _REFUSED_OPEN_S, stream))
 
     def leave(self, ticket: Ticket) -> None:
         self.core.leave(ticket.source, ticket.unsorted)
@@ -700,6 +725,12 @@ class Gate:
         ticket.unsorted = False
         self._pending_room.unpark_all()
         source = ticket.source
+        if lane == AGENTS and self.redirect is not None:
+            line = self._leader_line(hello)
+            if line is not None:
+                self.sent_to_leader += 1
+                self._say_and_reset(stream, line)
+                return None
         why = self.core.hello(lane, trio.current_time(), ticket.arrived, source)
         if why is not None:
             self._refused(stream, source, why, lane)

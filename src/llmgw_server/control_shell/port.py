@@ -53,9 +53,12 @@ async def serve_control_listeners(
     upgrade: UpgradeHandler,
     *,
     nursery: trio.Nursery,
+    leader_for_agents: Callable[[], str | None] | None = None,
 ) -> int:
     """Serve the control port on `listeners` in `nursery`: every request and upgrade
-    passes the gate, then goes to `handle` or `upgrade`; the port it listens on."""
+    passes the gate, then goes to `handle` or `upgrade`; the port it listens on. With
+    `leader_for_agents` (a standby's), an agent's hello is answered with the leader's
+    URL it names, before any TLS (agent_lane.NOT_LEADER_PREFIX)."""
     s, tls = config.server, config.agents
     if tls.insecure:
         log.warning(
@@ -71,6 +74,7 @@ async def serve_control_listeners(
         upgrade=gate.upgrade,
         ssl_context=None if tls.insecure else server_context(tls),
     )
+    control.tls_admission.redirect = leader_for_agents
     port: int = listeners[0].socket.getsockname()[1]
     await nursery.start(control.serve, listeners)
     host = s.control_listen.host

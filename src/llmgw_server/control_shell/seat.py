@@ -32,6 +32,7 @@ from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import ControlDoc, ControlPlaneDoc
 from llmgw_server.control.persisted import Keeper
 from llmgw_server.control_shell.admin import AdminAPI
+from llmgw_server.control_shell.agents import AGENT_PATH
 from llmgw_server.control_shell.controlplane import HEARTBEAT_INTERVAL_S, ControlPlane
 from llmgw_server.control_shell.election import Election, Member, Standing
 from llmgw_server.control_shell.leader_gone import RECHECK_S, refuses_connections
@@ -183,7 +184,12 @@ class Seat:
                 )
                 self.election = election
                 await serve_control_listeners(
-                    self.config, listeners, self.handle, self.upgrade, nursery=nursery
+                    self.config,
+                    listeners,
+                    self.handle,
+                    self.upgrade,
+                    nursery=nursery,
+                    leader_for_agents=self._leader_for_agents,
                 )
                 log.info("control plane %s at %s: joining the election", me.id, self.url)
                 await nursery.start(election.run)
@@ -244,6 +250,11 @@ class Seat:
                 url,
                 epoch,
             )
+
+    def _leader_for_agents(self) -> str | None:
+        """The leader's agent URL, while this control plane stands by and names one."""
+        url = self.leadership().leader_url
+        return None if url is None else url + AGENT_PATH.decode()
 
     def _campaign_delay_s(self) -> float:
         return 0.0 if self.standby.held else _CAMPAIGN_DEFER_S
