@@ -72,13 +72,19 @@ def test_a_leader_named_by_a_standby_is_dialled_next_at_once() -> None:
 
 
 def test_a_dial_during_a_failover_gives_up_on_a_frozen_control_plane_sooner() -> None:
-    """A standby may name the leader that froze (its key lives until its lease ends), and
-    a frozen process's kernel still accepts: during a failover the dial's patience is
-    short, so the agent moves on; otherwise a busy leader's queue is waited for."""
+    """Going down the list during a failover, the next control plane may be the one that
+    froze, whose kernel still accepts: the dial's patience is short, so the agent moves
+    on. A leader a standby named is waited for (a new leader queues the whole fleet),
+    and so is any control plane outside a failover."""
     planes = ControlPlanes((A, B, C))
     assert planes.dial_patience_s(0.0, 45.0) == 45.0  # no failover
-    planes.after(Ended.NOT_LEADER, now=0.0, rng=random.Random(1), leader=C)
+    planes.after(Ended.LEADER_LOST, now=0.0, rng=random.Random(1), welcomed=True, epoch=3)
+    assert planes.current == B
     assert planes.dial_patience_s(1.0, 45.0) == FAILOVER_DIAL_S
+    planes.after(Ended.NOT_LEADER, now=1.0, rng=random.Random(1), leader=C)
+    assert planes.current == C and planes.dial_patience_s(1.5, 45.0) == 45.0  # named
+    planes.after(Ended.FAILED, now=2.0, rng=random.Random(1))  # gone after all
+    assert planes.current == A and planes.dial_patience_s(2.5, 45.0) == FAILOVER_DIAL_S
     assert planes.dial_patience_s(FAILOVER_WINDOW_S + 1, 45.0) == 45.0  # the window ended
     alone = ControlPlanes((A,))
     alone.after(Ended.LEADER_LOST, now=0.0, rng=random.Random(1))

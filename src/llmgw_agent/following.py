@@ -96,6 +96,7 @@ class ControlPlanes:
     # The newest leadership that welcomed this agent: a welcome of a newer one ends a
     # failover's window (its leader was elected: the next failover is another).
     window_epoch: int = 0
+    named: bool = False  # the control plane dialled now was named the leader by a standby
 
     @property
     def current(self) -> str:
@@ -103,11 +104,16 @@ class ControlPlanes:
 
     def dial_patience_s(self, now: float, patience_s: float) -> float:
         """How long a dial may take: `patience_s` (a busy control plane may queue an agent
-        that long), but during a failover among several at most FAILOVER_DIAL_S: the
-        leader a standby names may be the one that froze (a paused process, a lost host
-        whose kernel still accepts), and the next one in the list is a better bet."""
+        that long), but during a failover among several, while going down the list, at
+        most FAILOVER_DIAL_S: the next one may be the one that froze (a paused process,
+        a lost host whose kernel still accepts), and the one after it a better bet. A
+        leader a standby named gets the whole patience: it is the one the store names,
+        never the one this agent said it lost (the standby holds the agent until another
+        leads), and a new leader that a whole fleet dials at once queues it: at 10,000
+        agents the queue outlasted 5 s, and agents that gave up dialled again, at its
+        back, for a minute."""
         failing_over = self.failover_until is not None and now < self.failover_until
-        if len(self.urls) > 1 and failing_over:
+        if len(self.urls) > 1 and failing_over and not self.named:
             return min(patience_s, FAILOVER_DIAL_S)
         return patience_s
 
@@ -166,6 +172,7 @@ class ControlPlanes:
                 )
                 return self._short(why, now, rng)
             self.index = index
+            self.named = True
             if self.hops >= len(self.urls):
                 # Standbys that name each other (a stale view of who leads): not at once.
                 return self._short(f"{was} names {self.current} as the leader again", now, rng)
@@ -200,6 +207,7 @@ class ControlPlanes:
 
     def _advance(self) -> None:
         self.index = (self.index + 1) % len(self.urls)
+        self.named = False
 
     def _short(self, why: str, now: float, rng: random.Random) -> Redial:
         """The next control plane after the election's jitter, while the window lasts."""
