@@ -83,8 +83,14 @@ def test_a_dial_during_a_failover_gives_up_on_a_frozen_control_plane_sooner() ->
     assert planes.dial_patience_s(1.0, 45.0) == FAILOVER_DIAL_S
     planes.after(Ended.NOT_LEADER, now=1.0, rng=random.Random(1), leader=C)
     assert planes.current == C and planes.dial_patience_s(1.5, 45.0) == 45.0  # named
-    planes.after(Ended.FAILED, now=2.0, rng=random.Random(1))  # gone after all
+    # The named leader did not answer in time: the backoff decides the wait (a whole
+    # fleet dialling again at once would only feed what kept it from answering).
+    redial = planes.after(Ended.FAILED, now=2.0, rng=random.Random(1))
+    assert redial is not None and redial.delay_s is None and "did not answer" in redial.why
     assert planes.current == A and planes.dial_patience_s(2.5, 45.0) == FAILOVER_DIAL_S
+    # Going down the list, a control plane that fails is passed after the short jitter.
+    redial = planes.after(Ended.FAILED, now=3.0, rng=random.Random(1))
+    assert redial is not None and redial.delay_s is not None and planes.current == B
     assert planes.dial_patience_s(FAILOVER_WINDOW_S + 1, 45.0) == 45.0  # the window ended
     alone = ControlPlanes((A,))
     alone.after(Ended.LEADER_LOST, now=0.0, rng=random.Random(1))

@@ -195,6 +195,14 @@ class ControlPlanes:
                 delay = max(come_back_s, 0.0) + rng.uniform(*ELECTION_JITTER_S)
                 return Redial(delay, f"{was} is busy")
             return Redial(None, f"{was} is busy")
+        if self.named:
+            # The leader a standby named did not answer in time: it lives (the store names
+            # it) but cannot serve everyone at once. The backoff spreads the fleet's next
+            # dials; the short jitter had 10,000 agents cut at the handshake (their own CPU
+            # starved) dial again twice a second for a whole window, and none registered
+            # for 50 s.
+            self._advance()
+            return Redial(None, f"{was}, named the leader, did not answer in time")
         self._advance()
         return self._short("", now, rng)
 
