@@ -17,7 +17,7 @@ from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.capacity import NodeCapacity
 from llmgw_server.control.commands import MarkNode
 from llmgw_server.control.launch import free_port
-from llmgw_server.control.lifecycle import Lifecycle, NodeStatus, NodeTransition
+from llmgw_server.control.lifecycle import Lifecycle, Node, NodeStatus, NodeTransition
 from llmgw_server.control.persisted import OperatorFlags
 from llmgw_server.control.shards import Failure, ShardKey, ShardRecord, backoff, unconfirmed
 from llmgw_server.control.store import ShardStore
@@ -196,37 +196,19 @@ class Known:
         takes an operator's cordon before the fleet is back)."""
         node = self.lifecycle.nodes.get(name)
         if node is None:
-            return self._mark_stored(name, cordoned, draining, drain_forced, now)
-        if draining is not None and draining != node.draining:
-            node.drain_since = now if draining else None
-        node.cordoned = node.cordoned if cordoned is None else cordoned
-        node.draining = node.draining if draining is None else draining
-        node.drain_forced = node.drain_forced if drain_forced is None else drain_forced
+            flags = None if self.stored_flags is None else self.stored_flags.get(name)
+            if flags is None:
+                raise KeyError(name)
+            _set_flags(flags, cordoned, draining, drain_forced, now)
+            self.touched_nodes.add(name)
+            return Change()
+        _set_flags(node, cordoned, draining, drain_forced, now)
         # Unreachable, the node hears of it when it comes back: it keeps the flags
         # for the next control plane.
         self._unmarked.add(name)
         self.touched_nodes.add(name)
         models = self.store.models_of(self.store.touching(name))
         return Change(frozenset(models), frozenset({name}))
-
-    def _mark_stored(
-        self,
-        name: str,
-        cordoned: bool | None,
-        draining: bool | None,
-        drain_forced: bool | None,
-        now: float | None,
-    ) -> Change:
-        flags = None if self.stored_flags is None else self.stored_flags.get(name)
-        if flags is None:
-            raise KeyError(name)
-        if draining is not None and draining != flags.draining:
-            flags.drain_since = now if draining else None
-        flags.cordoned = flags.cordoned if cordoned is None else cordoned
-        flags.draining = flags.draining if draining is None else draining
-        flags.drain_forced = flags.drain_forced if drain_forced is None else drain_forced
-        self.touched_nodes.add(name)
-        return Change()
 
     def marks_due(self) -> list[MarkNode]:
         """The flags to send to reachable nodes that have yet to hear of them."""
@@ -313,3 +295,19 @@ class Known:
             f"replica {spec.replica_id} of {spec.model_name} failed on {record.node}{loop}: "
             f"{record.detail or 'no detail'}; restart in {delay:g} s"
         ]
+
+
+def _set_flags(
+    node: Node | OperatorFlags,
+    cordoned: bool | None,
+    draining: bool | None,
+    drain_forced: bool | None,
+    now: float | None,
+) -> None:
+    """An operator's flags on a registered node or on what the store holds for one not
+    yet registered (None: unchanged); a drain that begins began at `now`."""
+    if draining is not None and draining != node.draining:
+        node.drain_since = now if draining else None
+    node.cordoned = node.cordoned if cordoned is None else cordoned
+    node.draining = node.draining if draining is None else draining
+    node.drain_forced = node.drain_forced if drain_forced is None else drain_forced
