@@ -81,6 +81,23 @@ async def closed_with(port: int, lost: str | None = None) -> tuple[float, str | 
     raise AssertionError("the standby sent a message")
 
 
+async def held_agent(
+    nursery: trio.Nursery, port: int, answers: StandbyAnswers, lost: str | None = None
+) -> list[tuple[float, str | None]]:
+    """An agent's stream, started and held by the standby; what `closed_with` says of
+    it arrives in the list once the standby closes it."""
+    results: list[tuple[float, str | None]] = []
+
+    async def agent() -> None:
+        results.append(await closed_with(port, lost))
+
+    held = answers.held
+    nursery.start_soon(agent)
+    while answers.held <= held:
+        await trio.sleep(0.01)
+    return results
+
+
 async def test_a_known_leader_is_named_at_once() -> None:
     election = Election(NEW)
     answers = StandbyAnswers(lambda: election, lambda: b"", election.changed, hold_s=5.0)
@@ -99,14 +116,7 @@ async def test_a_stream_is_held_through_the_election_and_sent_to_its_winner() ->
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve, answers)
-            results: list[tuple[float, str | None]] = []
-
-            async def agent() -> None:
-                results.append(await closed_with(port))
-
-            nursery.start_soon(agent)
-            while answers.held < 1:
-                await trio.sleep(0.01)
+            results = await held_agent(nursery, port, answers)
             await trio.sleep(0.3)  # an election takes a while: the stream stays held
             assert not results
             elected = trio.current_time()
@@ -132,14 +142,7 @@ async def test_the_leader_a_peer_lost_is_not_named_to_it_again() -> None:
             port = await nursery.start(serve, answers)
             _, other = await closed_with(port)  # a peer that lost nothing: named at once
             assert other == OLD + "/v1/agent" and suspected == []
-            results: list[tuple[float, str | None]] = []
-
-            async def agent() -> None:
-                results.append(await closed_with(port, lost=OLD + "/v1/agent/"))
-
-            nursery.start_soon(agent)
-            while answers.held < 1:
-                await trio.sleep(0.01)
+            results = await held_agent(nursery, port, answers, lost=OLD + "/v1/agent/")
             # The seat is asked to check whether that leader's process is gone.
             assert suspected == [OLD]
             election.elect(None)  # the old key expired: still nobody to name
@@ -212,14 +215,7 @@ async def test_a_held_stream_the_winners_term_does_not_take_is_sent_to_it_again(
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             port = await nursery.start(serve, answers)
-            results: list[tuple[float, str | None]] = []
-
-            async def agent() -> None:
-                results.append(await closed_with(port))
-
-            nursery.start_soon(agent)
-            while answers.held < 1:
-                await trio.sleep(0.01)
+            results = await held_agent(nursery, port, answers)
             elected = trio.current_time()
             election.elect(None, here=True)
             while not results:
