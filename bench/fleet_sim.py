@@ -250,7 +250,7 @@ class Worker:
             heard=heard,
             local_address=source_address(i) if self.args.own_addresses else None,
             headers=[] if lost is None else [(LOST_LEADER_HEADER, lost.encode())],
-            lost_leader=lost is not None,
+            lost_epoch=None if lost is None or planes.named else self.epochs.get(i, 0),
         ) as ws:
             sent = False
             with trio.fail_after(10):

@@ -22,6 +22,8 @@ from llmgw_core.agent_lane import (
     ROUTER_ALPN,
     come_back_line,
     come_back_s,
+    lost_epoch,
+    lost_leader_alpn,
     not_leader_line,
     not_leader_url,
 )
@@ -855,34 +857,69 @@ def test_a_leaders_line_reads_back_and_nonsense_names_no_leader() -> None:
 async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
     tmp_path: Path,
 ) -> None:
-    """A standby's port that names a leader answers an agent's hello with the leader's
-    URL in place of its first TLS record: the dial raises ConnectFailed naming it, no
-    handshake begun. An agent that lost its leader (LOST_LEADER_ALPN offered) gets its
-    handshake (a standby may hold it for the election), and so do operators."""
+    """A port whose control plane answers agents' hellos (the seat's callback) writes the
+    line it returns in place of its first TLS record: the leader's URL (the dial raises
+    ConnectFailed naming it) or when to come back, no handshake begun. The callback is
+    given the epoch an agent says it lost (None for an agent that lost none); an agent
+    of a version whose hello says it lost a leader but not the epoch gets its handshake
+    (a standby may hold it for the election), and so do operators."""
     certs = tmp_path / "certs"
     init_ca(certs)
     issue_node(certs, "node-1")
     context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
     context.load_cert_chain(certs / "nodes" / "node-1.crt", certs / "nodes" / "node-1.key")
     leader = "wss://127.0.0.1:1/v1/agent"
+    asked: list[int | None] = []
+
+    def answer(lost: int | None) -> bytes | None:
+        asked.append(lost)
+        if lost is None:
+            return not_leader_line(leader)
+        return come_back_line(0.25) if lost < 7 else None
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             port, server = await serve_tls(nursery, certs)
-            server.tls_admission.redirect = lambda: leader
+            server.tls_admission.redirect = answer
             where = Target("127.0.0.1", port, "/v1/agent", True)
             with pytest.raises(ConnectFailed) as failed:
                 await dial(where, context)
             assert failed.value.leader == leader and failed.value.come_back_s is None
             assert leader in str(failed.value)
             assert server.tls_admission.sent_to_leader == 1 and server.tls_failures == 0
-            lost = await dial(where, context, alpn=(AGENT_ALPN, LOST_LEADER_ALPN))
-            assert isinstance(lost, trio.SSLStream)
-            await trio.aclose_forcefully(lost)
+            with pytest.raises(ConnectFailed) as failed:
+                await dial(where, context, alpn=(AGENT_ALPN, lost_leader_alpn(6)))
+            assert failed.value.leader is None and failed.value.come_back_s == 0.25
+            assert server.tls_admission.told_to_come_back == 1
+            served = await dial(where, context, alpn=(AGENT_ALPN, lost_leader_alpn(7)))
+            assert isinstance(served, trio.SSLStream)
+            await trio.aclose_forcefully(served)
+            older = await dial(where, context, alpn=(AGENT_ALPN, LOST_LEADER_ALPN))
+            assert isinstance(older, trio.SSLStream)
+            await trio.aclose_forcefully(older)
+            assert asked == [None, 6, 7]
             assert await get(port, certs) == 200
             # No leader named: agents are served here as before.
-            server.tls_admission.redirect = lambda: None
+            server.tls_admission.redirect = lambda lost: None
             plain = await dial(where, context)
             assert isinstance(plain, trio.SSLStream)
             await trio.aclose_forcefully(plain)
             assert server.tls_admission.sent_to_leader == 1
+            assert server.tls_admission.told_to_come_back == 1
             nursery.cancel_scope.cancel()
+
+
+def test_a_lost_leaders_epoch_is_read_from_the_offered_names_alone() -> None:
+    """The epoch an agent says it lost: from its own ALPN name only, digits only."""
+    assert lost_epoch([AGENT_ALPN, lost_leader_alpn(12)]) == 12
+    assert lost_epoch([lost_leader_alpn(-3)]) == 0
+    for names in (
+        [AGENT_ALPN],
+        [LOST_LEADER_ALPN],
+        [LOST_LEADER_ALPN + b"/"],
+        [LOST_LEADER_ALPN + b"/1e3"],
+        [LOST_LEADER_ALPN + b"/-1"],
+        [LOST_LEADER_ALPN + b"/" + b"9" * 20],
+        [LOST_LEADER_ALPN + b"x/5"],
+    ):
+        assert lost_epoch(names) is None, names

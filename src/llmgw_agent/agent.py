@@ -386,7 +386,8 @@ class Agent:
             ca=self.config.tls.ca,
             connect_timeout_s=self.planes.dial_patience_s(trio.current_time(), CONNECT_TIMEOUT_S),
             headers=[] if self._lost is None else [(LOST_LEADER_HEADER, self._lost.encode())],
-            lost_leader=self._lost is not None,
+            # Not to a leader a control plane named: that one leads a newer epoch.
+            lost_epoch=None if self._lost is None or self.planes.named else self.epoch,
             disconnect_timeout_s=DISCONNECT_TIMEOUT_S,
             max_message_size=MAX_FRAME_BYTES,
             heard=heard,

@@ -59,12 +59,35 @@ def come_back_s(first: bytes) -> float | None:
 # to a new leader, paid a TLS handshake at a standby first: 10,000 of them queued there
 # for up to half a minute). The agent dials that leader at once, if it is one of its own
 # control planes (llmgw_agent.following), as for a standby's NOT_LEADER close. An agent
-# that has just lost a leader offers LOST_LEADER_ALPN besides AGENT_ALPN: its hello then
-# gets a handshake, and the standby may hold its stream through the election (the leader
-# the store still names may be the one it lost).
+# that has just lost a leader offers, besides AGENT_ALPN, LOST_LEADER_ALPN with the newest
+# epoch it has seen (lost_leader_alpn): a control plane then names a leader only of a newer
+# epoch (itself, when it leads: the agent dials it again with a named leader's patience),
+# and while none is known tells it when to come back, before any TLS too. The whole fleet
+# of a lost leader so pays one handshake, at the new leader, whose admission paces it as
+# it paces a restart storm: at 10,000 agents the handshakes standbys did for streams they
+# held through the election and then closed, and the handshakes given up after a short
+# failover patience, kept the fleet away 3 minutes. The bare name (an agent older than
+# the epoch in it) still gets a handshake, and a standby may hold its stream.
 NOT_LEADER_PREFIX = b"LLMGW-NOT-LEADER leader="
 LOST_LEADER_ALPN = b"llmgw-agent-lost-leader"
 MAX_LEADER_URL_BYTES = 200
+
+
+def lost_leader_alpn(epoch: int) -> bytes:
+    """The ALPN name of an agent that lost its leader and has seen `epoch` at most."""
+    return LOST_LEADER_ALPN + b"/%d" % max(epoch, 0)
+
+
+def lost_epoch(offered: list[bytes]) -> int | None:
+    """The newest epoch an agent that lost its leader has seen, from the ALPN names its
+    hello offers; None when it offers no such name with an epoch (or a malformed one)."""
+    prefix = LOST_LEADER_ALPN + b"/"
+    for name in offered:
+        if name.startswith(prefix):
+            digits = name[len(prefix) :]
+            if digits.isdigit() and len(digits) <= 19:
+                return int(digits)
+    return None
 
 
 def not_leader_line(url: str) -> bytes | None:

@@ -26,8 +26,8 @@ import trio_websocket
 from llmgw_core.agent_lane import (
     AGENT_ALPN,
     COME_BACK_PREFIX,
-    LOST_LEADER_ALPN,
     come_back_s,
+    lost_leader_alpn,
     not_leader_url,
 )
 from llmgw_core.tls_advice import name_mismatch
@@ -314,16 +314,16 @@ async def open_agent_stream(
     heard: Heard | None = None,
     local_address: str | None = None,
     headers: Sequence[tuple[bytes, bytes]] = (),
-    lost_leader: bool = False,
+    lost_epoch: int | None = None,
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket to the control plane, closed (within `disconnect_timeout_s`) on exit;
     whatever arrives on it is noted in `heard`. Raises ConnectFailed, alone or in an
     exception group, when it cannot be opened. `local_address`: the source address
     (the fleet bench gives each simulated node its own, as real nodes have);
-    `lost_leader`: the agent has just lost its leader (its hello says so: a standby
-    then gives it a handshake rather than naming a leader at once, agent_lane)."""
+    `lost_epoch`: the agent has just lost its leader, and the newest epoch it has seen is
+    that (its hello says so: a control plane then names only a newer leader, agent_lane)."""
     where = target(url)
-    alpn = (AGENT_ALPN, LOST_LEADER_ALPN) if lost_leader else AGENT_ALPN
+    alpn = AGENT_ALPN if lost_epoch is None else (AGENT_ALPN, lost_leader_alpn(lost_epoch))
     default_port = 443 if where.secure else 80
     host_header = where.host if where.port == default_port else where.where
     stream: _Watched | None = None

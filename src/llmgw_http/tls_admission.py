@@ -91,11 +91,12 @@ import trio
 from llmgw_core.agent_lane import (
     AGENT_ALPN,
     AGENT_QUEUE_S,
+    COME_BACK_PREFIX,
     LOST_LEADER_ALPN,
     MAX_COME_BACK_S,
     ROUTER_ALPN,
     come_back_line,
-    not_leader_line,
+    lost_epoch,
 )
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
@@ -108,7 +109,9 @@ HELLO_MAX_BYTES = 32 * 1024  # real ClientHellos are under 2 KiB, post-quantum s
 _TCPI_LAST_DATA_SENT = 44  # offset in Linux's struct tcp_info (u32, milliseconds)
 _TCP_INFO_BYTES = 104
 _REFUSED_OPEN_S = 0.5  # how long a refused connection stays open for its come-back line
-_REFUSED_OPEN_MAX = 1024  # refused connections open at once (past that: reset at once)
+# Refused connections open at once (past that: reset at once, the line unsaid): a lost
+# leader's whole fleet is answered within half a second, by the control plane after it.
+_REFUSED_OPEN_MAX = 8192
 
 
 @attrs.frozen
@@ -589,19 +592,27 @@ class Gate:
         # to arrive (at most _REFUSED_OPEN_MAX of them: past that, reset at once).
         self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
         self._pending_room = trio.lowlevel.ParkingLot()  # the accept loops, while it is full
-        # Set on a standby's port: the leader's agent URL, None when it names none now.
-        # An agent's hello is then answered with that URL before any TLS (agent_lane).
-        self.redirect: Callable[[], str | None] | None = None
+        # Set on the port of a control plane among several: given the epoch an agent's
+        # hello says it lost (None: it lost none), the line to answer it with before any
+        # TLS (agent_lane: the leader's URL, or when to come back), None to serve it here.
+        self.redirect: Callable[[int | None], bytes | None] | None = None
         self.sent_to_leader = 0
+        self.told_to_come_back = 0  # agents' hellos answered so, without a handshake
 
     def _leader_line(self, hello: bytes) -> bytes | None:
-        """The line sending an agent's hello to the leader, None to serve it here: no
-        leader named, or the agent says it lost one (it may be held for the election)."""
+        """The line answering an agent's hello before any TLS, None to serve it here. An
+        agent of a version that says it lost a leader but not its epoch is served (it may
+        be held for the election)."""
         assert self.redirect is not None
-        if LOST_LEADER_ALPN in offered_alpn(hello):
+        offered = offered_alpn(hello)
+        if LOST_LEADER_ALPN in offered:
             return None
-        url = self.redirect()
-        return None if url is None else not_leader_line(url)
+        line = self.redirect(lost_epoch(offered))
+        if line is not None and line.startswith(COME_BACK_PREFIX):
+            self.told_to_come_back += 1
+        elif line is not None:
+            self.sent_to_leader += 1
+        return line
 
     async def reset_refused(self) -> None:
         """Reset the refused connections whose time has come, until cancelled (then all)."""
@@ -728,7 +739,6 @@ class Gate:
         if lane == AGENTS and self.redirect is not None:
             line = self._leader_line(hello)
             if line is not None:
-                self.sent_to_leader += 1
                 self._say_and_reset(stream, line)
                 return None
         why = self.core.hello(lane, trio.current_time(), ticket.arrived, source)

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from llmgw_core.agent_lane import come_back_line, not_leader_line
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Catalog
 from llmgw_core.config import Config
@@ -62,6 +63,12 @@ _HOLD_S = 8.0  # the longest a standby holds a stream for the election
 # registrations 2.8 s behind its election).
 _CAMPAIGN_DEFER_S = 0.25
 _MEMBERS_S = 1.0  # status waits this long for the store's list of control planes
+# When an agent that lost its leader comes back (agent_lane.come_back_line), plus its own
+# jitter: while nobody leads (an election takes a transaction or two), and while the store
+# still names the leader it lost (until that lease ends, at most this or a quarter lease).
+_ELECTION_COME_BACK_S = 0.2
+_NAMED_LOST_COME_BACK_S = 0.5
+_LOST_HELLOS_RECENT_S = 2.0  # hellos of agents that lost their leader this recent: campaign
 
 
 def catalog_digest(config: Config) -> str:
@@ -127,6 +134,7 @@ class Seat:
         self.closing = False
         self._checked: tuple[int, float] = (0, float("-inf"))  # (epoch, when) of the last check
         self.deposed = 0  # leaderships this control plane ended in the store (leader_gone)
+        self._lost_hello_at = float("-inf")  # the last hello of an agent that lost its leader
 
     # -- what others read ------------------------------------------------------
 
@@ -189,7 +197,7 @@ class Seat:
                     self.handle,
                     self.upgrade,
                     nursery=nursery,
-                    leader_for_agents=self._leader_for_agents,
+                    leader_for_agents=self._answer_agent,
                 )
                 log.info("control plane %s at %s: joining the election", me.id, self.url)
                 await nursery.start(election.run)
@@ -251,13 +259,35 @@ class Seat:
                 epoch,
             )
 
-    def _leader_for_agents(self) -> str | None:
-        """The leader's agent URL, while this control plane stands by and names one."""
-        url = self.leadership().leader_url
-        return None if url is None else url + AGENT_PATH.decode()
+    def _answer_agent(self, lost: int | None) -> bytes | None:
+        """The line an agent's hello is answered with before any TLS (agent_lane), None to
+        serve it here. `lost`: the newest epoch the agent has seen, when it lost its
+        leader. Such an agent is sent to a leader of a newer epoch (this control plane
+        itself, when it leads: it dials again with a named leader's patience and is
+        queued for its one handshake as in a restart storm), else told to come back
+        soon: the election is not over, or the store still names the leader it lost
+        (whose process is then checked, leader_gone). Any other agent is sent to the
+        leader a standby names, else served (and held through an election)."""
+        if lost is None:
+            url = self.leadership().leader_url
+            return None if url is None else not_leader_line(url + AGENT_PATH.decode())
+        self._lost_hello_at = trio.current_time()
+        standing = self.election.standing if self.election is not None else None
+        leader = standing.leader if standing is not None else None
+        if standing is not None and leader is not None and standing.store_ok:
+            if standing.epoch > lost:
+                url = self.url if standing.leading else leader.url
+                return not_leader_line(url + AGENT_PATH.decode())
+            if not standing.leading:
+                self._suspect(leader.url)
+                return come_back_line(min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4))
+        return come_back_line(_ELECTION_COME_BACK_S)
 
     def _campaign_delay_s(self) -> float:
-        return 0.0 if self.standby.held else _CAMPAIGN_DEFER_S
+        # Agents that lost the leader dial the control plane after it in their lists: that
+        # one campaigning first, they are all sent to it at once.
+        recently = trio.current_time() - self._lost_hello_at < _LOST_HELLOS_RECENT_S
+        return 0.0 if self.standby.held or recently else _CAMPAIGN_DEFER_S
 
     def _signal(self) -> None:
         self._changed.set()
