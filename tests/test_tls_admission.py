@@ -696,17 +696,39 @@ def test_refused_agents_are_given_turns_at_the_rate_the_lane_serves() -> None:
     # 550 queued at 100 a second, 5.5 s; half of it served, 2.75 s: the first refused
     # comes back then, the next ones 10 ms apart each; the jitter (in [0, 1) of 2 s)
     # spreads a turn over 2 s.
-    waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(300)]
+    waits = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(250)]
     assert waits[0] == pytest.approx(2.75)
     assert waits[1:3] == [pytest.approx(2.76), pytest.approx(2.77)]
-    assert waits[-1] == pytest.approx(2.75 + 299 / 100)
-    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.75 + 3.0 + 1.0)
+    assert waits[-1] == pytest.approx(2.75 + 249 / 100)
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.5) == pytest.approx(2.75 + 2.5 + 1.0)
     # Later, the turns go on from the last one given, not from the queue alone.
-    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.76 - 2.0)
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.26 - 2.0)
     # A rate measured below the assumed one (a storm's first seconds) gives turns no
     # later than the assumed rate would.
     core.lanes[AGENTS].rate = 10.0
-    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.77 - 2.0)
+    assert core.come_back_s(12.0, REFUSED_FULL, 0.0) == pytest.approx(5.27 - 2.0)
+
+
+def test_no_turn_lies_past_the_queue_deadline() -> None:
+    """A storm's first seconds measure the starved fleet's rate, not the server's: turns
+    given in order at it had 10,000 agents of a failover come back over a minute while
+    the server idled. Past the queue deadline (5.5 s here) a turn is drawn from its
+    second half instead, and the turns in order go on from where they stood."""
+    limits = AdmissionLimits(
+        agents_in_flight=(4, 100), agents_queue_s=6.0, min_left_s=0.5, assumed_rate=100,
+        come_back_jitter_s=2.0, come_back_overbook=1.0,
+    )
+    core = TLSAdmission(limits)
+    for _ in range(551):
+        core.hello(AGENTS, 10.0)
+    in_order = [core.come_back_s(10.0, REFUSED_BUSY, 0.0) for _ in range(276)]
+    assert in_order[-1] == pytest.approx(5.5)  # the queue deadline's last turn in order
+    promised = core.lanes[AGENTS].promised_until
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.0) == pytest.approx(2.75)
+    assert core.come_back_s(10.0, REFUSED_BUSY, 0.999) == pytest.approx(2.75 * 1.999)
+    assert core.lanes[AGENTS].promised_until == promised
+    # Once time has passed, turns in order are given again from where they stood.
+    assert core.come_back_s(11.0, REFUSED_BUSY, 0.0) == pytest.approx(promised - 11.0)
 
 
 def test_turns_are_overbooked_since_a_storms_first_rate_is_a_starved_one() -> None:
@@ -732,10 +754,11 @@ def test_one_address_flooding_holds_no_turn_and_no_wait_is_past_the_cap() -> Non
     for _ in range(1000):
         assert core.come_back_s(0.0, REFUSED_SOURCE, 0.0) == pytest.approx(5.0)
     assert core.lanes[AGENTS].promised_until == 0.0  # no turn taken
-    # A storm far past what the lane serves: the turns stop at MAX_COME_BACK_S.
+    # A storm far past what the lane serves: no turn past the queue deadline (10 s, and
+    # the jitter of 2 s), where MAX_COME_BACK_S capped them before.
     waits = [core.come_back_s(0.0, REFUSED_BUSY, 0.99) for _ in range(10_000)]
-    assert max(waits) == MAX_COME_BACK_S
-    assert core.lanes[AGENTS].promised_until <= MAX_COME_BACK_S
+    assert max(waits) <= 10.0 + 2.0 < MAX_COME_BACK_S
+    assert core.lanes[AGENTS].promised_until <= 10.0 + 0.1
 
 
 def test_a_come_back_line_reads_back_and_nonsense_is_no_wait() -> None:

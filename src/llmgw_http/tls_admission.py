@@ -336,14 +336,25 @@ class TLSAdmission:
         turns given too late leave the server idle, where turns too early cost a
         refused agent one more connect and no handshake. A source refused for its own
         flood is told when the queue is half served, and holds no turn: one address
-        must not push the fleet's turns back."""
+        must not push the fleet's turns back.
+
+        No turn lies past the queue deadline: by then the lane has measured its own
+        rate, where a storm's first seconds measure the starved fleet's (places held by
+        agents slow to answer, the server's CPU idle). A turn past it is drawn at random
+        from the deadline's second half (`jitter`) instead, and takes no place in the
+        order: an agent that comes back to a queue past its bound is given another.
+        Turns given in order at the first seconds' rate had a failover's 10,000 agents
+        come back over a minute while the server, its queue served, idled (every agent
+        back after 80 s, the queue empty after 40)."""
         held = self.lanes[AGENTS]
         rate = max(self.limits.assumed_rate, held.rate or 0.0, 1.0) * self.limits.come_back_overbook
         half = (self.limits.agents_queue_s - self.limits.min_left_s) / 2
         turn = now + max(0.0, (held.waiting + held.in_flight) / rate - half)
         if why != REFUSED_SOURCE:
             turn = max(turn, held.promised_until)
-            held.promised_until = min(turn + 1.0 / rate, now + MAX_COME_BACK_S)
+            if turn > now + 2 * half:
+                return min(half * (1.0 + jitter), MAX_COME_BACK_S)
+            held.promised_until = turn + 1.0 / rate
         wait = turn - now + jitter * self.limits.come_back_jitter_s
         return min(wait, MAX_COME_BACK_S)
 
