@@ -273,6 +273,7 @@ class Fault:
     half_s: float | None = None  # half the simulated agents registered with the new leader
     most_s: float | None = None  # nine in ten
     sim_cores: float = 0.0  # the busiest simulator process, until every agent registered
+    sim_failures: dict[str, int] = attrs.Factory(dict)  # sessions' ends, until then
     plane_cores: dict[int, float] = attrs.Factory(dict)  # the living control planes, the same
     answer_s: float | None = None  # a new leader answered the admin write (200 or 404)
     write_statuses: dict[str, int] = attrs.Factory(dict)  # every answer to the write probes
@@ -618,6 +619,7 @@ class Bench:
         old = await self.settled(self.args.cap)
         fault = Fault(kind, index, old.epoch, 0.0)
         fault.stale0 = self.sims.stale_refused()
+        failures0 = self.sims.failure_counts()
         if self.faults:
             self.faults[-1].end = time.monotonic()
         fault.at = time.monotonic()
@@ -664,6 +666,12 @@ class Bench:
                 wall = time.monotonic() - fault.at
                 busiest = [b - a for a, b in zip(sims_cpu0, self.sims.cpu(), strict=True)]
                 fault.sim_cores = max(busiest) / wall
+                # What the simulated agents' sessions ended with until every one was back.
+                fault.sim_failures = {
+                    why: count - failures0.get(why, 0)
+                    for why, count in self.sims.failure_counts().items()
+                    if count > failures0.get(why, 0)
+                }
                 fault.plane_cores = {
                     p.k: (cpu_seconds(p.proc.pid) - planes_cpu0[p.k]) / wall
                     for p in self.planes
@@ -1031,7 +1039,7 @@ def report(
             f"| {seconds(f.ready_s)} | {seconds(f.wake_s)}{' ' + f.wake_error if f.wake_error else ''} "
             f"| {'-' if f.kind == 'kill' else seconds(f.woken_stepped_down_s)} "
             f"| {f.requests} ({f.failed}) | {stale[0]} / {stale[1]} "
-            f"| {'; '.join([*f.notes, cores(f), 'write probes: ' + describe(f.write_statuses)])} |"
+            f"| {'; '.join([*f.notes, cores(f), 'write probes: ' + describe(f.write_statuses), 'simulated sessions failed: ' + (describe(f.sim_failures) or 'none')])} |"
         )
     lines += [
         "",

@@ -148,13 +148,16 @@ class HAFleet:
 
     def leadership_changes(self) -> int:
         """Leaderships begun or ended, summed over the living control planes' /metrics."""
+        return self.metric_sum("llmgw_control_leadership_changes_total")
+
+    def metric_sum(self, series: str) -> int:
+        """One series (its name and labels, as /metrics writes them), summed over the
+        living control planes."""
         total = 0
         for plane in self.planes:
             if plane.alive:
                 page = httpx.get(plane.control + "/metrics", verify=self.fleet.tls, timeout=5)
-                found = re.search(
-                    r"^llmgw_control_leadership_changes_total (\d+)$", page.text, re.M
-                )
+                found = re.search(rf"^{re.escape(series)} (\d+)$", page.text, re.M)
                 assert found is not None, page.text[-500:]
                 total += int(found.group(1))
         return total

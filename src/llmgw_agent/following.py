@@ -107,9 +107,9 @@ class ControlPlanes:
         that long), but during a failover among several, while going down the list, at
         most FAILOVER_DIAL_S: the next one may be the one that froze (a paused process,
         a lost host whose kernel still accepts), and the one after it a better bet. A
-        leader a standby named gets the whole patience: it is the one the store names,
-        never the one this agent said it lost (the standby holds the agent until another
-        leads), and a new leader that a whole fleet dials at once queues it: at 10,000
+        leader a control plane named gets the whole patience: it is the one the store
+        names, of a newer epoch than this agent says it saw (agent_lane.lost_leader_alpn),
+        and a new leader that a whole fleet dials at once queues it: at 10,000
         agents the queue outlasted 5 s, and agents that gave up dialled again, at its
         back, for a minute."""
         failing_over = self.failover_until is not None and now < self.failover_until

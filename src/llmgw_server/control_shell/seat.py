@@ -268,20 +268,27 @@ class Seat:
         soon: the election is not over, or the store still names the leader it lost
         (whose process is then checked, leader_gone). Any other agent is sent to the
         leader a standby names, else served (and held through an election)."""
+        answered = self.metrics.hellos_answered
         if lost is None:
             url = self.leadership().leader_url
-            return None if url is None else not_leader_line(url + AGENT_PATH.decode())
+            line = None if url is None else not_leader_line(url + AGENT_PATH.decode())
+            answered["leader"] += line is not None
+            return line
         self._lost_hello_at = trio.current_time()
         standing = self.election.standing if self.election is not None else None
         leader = standing.leader if standing is not None else None
+        wait = _ELECTION_COME_BACK_S
         if standing is not None and leader is not None and standing.store_ok:
             if standing.epoch > lost:
                 url = self.url if standing.leading else leader.url
-                return not_leader_line(url + AGENT_PATH.decode())
+                line = not_leader_line(url + AGENT_PATH.decode())
+                answered["this_leader" if standing.leading else "leader"] += line is not None
+                return line
             if not standing.leading:
                 self._suspect(leader.url)
-                return come_back_line(min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4))
-        return come_back_line(_ELECTION_COME_BACK_S)
+                wait = min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4)
+        answered["come_back"] += 1
+        return come_back_line(wait)
 
     def _campaign_delay_s(self) -> float:
         # Agents that lost the leader dial the control plane after it in their lists: that

@@ -29,6 +29,8 @@ class SeatMetrics:
         self.epoch = 0
         self.store = defaultdict[str, Histogram](Histogram)
         self._recent: deque[float] = deque(maxlen=_RECENT)
+        # Agents' hellos answered before any TLS (Seat._answer_agent), by answer.
+        self.hellos_answered = {"leader": 0, "this_leader": 0, "come_back": 0}
 
     def store_request(self, op: str, seconds: float) -> None:
         self.store[op if op in _OPS else "other"].observe(seconds)
@@ -69,4 +71,13 @@ class SeatMetrics:
         )
         for op, histogram in sorted(self.store.items()):
             out += histogram.render("llmgw_store_request_seconds", _labels(op=op))
+        out += family_header(
+            "llmgw_control_agent_hellos_answered_total",
+            "counter",
+            "Agents' TLS hellos answered before any handshake: sent to the leader another "
+            "control plane is (leader) or this one is (this_leader), or told to come back "
+            "while no leader newer than the one they lost is known (come_back).",
+        )
+        for answer, count in self.hellos_answered.items():
+            out.append(f"llmgw_control_agent_hellos_answered_total{_labels(answer=answer)} {count}")
         return ("\n".join(out) + "\n").encode()
