@@ -34,8 +34,12 @@ from llmgw_core.logsafe import escaped
 # a restarted control plane a few seconds.
 FAILOVER_WINDOW_S = 30.0
 # A dial's patience during a failover (TCP, TLS, the websocket's handshake): a frozen
-# control plane's kernel still accepts, and nothing answers after.
-FAILOVER_DIAL_S = 5.0
+# control plane's kernel still accepts, and nothing answers after. Every control plane
+# that runs answers a failing-over agent's hello at once, before any TLS (agent_lane), so
+# this bounds only a frozen one, and a fleet whose own CPU is starved: at 5 s, 10,000
+# simulated agents on a busy machine gave up on live control planes before their own
+# loops had read the answer, and dialled again, for 50 s.
+FAILOVER_DIAL_S = 15.0
 # A leader named by a standby is dialled after up to this: it takes over a whole fleet
 # at once, which its control port's admission paces.
 LEADER_JITTER_S = 0.05
