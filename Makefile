@@ -10,7 +10,7 @@ AUDIT_STAMP := $(AUDIT)/.installed-stamp
 LAYERS := .venv-lint
 LAYERS_STAMP := $(LAYERS)/.installed-stamp
 
-.PHONY: venv test lint demo bench vuln check clean real-engine real-vllm wheel browser
+.PHONY: venv test test-long lint demo bench vuln check clean real-engine real-vllm wheel browser
 
 # One clear line, before anything is created, when the interpreter that would make (or
 # made) a virtualenv is older than 3.11: otherwise pip fails cryptically half-way.
@@ -73,7 +73,11 @@ TEST_WORKERS ?= 3
 # router's start), and each worker rewrote every test module's asserts (10 s of CPU to
 # collect). The test run writes it (__pycache__/, ignored by git).
 test: venv real-engine real-vllm browser
-	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
+	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -m "not long" -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
+
+# The long stage: repeats and soaks (`@pytest.mark.long`), after `make test` in CI.
+test-long: venv real-engine real-vllm
+	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -m long
 
 # import-linter in its own virtualenv: it brings rich, and with rich installed every
 # process that imports httpx also imports httpx's command line (rich, click, pygments),

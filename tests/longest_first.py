@@ -19,8 +19,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 SECONDS: dict[str, float] = {
-    # Real vLLM: each start takes about a minute of a core (seven in the managed test).
-    "tests/test_real_vllm_managed.py::test_a_managed_vllm": 480,
+    # Real vLLM: each start takes about a minute of a core (four in the managed test).
+    "tests/test_real_vllm_managed.py::test_a_managed_vllm": 280,
     "tests/test_real_vllm.py::test_chat_and_completions_plain_and_streamed_with_usage_and_token_counts_logged": 90,
     "tests/test_real_vllm.py::test_idle_pauses_across_vllms_keep_alive_fail_nothing": 40,
     "tests/test_real_vllm.py::test_the_router_sees_vllm_queueing_from_its_real_metrics": 30,

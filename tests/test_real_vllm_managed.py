@@ -3,11 +3,11 @@ agent with a simulated inventory, and the agent runs vLLM through the adapter's 
 `vllm serve MODEL ...` command line (tests/real_vllm.py's launcher in place of `vllm`).
 
 One test walks the replica's life, since each start of vLLM costs a minute or more on
-two cores (seven starts in all): the exact command line and the engine key in its
+two cores (four starts in all; seven in `make test-long`'s soak): the exact command line and the engine key in its
 environment only, a direct request without the key refused, a streamed chat through the
 router with a client that never retries, the profile's LoRA adapter answering under its
 own name otherwise than the base, a restarted agent adopting the engine with its
-PID, five SIGKILLs of the API server, each reported (by the agent and the control plane)
+PID, two SIGKILLs of the API server (five in `make test-long`), each reported (by the agent and the control plane)
 and restarted with a fresh log, none of the killed engine's processes (EngineCore, the
 resource tracker) left alive, nothing of the killed engines left in /dev/shm (vLLM's
 processes share memory there: two segments and a semaphore, which its resource tracker
@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from fleet import Fleet, wait_until
 from llmgw_agent.inventory_probe import VERSION_TIMEOUT_S
@@ -54,6 +55,12 @@ PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES
 # --max-model-len, not this (argparse would refuse it only after a minute of imports).
 TYPO = "typo"
 TYPO_FLAG = "--max-model-length"
+# SIGKILLs of the API server in `make test`: the adopted engine's (its exit status is no
+# child's of the agent: "the engine exited") and then one of the agent's own children
+# ("killed by signal 9"). Each costs a start of vLLM, a minute of a core or more; the
+# five of the soak are `make test-long`'s.
+KILLS = 2
+SOAK_KILLS = 5
 
 
 def models(model: Path, lora: Path) -> str:
@@ -150,6 +157,19 @@ def until_adopted(agent: Proc, check: Callable[[], Any], since: float, what: str
 
 
 def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
+    """The walk with two SIGKILLs: the adopted engine's, then one of the agent's own
+    children (each reported in its own words), the rest as below."""
+    walk(fleet, real_vllm, tmp_path, KILLS)
+
+
+@pytest.mark.long
+def test_a_managed_vllm_killed_five_times(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> None:
+    """The same walk with five SIGKILLs: the repeats, three more of the agent's own child,
+    in `make test-long` (docs/development.md)."""
+    walk(fleet, real_vllm, tmp_path, SOAK_KILLS)
+
+
+def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     fleet.server(models(real_vllm.model, real_vllm.lora))
     env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
     # Its engines get the environment vLLM needs here, from [engines.vllm] env.
@@ -215,7 +235,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     assert running(pid) and environ(pid)["VLLM_API_KEY"] == key
     assert chat_streamed(fleet, MODEL)
 
-    # The API server killed, five times: each time the agent stops the rest of its group,
+    # The API server killed, `kills` times: each time the agent stops the rest of its group,
     # removes what it left in /dev/shm, reports the failure, and the control plane
     # starts it again with a fresh log. Only the engine running now holds anything there.
     rid = replica["replica_id"]
@@ -224,7 +244,7 @@ def test_a_managed_vllm(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path) -> No
     server = fleet.server_proc
     assert server is not None
     earlier = set(first_run)
-    for attempt in range(1, 6):
+    for attempt in range(1, kills + 1):
         group = group_members(pid)
         # The API server and its EngineCore at least: the check below means something.
         assert len(group) >= 2 and any("EngineCore" in p for p in group), group
