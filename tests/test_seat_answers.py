@@ -1,12 +1,15 @@
 """What a control plane among several answers an agent's hello before any TLS
 (Seat._answer_agent, called by its port's gate): an agent that lost its leader is sent
-only to a leader of a newer epoch than it has seen (this one, when it leads), and told
-to come back soon while there is none; any other agent is sent to the leader a standby
-names, else served here. Fed the election's standing, no store, no socket."""
+only to a leader of a newer epoch than it has seen (this one, when it leads); while there
+is none its hello waits for the election, and is told to come back soon if it does not
+end in time; any other agent is sent to the leader a standby names, else served here.
+Fed the election's standing, no store, no socket, on trio's autojump clock."""
 
 from __future__ import annotations
 
 import attrs
+import trio
+import trio.testing
 
 from llmgw_core.agent_lane import come_back_s, not_leader_url
 from llmgw_core.config import parse_config
@@ -22,7 +25,9 @@ class StandingOnly:
     standing: Standing
 
 
-def seat_standing(*, leading: bool, leader: str | None, epoch: int, store_ok: bool = True) -> Seat:
+def seat_standing(
+    *, leading: bool, leader: str | None, epoch: int, store_ok: bool = True, plane: bool = False
+) -> Seat:
     data = {
         "control": {"store": {"endpoints": ["http://127.0.0.1:9"], "lease_ttl_s": 2}},
         "agents": {"insecure": True},
@@ -33,7 +38,16 @@ def seat_standing(*, leading: bool, leader: str | None, epoch: int, store_ok: bo
     member = None if leader is None else Member(id="x", url=leader, catalog_digest="", started_at=0)
     standing = Standing(leading, epoch, member, None, "", store_ok)
     seat.election = StandingOnly(standing)  # type: ignore[assignment]  # standing is all it reads
+    if plane:
+        seat.plane = object()  # type: ignore[assignment]  # its term has begun: all it reads
     return seat
+
+
+def stand(seat: Seat, *, leading: bool, leader: str | None, epoch: int) -> None:
+    """The election changed: the seat is told, as its election follower tells it."""
+    member = None if leader is None else Member(id="y", url=leader, catalog_digest="", started_at=0)
+    seat.election = StandingOnly(Standing(leading, epoch, member, None, "", True))  # type: ignore[assignment]
+    seat._signal()
 
 
 def said(line: bytes | None) -> tuple[str | None, float | None]:
@@ -44,33 +58,79 @@ def said(line: bytes | None) -> tuple[str | None, float | None]:
 
 async def test_an_agent_that_lost_its_leader_is_sent_only_to_a_newer_one() -> None:
     newer = seat_standing(leading=False, leader=OTHER, epoch=8)
-    assert said(newer._answer_agent(7)) == (OTHER + "/v1/agent", None)
-    assert said(newer._answer_agent(None)) == (OTHER + "/v1/agent", None)
+    assert said(await newer._answer_agent(7)) == (OTHER + "/v1/agent", None)
+    assert said(await newer._answer_agent(None)) == (OTHER + "/v1/agent", None)
     # The store still names the leadership the agent lost (its lease lives): come back.
     same = seat_standing(leading=False, leader=OTHER, epoch=8)
-    url, wait = said(same._answer_agent(8))
+    url, wait = said(await same._answer_agent(8))
     assert url is None and wait is not None and 0 < wait <= 0.5
     # An election without a leader yet: come back soon; an agent that lost none is served
     # (and held through the election, StandbyAnswers).
     nobody = seat_standing(leading=False, leader=None, epoch=8)
-    url, wait = said(nobody._answer_agent(8))
+    url, wait = said(await nobody._answer_agent(8))
     assert url is None and wait is not None and 0 < wait <= 0.5
-    assert nobody._answer_agent(None) is None
+    assert await nobody._answer_agent(None) is None
     # A store this control plane cannot read now names nobody it can vouch for.
     unsure = seat_standing(leading=False, leader=OTHER, epoch=9, store_ok=False)
-    assert said(unsure._answer_agent(8))[1] is not None
+    assert said(await unsure._answer_agent(8))[1] is not None
 
 
 async def test_the_leader_sends_an_agent_that_lost_its_leader_to_itself() -> None:
     """Named, the agent dials it again with a leader's patience and no lost-leader name,
     and waits for its one handshake in the leader's queue, as in a restart storm."""
-    leading = seat_standing(leading=True, leader=HERE, epoch=9)
-    assert said(leading._answer_agent(8)) == (HERE + "/v1/agent", None)
-    assert leading._answer_agent(None) is None  # served here
+    leading = seat_standing(leading=True, leader=HERE, epoch=9, plane=True)
+    assert said(await leading._answer_agent(8)) == (HERE + "/v1/agent", None)
+    assert await leading._answer_agent(None) is None  # served here
 
 
-async def test_hellos_of_agents_that_lost_their_leader_make_a_standby_campaign_first() -> None:
+async def test_hellos_of_agents_that_lost_their_leader_make_a_standby_campaign_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Within 2 s of such a hello, and while one waits here for the election."""
     seat = seat_standing(leading=False, leader=None, epoch=3)
     assert seat._campaign_delay_s() > 0
-    seat._answer_agent(3)
+    seat._lost_hello_at = trio.current_time()  # as its gate's answer was asked for
+    await trio.sleep(1.9)
     assert seat._campaign_delay_s() == 0
+    await trio.sleep(0.2)
+    assert seat._campaign_delay_s() > 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(seat._answer_agent, 3)
+        await trio.sleep(1.99)
+        seat._lost_hello_at = float("-inf")
+        assert seat._answers_held == 1 and seat._campaign_delay_s() == 0
+    assert seat._answers_held == 0 and seat._campaign_delay_s() > 0
+
+
+async def test_a_hello_waits_for_the_election_and_goes_to_its_winner_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No leader: the hello waits (a socket, no TLS) and is answered the moment one is
+    elected, the winner's name, where it was told to come back before; one that waits
+    out the bound is told to come back. A winner whose term has not begun yet is not
+    named by itself: its hellos wait for the term."""
+    seat = seat_standing(leading=False, leader=None, epoch=8)
+    answers: list[tuple[float, bytes | None]] = []
+
+    async def ask() -> None:
+        line = await seat._answer_agent(8)
+        answers.append((trio.current_time(), line))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        await trio.sleep(0.3)
+        assert answers == []
+        stand(seat, leading=True, leader=HERE, epoch=9)  # elected, its term not begun
+        await trio.sleep(0.3)
+        assert answers == []
+        seat.plane = object()  # type: ignore[assignment]
+        stand(seat, leading=True, leader=HERE, epoch=9)
+    ((at, line),) = answers
+    assert at == 0.6 and said(line) == (HERE + "/v1/agent", None)
+    assert seat.metrics.hellos_answered == {"leader": 0, "this_leader": 1, "come_back": 0}
+
+    nobody = seat_standing(leading=False, leader=None, epoch=8)
+    start = trio.current_time()
+    url, wait = said(await nobody._answer_agent(8))
+    assert url is None and wait is not None and trio.current_time() - start == 2.0
+    assert nobody.metrics.hellos_answered["come_back"] == 1

@@ -894,8 +894,9 @@ async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
     leader = "wss://127.0.0.1:1/v1/agent"
     asked: list[int | None] = []
 
-    def answer(lost: int | None) -> bytes | None:
+    async def answer(lost: int | None) -> bytes | None:
         asked.append(lost)
+        await trio.sleep(0.05)  # it may take a while (an election)
         if lost is None:
             return not_leader_line(leader)
         return come_back_line(0.25) if lost < 7 else None
@@ -923,7 +924,10 @@ async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
             assert asked == [None, 6, 7]
             assert await get(port, certs) == 200
             # No leader named: agents are served here as before.
-            server.tls_admission.redirect = lambda lost: None
+            async def serve_here(lost: int | None) -> bytes | None:
+                return None
+
+            server.tls_admission.redirect = serve_here
             plain = await dial(where, context)
             assert isinstance(plain, trio.SSLStream)
             await trio.aclose_forcefully(plain)

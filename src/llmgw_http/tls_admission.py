@@ -83,7 +83,7 @@ import socket
 import ssl
 import struct
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import attrs
 import trio
@@ -112,6 +112,9 @@ _REFUSED_OPEN_S = 0.5  # how long a refused connection stays open for its come-b
 # Refused connections open at once (past that: reset at once, the line unsaid): a lost
 # leader's whole fleet is answered within half a second, by the control plane after it.
 _REFUSED_OPEN_MAX = 8192
+# How long an agent's hello may wait for the answer its control plane gives before any
+# TLS (Gate.redirect): the socket alone, no SSL object, while an election ends.
+ANSWER_WAIT_S = 3.0
 
 
 @attrs.frozen
@@ -606,11 +609,12 @@ class Gate:
         # Set on the port of a control plane among several: given the epoch an agent's
         # hello says it lost (None: it lost none), the line to answer it with before any
         # TLS (agent_lane: the leader's URL, or when to come back), None to serve it here.
-        self.redirect: Callable[[int | None], bytes | None] | None = None
+        # It may take a while (an election under way): at most ANSWER_WAIT_S.
+        self.redirect: Callable[[int | None], Awaitable[bytes | None]] | None = None
         self.sent_to_leader = 0
         self.told_to_come_back = 0  # agents' hellos answered so, without a handshake
 
-    def _leader_line(self, hello: bytes) -> bytes | None:
+    async def _leader_line(self, hello: bytes, scope: trio.CancelScope) -> bytes | None:
         """The line answering an agent's hello before any TLS, None to serve it here. An
         agent of a version that says it lost a leader but not its epoch is served (it may
         be held for the election)."""
@@ -618,7 +622,8 @@ class Gate:
         offered = offered_alpn(hello)
         if LOST_LEADER_ALPN in offered:
             return None
-        line = self.redirect(lost_epoch(offered))
+        scope.deadline = max(scope.deadline, trio.current_time() + ANSWER_WAIT_S)
+        line = await self.redirect(lost_epoch(offered))
         if line is not None and line.startswith(COME_BACK_PREFIX):
             self.told_to_come_back += 1
         elif line is not None:
@@ -748,7 +753,7 @@ class Gate:
         self._pending_room.unpark_all()
         source = ticket.source
         if lane == AGENTS and self.redirect is not None:
-            line = self._leader_line(hello)
+            line = await self._leader_line(hello, ticket.scope)
             if line is not None:
                 self._say_and_reset(stream, line)
                 return None

@@ -68,6 +68,10 @@ _MEMBERS_S = 1.0  # status waits this long for the store's list of control plane
 # still names the leader it lost (until that lease ends, at most this or a quarter lease).
 _ELECTION_COME_BACK_S = 0.2
 _NAMED_LOST_COME_BACK_S = 0.5
+# How long such a hello waits for the election before that answer (under the port's
+# ANSWER_WAIT_S), and how many wait at once (each a socket and a task; past that, at once).
+_ANSWER_HOLD_S = 2.0
+_ANSWERS_HELD_MAX = 16384
 _LOST_HELLOS_RECENT_S = 2.0  # hellos of agents that lost their leader this recent: campaign
 
 
@@ -135,6 +139,7 @@ class Seat:
         self._checked: tuple[int, float] = (0, float("-inf"))  # (epoch, when) of the last check
         self.deposed = 0  # leaderships this control plane ended in the store (leader_gone)
         self._lost_hello_at = float("-inf")  # the last hello of an agent that lost its leader
+        self._answers_held = 0  # such hellos waiting for the election (_answer_agent)
 
     # -- what others read ------------------------------------------------------
 
@@ -259,42 +264,60 @@ class Seat:
                 epoch,
             )
 
-    def _answer_agent(self, lost: int | None) -> bytes | None:
+    async def _answer_agent(self, lost: int | None) -> bytes | None:
         """The line an agent's hello is answered with before any TLS (agent_lane), None to
         serve it here. `lost`: the newest epoch the agent has seen, when it lost its
         leader. Such an agent is sent to a leader of a newer epoch (this control plane
         itself, when it leads: it dials again with a named leader's patience and is
-        queued for its one handshake as in a restart storm), else told to come back
-        soon: the election is not over, or the store still names the leader it lost
-        (whose process is then checked, leader_gone). Any other agent is sent to the
-        leader a standby names, else served (and held through an election)."""
-        answered = self.metrics.hellos_answered
+        queued for its one handshake as in a restart storm). While there is none (the
+        election is not over, or the store still names the leader it lost, whose process
+        is then checked, leader_gone), its hello waits here, a socket and no TLS, until
+        there is, ANSWER_HOLD_S at most, and is then told to come back soon. Any other
+        agent is sent to the leader a standby names, else served (and held through an
+        election)."""
+        if lost is not None:
+            self._lost_hello_at = trio.current_time()
+        line, answer = self._answer_now(lost)
+        if answer == "come_back" and self._answers_held < _ANSWERS_HELD_MAX:
+            self._answers_held += 1
+            try:
+                with trio.move_on_after(_ANSWER_HOLD_S):
+                    while answer == "come_back":
+                        await self.changed()
+                        line, answer = self._answer_now(lost)
+            finally:
+                self._answers_held -= 1
+        if answer is not None:
+            self.metrics.hellos_answered[answer] += 1
+        return line
+
+    def _answer_now(self, lost: int | None) -> tuple[bytes | None, str | None]:
+        """The line for an agent's hello as things stand, and which answer it is (the
+        label on /metrics; None: served here)."""
         if lost is None:
             url = self.leadership().leader_url
             line = None if url is None else not_leader_line(url + AGENT_PATH.decode())
-            answered["leader"] += line is not None
-            return line
-        self._lost_hello_at = trio.current_time()
+            return line, None if line is None else "leader"
         standing = self.election.standing if self.election is not None else None
         leader = standing.leader if standing is not None else None
         wait = _ELECTION_COME_BACK_S
         if standing is not None and leader is not None and standing.store_ok:
             if standing.epoch > lost:
-                url = self.url if standing.leading else leader.url
-                line = not_leader_line(url + AGENT_PATH.decode())
-                answered["this_leader" if standing.leading else "leader"] += line is not None
-                return line
-            if not standing.leading:
+                here = standing.leading and self.plane is not None
+                line = not_leader_line((self.url if here else leader.url) + AGENT_PATH.decode())
+                if line is not None and (here or not standing.leading):
+                    return line, "this_leader" if here else "leader"
+            elif not standing.leading:
                 self._suspect(leader.url)
                 wait = min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4)
-        answered["come_back"] += 1
-        return come_back_line(wait)
+        return come_back_line(wait), "come_back"
 
     def _campaign_delay_s(self) -> float:
         # Agents that lost the leader dial the control plane after it in their lists: that
         # one campaigning first, they are all sent to it at once.
         recently = trio.current_time() - self._lost_hello_at < _LOST_HELLOS_RECENT_S
-        return 0.0 if self.standby.held or recently else _CAMPAIGN_DEFER_S
+        waiting = self.standby.held or self._answers_held
+        return 0.0 if waiting or recently else _CAMPAIGN_DEFER_S
 
     def _signal(self) -> None:
         self._changed.set()
