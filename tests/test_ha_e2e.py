@@ -113,10 +113,12 @@ def test_the_leader_sigkilled_another_leads_and_no_request_fails(
             wait_until(lambda: loop.done > served + 20, what="requests after the fault")
         finally:
             loop.stop()
-        # Each agent that lost the leader was answered before any TLS (sent to the new
-        # leader, itself included, or told to come back first).
+        # Each agent that lost the leader had its hello answered by what it said it lost
+        # (sent to the new leader, itself included; told to come back; or taken through
+        # its handshake and held through the election).
         hellos = 'llmgw_control_agent_hellos_answered_total{answer="%s"}'
-        answered = {a: ha.metric_sum(hellos % a) for a in ("leader", "this_leader", "come_back")}
+        kinds = ("leader", "this_leader", "come_back", "handshake_held")
+        answered = {a: ha.metric_sum(hellos % a) for a in kinds}
         assert sum(answered.values()) >= 2, answered
         # The CLI, given every control plane (the dead one first), finds the leader.
         cli = ha.cli("status")

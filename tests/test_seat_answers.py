@@ -14,7 +14,7 @@ import trio.testing
 from llmgw_core.agent_lane import come_back_s, not_leader_url
 from llmgw_core.config import parse_config
 from llmgw_server.control_shell.election import Member, Standing
-from llmgw_server.control_shell.seat import Seat
+from llmgw_server.control_shell.seat import HANDSHAKES_HELD_PER_ELECTION, Seat
 
 HERE = "ws://127.0.0.1:2"
 OTHER = "ws://127.0.0.1:3"
@@ -40,6 +40,8 @@ def seat_standing(
     seat.election = StandingOnly(standing)  # type: ignore[assignment]  # standing is all it reads
     if plane:
         seat.plane = object()  # type: ignore[assignment]  # its term has begun: all it reads
+    # This election's handshakes spent (the first hellos get theirs: a test below).
+    seat._handshakes_held = HANDSHAKES_HELD_PER_ELECTION
     return seat
 
 
@@ -56,7 +58,9 @@ def said(line: bytes | None) -> tuple[str | None, float | None]:
     return not_leader_url(line), come_back_s(line)
 
 
-async def test_an_agent_that_lost_its_leader_is_sent_only_to_a_newer_one() -> None:
+async def test_an_agent_that_lost_its_leader_is_sent_only_to_a_newer_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     newer = seat_standing(leading=False, leader=OTHER, epoch=8)
     assert said(await newer._answer_agent(7)) == (OTHER + "/v1/agent", None)
     assert said(await newer._answer_agent(None)) == (OTHER + "/v1/agent", None)
@@ -121,16 +125,34 @@ async def test_a_hello_waits_for_the_election_and_goes_to_its_winner_at_once(
         await trio.sleep(0.3)
         assert answers == []
         stand(seat, leading=True, leader=HERE, epoch=9)  # elected, its term not begun
+        seat._handshakes_held = HANDSHAKES_HELD_PER_ELECTION
         await trio.sleep(0.3)
         assert answers == []
         seat.plane = object()  # type: ignore[assignment]
         stand(seat, leading=True, leader=HERE, epoch=9)
     ((at, line),) = answers
     assert at == 0.6 and said(line) == (HERE + "/v1/agent", None)
-    assert seat.metrics.hellos_answered == {"leader": 0, "this_leader": 1, "come_back": 0}
+    assert seat.metrics.hellos_answered["this_leader"] == 1
+    assert seat.metrics.hellos_answered["come_back"] == 0
 
     nobody = seat_standing(leading=False, leader=None, epoch=8)
     start = trio.current_time()
     url, wait = said(await nobody._answer_agent(8))
     assert url is None and wait is not None and trio.current_time() - start == 2.0
     assert nobody.metrics.hellos_answered["come_back"] == 1
+
+
+async def test_the_first_hellos_of_an_election_get_their_handshake_while_it_runs() -> None:
+    """Done during the election, a handshake is done when it ends (the stream is held,
+    and served by this control plane's term if it wins); past the election's budget the
+    hellos wait without one. A new election has a budget of its own."""
+    seat = seat_standing(leading=False, leader=None, epoch=8)
+    seat._handshakes_held = 0
+    for _ in range(HANDSHAKES_HELD_PER_ELECTION):
+        assert await seat._answer_agent(8) is None
+    assert seat.metrics.hellos_answered["handshake_held"] == HANDSHAKES_HELD_PER_ELECTION
+    with trio.move_on_after(0.1) as waited:
+        await seat._answer_agent(8)
+    assert waited.cancelled_caught  # waits for the election, no handshake
+    stand(seat, leading=False, leader=None, epoch=9)
+    assert await seat._answer_agent(9) is None
