@@ -61,13 +61,15 @@ def come_back_s(first: bytes) -> float | None:
 # control planes (llmgw_agent.following), as for a standby's NOT_LEADER close. An agent
 # that has just lost a leader offers, besides AGENT_ALPN, LOST_LEADER_ALPN with the newest
 # epoch it has seen (lost_leader_alpn): a control plane then names a leader only of a newer
-# epoch (itself, when it leads: the agent dials it again with a named leader's patience),
-# and while none is known tells it when to come back, before any TLS too. The whole fleet
-# of a lost leader so pays one handshake, at the new leader, whose admission paces it as
-# it paces a restart storm: at 10,000 agents the handshakes standbys did for streams they
-# held through the election and then closed, and the handshakes given up after a short
+# epoch (itself, when it leads: the agent dials it again with a named leader's patience);
+# while none is known it takes the first few thousand through their handshake and holds
+# their streams through the election, and has the rest wait, before any TLS, for a leader
+# to name (or to come back). A lost leader's fleet so pays one handshake per agent at
+# most, but for those first ones, at the new leader, whose admission paces it as it paces
+# a restart storm: at 10,000 agents the handshakes standbys did for streams they held
+# and then closed naming another winner, and the handshakes given up after a short
 # failover patience, kept the fleet away 3 minutes. The bare name (an agent older than
-# the epoch in it) still gets a handshake, and a standby may hold its stream.
+# the epoch in it) always gets a handshake, and a standby may hold its stream.
 NOT_LEADER_PREFIX = b"LLMGW-NOT-LEADER leader="
 LOST_LEADER_ALPN = b"llmgw-agent-lost-leader"
 MAX_LEADER_URL_BYTES = 200
