@@ -14,7 +14,7 @@ import trio.testing
 from llmgw_core.agent_lane import come_back_s, not_leader_url
 from llmgw_core.config import parse_config
 from llmgw_server.control_shell.election import Member, Standing
-from llmgw_server.control_shell.seat import HANDSHAKES_HELD_PER_ELECTION, Seat
+from llmgw_server.control_shell.seat import HANDSHAKES_PER_LOST_LEADER, Seat
 
 HERE = "ws://127.0.0.1:2"
 OTHER = "ws://127.0.0.1:3"
@@ -40,9 +40,14 @@ def seat_standing(
     seat.election = StandingOnly(standing)  # type: ignore[assignment]  # standing is all it reads
     if plane:
         seat.plane = object()  # type: ignore[assignment]  # its term has begun: all it reads
-    # This election's handshakes spent (the first hellos get theirs: a test below).
-    seat._handshakes_held = HANDSHAKES_HELD_PER_ELECTION
+    spend(seat)
     return seat
+
+
+def spend(seat: Seat, lost: int = 8) -> None:
+    """The handshakes at once for agents that lost epoch `lost` are spent (the first
+    hellos get theirs: a test below)."""
+    seat._handshakes_lost, seat._handshakes = lost, HANDSHAKES_PER_LOST_LEADER
 
 
 def stand(seat: Seat, *, leading: bool, leader: str | None, epoch: int) -> None:
@@ -92,6 +97,7 @@ async def test_hellos_of_agents_that_lost_their_leader_make_a_standby_campaign_f
 ) -> None:
     """Within 2 s of such a hello, and while one waits here for the election."""
     seat = seat_standing(leading=False, leader=None, epoch=3)
+    spend(seat, 3)
     assert seat._campaign_delay_s() > 0
     seat._lost_hello_at = trio.current_time()  # as its gate's answer was asked for
     await trio.sleep(1.9)
@@ -125,7 +131,6 @@ async def test_a_hello_waits_for_the_election_and_goes_to_its_winner_at_once(
         await trio.sleep(0.3)
         assert answers == []
         stand(seat, leading=True, leader=HERE, epoch=9)  # elected, its term not begun
-        seat._handshakes_held = HANDSHAKES_HELD_PER_ELECTION
         await trio.sleep(0.3)
         assert answers == []
         seat.plane = object()  # type: ignore[assignment]
@@ -142,17 +147,24 @@ async def test_a_hello_waits_for_the_election_and_goes_to_its_winner_at_once(
     assert nobody.metrics.hellos_answered["come_back"] == 1
 
 
-async def test_the_first_hellos_of_an_election_get_their_handshake_while_it_runs() -> None:
-    """Done during the election, a handshake is done when it ends (the stream is held,
-    and served by this control plane's term if it wins); past the election's budget the
-    hellos wait without one. A new election has a budget of its own."""
+async def test_the_first_agents_that_lost_a_leader_get_their_handshake_at_once() -> None:
+    """During the election (their streams held, and served by this control plane's term
+    if it wins), or at the leader after it: a handshake done during the election is done
+    when it ends, and one at the leader needs no second dial. Past the budget, the hellos
+    wait for the election without one, or are sent to the leader. Agents that lost a
+    later leadership have a budget of their own."""
     seat = seat_standing(leading=False, leader=None, epoch=8)
-    seat._handshakes_held = 0
-    for _ in range(HANDSHAKES_HELD_PER_ELECTION):
+    seat._handshakes_lost = -1
+    for _ in range(HANDSHAKES_PER_LOST_LEADER - 1):
         assert await seat._answer_agent(8) is None
-    assert seat.metrics.hellos_answered["handshake_held"] == HANDSHAKES_HELD_PER_ELECTION
+    assert seat.metrics.hellos_answered["handshake"] == HANDSHAKES_PER_LOST_LEADER - 1
+    stand(seat, leading=True, leader=HERE, epoch=9)
+    seat.plane = object()  # type: ignore[assignment]  # its term has begun
+    assert await seat._answer_agent(8) is None  # at the leader, the last of the budget
+    assert said(await seat._answer_agent(8)) == (HERE + "/v1/agent", None)
+    assert seat.metrics.hellos_answered["this_leader"] == 1
+    assert await seat._answer_agent(9) is None  # another leadership's agents
+    standby = seat_standing(leading=False, leader=None, epoch=8)
     with trio.move_on_after(0.1) as waited:
-        await seat._answer_agent(8)
-    assert waited.cancelled_caught  # waits for the election, no handshake
-    stand(seat, leading=False, leader=None, epoch=9)
-    assert await seat._answer_agent(9) is None
+        await standby._answer_agent(8)
+    assert waited.cancelled_caught  # past the budget: waits for the election, no handshake

@@ -72,14 +72,16 @@ _NAMED_LOST_COME_BACK_S = 0.5
 # ANSWER_WAIT_S), and how many wait at once (each a socket and a task; past that, at once).
 _ANSWER_HOLD_S = 2.0
 _ANSWERS_HELD_MAX = 16384
-# Of those, how many a control plane takes through their handshake during one election
-# (and holds their streams, StandbyAnswers) before the rest wait without one: handshakes
-# done during the election are done when it ends (1,000 agents: all on the new leader
-# 3.4-3.6 s after a SIGKILL, against 4.3-5.1 s with every hello waiting for the election
-# without one), but a whole fleet's (10,000) on one standby starved the machine, and the
-# agents held by a standby that lost pay a second one. About what a control plane's
-# agents' lane has places for.
-HANDSHAKES_HELD_PER_ELECTION = 2048
+# Of the agents that lost one leadership, how many a control plane takes through their
+# handshake at once (during the election, their streams then held, StandbyAnswers; or
+# after it, as their leader) before the rest wait without one and are sent to the leader:
+# handshakes done during the election are done when it ends, and one at the leader needs
+# no second dial (1,000 agents: all on the new leader 3.4-3.6 s after a SIGKILL, against
+# 4.3-5.1 s with every hello sent on), but a whole fleet's (10,000) on one standby starved
+# the machine, agents held by a standby that lost pay a second handshake, and a leader's
+# queue of 10,000 outlasts a failing-over agent's patience (a named leader's is whole).
+# About what a control plane's agents' lane has places for.
+HANDSHAKES_PER_LOST_LEADER = 2048
 _LOST_HELLOS_RECENT_S = 2.0  # hellos of agents that lost their leader this recent: campaign
 
 
@@ -148,7 +150,9 @@ class Seat:
         self.deposed = 0  # leaderships this control plane ended in the store (leader_gone)
         self._lost_hello_at = float("-inf")  # the last hello of an agent that lost its leader
         self._answers_held = 0  # such hellos waiting for the election (_answer_agent)
-        self._handshakes_held = 0  # such hellos this election took through their handshake
+        # Hellos of agents that lost the leadership of this epoch taken through their
+        # handshake at once (_handshake_for).
+        self._handshakes_lost, self._handshakes = -1, 0
 
     # -- what others read ------------------------------------------------------
 
@@ -280,10 +284,11 @@ class Seat:
         itself, when it leads: it dials again with a named leader's patience and is
         queued for its one handshake as in a restart storm). While there is none (the
         election is not over, or the store still names the leader it lost, whose process
-        is then checked, leader_gone), the first of them in an election are served here
-        (a handshake, then their streams held through the election); the rest wait here,
-        a socket and no TLS, until there is, _ANSWER_HOLD_S at most, and are then told to
-        come back soon. Any other
+        is then checked, leader_gone), the first of them are served here (a handshake,
+        then their streams held through the election); the rest wait here, a socket and
+        no TLS, until there is, _ANSWER_HOLD_S at most, and are then told to come back
+        soon. A leader serves the first of them at once too (HANDSHAKES_PER_LOST_LEADER
+        in all). Any other
         agent is sent to the leader a standby names, else served (and held through an
         election)."""
         if lost is not None:
@@ -315,19 +320,30 @@ class Seat:
         if standing is not None and leader is not None and standing.store_ok:
             if standing.epoch > lost:
                 here = standing.leading and self.plane is not None
+                if here and self._handshake_for(lost):
+                    return None, "handshake"  # served here, at once
                 line = not_leader_line((self.url if here else leader.url) + AGENT_PATH.decode())
                 if line is not None and (here or not standing.leading):
                     return line, "this_leader" if here else "leader"
             elif not standing.leading:
                 self._suspect(leader.url)
                 wait = min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4)
-        if self._handshakes_held < HANDSHAKES_HELD_PER_ELECTION:
+        if self._handshake_for(lost):
             # Its handshake now, while the election runs, and its stream held through it
             # (StandbyAnswers): served on that connection by this control plane's term if
             # it wins, the campaign's likely winner (it campaigns first).
-            self._handshakes_held += 1
-            return None, "handshake_held"
+            return None, "handshake"
         return come_back_line(wait), "come_back"
+
+    def _handshake_for(self, lost: int) -> bool:
+        """Whether an agent that lost the leadership of epoch `lost` is taken through its
+        handshake here now: the first HANDSHAKES_PER_LOST_LEADER of them are."""
+        if lost != self._handshakes_lost:
+            self._handshakes_lost, self._handshakes = lost, 0
+        if self._handshakes >= HANDSHAKES_PER_LOST_LEADER:
+            return False
+        self._handshakes += 1
+        return True
 
     def _campaign_delay_s(self) -> float:
         # Agents that lost the leader dial the control plane after it in their lists: that
@@ -337,7 +353,6 @@ class Seat:
         return 0.0 if waiting or recently else _CAMPAIGN_DEFER_S
 
     def _signal(self) -> None:
-        self._handshakes_held = 0  # a new election's budget
         self._changed.set()
         self._changed = trio.Event()
 

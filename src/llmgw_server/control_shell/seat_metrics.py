@@ -30,7 +30,7 @@ class SeatMetrics:
         self.store = defaultdict[str, Histogram](Histogram)
         self._recent: deque[float] = deque(maxlen=_RECENT)
         # Agents' hellos answered before any TLS (Seat._answer_agent), by answer.
-        self.hellos_answered = {"leader": 0, "this_leader": 0, "come_back": 0, "handshake_held": 0}
+        self.hellos_answered = {"leader": 0, "this_leader": 0, "come_back": 0, "handshake": 0}
 
     def store_request(self, op: str, seconds: float) -> None:
         self.store[op if op in _OPS else "other"].observe(seconds)
@@ -76,9 +76,9 @@ class SeatMetrics:
             "counter",
             "Agents' TLS hellos answered before any handshake: sent to the leader another "
             "control plane is (leader) or this one is (this_leader), or told to come back "
-            "while no leader newer than the one they lost is known (come_back); or, of "
-            "those, taken through their handshake and held through the election "
-            "(handshake_held).",
+            "while no leader newer than the one they lost is known (come_back); or, the "
+            "first of those that lost one leader, taken through their handshake here "
+            "(handshake: held through the election, or served by this leader).",
         )
         for answer, count in self.hellos_answered.items():
             out.append(f"llmgw_control_agent_hellos_answered_total{_labels(answer=answer)} {count}")
