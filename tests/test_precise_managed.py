@@ -54,7 +54,9 @@ def test_placed_replicas_publish_their_kv_events_to_a_precise_router(fleet: Flee
                          for r in replicas)  # fmt: skip
             return sum(held) >= len(prompts) * (WORDS // 16) and events >= len(prompts)
 
-        wait_until(fed, 10, what="the replicas' events")
+        # Real time, on a machine CI shares with vLLM: 10 s ran out there once (the
+        # events come at the engines' pace and the router's, both starved).
+        wait_until(fed, 60, what="the replicas' events")
         for prompt in prompts:  # again: where its engine says it is cached
             answer = client.post("/v1/chat/completions", json=body(prompt)).json()
             cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
