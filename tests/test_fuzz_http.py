@@ -356,7 +356,8 @@ def test_huge_headers_get_431_or_400_or_a_close(server: Server, shape: str, size
 @pytest.mark.parametrize("line", [b"X-Long: " + b"a" * 1024, b"X-A: b"])
 def test_endless_headers_are_cut_off(server: Server, line: bytes) -> None:
     """A client that never ends its head: the server answers 431 (or 400, or closes)
-    long before it has read much more than the limit."""
+    long before it has read much more than the limit; or 408 when the head's deadline
+    comes first (a starved client sends the limit slower: seen once in CI)."""
     start = time.monotonic()
     sent = 0
     closed = False
@@ -379,7 +380,7 @@ def test_endless_headers_are_cut_off(server: Server, line: bytes) -> None:
             pass
     assert closed, f"still open after {sent} bytes of head"
     assert sent < 64 * MAX_HEADER_BYTES
-    Outcome(data, True, time.monotonic() - start).check({400, 431})
+    Outcome(data, True, time.monotonic() - start).check({400, 408, 431})
     server.still_serves()
 
 
