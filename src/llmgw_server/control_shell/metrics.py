@@ -17,8 +17,7 @@ import re
 from collections import defaultdict
 from typing import Final, Literal, assert_never, get_args
 
-from llmgw_core.prometheus import Histogram
-from llmgw_core.prometheus import family as family_header
+from llmgw_core.prometheus import Histogram, family
 from llmgw_core.prometheus import labels as _labels
 from llmgw_server.control.fit import MisfitKind
 from llmgw_server.control.lifecycle import NodeStatus
@@ -117,19 +116,18 @@ class ControlMetrics:
     def render(self, view: ControlView, streams_open: int) -> bytes:
         out: list[str] = []
 
-        def family(name: str, kind: str, help_text: str) -> None:
-            out.extend(family_header(name, kind, help_text))
-
-        family("llmgw_control_nodes", "gauge", "Nodes known to the control plane, by status.")
+        out += family(
+            "llmgw_control_nodes", "gauge", "Nodes known to the control plane, by status."
+        )
         for status in NodeStatus:
             n = sum(node.status is status for node in view.nodes)
             out.append(f"llmgw_control_nodes{_labels(status=str(status))} {n}")
-        family("llmgw_control_nodes_cordoned", "gauge", "Nodes cordoned by the operator.")
+        out += family("llmgw_control_nodes_cordoned", "gauge", "Nodes cordoned by the operator.")
         out.append(f"llmgw_control_nodes_cordoned {sum(n.cordoned for n in view.nodes)}")
-        family("llmgw_control_nodes_draining", "gauge", "Nodes being drained.")
+        out += family("llmgw_control_nodes_draining", "gauge", "Nodes being drained.")
         out.append(f"llmgw_control_nodes_draining {sum(n.draining for n in view.nodes)}")
 
-        family(
+        out += family(
             "llmgw_control_replicas",
             "gauge",
             "Replicas by model and phase (live: pending, starting or ready; failed: "
@@ -140,19 +138,23 @@ class ControlMetrics:
             for phase in Phase:
                 n = sum(r.model == model and r.phase is phase for r in view.replicas)
                 out.append(f"llmgw_control_replicas{_labels(model=model, phase=str(phase))} {n}")
-        family("llmgw_control_replicas_serving", "gauge", "Replicas the router sends requests.")
+        out += family(
+            "llmgw_control_replicas_serving", "gauge", "Replicas the router sends requests."
+        )
         for model in models:
             n = sum(r.model == model and r.serving for r in view.replicas)
             out.append(f"llmgw_control_replicas_serving{_labels(model=model)} {n}")
-        family("llmgw_control_replicas_desired", "gauge", "Replicas each model asks for.")
+        out += family("llmgw_control_replicas_desired", "gauge", "Replicas each model asks for.")
         for m in sorted(view.models, key=lambda m: m.name):
             out.append(f"llmgw_control_replicas_desired{_labels(model=m.name)} {m.desired}")
-        family("llmgw_control_crash_loops", "gauge", "Replicas in a crash loop (restarting again).")
+        out += family(
+            "llmgw_control_crash_loops", "gauge", "Replicas in a crash loop (restarting again)."
+        )
         for model in models:
             n = sum(r.model == model and r.crash_loop for r in view.replicas)
             out.append(f"llmgw_control_crash_loops{_labels(model=model)} {n}")
 
-        family(
+        out += family(
             "llmgw_control_unplaced_replicas",
             "gauge",
             "Replicas wanted but not placed, under each reason that kept a node from taking "
@@ -163,25 +165,25 @@ class ControlMetrics:
                 labels = _labels(model=model, reason=reason)
                 out.append(f"llmgw_control_unplaced_replicas{labels} {unplaced.count}")
 
-        family("llmgw_control_guard_holds", "gauge", "1 while the mass-loss guard holds.")
+        out += family("llmgw_control_guard_holds", "gauge", "1 while the mass-loss guard holds.")
         out.append(f"llmgw_control_guard_holds {int(view.guard is not None)}")
 
-        family(
+        out += family(
             "llmgw_control_reconcile_seconds",
             "histogram",
             "Time the control plane's steps that ran a reconcile took.",
         )
         out.extend(self.reconcile.render("llmgw_control_reconcile_seconds", ""))
-        family(
+        out += family(
             "llmgw_control_stalled_seconds_total",
             "counter",
             "Time the control plane's own loop stalled, not counted as its nodes' silence.",
         )
         out.append(f"llmgw_control_stalled_seconds_total {self.stalled_s:.3f}")
 
-        family("llmgw_agent_streams_open", "gauge", "Agent streams registered and open.")
+        out += family("llmgw_agent_streams_open", "gauge", "Agent streams registered and open.")
         out.append(f"llmgw_agent_streams_open {streams_open}")
-        family(
+        out += family(
             "llmgw_agent_frames_total",
             "counter",
             "Agent stream messages received (in, invalid ones included) and queued to send "
@@ -189,7 +191,7 @@ class ControlMetrics:
         )
         for (direction, kind), n in sorted(self.frames.items()):
             out.append(f"llmgw_agent_frames_total{_labels(direction=direction, type=kind)} {n}")
-        family(
+        out += family(
             "llmgw_agent_streams_refused_total",
             "counter",
             "Agent streams closed or refused by the control plane, by reason.",
@@ -197,10 +199,12 @@ class ControlMetrics:
         for refusal, n in sorted(self.streams_refused.items()):
             out.append(f"llmgw_agent_streams_refused_total{_labels(reason=refusal)} {n}")
 
-        family("llmgw_engine_failures_total", "counter", "Engines (shards) agents reported failed.")
+        out += family(
+            "llmgw_engine_failures_total", "counter", "Engines (shards) agents reported failed."
+        )
         for model, n in sorted(self.engine_failures.items()):
             out.append(f"llmgw_engine_failures_total{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_replica_restarts_total",
             "counter",
             "Failed replicas started again (whole, after the backoff).",

@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
-from llmgw_core.prometheus import Histogram
-from llmgw_core.prometheus import family as family_header
+from llmgw_core.prometheus import Histogram, family
 from llmgw_core.prometheus import labels as _labels
 from llmgw_server.router.balancer import Balancer, Choice
 from llmgw_server.router.kv_index import KvIndex
@@ -64,10 +63,7 @@ class RouterMetrics:
     ) -> bytes:
         out: list[str] = []
 
-        def family(name: str, kind: str, help_text: str) -> None:
-            out.extend(family_header(name, kind, help_text))
-
-        family(
+        out += family(
             "llmgw_requests_total",
             "counter",
             "Requests answered, by model (- when no model of this router was named) and HTTP "
@@ -76,18 +72,18 @@ class RouterMetrics:
         )
         for (model, status), n in sorted(self.requests.items()):
             out.append(f"llmgw_requests_total{_labels(model=model, status=str(status))} {n}")
-        self._render_access(out, family)
-        family("llmgw_requests_in_flight", "gauge", "Requests being answered now.")
+        self._render_access(out)
+        out += family("llmgw_requests_in_flight", "gauge", "Requests being answered now.")
         for model, n in sorted(self.in_flight.items()):
             out.append(f"llmgw_requests_in_flight{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_requests_held",
             "gauge",
             "Requests held now because no replica of their autoscaled model serves.",
         )
         for model, n in sorted(self.held.items()):
             out.append(f"llmgw_requests_held{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_requests_held_bytes",
             "gauge",
             "Bytes of the bodies of the requests held now (within hold_max_bytes_per_model "
@@ -95,7 +91,7 @@ class RouterMetrics:
         )
         for model, n in sorted(self.held_bytes.items()):
             out.append(f"llmgw_requests_held_bytes{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_requests_held_refused_total",
             "counter",
             "Requests for an autoscaled model that no replica serves answered 503 with "
@@ -106,7 +102,7 @@ class RouterMetrics:
         for (model, reason), n in sorted(self.held_refused.items()):
             labels = _labels(model=model, reason=reason)
             out.append(f"llmgw_requests_held_refused_total{labels} {n}")
-        family(
+        out += family(
             "llmgw_request_queued_seconds",
             "histogram",
             "How long requests were held for a replica of their autoscaled model (released "
@@ -114,7 +110,7 @@ class RouterMetrics:
         )
         for model, hist in sorted(self.queued.items()):
             out.extend(hist.render("llmgw_request_queued_seconds", _labels(model=model)))
-        family(
+        out += family(
             "llmgw_route_tables_refused_total",
             "counter",
             "Route tables refused, by reason: stale_epoch (sent by a control plane whose "
@@ -122,10 +118,12 @@ class RouterMetrics:
         )
         for reason, n in sorted(self.tables_refused.items()):
             out.append(f"llmgw_route_tables_refused_total{_labels(reason=reason)} {n}")
-        family("llmgw_upstream_retries_total", "counter", "Attempts made on another replica.")
+        out += family(
+            "llmgw_upstream_retries_total", "counter", "Attempts made on another replica."
+        )
         for model, n in sorted(self.retries.items()):
             out.append(f"llmgw_upstream_retries_total{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_upstream_stale_connections_total",
             "counter",
             "Requests sent again on a fresh connection after the engine had closed a pooled one.",
@@ -133,40 +131,42 @@ class RouterMetrics:
         for pool in sorted(pools.values(), key=lambda p: p.endpoint.url):
             labels = _labels(endpoint=pool.endpoint.url)
             out.append(f"llmgw_upstream_stale_connections_total{labels} {pool.stale_retries}")
-        family("llmgw_replica_ejections_total", "counter", "Replicas ejected after failures.")
+        out += family(
+            "llmgw_replica_ejections_total", "counter", "Replicas ejected after failures."
+        )
         for (model, endpoint), n in sorted(self.ejections.items()):
             out.append(
                 f"llmgw_replica_ejections_total{_labels(model=model, endpoint=endpoint)} {n}"
             )
-        family(
+        out += family(
             "llmgw_upstream_latency_seconds",
             "histogram",
             "Time from sending to the engine's last byte.",
         )
         for model, hist in sorted(self.latency.items()):
             out.extend(hist.render("llmgw_upstream_latency_seconds", _labels(model=model)))
-        family(
+        out += family(
             "llmgw_upstream_ttfb_seconds",
             "histogram",
             "Time from sending to the engine's response head.",
         )
         for model, hist in sorted(self.ttfb.items()):
             out.extend(hist.render("llmgw_upstream_ttfb_seconds", _labels(model=model)))
-        family("llmgw_replica_available", "gauge", "1 when a replica takes requests.")
+        out += family("llmgw_replica_available", "gauge", "1 when a replica takes requests.")
         for model, balancer in sorted(balancers.items()):
             for r in balancer.replicas:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_available{labels} {int(r.available)}")
-        family("llmgw_replica_outstanding", "gauge", "Requests outstanding on a replica.")
+        out += family("llmgw_replica_outstanding", "gauge", "Requests outstanding on a replica.")
         for model, balancer in sorted(balancers.items()):
             for r in balancer.replicas:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_outstanding{labels} {r.outstanding}")
-        self._render_balancing(out, family, balancers, now, tuning or CacheAwareSection(), kv)
+        self._render_balancing(out, balancers, now, tuning or CacheAwareSection(), kv)
         return ("\n".join(out) + "\n").encode()
 
-    def _render_access(self, out: list[str], family: Callable[[str, str, str], None]) -> None:
-        family(
+    def _render_access(self, out: list[str]) -> None:
+        out += family(
             "llmgw_tokens_total",
             "counter",
             "Tokens in the engines' usage reports, by model, API key id and kind "
@@ -174,7 +174,7 @@ class RouterMetrics:
         )
         for (model, key_id, kind), n in sorted(self.tokens.items()):
             out.append(f"llmgw_tokens_total{_labels(model=model, key_id=key_id, kind=kind)} {n}")
-        family(
+        out += family(
             "llmgw_auth_failures_total",
             "counter",
             "Requests refused for their credentials: missing_key, invalid_key, "
@@ -186,13 +186,12 @@ class RouterMetrics:
     def _render_balancing(
         self,
         out: list[str],
-        family: Callable[[str, str, str], None],
         balancers: dict[str, Balancer],
         now: float,
         tuning: CacheAwareSection,
         kv: KvIndex | None,
     ) -> None:
-        family(
+        out += family(
             "llmgw_balancing_decisions_total",
             "counter",
             "Replica choices by kind: cache_hit (it holds the conversation so far), "
@@ -203,21 +202,21 @@ class RouterMetrics:
         )
         for (model, kind), n in sorted(self.decisions.items()):
             out.append(f"llmgw_balancing_decisions_total{_labels(model=model, kind=kind)} {n}")
-        family(
+        out += family(
             "llmgw_prefix_prompt_bytes_total",
             "counter",
             "Bytes of canonical prompt text hashed for cache-aware balancing.",
         )
         for model, n in sorted(self.prompt_bytes.items()):
             out.append(f"llmgw_prefix_prompt_bytes_total{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_prefix_matched_bytes_total",
             "counter",
             "Of those, the bytes the chosen replica held, as far as this router knows.",
         )
         for model, n in sorted(self.matched_bytes.items()):
             out.append(f"llmgw_prefix_matched_bytes_total{_labels(model=model)} {n}")
-        family(
+        out += family(
             "llmgw_prefix_hit_ratio",
             "gauge",
             "Matched bytes over prompt bytes since the start.",
@@ -225,14 +224,14 @@ class RouterMetrics:
         for model, n in sorted(self.prompt_bytes.items()):
             ratio = self.matched_bytes[model] / n if n else 0.0
             out.append(f"llmgw_prefix_hit_ratio{_labels(model=model)} {ratio:.6f}")
-        family(
+        out += family(
             "llmgw_prefix_match_bytes",
             "histogram",
             "Per request, the prompt bytes the chosen replica held.",
         )
         for model, hist in sorted(self.match.items()):
             out.extend(hist.render("llmgw_prefix_match_bytes", _labels(model=model)))
-        family(
+        out += family(
             "llmgw_prefix_index_entries",
             "gauge",
             "Prefix entries remembered for a replica (bounded by index_blocks).",
@@ -244,7 +243,7 @@ class RouterMetrics:
                     labels = _labels(model=model, endpoint=r.endpoint.url)
                     out.append(f"llmgw_prefix_index_entries{labels} {entries}")
         if kv is not None:
-            family(
+            out += family(
                 "llmgw_kv_event_batches_total",
                 "counter",
                 "KV-cache event batches applied from each engine (balancing = precise).",
@@ -252,7 +251,7 @@ class RouterMetrics:
             for url in sorted({r.endpoint.url for b in balancers.values() for r in b.replicas}):
                 batches = kv.batches(url)
                 out.append(f"llmgw_kv_event_batches_total{_labels(endpoint=url)} {batches}")
-            family(
+            out += family(
                 "llmgw_kv_events_dropped_total",
                 "counter",
                 "KV-cache event messages dropped unapplied, by engine and reason: backlog "
@@ -262,7 +261,7 @@ class RouterMetrics:
             )
             for url, why, n in kv.drops():
                 out.append(f"llmgw_kv_events_dropped_total{_labels(endpoint=url, reason=why)} {n}")
-        family(
+        out += family(
             "llmgw_tokenize_refused_total",
             "counter",
             "/tokenize answers refused for holding more token ids than their prompt's bytes "
@@ -276,7 +275,7 @@ class RouterMetrics:
             for r in balancer.replicas
             if r.engine_load is not None and now - r.engine_load_at <= tuning.metrics_max_age_s
         ]
-        family(
+        out += family(
             "llmgw_engine_load_fresh",
             "gauge",
             "1 when the engine's own load reading is recent enough to be used.",
@@ -295,14 +294,14 @@ class RouterMetrics:
              lambda s: s.kv_usage),
         )  # fmt: skip
         for name, help_text, value in gauges:
-            family(name, "gauge", help_text)
+            out += family(name, "gauge", help_text)
             for model, r in fresh:
                 assert r.engine_load is not None
                 v = value(r.engine_load)
                 if v is not None:
                     labels = _labels(model=model, endpoint=r.endpoint.url)
                     out.append(f"{name}{labels} {v:g}")
-        family(
+        out += family(
             "llmgw_engine_metrics_errors_total",
             "counter",
             "Engine /metrics reads that failed or held no load we know.",
