@@ -31,3 +31,13 @@ def escaped(text: object, limit: int = LIMIT) -> str:
     if _SUSPECT.search(value) is not None:
         value = "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in value)
     return f"{value}... ({cut} more characters)" if cut > 0 else value
+
+
+def peer_address(stream: object) -> tuple[str, str]:
+    """A connection's peer: its host, and its host:port for the log; ("?", "an unknown
+    peer") where the stream has no socket or its peer is gone."""
+    try:
+        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return "?", "an unknown peer"
+    return str(host), f"{host}:{port}"

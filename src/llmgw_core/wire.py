@@ -12,11 +12,11 @@ import json
 from typing import Any
 
 import attrs
-import cattrs
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport
+from llmgw_core.tagged_json import decode_tagged
 
 PROTOCOL = 3
 # The first version whose agents take a `Pace`: an older one keeps its welcome's interval.
@@ -220,26 +220,16 @@ def encode(message: UpMessage | DownMessage) -> str:
     return json.dumps(converter.unstructure(message, union), separators=(",", ":"))
 
 
-def _decode(frame: str | bytes, union: Any, known: set[str]) -> Any:
-    if isinstance(frame, bytes):
-        raise WireError("binary frames are not part of the protocol; send JSON text")
-    if len(frame) > MAX_FRAME_BYTES:
-        raise WireError(f"a frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        data = json.loads(frame)
-    except ValueError as exc:
-        raise WireError(f"the frame is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise WireError("a frame must be a JSON object")
-    tag = data.get("type")
-    if tag not in known:
-        raise WireError(
-            f"unknown message type {tag!r} (expected one of {', '.join(sorted(known))})"
-        )
-    try:
-        return converter.structure(data, union)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise WireError(f"a {tag!r} frame is malformed: {_describe(exc)}") from None
+def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> Any:
+    return decode_tagged(
+        frame,
+        union,
+        known,
+        converter=converter,
+        error=WireError,
+        protocol="the protocol",
+        max_chars=MAX_FRAME_BYTES,
+    )
 
 
 def decode_up(frame: str | bytes) -> UpMessage:
@@ -252,11 +242,5 @@ def decode_down(frame: str | bytes) -> DownMessage:
     return message
 
 
-_UP_TAGS = {_TAGS[t] for t in (Register, Heartbeat, ShardUpdate, Ack)}
-_DOWN_TAGS = {_TAGS[t] for t in (Welcome, Pace, Start, Drain, Stop, Mark)}
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc, path="frame"))
-    return f"{type(exc).__name__}: {exc}"
+_UP_TAGS = frozenset(_TAGS[t] for t in (Register, Heartbeat, ShardUpdate, Ack))
+_DOWN_TAGS = frozenset(_TAGS[t] for t in (Welcome, Pace, Start, Drain, Stop, Mark))

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from llmgw_core.logsafe import peer_address
 from llmgw_core.ratelog import RateLimit
 from llmgw_http import sockio
 from llmgw_http.h1 import JSON, refusal
@@ -168,13 +169,16 @@ class HTTPServer:
                 await self.serve_connection(tls)
                 nursery.cancel_scope.cancel()
             return
-        host, peer = _peer_address(ticket.stream)
+        host, peer = peer_address(ticket.stream)
         await trio.aclose_forcefully(ticket.stream)
         if failure is None:
             limits = self.tls_admission.core.limits
-            level, why = logging.INFO, (
-                f"no handshake within {limits.deadline_s:g} s, or no answer to the server's"
-                f" flight within {limits.flight_answer_s:g} s"
+            level, why = (
+                logging.INFO,
+                (
+                    f"no handshake within {limits.deadline_s:g} s, or no answer to the server's"
+                    f" flight within {limits.flight_answer_s:g} s"
+                ),
             )
         elif isinstance(failure, ssl.SSLCertVerificationError):
             level = logging.WARNING
@@ -225,12 +229,3 @@ class HTTPServer:
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
-
-
-def _peer_address(stream: trio.SocketStream) -> tuple[str, str]:
-    """The peer's host, and its host:port for the log."""
-    try:
-        host, port, *_ = stream.socket.getpeername()
-    except (OSError, ValueError):
-        return "?", "an unknown peer"
-    return str(host), f"{host}:{port}"

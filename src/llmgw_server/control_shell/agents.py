@@ -49,8 +49,9 @@ import trio
 from llmgw_core.agent_lane import AGENT_QUEUE_S
 from llmgw_core.awake_time import AwakeTime
 from llmgw_core.inventory import LaunchSpec
-from llmgw_core.logsafe import escaped
+from llmgw_core.logsafe import escaped, peer_address
 from llmgw_core.tls_config import peer_identity
+from llmgw_core.token_bucket import TokenBucket
 from llmgw_core.wire import (
     MAX_FRAME_BYTES,
     NAME_HELD_CLOSE,
@@ -292,7 +293,9 @@ class AgentService:
             return
         certificate = raw.peer_certificate() if isinstance(raw, ReplayStream) else None
         if self.require_certificates and not certificate:
-            log.warning("refused an agent stream from %s: no client certificate", _peer(raw))
+            log.warning(
+                "refused an agent stream from %s: no client certificate", peer_address(raw)[1]
+            )
             self.metrics.streams_refused["no_certificate"] += 1
             await _refuse(
                 raw, 403, b"Forbidden", b"a client certificate signed by the fleet CA is required"
@@ -358,7 +361,7 @@ class AgentService:
         ws = ServerWebSocket(raw, rest, MAX_FRAME_BYTES)
         async with trio.open_nursery() as nursery:
             try:
-                await self._serve(ws, nursery, _peer(raw), certificate, registration)
+                await self._serve(ws, nursery, peer_address(raw)[1], certificate, registration)
             finally:
                 nursery.cancel_scope.cancel()
 
@@ -426,7 +429,7 @@ class AgentService:
             registration.end()  # the next agent's turn
             del register
             with stream.cancel_scope:
-                budget = _Budget(trio.current_time())
+                budget = TokenBucket(_RATE, _BURST)  # an agent that floods is closed, not obeyed
                 while True:
                     frame = await ws.receive()
                     if not budget.take(trio.current_time()):
@@ -602,22 +605,6 @@ _RATE = 50.0  # messages a second, sustained: heartbeats and transitions need fa
 _BURST = 500
 
 
-class _Budget:
-    """A token bucket per stream: an agent that floods is closed, not obeyed."""
-
-    def __init__(self, now: float) -> None:
-        self.tokens = float(_BURST)
-        self.at = now
-
-    def take(self, now: float) -> bool:
-        self.tokens = min(_BURST, self.tokens + (now - self.at) * _RATE)
-        self.at = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
 NODE_NAME_MAX = 253  # a DNS name's length: a node's name is its certificate's
 
 
@@ -646,11 +633,3 @@ async def _refuse(raw: trio.abc.Stream, status: int, reason: bytes, body: bytes)
             await raw.send_all(refusal(status, reason, body))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
-
-
-def _peer(stream: trio.abc.Stream) -> str:
-    try:
-        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return "an unknown peer"
-    return f"{host}:{port}"

@@ -40,12 +40,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import cattrs
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
+from llmgw_core.tagged_json import decode_tagged
 from llmgw_core.traffic import Sample
 
 PROTOCOL = 2  # the newest route feed protocol: 2 stamps each table with an epoch
@@ -284,25 +284,15 @@ def _check_load(message: Load) -> None:
 
 
 def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> object:
-    if isinstance(frame, bytes):
-        raise FeedError("binary frames are not part of the route feed; send JSON text")
-    if len(frame) > MAX_FRAME_BYTES:
-        raise FeedError(f"a frame of {len(frame)} characters exceeds {MAX_FRAME_BYTES}")
-    try:
-        data = json.loads(frame)
-    except (ValueError, RecursionError) as exc:
-        raise FeedError(f"the frame is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise FeedError("a frame must be a JSON object")
-    tag = data.get("type")
-    if not isinstance(tag, str) or tag not in known:
-        raise FeedError(
-            f"unknown message type {tag!r} (expected one of {', '.join(sorted(known))})"
-        )
-    try:
-        return converter.structure(data, union)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise FeedError(f"a {tag!r} frame is malformed: {_describe(exc)}") from None
+    return decode_tagged(
+        frame,
+        union,
+        known,
+        converter=converter,
+        error=FeedError,
+        protocol="the route feed",
+        max_chars=MAX_FRAME_BYTES,
+    )
 
 
 def _check_table(table: RouteTable) -> None:
@@ -334,9 +324,3 @@ def _check_endpoint(endpoint: Endpoint, where: str) -> None:
         raise FeedError(f"an endpoint of {where} has no host")
     if not 0 < endpoint.port < 65536:
         raise FeedError(f"an endpoint of {where} has port {endpoint.port}, not 1-65535")
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc, path="frame"))
-    return f"{type(exc).__name__}: {exc}"
