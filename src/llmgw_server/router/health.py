@@ -3,25 +3,28 @@
 Health probes: GET /health on every replica each interval, ejected ones after their
 cooldown. Model cards: GET /v1/models on a healthy replica each `CARD_REFRESH_S`, the
 engine's own description of its model for the router's /v1/models (model_cards.py).
-Engine load, where the balancing is cache_aware (the one policy that reads it): GET
-/metrics on every available engine each `[router.cache_aware] metrics_interval_s`, once
-per engine however many models it serves, with the engine key; a reading is used for
+Engine load, for the models whose policy reads it (cache_aware, precise): GET /metrics on
+every available engine each `[router.cache_aware] metrics_interval_s`, once per engine
+however many models it serves, with the engine key; a reading is used for
 `metrics_max_age_s`, after which (or when the engine cannot be read) the router balances
 on its own counts. A probe that timed out while this router itself was stalled for half
 its wait or more is not judged (llmgw_core/awake_time.py): a router paused for seconds
 would otherwise mark every engine down at once and answer 503 until the next round.
+A router fed its routes by a control plane probes only once a complete table is applied
+(`probe_once_followed`), so that /readyz says ready with every model placed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
+from typing import Protocol
 
 import httpx
 import trio
 
 from llmgw_core.awake_time import AwakeTime
 from llmgw_core.catalog import Endpoint
-from llmgw_server.route_feed.follower import Follower
 from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.front import Router
 from llmgw_server.router.load_signals import parse_load
@@ -30,6 +33,25 @@ from llmgw_server.router.model_cards import MAX_LISTING_BYTES, card_of
 log = logging.getLogger("llmgw.health")
 
 CARD_REFRESH_S = 60.0  # an engine's description changes with its restart, if at all
+
+
+class _AppliedTable(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def models(self) -> Sized: ...
+
+
+class FollowedFeed(Protocol):
+    """What the first probes wait for: a route feed's follower (route_feed.follower),
+    `complete` once it has applied a complete table, `table` the one applied last."""
+
+    @property
+    def complete(self) -> trio.Event: ...
+
+    @property
+    def table(self) -> _AppliedTable | None: ...
 
 
 async def probe_forever(
@@ -55,7 +77,7 @@ async def _watch_stalls(clock: AwakeTime) -> None:
 
 
 async def probe_once_followed(
-    follower: Follower, router: Router, client: httpx.AsyncClient
+    follower: FollowedFeed, router: Router, client: httpx.AsyncClient
 ) -> None:
     """Probe the replicas (and with the first round, turn /readyz 200) once `follower`
     has applied a complete table, then forever."""
@@ -125,8 +147,7 @@ async def _probe(
         if stalled >= (now - asked_at) / 2:
             # This router was not running for half the wait or more: no word on the engine.
             log.info(
-                "%s for %s: a health probe timed out while this router stalled %.1f s: "
-                "not counted",
+                "%s for %s: a health probe timed out while this router stalled %.1f s: not counted",
                 endpoint,
                 model,
                 stalled,
