@@ -9,14 +9,13 @@ else.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import attrs
 from cattrs.preconf.json import make_converter
 from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport
-from llmgw_core.tagged_json import decode_tagged
+from llmgw_core.tagged_json import TaggedFrames
 
 PROTOCOL = 3
 # The first version whose agents take a `Pace`: an older one keeps its welcome's interval.
@@ -213,6 +212,7 @@ _TAGS: dict[type, str] = {
 converter = make_converter(forbid_extra_keys=False)
 for _union in (UpMessage, DownMessage):
     configure_tagged_union(_union, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
+_frames = TaggedFrames(converter, WireError, "the protocol", MAX_FRAME_BYTES)
 
 
 def encode(message: UpMessage | DownMessage) -> str:
@@ -220,25 +220,13 @@ def encode(message: UpMessage | DownMessage) -> str:
     return json.dumps(converter.unstructure(message, union), separators=(",", ":"))
 
 
-def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> Any:
-    return decode_tagged(
-        frame,
-        union,
-        known,
-        converter=converter,
-        error=WireError,
-        protocol="the protocol",
-        max_chars=MAX_FRAME_BYTES,
-    )
-
-
 def decode_up(frame: str | bytes) -> UpMessage:
-    message: UpMessage = _decode(frame, UpMessage, _UP_TAGS)
+    message: UpMessage = _frames.decode(frame, UpMessage, _UP_TAGS)
     return message
 
 
 def decode_down(frame: str | bytes) -> DownMessage:
-    message: DownMessage = _decode(frame, DownMessage, _DOWN_TAGS)
+    message: DownMessage = _frames.decode(frame, DownMessage, _DOWN_TAGS)
     return message
 
 

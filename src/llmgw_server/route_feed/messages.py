@@ -45,7 +45,7 @@ from cattrs.strategies import configure_tagged_union
 
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.catalog import Endpoint
-from llmgw_core.tagged_json import decode_tagged
+from llmgw_core.tagged_json import TaggedFrames
 from llmgw_core.traffic import Sample
 
 PROTOCOL = 2  # the newest route feed protocol: 2 stamps each table with an epoch
@@ -208,6 +208,7 @@ def _number(value: object, _: type) -> float:
 
 converter.register_structure_hook(float, _number)
 configure_tagged_union(UpMessage, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
+_frames = TaggedFrames(converter, FeedError, "the route feed", MAX_FRAME_BYTES)
 
 
 def encode(message: UpMessage | DownMessage) -> str:
@@ -220,14 +221,14 @@ def encode(message: UpMessage | DownMessage) -> str:
 
 
 def decode_down(frame: str | bytes) -> DownMessage:
-    message = _decode(frame, DownMessage, _DOWN_TAGS)
+    message = _frames.decode(frame, DownMessage, _DOWN_TAGS)
     assert isinstance(message, Routes)
     _check_table(message.table)
     return message
 
 
 def decode_up(frame: str | bytes) -> UpMessage:
-    message = _decode(frame, UpMessage, _UP_TAGS)
+    message = _frames.decode(frame, UpMessage, _UP_TAGS)
     assert isinstance(message, Hello | InFlight | Load | Traffic)
     if isinstance(message, Hello):
         _check_hello(message)
@@ -281,18 +282,6 @@ def _check_load(message: Load) -> None:
             raise FeedError(f"an idle time must not be negative: {model!r}")
         if load.kv_use is not None and not 0 <= load.kv_use <= 1:
             raise FeedError(f"a KV-cache use is a share, 0-1: {model!r} has {load.kv_use}")
-
-
-def _decode(frame: str | bytes, union: Any, known: frozenset[str]) -> object:
-    return decode_tagged(
-        frame,
-        union,
-        known,
-        converter=converter,
-        error=FeedError,
-        protocol="the route feed",
-        max_chars=MAX_FRAME_BYTES,
-    )
 
 
 def _check_table(table: RouteTable) -> None:
