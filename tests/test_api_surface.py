@@ -179,7 +179,7 @@ async def router_before(
         )
         stop = trio.Event()
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-        while running.router.balancers["m"].healthy_count < len(urls):
+        while running.router.served.balancers["m"].healthy_count < len(urls):
             await trio.sleep(0.01)
         yield running
         stop.set()
@@ -373,8 +373,8 @@ async def test_management_paths_never_reach_an_engine_and_other_paths_route_by_m
                 for _ in range(5):
                     missing = await client.post("/v1/score", json={"model": "m", "text_1": "a"})
                     assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
-                (replica,) = running.router.balancers["m"].replicas
-                assert replica.failures == 0 and running.router.balancers["m"].healthy_count == 1
+                (replica,) = running.router.served.balancers["m"].replicas
+                assert replica.failures == 0 and running.router.served.balancers["m"].healthy_count == 1
                 assert (await client.get("/v1/responses")).status_code == 405
                 # Keyless: 401 from the head, for every relayed path.
                 keyless = await client.post("/v1/rerank", json={"model": "m"}, headers={"authorization": ""})
@@ -407,7 +407,7 @@ async def test_models_are_listed_as_their_engines_describe_them_and_outlive_a_re
             client = openai.OpenAI(
                 base_url=f"http://127.0.0.1:{running.port}/v1", api_key=CLIENT_KEY, max_retries=0
             )
-            while "m" not in running.router.cards:
+            while "m" not in running.router.served.cards:
                 await trio.sleep(0.02)
             (model,) = (await in_thread(client.models.list)).data
             assert model.id == "m" and (model.model_extra or {})["max_model_len"] == 2048
@@ -422,7 +422,7 @@ async def test_models_are_listed_as_their_engines_describe_them_and_outlive_a_re
                     "permission": [{"id": "modelperm-1", "allow_sampling": True}],
                 }  # fmt: skip
                 describing.healthy = False  # down: the other replica serves, the card stays
-                while running.router.balancers["m"].healthy_count != 1:
+                while running.router.served.balancers["m"].healthy_count != 1:
                     await trio.sleep(0.02)
                 assert (await raw.get(base)).json()["data"] == [card]
             described = len(describing.requests(b"/v1/models"))

@@ -28,6 +28,7 @@ from llmgw_http.limits import BODY_RATE_GRACE_S, body_too_slow, pieces_too_small
 from llmgw_http.server import HTTPServer, Request, Responder, ServerLimits
 from llmgw_server.router import front
 from llmgw_server.router.front import Router
+from llmgw_server.router.headers import end_to_end
 from procs import Procs, models_toml
 
 MIB = 1024 * 1024
@@ -433,12 +434,12 @@ def test_hop_by_hop_connection_named_and_lookalike_headers_are_not_forwarded() -
             (b"x-third", b"4"),
         ],
     )
-    assert front._end_to_end(request.headers) == [
+    assert end_to_end(request.headers) == [
         (b"content-type", b"application/json"),
         (b"x-kept", b"3"),
     ]
     request.headers[1] = (b"connection", b"keep-alive")
-    assert (b"x-secret", b"1") in front._end_to_end(request.headers)
+    assert (b"x-secret", b"1") in end_to_end(request.headers)
 
 
 def test_rewrite_headers_are_not_forwarded() -> None:
@@ -451,7 +452,7 @@ def test_rewrite_headers_are_not_forwarded() -> None:
         (b"x-forwarded-prefix", b"/admin"),
         (b"content-type", b"application/json"),
     ]
-    assert front._end_to_end(headers) == [(b"content-type", b"application/json")]
+    assert end_to_end(headers) == [(b"content-type", b"application/json")]
 
 
 # -- memory, in a real router process --------------------------------------------------------

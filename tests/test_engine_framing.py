@@ -189,7 +189,7 @@ async def gateway(engine: RawEngine, **router: object) -> AsyncIterator[tuple[Ro
 
 
 def failures(app: Router) -> int:
-    (replica,) = app.balancers["m"].replicas
+    (replica,) = app.served.balancers["m"].replicas
     return replica.failures
 
 
@@ -370,7 +370,7 @@ async def test_an_early_413_is_relayed_and_not_charged(
             assert (got.status, got.body) == (413, refusal)
             assert trio.current_time() - started < 6  # not the first-byte limit's 504
             assert failures(app) == 0
-            assert not app.pools[app.balancers["m"].replicas[0].endpoint]._idle  # not reused
+            assert not app.served.pools[app.served.balancers["m"].replicas[0].endpoint]._idle  # not reused
     no_traceback(caplog)
 
 

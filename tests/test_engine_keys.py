@@ -270,7 +270,7 @@ async def test_the_engine_key_goes_to_its_engine_and_the_clients_key_never_does(
             )
             stop = trio.Event()
             running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-            (replica,) = running.router.balancers["m"].replicas
+            (replica,) = running.router.served.balancers["m"].replicas
             while replica.engine_load is None:  # a /metrics read came back with a load
                 await trio.sleep(0.01)
             client_headers = {"authorization": f"Bearer {CLIENT_KEY}", "x-api-key": CLIENT_KEY}

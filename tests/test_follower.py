@@ -73,12 +73,12 @@ def config() -> Config:
 
 
 def endpoints(router: Router, model: str) -> list[Endpoint]:
-    return [r.endpoint for r in router.balancers[model].replicas]
+    return [r.endpoint for r in router.served.balancers[model].replicas]
 
 
 def replica(router: Router, model: str, endpoint: Endpoint) -> Replica:
     """The router's replica of `model` at `endpoint`, which the test has put there."""
-    found = router.replica(model, endpoint)
+    found = router.served.replica(model, endpoint)
     assert found is not None
     return found
 
@@ -102,7 +102,7 @@ async def until(check: Callable[[], object], what: str, hub: RouteHub | None = N
 
 @asynccontextmanager
 async def following(hub: RouteHub, router: Router | Follower) -> AsyncIterator[Follower]:
-    follower = router if isinstance(router, Follower) else Follower(router, "test")
+    follower = router if isinstance(router, Follower) else Follower(router.served, "test")
     hub_end, router_end = local_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(hub.serve, hub_end, "memory")
@@ -299,7 +299,7 @@ async def follow_tables(follower: Follower, *tables: RouteTable) -> None:
 
 async def test_a_table_of_a_lower_epoch_is_refused_and_ends_the_feed() -> None:
     router = Router(config())
-    follower = Follower(router, "fake")
+    follower = Follower(router.served, "fake")
     await follow_tables(follower, RouteTable(1, {"chat": (A,)}, frozenset(), True, epoch=5))
     assert follower.epoch == 5 and endpoints(router, "chat") == [A]
     # A control plane that led at epoch 4, woken: its table is refused, the feed ends.
@@ -308,7 +308,7 @@ async def test_a_table_of_a_lower_epoch_is_refused_and_ends_the_feed() -> None:
     assert endpoints(router, "chat") == [A] and follower.table is not None
     assert (follower.table.version, follower.epoch, follower.refused_stale) == (1, 5, 1)
     assert router.metrics.tables_refused == {"stale_epoch": 1}
-    metrics = router.metrics.render(router.balancers, router.pools).decode()
+    metrics = router.metrics.render(router.served.balancers, router.served.pools).decode()
     assert 'llmgw_route_tables_refused_total{reason="stale_epoch"} 1' in metrics.splitlines()
     # Epoch 0 (a single control plane) is never fenced; the same epoch and a later one are
     # applied as ever, the later one becoming the floor.
@@ -352,7 +352,7 @@ async def test_a_connections_first_table_brings_a_load_report_at_once(
 
 def test_the_router_is_a_route_target_summing_in_flight_over_its_models() -> None:
     router = Router(config())
-    target: RouteTarget = router
+    target: RouteTarget = router.served
     assert target.static_models() == {"static"}
     target.set_endpoints("chat", (A, STATIC))
     target.set_draining(frozenset({A, STATIC}), skip=frozenset({"static"}))
@@ -373,8 +373,8 @@ async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> N
         await until(lambda: hub.followers and hub.caught_up(version), "the first report", hub)
         assert endpoints(router, "chat") == [A, B]
         assert endpoints(router, "static") == [STATIC]
-        assert router.pools[A].endpoint.api_key == "key-a"  # the engine key travels
-        replica_a = router.replica("chat", A)
+        assert router.served.pools[A].endpoint.api_key == "key-a"  # the engine key travels
+        replica_a = router.served.replica("chat", A)
         assert replica_a is not None
         replica_a.outstanding = 2  # two requests in flight on A
         version = hub.publish({"chat": (A, B)}, frozenset({A}), complete=True)
@@ -386,27 +386,27 @@ async def test_tables_reach_the_router_and_a_drain_waits_for_its_requests() -> N
         await until(lambda: hub.in_flight(A) == 0, "the count to fall", hub)
         assert follower.table is not None and follower.table.version == version
         hub.publish({}, frozenset(), complete=True)  # the model is no longer placed
-        await until(lambda: "chat" not in router.balancers, "the model to be forgotten")
-        assert A not in router.pools and B not in router.pools  # their connections closed
+        await until(lambda: "chat" not in router.served.balancers, "the model to be forgotten")
+        assert A not in router.served.pools and B not in router.served.pools  # their connections closed
         assert endpoints(router, "static") == [STATIC]  # the config's own stay
 
 
 async def test_adapters_reach_the_router_and_an_incomplete_table_keeps_them() -> None:
     router = Router(config())
-    follower = Follower(router, "test")
+    follower = Follower(router.served, "test")
     first = RouteHub()
     version = first.publish({"chat": (A,)}, frozenset(), complete=True, adapters={"chat-sql": "chat"})
     assert first.publish({"chat": (A,)}, frozenset(), complete=True) == version + 1  # a change
     version = first.publish({"chat": (A,)}, frozenset(), complete=True, adapters={"chat-sql": "chat"})
     async with following(first, follower):
         await until(lambda: first.followers and first.caught_up(version), "the table", first)
-        assert router.adapters == {"chat-sql": "chat"}
+        assert router.served.adapters == {"chat-sql": "chat"}
     # A control plane that just started (incomplete table) may not know them yet.
     second = RouteHub()
     version = second.publish({"chat": (A,)}, frozenset(), complete=False)
     async with following(second, follower):
         await until(lambda: second.followers and second.caught_up(version), "the report", second)
-        assert router.adapters == {"chat-sql": "chat"}
+        assert router.served.adapters == {"chat-sql": "chat"}
 
 
 async def test_a_workers_parent_relays_the_adapters_to_its_workers() -> None:
@@ -434,7 +434,7 @@ async def test_a_follower_that_leaves_drops_out_of_the_counts() -> None:
 
 async def test_an_incomplete_table_keeps_a_complete_one_but_takes_its_drains() -> None:
     router = Router(config())
-    follower = Follower(router, "test")  # one for the router's life, across connections
+    follower = Follower(router.served, "test")  # one for the router's life, across connections
     first = RouteHub()
     first.publish({"chat": (A, B)}, frozenset(), complete=True)
     async with following(first, follower):

@@ -401,7 +401,7 @@ async def router_with_a_limited_key(engine: ApiEngine) -> AsyncIterator[Running]
         )
         stop = trio.Event()
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-        while not all(b.healthy_count for b in running.router.balancers.values()):
+        while not all(b.healthy_count for b in running.router.served.balancers.values()):
             await trio.sleep(0.01)
         yield running
         stop.set()

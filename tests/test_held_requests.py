@@ -22,7 +22,7 @@ from llmgw_http.limits import ServerLimits
 from llmgw_http.request import Request
 from llmgw_http.responder import Responder
 from llmgw_http.server import HTTPServer
-from llmgw_server.router.front import HOLD_RETRY_AFTER_S
+from llmgw_server.router.holding import HOLD_RETRY_AFTER_S
 from llmgw_server.wiring import Running, main
 
 KEY, OTHER_KEY = "sk-held-all", "sk-held-other"
@@ -85,8 +85,8 @@ async def router_and_engine(
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
         router = running.router
         for model in autoscaled:  # placed by the control plane, scaled to zero
-            router.set_endpoints(model, ())
-        router.set_autoscaled(frozenset(autoscaled))
+            router.served.set_endpoints(model, ())
+        router.served.set_autoscaled(frozenset(autoscaled))
         yield running, engine, engine_url
         stop.set()
         nursery.cancel_scope.cancel()
@@ -100,7 +100,7 @@ async def test_held_until_a_replica_serves_in_order_and_bounded(tmp_path: Path) 
     with trio.fail_after(30):
         async with router_and_engine(tmp_path) as (running, engine, engine_url):
             router = running.router
-            meter = router.meters["chat"]
+            meter = router.served.meters["chat"]
             base = f"http://127.0.0.1:{running.port}"
             auth = {"authorization": f"Bearer {KEY}"}
             answers: dict[str, httpx.Response] = {}
@@ -128,21 +128,22 @@ async def test_held_until_a_replica_serves_in_order_and_bounded(tmp_path: Path) 
                         headers={"authorization": f"Bearer {OTHER_KEY}"},
                     )
                     assert other.status_code == 403 and meter.held == 3
-                    report = router.load_report()["chat"]
+                    report = router.served.load_report()["chat"]
                     assert (report.held, report.in_flight) == (3, 0)
                     page = router.render_metrics().decode()
                     assert 'llmgw_requests_held{model="chat"} 3' in page
                     await trio.sleep(0.5)
-                    endpoint = router.balancers["other"].replicas[0].endpoint
-                    router.set_endpoints("chat", [endpoint])  # a replica serves: released
+                    endpoint = router.served.balancers["other"].replicas[0].endpoint
+                    router.served.set_endpoints("chat", [endpoint])  # a replica serves: released
                 assert [answers[f"held-{i}"].status_code for i in range(3)] == [200, 200, 200]
                 # Released together once it serves (each then dials the engine on its own
                 # connection, so the engine may see them in any order).
                 assert sorted(engine.order) == ["held-0", "held-1", "held-2"]
                 assert meter.held == 0
                 # No replica again, and none comes: 503 after hold_timeout_s.
-                router.tuning = attrs.evolve(router.tuning, hold_timeout_s=HOLD_TIMEOUT_S)
-                router.set_endpoints("chat", ())
+                holds = router.holds  # a short hold from here on: the hold reads its tuning
+                holds.tuning = attrs.evolve(holds.tuning, hold_timeout_s=HOLD_TIMEOUT_S)
+                router.served.set_endpoints("chat", ())
                 started = trio.current_time()
                 late = await client.post("/v1/chat/completions", json=chat("late"))
                 waited = trio.current_time() - started
@@ -183,7 +184,7 @@ async def test_held_bodies_within_a_byte_budget_a_model_and_a_process(tmp_path: 
             tmp_path, budgets, max_body_bytes=64 * KIB, autoscaled=("chat", "other")
         ) as (running, engine, _):
             router = running.router
-            held = {m: router.meters[m] for m in ("chat", "other")}
+            held = {m: router.served.meters[m] for m in ("chat", "other")}
             base = f"http://127.0.0.1:{running.port}"
             auth = {"authorization": f"Bearer {KEY}"}
             answers: dict[str, httpx.Response] = {}
@@ -231,8 +232,8 @@ async def test_held_bodies_within_a_byte_budget_a_model_and_a_process(tmp_path: 
                     assert refused % ("other", "process_bytes") in page
                     entry = router.config.catalog.get("other")
                     assert entry is not None  # the engine, the config's static model
-                    router.set_endpoints("chat", entry.endpoints)  # replicas serve: released
-                    router.set_endpoints("other", entry.endpoints)
+                    router.served.set_endpoints("chat", entry.endpoints)  # replicas serve: released
+                    router.served.set_endpoints("other", entry.endpoints)
             assert [answers[n].status_code for n in ("a", "b", "r")] == [200, 200, 200]
             assert sorted(c[:1] for c in engine.order) == ["a", "b"]
             # The held /v1/responses body, parsed again: the client's, and the id to give.

@@ -21,7 +21,8 @@ from llmgw_http.limits import ServerLimits
 from llmgw_http.request import Request
 from llmgw_http.responder import Headers, Responder
 from llmgw_http.server import HTTPServer
-from llmgw_server.router.front import HELD_PING_S, Router
+from llmgw_server.router.front import Router
+from llmgw_server.router.holding import HELD_PING_S
 from llmgw_server.wiring import Running, main
 
 EVENTS = [b'data: {"choices": [{"delta": {"content": "hel"}}]}\n\n',
@@ -68,8 +69,8 @@ async def router_at_zero() -> AsyncIterator[Running]:
         )
         stop = trio.Event()
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-        running.router.set_endpoints("chat", ())
-        running.router.set_autoscaled(frozenset({"chat"}))
+        running.router.served.set_endpoints("chat", ())
+        running.router.served.set_autoscaled(frozenset({"chat"}))
         yield running
         stop.set()
         nursery.cancel_scope.cancel()
@@ -97,10 +98,10 @@ async def test_a_held_stream_gets_its_head_and_a_comment_then_the_engines_events
                 chunks = answer.aiter_bytes()
                 first = await chunks.__anext__()
                 assert first == b": waiting for a replica of chat to start\n\n"
-                assert router.meters["chat"].held == 1
-                assert router.balancers["chat"].healthy_count == 0
-                endpoint = router.balancers["engine"].replicas[0].endpoint
-                router.set_endpoints("chat", [endpoint])  # a replica serves: released
+                assert router.served.meters["chat"].held == 1
+                assert router.served.balancers["chat"].healthy_count == 0
+                endpoint = router.served.balancers["engine"].replicas[0].endpoint
+                router.served.set_endpoints("chat", [endpoint])  # a replica serves: released
                 rest = b"".join([chunk async for chunk in chunks])
             if content == "hello":
                 assert rest == b"".join(EVENTS)
@@ -109,7 +110,7 @@ async def test_a_held_stream_gets_its_head_and_a_comment_then_the_engines_events
                 assert event["error"]["message"] == "max_tokens is too large"
                 assert rest.endswith(b"\n\n") and rest.count(b"data: ") == 1
             # Without `stream`, nothing is sent before the engine's answer.
-            router.set_endpoints("chat", ())
+            router.served.set_endpoints("chat", ())
             answers: list[httpx.Response] = []
             async with httpx.AsyncClient(timeout=20) as client, trio.open_nursery() as nursery:
 
@@ -117,9 +118,9 @@ async def test_a_held_stream_gets_its_head_and_a_comment_then_the_engines_events
                     answers.append(await client.post(url, json=chat("plain", False)))
 
                 nursery.start_soon(ask)
-                while router.meters["chat"].held < 1:
+                while router.served.meters["chat"].held < 1:
                     await trio.sleep(0.01)
-                router.set_endpoints("chat", [endpoint])
+                router.served.set_endpoints("chat", [endpoint])
             assert answers[0].status_code == 200
             assert answers[0].headers["content-type"] == "text/event-stream"  # the engine's
             assert answers[0].content == b"".join(EVENTS)
@@ -176,14 +177,14 @@ async def held_until_timeout(path: bytes, body: dict[str, object]) -> Recording:
         "server.toml",
     )
     router = Router(config)
-    router.set_endpoints("chat", ())
-    router.set_autoscaled(frozenset({"chat"}))
+    router.served.set_endpoints("chat", ())
+    router.served.set_autoscaled(frozenset({"chat"}))
     headers = [(b"content-type", b"application/json")]
     request = Request(b"POST", path, headers, json.dumps(body).encode())
     recording = Recording()
     with trio.fail_after(HOLD_TIMEOUT_S + 5):
         await router.handle(request, recording)
-    assert router.meters["chat"].held == 0
+    assert router.served.meters["chat"].held == 0
     return recording
 
 

@@ -110,7 +110,7 @@ def router_for(
         "test.toml",
     )
     router = Router(config)
-    router.set_endpoints("m", [endpoint])
+    router.served.set_endpoints("m", [endpoint])
     return router
 
 
@@ -136,11 +136,11 @@ def test_the_router_reads_the_real_llama_server_with_its_key(
     # Without the key llama-server refuses /metrics: counted, never used.
     keyless = router_for(Endpoint("127.0.0.1", port))
     trio.run(read_until, keyless, lambda: keyless.metrics.engine_errors[f"http://127.0.0.1:{port}"])
-    (replica,) = keyless.balancers["m"].replicas
+    (replica,) = keyless.served.balancers["m"].replicas
     assert replica.engine_load is None
 
     router = router_for(Endpoint("127.0.0.1", port, api_key=key))
-    (replica,) = router.balancers["m"].replicas
+    (replica,) = router.served.balancers["m"].replicas
     trio.run(read_until, router, lambda: replica.engine_load is not None)
     assert replica.engine_load == LoadSignal(engine="llamacpp", running=0, waiting=0)
     assert not router.metrics.engine_errors
@@ -151,7 +151,7 @@ def test_an_engine_without_metrics_leaves_the_router_on_its_own_counts(procs: Pr
     # The mock's /metrics answers; a path prefix that leads nowhere gives 404 for it.
     router = router_for(Endpoint("127.0.0.1", engine.port, prefix="/nowhere"))
     trio.run(read_until, router, lambda: router.metrics.engine_errors)
-    (replica,) = router.balancers["m"].replicas
+    (replica,) = router.served.balancers["m"].replicas
     assert replica.engine_load is None
 
 

@@ -71,11 +71,11 @@ async def test_the_router_serves_an_adapter_from_its_models_replicas_within_key_
             replica = Endpoint("127.0.0.1", listeners[0].socket.getsockname()[1])
             # The route table as the control plane sends it: the adapter and its model.
             table = RouteTable(1, {"m": (replica,)}, frozenset(), True, {"m-sql": "m"})
-            Follower(router, "test").apply(table)
+            Follower(router.served, "test").apply(table)
             front = await trio.open_tcp_listeners(0, host="127.0.0.1")
             await nursery.start(HTTPServer(router.handle, ServerLimits(), check_head=router.check_head).serve, front)
             await nursery.start(probe_forever, router, probes)
-            while "m" not in router.cards:  # the engine's card, read once it is healthy
+            while "m" not in router.served.cards:  # the engine's card, read once it is healthy
                 await trio.sleep(0.01)
             url = f"http://127.0.0.1:{front[0].socket.getsockname()[1]}/v1"
             clients = {

@@ -113,7 +113,7 @@ async def router_before(engine: ApiEngine) -> AsyncIterator[Running]:
         )
         stop = trio.Event()
         running: Running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
-        while not running.router.balancers["m"].healthy_count:
+        while not running.router.served.balancers["m"].healthy_count:
             await trio.sleep(0.01)
         yield running
         stop.set()

@@ -27,7 +27,7 @@ async def test_a_probe_that_timed_out_while_the_router_stalled_is_not_judged(
         raise httpx.ReadTimeout("timed out", request=request)
 
     router = router_for(Endpoint("127.0.0.1", 1), balancing="round_robin")
-    (replica,) = router.balancers["m"].replicas
+    (replica,) = router.served.balancers["m"].replicas
     transport = httpx.MockTransport(engine)
     async with httpx.AsyncClient(transport=transport) as client, trio.open_nursery() as nursery:
         await nursery.start(probe_forever, router, client)  # after the first round

@@ -52,10 +52,10 @@ async def front() -> AsyncIterator[dict[str, httpx.AsyncClient]]:
     )
     router = Router(config)
     replica = Endpoint("127.0.0.1", 9)
-    Follower(router, "test").apply(
+    Follower(router.served, "test").apply(
         RouteTable(1, {"m": (replica,)}, frozenset(), True, {"m-sql": "m"})
     )
-    router.adapters["ghost-sql"] = "ghost"  # an adapter whose model is not routed: no name
+    router.served.adapters["ghost-sql"] = "ghost"  # an adapter whose model is not routed: no name
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         server = HTTPServer(router.handle, ServerLimits(), check_head=router.check_head)

@@ -100,11 +100,11 @@ def test_only_the_router_command_takes_a_config_without_models(
 
 async def test_the_follower_says_when_a_complete_table_is_applied() -> None:
     router = Router(parse_config({}, "router.toml", models_required=False))
-    follower = Follower(router, "test")
+    follower = Follower(router.served, "test")
     a = Endpoint("127.0.0.1", 9001)
     follower.apply(RouteTable(1, {"chat": (a,)}, frozenset(), complete=False))
     assert not follower.complete.is_set()  # a control plane that just started
-    assert [r.endpoint for r in router.balancers["chat"].replicas] == [a]
+    assert [r.endpoint for r in router.served.balancers["chat"].replicas] == [a]
     follower.apply(RouteTable(2, {"chat": (a,)}, frozenset(), complete=True))
     assert follower.complete.is_set()
     with trio.fail_after(1):

@@ -577,7 +577,7 @@ async def test_a_request_held_while_no_report_waits_is_reported_at_the_next_wait
     with trio.fail_after(20):
         async with router_and_engine(tmp_path) as (running, _, _):
             router = running.router
-            router.load_report()
+            router.served.load_report()
             base = f"http://127.0.0.1:{running.port}"
             auth = {"authorization": f"Bearer {KEY}"}
             async with (
@@ -585,12 +585,12 @@ async def test_a_request_held_while_no_report_waits_is_reported_at_the_next_wait
                 trio.open_nursery() as nursery,
             ):
                 nursery.start_soon(partial(client.post, "/v1/chat/completions", json=CHAT))
-                while router.meters["chat"].held == 0:
+                while router.served.meters["chat"].held == 0:
                     await trio.sleep(0.01)
                 with trio.fail_after(1):
-                    await router.wait_load_wanted()
-                assert router.load_report()["chat"].held == 1
+                    await router.served.wait_load_wanted()
+                assert router.served.load_report()["chat"].held == 1
                 with trio.move_on_after(0.3) as waited:  # reported: nothing new to say
-                    await router.wait_load_wanted()
+                    await router.served.wait_load_wanted()
                 assert waited.cancelled_caught
                 nursery.cancel_scope.cancel()

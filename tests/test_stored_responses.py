@@ -123,7 +123,7 @@ async def routers_before(
         for _ in range(routers):
             running.append(await nursery.start(lambda **kw: main(config, stop=stop, **kw)))
         for each in running:
-            while each.router.balancers["m"].healthy_count < len(urls):
+            while each.router.served.balancers["m"].healthy_count < len(urls):
                 await trio.sleep(0.01)
         yield running
         stop.set()
@@ -188,12 +188,12 @@ async def test_a_response_whose_replica_is_gone_gets_a_clear_404_and_others_are_
             client = client_of(running)
             first = await in_thread(lambda: client.responses.create(model="m", input="hi"))
             (home,) = holding(engines, first.id)
-            balancer = running.router.balancers["m"]
+            balancer = running.router.served.balancers["m"]
             holder = holder_of(first.id)
             assert holder is not None
             kept = [r.endpoint for r in balancer.replicas if r.rid != holder.rid]
             assert len(kept) == 1
-            running.router.set_endpoints("m", kept)  # its replica goes (scaled away, drained)
+            running.router.served.set_endpoints("m", kept)  # its replica goes (scaled away, drained)
             seen_before = [len(e.seen) for e in engines]
             for ask in (
                 lambda: client.responses.create(
@@ -275,7 +275,7 @@ async def test_an_adapters_stored_response_is_found_under_its_name() -> None:
     engines = [StoringEngine(), StoringEngine()]
     with trio.fail_after(30):
         async with routers_before(engines, routers=1) as (running,):
-            running.router.set_adapters({"m-lora": "m"})  # as the route table says
+            running.router.served.set_adapters({"m-lora": "m"})  # as the route table says
             client = client_of(running)
             made = await in_thread(lambda: client.responses.create(model="m-lora", input="hi"))
             holder = holder_of(made.id)

@@ -83,7 +83,7 @@ async def test_the_service_is_ready_when_it_says_it_serves_and_drains_before_its
 
 async def test_with_a_follower_probes_and_readiness_wait_for_a_complete_table() -> None:
     r = router()
-    follower = Follower(r, "test")
+    follower = Follower(r.served, "test")
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     stop = trio.Event()
     with trio.fail_after(20):

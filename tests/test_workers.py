@@ -557,7 +557,7 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
     routers = [Router(config), Router(config)]  # two workers
 
     def chat_replica(router: Router) -> Replica:
-        found = router.replica("chat", a)
+        found = router.served.replica("chat", a)
         assert found is not None
         return found
 
@@ -573,12 +573,12 @@ async def test_the_relay_hands_tables_down_and_the_workers_counts_up_under_the_p
         for i, router in enumerate(routers):
             hub_end, worker_end = local_pair()
             nursery.start_soon(local.serve, hub_end, f"worker {i}")
-            nursery.start_soon(Follower(router, f"worker {i}").follow, worker_end)
+            nursery.start_soon(Follower(router.served, f"worker {i}").follow, worker_end)
         version = plane.publish({"chat": (a, b)}, frozenset(), complete=True)
         await until(lambda: plane.caught_up(version) and local.followers == 2, plane)
         await until(lambda: local.caught_up(local.table.version), local)
         for router in routers:
-            assert [r.endpoint for r in router.balancers["chat"].replicas] == [a, b]
+            assert [r.endpoint for r in router.served.balancers["chat"].replicas] == [a, b]
         # A drain: the plane sees the sum of what both workers have in flight on it.
         chat_replica(routers[0]).outstanding = 2
         chat_replica(routers[1]).outstanding = 1

@@ -218,7 +218,7 @@ async def serve_router(
                     await nursery.start(reload_on_sighup, sighup)
                 if router.access_log is not None:
                     await nursery.start(router.access_log.run)
-                router.hold_at_start()
+                router.served.hold_at_start()
                 nursery.start_soon(_end_start_hold, router)
                 await nursery.start(http.serve, listeners)
                 if router.kv is not None:
@@ -226,7 +226,7 @@ async def serve_router(
                     # (pyzmq is imported by such a router alone).
                     from llmgw_server.router.kv_feed import follow_kv_events
 
-                    await nursery.start(follow_kv_events, router.kv, router.endpoints)
+                    await nursery.start(follow_kv_events, router.kv, router.served.endpoints)
                 if followed is None:
                     await nursery.start(probe_forever, router, client)
                 else:
@@ -243,7 +243,7 @@ async def serve_router(
         # they are this service's, closed whatever happened.
         for listener in listeners:
             listener.socket.close()
-    for pool in router.pools.values():
+    for pool in router.served.pools.values():
         pool.close()
     log.info("stopped")
 
@@ -259,7 +259,7 @@ STARTUP_HOLD_S = 10.0
 
 async def _end_start_hold(router: Router) -> None:
     await trio.sleep(STARTUP_HOLD_S)
-    router.end_start_hold()
+    router.served.end_start_hold()
 
 
 async def _shut_down(router: Router, http: HTTPServer, layout: Layout) -> None:
@@ -360,7 +360,7 @@ async def _follow_in_process(
     hub_end, router_end = local_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(routes.serve, hub_end, "this process")
-        await (follower or Follower(router, "in-process")).follow(router_end)
+        await (follower or Follower(router.served, "in-process")).follow(router_end)
 
 
 # How soon this process's router dials the leader's feed again after it ended.
@@ -371,7 +371,7 @@ async def _follow_leader(seat: Seat, router: Router) -> None:
     """Where control planes share a store, this process's router follows whichever leads:
     its own plane over memory channels, or the leader's route feed across the network
     with the token that leader put in the store; with none, it serves its last table."""
-    follower = Follower(router, "in-process")
+    follower = Follower(router.served, "in-process")
     while True:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -450,7 +450,7 @@ class _Apart:
     async def start(self, nursery: trio.Nursery, router: Router) -> Follower | None:
         from llmgw_server.route_feed.remote import follow_forever
 
-        follower = Follower(router, f"{socket.gethostname()}:{self.port}")
+        follower = Follower(router.served, f"{socket.gethostname()}:{self.port}")
         nursery.start_soon(
             follow_forever, follower, self.where, self.token, self.ssl_context, self.ca
         )
@@ -511,7 +511,7 @@ class _Worker:
             return None
         name = f"worker {worker.index} (pid {os.getpid()})"
         # What serves is logged once, by worker 0: every worker serves the same.
-        follower = Follower(router, name, log_changes=worker.index == 0)
+        follower = Follower(router.served, name, log_changes=worker.index == 0)
         nursery.start_soon(_follow_parent, worker, follower)
         return follower if self.ready_after_table else None
 

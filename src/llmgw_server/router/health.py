@@ -105,7 +105,7 @@ async def _health_forever(
     while True:
         async with trio.open_nursery() as nursery:
             now = trio.current_time()
-            for model, balancer in router.balancers.items():
+            for model, balancer in router.served.balancers.items():
                 for replica in balancer.replicas:
                     if balancer.due_for_probe(replica, now):
                         nursery.start_soon(_probe, client, clock, model, balancer, replica)
@@ -113,7 +113,7 @@ async def _health_forever(
                     if replica.available and (read is None or now - read >= CARD_REFRESH_S):
                         cards_read[(model, replica.endpoint)] = now
                         nursery.start_soon(_read_card, router, client, model, replica.endpoint)
-        live = {(m, r.endpoint) for m, b in router.balancers.items() for r in b.replicas}
+        live = {(m, r.endpoint) for m, b in router.served.balancers.items() for r in b.replicas}
         for gone in cards_read.keys() - live:
             del cards_read[gone]
         if first:
@@ -184,8 +184,8 @@ async def _read_card(
     except httpx.HTTPError:
         return
     card = card_of(bytes(body), model)
-    if card is not None and model in router.balancers:
-        router.cards[model] = card
+    if card is not None and model in router.served.balancers:
+        router.served.cards[model] = card
 
 
 async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
@@ -194,7 +194,7 @@ async def read_load_forever(router: Router, client: httpx.AsyncClient) -> None:
     unreadable: set[Endpoint] = set()  # said once when it starts and once when it ends
     while True:
         engines: dict[Endpoint, list[Replica]] = {}
-        for balancer in router.balancers.values():
+        for balancer in router.served.balancers.values():
             for replica in balancer.replicas if balancer.policy.reads_engine_load else ():
                 if replica.available:
                     engines.setdefault(replica.endpoint, []).append(replica)

@@ -160,12 +160,12 @@ class Worker:
     def __init__(self, index: int, channel: Channel, config: Config, generation: int) -> None:
         self.index = index
         self.channel = channel
-        self.router = Router(config)
-        self.router.metrics_page = self.scrape
         self.generation = generation
         self.feed = FeedConnection(channel)
         self.name = f"{index}; pid={os.getpid()}".encode()
-        self.router.answer_headers = ((WORKER_HEADER, self.name),)
+        self.router = Router(
+            config, metrics_page=self.scrape, answer_headers=((WORKER_HEADER, self.name),)
+        )
         self.stop = trio.Event()
         self._ids = itertools.count(1)
         self._scrapes: dict[int, trio.MemorySendChannel[bytes]] = {}
