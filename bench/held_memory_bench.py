@@ -181,8 +181,8 @@ def _serve(spec: dict[str, Any]) -> None:
         async with trio.open_nursery() as nursery:
             running = await nursery.start(lambda **kw: main(config, stop=stop, **kw))
             for name in spec["models"]:
-                running.router.set_endpoints(name, ())
-            running.router.set_autoscaled(frozenset(spec["models"]))
+                running.router.served.set_endpoints(name, ())
+            running.router.served.set_autoscaled(frozenset(spec["models"]))
             print(running.port, flush=True)
             await trio.to_thread.run_sync(sys.stdin.read)
             stop.set()
