@@ -52,7 +52,7 @@ async def serving(server: HTTPServer, *, h11_only: bool = False) -> AsyncIterato
     async def serve() -> None:
         if h11_only:
             try:
-                await H11Connection(server, stream).run()
+                await H11Connection(server.terms, server.drain, stream).run()
             finally:
                 await stream.aclose()
         else:

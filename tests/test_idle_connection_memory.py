@@ -63,12 +63,12 @@ async def test_an_idle_keepalive_connection_keeps_nothing_of_its_last_request(
                 # in the baseline.
                 await stream.send_all(small)
                 assert (await _answered(stream)).startswith(b"HTTP/1.1 503")
-                while server.busy:
+                while server.drain.busy:
                     await trio.sleep(0.01)
                 before = tracemalloc.get_traced_memory()[0]
                 await stream.send_all(large)
                 assert (await _answered(stream)).startswith(b"HTTP/1.1 503")
-                while server.busy:  # back to waiting for the next request
+                while server.drain.busy:  # back to waiting for the next request
                     await trio.sleep(0.01)
                 retained = tracemalloc.get_traced_memory()[0] - before
                 assert len(seen) == 2

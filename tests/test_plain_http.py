@@ -59,7 +59,7 @@ async def _exchange(pieces: list[bytes], h11_only: bool) -> bytes:
 
                 async def serve_with_h11() -> None:
                     try:
-                        await H11Connection(server, stream).run()
+                        await H11Connection(server.terms, server.drain, stream).run()
                     finally:
                         await stream.aclose()
 

@@ -12,8 +12,7 @@ import trio
 from llmgw_http.h1 import JSON
 from llmgw_http.request import Request
 from llmgw_http.responder import Headers, Responder
-from llmgw_http.server import HTTPServer, ServerLimits
-from llmgw_http.serving import run_handler, send_refusal, serve_requests
+from llmgw_http.serving import Drain, Handler, run_handler, send_refusal, serve_requests
 
 
 class FakeResponder(Responder):
@@ -53,8 +52,9 @@ async def ok(request: Request, responder: Responder) -> None:
 class FakeConnection:
     """Gives `requests` one at a time; `go_on` says whether each answer keeps it open."""
 
-    def __init__(self, server: HTTPServer, requests: int, go_on: bool = True) -> None:
-        self.server = server
+    def __init__(self, drain: Drain, handler: Handler, requests: int, go_on: bool = True) -> None:
+        self.drain = drain
+        self.handler = handler
         self.left = requests
         self.go_on = go_on
         self.busy_seen: list[int] = []
@@ -68,35 +68,35 @@ class FakeConnection:
         return request(), FakeResponder()
 
     async def respond(self, request: Request, responder: Responder) -> bool:
-        self.busy_seen.append(self.server.busy)
-        await run_handler(self.server.handler, request, responder)
+        self.busy_seen.append(self.drain.busy)
+        await run_handler(self.handler, request, responder)
         self.answered += 1
         return self.go_on
 
 
 async def test_the_serve_loop_answers_until_the_connection_is_done() -> None:
-    server = HTTPServer(ok, ServerLimits())
-    connection = FakeConnection(server, 3)
-    await serve_requests(server, connection)
-    assert (connection.answered, connection.busy_seen, server.busy) == (3, [1, 1, 1], 0)
+    drain = Drain()
+    connection = FakeConnection(drain, ok, 3)
+    await serve_requests(drain, connection)
+    assert (connection.answered, connection.busy_seen, drain.busy) == (3, [1, 1, 1], 0)
 
 
 async def test_the_serve_loop_stops_where_an_answer_closes_the_connection() -> None:
-    server = HTTPServer(ok, ServerLimits())
-    connection = FakeConnection(server, 3, go_on=False)
-    await serve_requests(server, connection)
+    drain = Drain()
+    connection = FakeConnection(drain, ok, 3, go_on=False)
+    await serve_requests(drain, connection)
     assert connection.answered == 1
 
 
 async def test_a_drain_ends_the_loop_and_tells_when_the_last_request_is_done() -> None:
     async def drain_inside(request: Request, responder: Responder) -> None:
-        server.draining = True
+        drain.draining = True
         await responder.whole(200, b"ok")
 
-    server = HTTPServer(drain_inside, ServerLimits())
-    connection = FakeConnection(server, 3)
-    await serve_requests(server, connection)
-    assert connection.answered == 1 and server.idle_done.is_set()
+    drain = Drain()
+    connection = FakeConnection(drain, drain_inside, 3)
+    await serve_requests(drain, connection)
+    assert connection.answered == 1 and drain.done.is_set()
 
 
 async def test_a_handler_that_sends_nothing_gets_its_client_a_500() -> None:
@@ -144,17 +144,19 @@ async def test_a_client_gone_under_a_handler_ends_the_connection_quietly(
 async def test_a_refusal_is_told_framed_and_written() -> None:
     told: list[tuple[int, str]] = []
     written: list[bytes] = []
-    server = HTTPServer(ok, ServerLimits(), on_reject=lambda s, m: told.append((s, m)))
+
+    def on_reject(status: int, message: str) -> None:
+        told.append((status, message))
 
     async def write(data: bytes) -> None:
         written.append(data)
 
-    await send_refusal(server, 413, "too big", lambda s, m: b"%d %s" % (s, m.encode()), write)
-    await send_refusal(server, 408, "too slow", lambda s, m: None, write)
+    await send_refusal(on_reject, 413, "too big", lambda s, m: b"%d %s" % (s, m.encode()), write)
+    await send_refusal(on_reject, 408, "too slow", lambda s, m: None, write)
 
     async def broken(data: bytes) -> None:
         raise trio.BrokenResourceError
 
-    await send_refusal(server, 400, "bad", lambda s, m: b"x", broken)  # a gone client: quiet
+    await send_refusal(on_reject, 400, "bad", lambda s, m: b"x", broken)  # a gone client: quiet
     assert told == [(413, "too big"), (408, "too slow"), (400, "bad")]
     assert written == [b"413 too big"]

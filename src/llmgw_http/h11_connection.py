@@ -5,7 +5,7 @@ hands over (a head in pieces, chunked, HTTP/1.0, Expect, an upgrade, anything ma
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h11
 import trio
@@ -22,10 +22,15 @@ from llmgw_http.limits import (
 )
 from llmgw_http.request import Request, RequestRejected
 from llmgw_http.responder import H11Responder, Responder
-from llmgw_http.serving import CLIENT_GONE, BodyPace, run_handler, send_refusal, serve_requests
-
-if TYPE_CHECKING:
-    from llmgw_http.server import HTTPServer
+from llmgw_http.serving import (
+    CLIENT_GONE,
+    BodyPace,
+    ConnectionTerms,
+    Drain,
+    run_handler,
+    send_refusal,
+    serve_requests,
+)
 
 _RECV = 65536
 # In a request head: a line that continues the one before (group 1), or the head's end
@@ -98,22 +103,24 @@ class H11Connection:
 
     def __init__(
         self,
-        server: HTTPServer,
+        terms: ConnectionTerms,
+        drain: Drain,
         stream: trio.abc.Stream,
         received: bytes = b"",
         first: bool = True,
     ) -> None:
-        self.server = server
+        self.terms = terms
+        self.drain = drain
         self.stream = stream
         self.first = first  # no request was answered on this connection yet
         self.conn = h11.Connection(
-            h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes
+            h11.SERVER, max_incomplete_event_size=terms.limits.max_header_bytes
         )
         # Bytes read already by the plain parser, which handed the connection over.
         if received:
             self.conn.receive_data(received)
         # Bytes of the first request head, kept only where an upgrade may need them.
-        self.raw: bytearray | None = bytearray(received) if server.upgrade and first else None
+        self.raw: bytearray | None = bytearray(received) if terms.upgrade and first else None
         self._may_read = trio.Event()
         self._arrived = trio.Event()
         self._eof = False
@@ -126,7 +133,7 @@ class H11Connection:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._reader, self._reader_scope)
             try:
-                await serve_requests(self.server, self)
+                await serve_requests(self.drain, self)
             except CLIENT_GONE:
                 pass  # the client went away: nothing to log
             finally:
@@ -207,14 +214,14 @@ class H11Connection:
             return event, folded
 
     async def next_request(self) -> tuple[Request, Responder] | None:
-        server = self.server
         try:
             request = await self._read_request(self.first)
         except _Upgrade as upgrade:
-            assert server.upgrade is not None and self.raw is not None
+            upgrade_handler = self.terms.upgrade
+            assert upgrade_handler is not None and self.raw is not None
             self._reader_scope.cancel()  # the upgrade handler reads the socket from here on
             await trio.lowlevel.checkpoint()
-            await server.upgrade(upgrade.request, ReplayStream(bytes(self.raw), self.stream))
+            await upgrade_handler(upgrade.request, ReplayStream(bytes(self.raw), self.stream))
             return None
         except RequestRejected as exc:
             await self._reject(exc.status, exc.message)
@@ -228,19 +235,19 @@ class H11Connection:
         responder = H11Responder(
             self.conn,
             self.stream,
-            closing=server.draining or self._head_only,
+            closing=self.drain.draining or self._head_only,
             chunked=request.http_version == b"1.1" and request.method != b"HEAD",
             head=request.method == b"HEAD",
         )
         return request, responder
 
     async def _read_request(self, first: bool) -> Request | None:
-        limits = self.server.limits
+        limits = self.terms.limits
         if not first:
             # An idle keep-alive connection may be closed by drain() or time out;
             # one inside a request may not.
             idle_scope = trio.CancelScope(deadline=trio.current_time() + limits.keepalive_timeout_s)
-            self.server.idle_scopes.add(idle_scope)
+            self.drain.idle_scopes.add(idle_scope)
             try:
                 with idle_scope:
                     while not self.conn.trailing_data[0] and not self._eof:
@@ -248,7 +255,7 @@ class H11Connection:
                         self._may_read.set()
                         await self._arrived.wait()
             finally:
-                self.server.idle_scopes.discard(idle_scope)
+                self.drain.idle_scopes.discard(idle_scope)
             if idle_scope.cancelled_caught:
                 return None
         unparsed, fed = _unparsed(self.conn), self._fed
@@ -283,7 +290,7 @@ class H11Connection:
         if self.raw is not None and (request.header(b"upgrade") or b"").lower() == b"websocket":
             raise _Upgrade(request)
         self.raw = None
-        check = self.server.check_head
+        check = self.terms.check_head
         if check is not None and not check(request):
             self._head_only = True
             return request
@@ -291,7 +298,7 @@ class H11Connection:
         return request
 
     async def _read_body(self, request: Request) -> bytes:
-        limits = self.server.limits
+        limits = self.terms.limits
         length = request.header(b"content-length")
         if length is not None and int(length) > limits.max_body_bytes:
             raise RequestRejected(
@@ -347,7 +354,7 @@ class H11Connection:
         with trio.CancelScope() as scope:
             self._handler_scope = scope
             try:
-                await run_handler(self.server.handler, request, responder)
+                await run_handler(self.terms.handler, request, responder)
             finally:
                 self._handler_scope = None
         if scope.cancelled_caught:
@@ -364,7 +371,9 @@ class H11Connection:
     async def _reject(self, status: int, message: str) -> None:
         if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return  # an answer was begun: the connection just closes
-        await send_refusal(self.server, status, message, self._refusal, self.stream.send_all)
+        await send_refusal(
+            self.terms.on_reject, status, message, self._refusal, self.stream.send_all
+        )
 
     def _refusal(self, status: int, message: str) -> bytes | None:
         """A refusal framed through h11 (None where h11 will not send one)."""

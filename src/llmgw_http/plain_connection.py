@@ -5,7 +5,7 @@ tests/test_plain_http.py and tests/test_fuzz_http.py)."""
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import trio
 
@@ -15,10 +15,15 @@ from llmgw_http.h11_connection import H11Connection
 from llmgw_http.limits import head_too_large, too_slow
 from llmgw_http.request import Request
 from llmgw_http.responder import PlainResponder, Responder
-from llmgw_http.serving import CLIENT_GONE, BodyPace, run_handler, send_refusal, serve_requests
-
-if TYPE_CHECKING:
-    from llmgw_http.server import HTTPServer
+from llmgw_http.serving import (
+    CLIENT_GONE,
+    BodyPace,
+    ConnectionTerms,
+    Drain,
+    run_handler,
+    send_refusal,
+    serve_requests,
+)
 
 _RECV = 65536
 _Wait = Literal["", "idle", "head", "body"]
@@ -56,8 +61,11 @@ class PlainConnection:
     keep-alive idle limit, then the head's or body's.
     """
 
-    def __init__(self, server: HTTPServer, stream: trio.SocketStream, sock: socket.socket) -> None:
-        self.server = server
+    def __init__(
+        self, terms: ConnectionTerms, drain: Drain, stream: trio.SocketStream, sock: socket.socket
+    ) -> None:
+        self.terms = terms
+        self.drain = drain
         self.stream = stream
         self.sock = sock
         self.buf = b""  # read and not yet parsed
@@ -78,26 +86,28 @@ class PlainConnection:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watcher)
                 try:
-                    await serve_requests(self.server, self)
+                    await serve_requests(self.drain, self)
                 except CLIENT_GONE:
                     pass  # the client went away: nothing to log
                 finally:
                     nursery.cancel_scope.cancel()
         coarse_timeouts.disarm(self._scope)
         coarse_timeouts.disarm(self._watch_due)
-        self.server.idle_scopes.discard(self._scope)
+        self.drain.idle_scopes.discard(self._scope)
         if self._scope.cancelled_caught:
             if self._waiting_for == "head":
                 await self._reject(408, "request headers did not arrive in time")
             elif self._waiting_for == "body":
                 if self._pace is not None and self._pace.slow:
-                    await self._reject(408, too_slow(self.server.limits))
+                    await self._reject(408, too_slow(self.terms.limits))
                 else:
                     await self._reject(408, "request body did not arrive in time")
             return
         if self._handover is not None:
             handover = self._handover
-            await H11Connection(self.server, self.stream, handover, first=not self._served).run()
+            await H11Connection(
+                self.terms, self.drain, self.stream, handover, first=not self._served
+            ).run()
 
     def _take(self) -> bool:
         """One read of what the socket holds into `buf` (its end sets `eof`); False if
@@ -148,8 +158,8 @@ class PlainConnection:
     async def next_request(self) -> tuple[Request, Responder] | None:
         """The next request read here; None also where it is h11's to read (`_handover`
         set to the bytes read)."""
-        server = self.server
-        limits = server.limits
+        terms, drain = self.terms, self.drain
+        limits = terms.limits
         scope = self._scope
         if not self.buf:
             if self.eof:
@@ -159,12 +169,12 @@ class PlainConnection:
             if self._served:
                 self._waiting_for = "idle"
                 coarse_timeouts.arm(scope, trio.current_time() + limits.keepalive_timeout_s)
-                server.idle_scopes.add(scope)
+                drain.idle_scopes.add(scope)
             else:
                 self._waiting_for = "head"
                 coarse_timeouts.arm(scope, trio.current_time() + limits.header_timeout_s)
             await self._more()
-            server.idle_scopes.discard(scope)
+            drain.idle_scopes.discard(scope)
             if not self.buf:
                 return None
         end = self.buf.find(b"\r\n\r\n", 0, limits.max_header_bytes)
@@ -178,14 +188,12 @@ class PlainConnection:
             self._handover = self.buf
             return None
         request, length, close = parsed
-        check = server.check_head
+        check = terms.check_head
         head_only = check is not None and not check(request)
         if head_only:
             length = 0  # answered from the head; the connection closes unread
         elif length > limits.max_body_bytes:
-            message = (
-                f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}"
-            )
+            message = f"request body of {length} bytes exceeds the limit of {limits.max_body_bytes}"
             coarse_timeouts.disarm(scope)
             await self._reject(413, message)
             return None
@@ -199,7 +207,7 @@ class PlainConnection:
         responder = self._answering = PlainResponder(
             self.sock,
             self.stream,
-            closing=server.draining or head_only,
+            closing=drain.draining or head_only,
             chunked=request.method != b"HEAD",
             head=request.method == b"HEAD",
             peer_closing=close,
@@ -211,7 +219,7 @@ class PlainConnection:
         """Read until `buf` holds `end` bytes (the body from `start`), within the body's
         time limit and pace; False if the client closed first. Linear in the body's size:
         the reads are joined once, not added to `buf` one by one."""
-        limits = self.server.limits
+        limits = self.terms.limits
         self._waiting_for = "body"
         coarse_timeouts.arm(self._scope, trio.current_time() + limits.body_timeout_s)
         have = len(self.buf)
@@ -251,7 +259,7 @@ class PlainConnection:
         self.in_handler = True
         coarse_timeouts.arm(self._watch_due, trio.current_time())
         try:
-            await run_handler(self.server.handler, request, responder)
+            await run_handler(self.terms.handler, request, responder)
         finally:
             self.in_handler = False
             coarse_timeouts.disarm(self._watch_due)
@@ -262,7 +270,7 @@ class PlainConnection:
         return answered.done and not answered.closing and not answered.peer_closing
 
     async def _reject(self, status: int, message: str) -> None:
-        await send_refusal(self.server, status, message, refusal, self._send_all)
+        await send_refusal(self.terms.on_reject, status, message, refusal, self._send_all)
 
     async def _send_all(self, data: bytes) -> None:
         await sockio.send_all(self.sock, data)

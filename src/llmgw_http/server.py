@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import logging
 import ssl
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -28,7 +27,15 @@ from llmgw_http.limits import ServerLimits
 from llmgw_http.plain_connection import PlainConnection
 from llmgw_http.request import Request, RequestRejected
 from llmgw_http.responder import Responder
-from llmgw_http.serving import CLIENT_GONE, Handler, HeadCheck, UpgradeHandler
+from llmgw_http.serving import (
+    CLIENT_GONE,
+    ConnectionTerms,
+    Drain,
+    Handler,
+    HeadCheck,
+    RejectListener,
+    UpgradeHandler,
+)
 from llmgw_http.tls_admission import Gate, Ticket
 
 # What handlers and the processes that serve them import from here.
@@ -62,20 +69,12 @@ class HTTPServer:
         limits: ServerLimits,
         upgrade: UpgradeHandler | None = None,
         ssl_context: ssl.SSLContext | None = None,
-        on_reject: Callable[[int, str], None] | None = None,
+        on_reject: RejectListener | None = None,
         check_head: HeadCheck | None = None,
     ) -> None:
-        self.handler = handler
-        self.check_head = check_head
-        # Told of each request refused before the handler (413, 408, malformed).
-        self.on_reject = on_reject
-        self.limits = limits
+        self.terms = ConnectionTerms(handler, limits, check_head, upgrade, on_reject)
+        self.drain = Drain()  # what shutdown waits for
         self.ssl_context = ssl_context  # TLS on every accepted connection
-        self.upgrade = upgrade  # takes over connections that ask for `Upgrade: websocket`
-        self.draining = False
-        self.busy = 0  # connections inside a request, for graceful shutdown
-        self.idle_done = trio.Event()
-        self.idle_scopes: set[trio.CancelScope] = set()  # idle keep-alives, closed by shutdown
         self._accepting = trio.CancelScope()
         self.tls_failures = 0  # failed TLS handshakes, for metrics
         self.tls_abandoned = 0  # closed before a handshake: the client left, or it waited too long
@@ -114,7 +113,7 @@ class HTTPServer:
                     continue
                 raise
             if self.ssl_context is None:
-                limit = self.limits.max_connections
+                limit = self.terms.limits.max_connections
                 if limit is not None and self.plain_connections >= limit:
                     self._turn_away(stream)
                     continue
@@ -129,8 +128,9 @@ class HTTPServer:
     def _turn_away(self, stream: trio.SocketStream) -> None:
         """A connection past max_connections: a fixed 503 written if the socket takes it
         at once, then closed, without reading anything or starting a task."""
-        if self.on_reject is not None:
-            self.on_reject(503, _TOO_MANY_MESSAGE)
+        on_reject = self.terms.on_reject
+        if on_reject is not None:
+            on_reject(503, _TOO_MANY_MESSAGE)
         sock = sockio.raw_socket(stream)
         if sock is not None:
             try:
@@ -203,13 +203,9 @@ class HTTPServer:
         Returns True when every request finished in time.
         """
         self._accepting.cancel()
-        self.draining = True
-        for scope in self.idle_scopes:
-            scope.cancel()
-        if self.busy == 0:
-            self.idle_done.set()
+        self.drain.begin()
         with trio.move_on_after(grace_s):
-            await self.idle_done.wait()
+            await self.drain.done.wait()
             return True
         return False
 
@@ -217,10 +213,10 @@ class HTTPServer:
         try:
             sock = sockio.raw_socket(stream)
             if sock is None:  # TLS: h11 on the decrypted stream
-                await H11Connection(self, stream).run()
+                await H11Connection(self.terms, self.drain, stream).run()
             else:
                 assert isinstance(stream, trio.SocketStream)  # as raw_socket found it
-                await PlainConnection(self, stream, sock).run()
+                await PlainConnection(self.terms, self.drain, stream, sock).run()
         except CLIENT_GONE:
             pass
         except Exception:

@@ -3,7 +3,10 @@ policy, how the server's own refusals go out, and a request body's pace.
 
 A connection is served by the plain parser (`plain_connection`, a plain TCP socket read
 directly) or by h11 (`h11_connection`: TLS, and whatever the plain parser hands over);
-each gives `serve_requests` its requests one at a time and answers them.
+each gives `serve_requests` its requests one at a time and answers them. A connection
+is given what it reads of its server (`ConnectionTerms`) and what it reports to it
+(`Drain`), both made here, so that the server imports the connections and not the
+reverse.
 """
 
 from __future__ import annotations
@@ -11,17 +14,15 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+import attrs
 import trio
 
 from llmgw_http import coarse_timeouts
-from llmgw_http.limits import BODY_RATE_CHECK_S, BODY_RATE_GRACE_S, body_too_slow
+from llmgw_http.limits import BODY_RATE_CHECK_S, BODY_RATE_GRACE_S, ServerLimits, body_too_slow
 from llmgw_http.request import Request
 from llmgw_http.responder import Responder
-
-if TYPE_CHECKING:
-    from llmgw_http.server import HTTPServer
 
 # The server's one logger, whichever of its modules writes the line.
 log = logging.getLogger("llmgw_http.server")
@@ -32,10 +33,45 @@ Handler = Callable[[Request, Responder], Awaitable[None]]
 # and then close the connection with the body unread.
 HeadCheck = Callable[[Request], bool]
 UpgradeHandler = Callable[[Request, trio.abc.Stream], Awaitable[None]]
+# Told of each request refused before the handler (its status and why): 413, 408, malformed.
+RejectListener = Callable[[int, str], None]
 
 _REFUSAL_WRITE_S = 2.0  # a refusal is written within this, or not at all
 # What a client's going away looks like to a handler writing to it.
 CLIENT_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
+
+
+@attrs.frozen
+class ConnectionTerms:
+    """What a server's connections read of it, the same for each of them."""
+
+    handler: Handler
+    limits: ServerLimits
+    check_head: HeadCheck | None = None
+    upgrade: UpgradeHandler | None = None  # takes over connections that ask for a websocket
+    on_reject: RejectListener | None = None
+
+
+class Drain:
+    """A server's graceful shutdown, as its connections take part in it: each counts
+    itself `busy` while inside a request and files its idle keep-alive wait's scope in
+    `idle_scopes`; `begin` (the server's shutdown) closes those waits, and `done` is set
+    once no request is in flight."""
+
+    __slots__ = ("busy", "done", "draining", "idle_scopes")
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.busy = 0  # connections inside a request
+        self.done = trio.Event()
+        self.idle_scopes: set[trio.CancelScope] = set()
+
+    def begin(self) -> None:
+        self.draining = True
+        for scope in self.idle_scopes:
+            scope.cancel()
+        if self.busy == 0:
+            self.done.set()
 
 
 class Connection(Protocol):
@@ -52,23 +88,23 @@ class Connection(Protocol):
         ...
 
 
-async def serve_requests(server: HTTPServer, connection: Connection) -> None:
+async def serve_requests(drain: Drain, connection: Connection) -> None:
     """Answer requests one at a time until the connection is done or the server drains;
-    the server counts the connections inside a request, for a graceful shutdown."""
-    while not server.draining:
+    `drain` counts the connections inside a request, for a graceful shutdown."""
+    while not drain.draining:
         exchange = await connection.next_request()
         if exchange is None:
             return
-        server.busy += 1
+        drain.busy += 1
         try:
             go_on = await connection.respond(*exchange)
         finally:
             # Not kept while the next request is awaited: an idle keep-alive connection
             # would pin its last request, body and all (up to max_body_bytes).
             del exchange
-            server.busy -= 1
-            if server.draining and server.busy == 0:
-                server.idle_done.set()
+            drain.busy -= 1
+            if drain.draining and drain.busy == 0:
+                drain.done.set()
         if not go_on:
             return
 
@@ -88,7 +124,7 @@ async def run_handler(handler: Handler, request: Request, responder: Responder) 
 
 
 async def send_refusal(
-    server: HTTPServer,
+    on_reject: RejectListener | None,
     status: int,
     message: str,
     frame: Callable[[int, str], bytes | None],
@@ -97,8 +133,8 @@ async def send_refusal(
     """The server's own answer to a request it does not hand to the handler (413, 408,
     431, malformed): told to `on_reject`, framed by the connection (None: it cannot be
     sent), written within a time limit; the connection closes after it."""
-    if server.on_reject is not None:
-        server.on_reject(status, message)
+    if on_reject is not None:
+        on_reject(status, message)
     wire = frame(status, message)
     if wire is None:
         return
