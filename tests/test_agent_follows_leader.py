@@ -541,7 +541,7 @@ async def test_commands_of_a_lower_epoch_are_refused_and_nothing_starts(
     assert agent.cordoned  # by the current leader's mark, after the stale one
     # Nothing started: no shard, no record or log of an engine in the state directory.
     state = tmp_path / "state"
-    assert agent.shards == {}
+    assert agent.engines.shards == {}
     assert not (state / "shards").exists() and not (state / "logs").exists()
     lines = logged(caplog)
     assert f"refused a start: {refused}" in lines

@@ -25,9 +25,10 @@ import trio.testing
 import trio_websocket
 
 from llmgw_agent.adapters import EngineLaunch, build_command
-from llmgw_agent.agent import Agent, engine_command
+from llmgw_agent.agent import Agent
 from llmgw_agent.config import parse_agent_config
 from llmgw_agent.engine_flags import help_command, parse_help, refusals, unknown
+from llmgw_agent.engines import engine_command
 from llmgw_agent.flag_reader import FlagCache, Help, program_identity, read_help
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardState
 from llmgw_core.tomlshape import ConfigError

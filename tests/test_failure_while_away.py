@@ -92,7 +92,7 @@ async def test_a_failure_while_away_is_registered_then_reported_with_its_tail(tm
             while agent.connected.is_set():
                 await trio.sleep(0.01)  # the agent has seen its stream end
             fail_now.touch()
-            while agent.shards[("r-1", 0)].state is not ShardState.FAILED:
+            while agent.engines.shards[("r-1", 0)].state is not ShardState.FAILED:
                 await trio.sleep(0.01)
             back.set()
             await heartbeat.wait()

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw_agent.agent import Agent, _Shard
+from llmgw_agent.agent import Agent
 from llmgw_agent.config import parse_agent_config
+from llmgw_agent.engines import Shard
 from llmgw_core.durations import seconds
 from llmgw_core.inventory import Inventory, LaunchSpec, ShardState
 
@@ -32,12 +33,12 @@ def test_a_shards_state_is_not_said_twice_in_the_agents_log(
         tensor_parallel=1, pipeline_parallel=1, rank=0, nodes=("n1",), gpu_indices=(0,),
         head_address="127.0.0.1", port=20001, dist_port=20002, api_key="",
     )  # fmt: skip
-    shard = _Shard(spec, ShardState.READY)
+    shard = Shard(spec, ShardState.READY)
     caplog.set_level(logging.INFO, logger="llmgw.agent")
-    agent._transition(shard, ShardState.DRAINING, "draining on request")
-    agent._transition(shard, ShardState.STOPPED, "stopped on request")
-    agent._transition(shard, ShardState.STARTING, "pid 42")
-    agent._transition(shard, ShardState.READY, "")
+    agent.engines.transition(shard, ShardState.DRAINING, "draining on request")
+    agent.engines.transition(shard, ShardState.STOPPED, "stopped on request")
+    agent.engines.transition(shard, ShardState.STARTING, "pid 42")
+    agent.engines.transition(shard, ShardState.READY, "")
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("r-1")] == [
         "r-1 rank 0: draining on request",
         "r-1 rank 0: stopped on request",

@@ -249,5 +249,5 @@ async def test_an_engine_that_died_while_the_agent_was_away_leaves_nothing_eithe
             await nursery.start(agent.run)  # started: the engines it found are dealt with
             nursery.cancel_scope.cancel()
     assert not left.exists()
-    assert agent.shards[("r-1", 0)].state is ShardState.FAILED
+    assert agent.engines.shards[("r-1", 0)].state is ShardState.FAILED
     assert records.load(state) == []

@@ -160,7 +160,7 @@ async def _run_until_signal(agent: object) -> None:
                 logging.getLogger("llmgw.agent").info(
                     "received %s: exiting; %d engines keep serving and the next start adopts them",
                     signal.Signals(signum).name,
-                    len(agent.shards),
+                    len(agent.engines.shards),
                 )
                 nursery.cancel_scope.cancel()
                 break

@@ -1,9 +1,10 @@
 """The agent daemon: dial the control plane, register, heartbeat, run what it is told.
 
-One nursery owns everything. The engines live in their own nursery, beside the
-connection loop rather than inside it, so that they keep serving while the
-control plane is away; each connection's reader, writer and heartbeat timer
-live in that connection's nursery and end with it.
+One nursery owns everything: the engines (`engines.Engines`, with their own nursery)
+run beside the connection loop rather than inside it, so that they keep serving while
+the control plane is away, and the loop hands them the commands it receives; each
+connection's reader, writer and heartbeat timer live in that connection's nursery and
+end with it.
 
 A stream on which nothing arrives from the control plane for the bound that
 `ws_frames.silence_bound` derives from the heartbeat interval is cut and dialled
@@ -24,37 +25,19 @@ import json
 import logging
 import os
 import random
-import secrets
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import assert_never
 
 import attrs
-import httpx
 import trio
 import trio_websocket
 
-from llmgw_agent import procinfo
-from llmgw_agent import shard_records as records
-from llmgw_agent.adapters import Command, EngineLaunch, build_command
-from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
-from llmgw_agent.engine_flags import help_command, refusals
-from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
+from llmgw_agent.engines import Engines
 from llmgw_agent.following import ControlPlanes, Ended, lost_after, stale
-from llmgw_agent.shm_leftovers import clean_after
-from llmgw_agent.supervisor import (
-    LOG_FILES_KEPT,
-    EngineProcess,
-    Transition,
-    prune_logs,
-    stop_leftovers,
-)
-from llmgw_agent.validate import problems
 from llmgw_core import __version__
 from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S, MAX_COME_BACK_S
 from llmgw_core.dial import ConnectFailed, open_agent_stream
-from llmgw_core.inventory import Inventory, LaunchSpec, ShardReport, ShardState
+from llmgw_core.inventory import Inventory
 from llmgw_core.logsafe import escaped
 from llmgw_core.ratelog import RateLimit
 from llmgw_core.tls_config import client_context
@@ -73,7 +56,6 @@ from llmgw_core.wire import (
     Mark,
     Pace,
     Register,
-    ShardUpdate,
     Start,
     Stop,
     UpMessage,
@@ -95,8 +77,6 @@ from llmgw_core.ws_frames import (
 )
 
 log = logging.getLogger("llmgw.agent")
-
-ShardId = tuple[str, int]  # replica id, rank
 
 # Dialing, the TLS handshake and the websocket handshake together get this long: long
 # enough to wait its turn at a control plane that a whole fleet dials at once.
@@ -200,39 +180,14 @@ def next_attempt(attempt: int, session: Session) -> int:
     return 0 if answered_for >= session.bound.probe_after_s else attempt + 1
 
 
-@attrs.define(eq=False)
-class _Shard:
-    spec: LaunchSpec
-    state: ShardState
-    detail: str = ""
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    process: EngineProcess | None = None
-    # Its failure's report, with the engine's output tail, when no stream took it (the
-    # control plane was away): sent after the next welcome, since a registration
-    # carries only the state.
-    unsent_failure: ShardUpdate | None = None
-
-    def stop(self) -> None:
-        """A stop command: end the engine (cancelling alone would leave it serving)."""
-        if self.process is not None:
-            self.process.stop_on_cancel = True
-        self.scope.cancel()
-
-    def report(self) -> ShardReport:
-        return ShardReport(self.spec, self.state, self.detail)
-
-
 class Agent:
     def __init__(self, config: AgentConfig, inventory: Inventory) -> None:
         self.config = config
         self.inventory = inventory
-        self.shards: dict[ShardId, _Shard] = {}
+        self.engines = Engines(config, inventory, self._send)
         self.cordoned = False
         self.draining = False
         self._outbox: trio.MemorySendChannel[str] | None = None
-        self._engines: trio.Nursery | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._flags = FlagCache()  # each engine program's flags, read once per version
         self.connected = trio.Event()  # set on each registration, for tests and logs
         self.registrations = 0  # welcomes received, over every connection
         self.rng = random.Random()
@@ -256,14 +211,9 @@ class Agent:
     # -- the daemon ---------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        # Its engines' health, over plain HTTP on the node: no certificate to verify, so no
-        # CA bundle loaded (0.05 to 0.2 s of CPU at each start).
-        probes = httpx.AsyncClient(timeout=2.0, verify=False)
-        async with probes as client, trio.open_nursery() as nursery:
-            self._client = client
-            engines = await nursery.start(_hold_nursery)
-            self._engines = engines
-            await self._adopt_engines()
+        async with trio.open_nursery() as nursery:
+            # Started once adopted: the first registration reports the adopted engines.
+            await nursery.start(self.engines.run)
             task_status.started()
             await self._connect_forever()
 
@@ -432,12 +382,10 @@ class Agent:
                     "registered with %s (epoch %d, %d shards)",
                     session.url,
                     welcome.epoch,
-                    len(self.shards),
+                    len(self.engines.shards),
                 )
-                for shard in self.shards.values():
-                    if shard.unsent_failure is not None:
-                        self._send(shard.unsent_failure)
-                        shard.unsent_failure = None
+                for update in self.engines.unsent_failures():
+                    self._send(update)
                 self.registrations += 1
                 self.connected.set()
                 self._silence_s = paced.bound.cut_after_s
@@ -496,7 +444,7 @@ class Agent:
             protocol=PROTOCOL,
             agent_version=__version__,
             inventory=self.inventory,
-            shards=tuple(s.report() for s in self.shards.values()),
+            shards=self.engines.reports(),
             cordoned=self.cordoned,
             draining=self.draining,
         )
@@ -540,21 +488,15 @@ class Agent:
 
     def _command(self, message: DownMessage) -> None:
         if isinstance(message, Start):
-            error = self._start(message.spec)
+            error = self.engines.start(message.spec)
             self._send(Ack(message.command_id, ok=not error, error=error))
         elif isinstance(message, Drain | Stop):
-            shard = self.shards.get((message.replica_id, message.rank))
-            if shard is None:
+            key = (message.replica_id, message.rank)
+            engines = self.engines
+            found = engines.drain(key) if isinstance(message, Drain) else engines.stop(key)
+            if not found:
                 self._send(Ack(message.command_id, ok=False, error="no such shard"))
                 return
-            if isinstance(message, Drain):
-                if shard.state not in (ShardState.STOPPED, ShardState.FAILED):
-                    self._transition(shard, ShardState.DRAINING, "draining on request")
-            else:
-                shard.stop()
-                if shard.state in (ShardState.FAILED, ShardState.PENDING):
-                    self._transition(shard, ShardState.STOPPED, "stopped on request")
-                    self._forget_later(shard)
             self._send(Ack(message.command_id))
         elif isinstance(message, Mark):
             self.cordoned, self.draining = message.cordoned, message.draining
@@ -564,201 +506,6 @@ class Agent:
             self._send(Ack(0, ok=False, error=f"unexpected {type(message).__name__}"))
         else:
             assert_never(message)
-
-    def _start(self, spec: LaunchSpec) -> str:
-        key = (spec.replica_id, spec.rank)
-        old = self.shards.get(key)
-        if old is not None:
-            old.stop()  # a new attempt replaces the old shard
-        in_use = {
-            i
-            for k, s in self.shards.items()
-            if k != key and s.state not in (ShardState.STOPPED, ShardState.FAILED)
-            for i in s.spec.gpu_indices
-        }
-        shard = _Shard(spec, ShardState.PENDING)
-        self.shards[key] = shard
-        found = problems(spec, self.inventory, in_use, self.config.bind_host)
-        if found:
-            reason = "the profile does not fit this node: " + "; ".join(found)
-            self._transition(shard, ShardState.FAILED, reason)
-            return reason
-        self._transition(shard, ShardState.PENDING, "accepted")
-        assert self._engines is not None
-        self._engines.start_soon(self._run_engine, shard)
-        return ""
-
-    async def _run_engine(self, shard: _Shard) -> None:
-        spec = shard.spec
-        config = self.config
-        command = engine_command(config, spec)
-        log.info("starting %s rank %d: %s", spec.replica_id, spec.rank, " ".join(command.argv))
-        health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
-        assert self._client is not None
-
-        state_dir = config.state_dir
-        logfile = records.log_path(state_dir, spec)
-        known = {records.log_path(state_dir, s.spec).name for s in self.shards.values()}
-        for old in prune_logs(logfile.parent, LOG_FILES_KEPT, known):
-            log.info("removed the old engine log %s", old)
-
-        # The marker a restarted agent knows the engine by (see `adoption`).
-        launch_id = f"{spec.replica_id}.{spec.rank}.{secrets.token_hex(8)}"
-
-        def remember(pid: int, shm_before: frozenset[str]) -> None:
-            started = procinfo.start_time(pid) or 0
-            argv = tuple(command.argv)
-            record = records.ShardRecord(
-                spec, pid, started, argv, str(logfile), launch_id, tuple(sorted(shm_before))
-            )
-            records.save(state_dir, record)
-
-        shard.process = EngineProcess(
-            command.argv,
-            {**os.environ, **command.env, MARKER: launch_id},
-            health,
-            self._reporter(shard),
-            self._client,
-            logfile,
-            stop_grace_s=config.stop_grace_s,
-            start_timeout_s=config.start_timeout_s,
-            on_spawn=remember,
-            api_key=spec.api_key,
-            files=command.files,
-        )
-        with shard.scope:
-            refused = await self._flag_problems(spec, command)
-            if refused:
-                reason = "the profile does not fit this node: " + "; ".join(refused)
-                self._transition(shard, ShardState.FAILED, reason)
-            else:
-                await shard.process.run()
-        # Reached when the engine failed or was stopped; an agent that shuts down is
-        # cancelled before this line and keeps the record, so a new agent adopts it.
-        records.remove(state_dir, spec)
-        if shard.state is ShardState.STOPPED:
-            self._forget_later(shard)
-
-    async def _flag_problems(self, spec: LaunchSpec, command: Command) -> list[str]:
-        """The launch's flags the installed engine does not take (see `flag_reader`)."""
-        engine = self.config.engines[spec.engine]
-        asking = help_command(spec.engine, engine.command)
-        if asking is None:
-            return []
-        version = next((e.version for e in self.inventory.engines if e.name == spec.engine), "")
-        key = (spec.engine, engine.command, version, program_identity(engine.command[0]))
-        env = {**os.environ, **engine.env}
-        found = await self._flags.flags(key, lambda: read_help(asking, env))
-        program = f"{spec.engine} {version}".rstrip()
-        if found.flags is None:
-            log.warning("the flags were not checked against %s: %s", program, found.why)
-            return []
-        # Every adapter puts the profile's args last, as given.
-        own = command.argv[len(engine.command) : len(command.argv) - len(spec.args)]
-        return refusals(spec.engine, program, found.flags, own, spec.args)
-
-    def _reporter(self, shard: _Shard) -> Callable[[Transition], Awaitable[None]]:
-        async def report(t: Transition) -> None:
-            state = ShardState(t.state)
-            if state is ShardState.READY and shard.state is ShardState.DRAINING:
-                return
-            self._transition(shard, state, t.detail, t.output_tail)
-
-        return report
-
-    async def _adopt_engines(self) -> None:
-        """Find the engines an earlier run of this agent started, from the state directory.
-        What is left of one that cannot be adopted is stopped before the agent registers,
-        so that its replacement never starts beside it."""
-        config = self.config
-        assert self._engines is not None and self._client is not None
-        leftovers: list[records.ShardRecord] = []
-        for record in records.load(config.state_dir):
-            spec = record.spec
-            key = (spec.replica_id, spec.rank)
-            identity = record.identity()
-            decision = decide(
-                identity,
-                procinfo.view(record.pid, MARKER),
-                procinfo.group_members(record.pid, MARKER),
-            )
-            if decision.verdict is not Verdict.ADOPT:
-                detail = f"the engine (pid {record.pid}) ended while the agent was away"
-                if decision.verdict is Verdict.STOP:
-                    pids = ", ".join(map(str, decision.leftovers))
-                    detail += f"; its process group (pids {pids}) is stopped"
-                    leftovers.append(record)  # its record goes once they are stopped
-                else:
-                    records.remove(config.state_dir, spec)
-                    await _clean_shm(record)
-                log.warning("%s rank %d: %s", spec.replica_id, spec.rank, detail)
-                self.shards[key] = _Shard(spec, ShardState.FAILED, detail)
-                continue
-            log.info("%s rank %d: adopting engine pid %d", spec.replica_id, spec.rank, record.pid)
-            shard = self.shards[key] = _Shard(
-                spec, ShardState.STARTING, f"adopted pid {record.pid}"
-            )
-            health = f"http://{config.advertise_host}:{spec.port}/health" if spec.is_head else None
-            shard.process = EngineProcess(
-                record.argv,
-                {},
-                health,
-                self._reporter(shard),
-                self._client,
-                Path(record.log),
-                stop_grace_s=config.stop_grace_s,
-                start_timeout_s=config.start_timeout_s,
-                api_key=spec.api_key,
-            )
-            self._engines.start_soon(self._watch_adopted, shard, record)
-        async with trio.open_nursery() as nursery:
-            for record in leftovers:
-                nursery.start_soon(self._stop_leftovers, record)
-
-    async def _stop_leftovers(self, record: records.ShardRecord) -> None:
-        spec = record.spec
-        if not await stop_leftovers(record.identity(), self.config.stop_grace_s):
-            log.error(
-                "%s rank %d: processes of the engine's group (pid %d) outlived SIGKILL",
-                spec.replica_id,
-                spec.rank,
-                record.pid,
-            )
-        else:
-            await _clean_shm(record)
-        records.remove(self.config.state_dir, spec)
-
-    async def _watch_adopted(self, shard: _Shard, record: records.ShardRecord) -> None:
-        assert shard.process is not None
-        with shard.scope:
-            await shard.process.adopt(record.pid, record.started, _shm_before(record))
-        records.remove(self.config.state_dir, shard.spec)
-        if shard.state is ShardState.STOPPED:
-            self._forget_later(shard)
-
-    def _transition(
-        self, shard: _Shard, state: ShardState, detail: str, tail: tuple[str, ...] = ()
-    ) -> None:
-        shard.state, shard.detail = state, detail
-        spec = shard.spec
-        if state is ShardState.FAILED:
-            # The engine's words, escaped: its output must not forge the agent's log lines.
-            log.warning("%s rank %d failed: %s", spec.replica_id, spec.rank, escaped(detail))
-            for line in tail[-10:]:
-                log.warning("    %s", escaped(line))
-        else:
-            # A detail may begin with the state ("draining on request"): say it once.
-            words = detail if detail.startswith(str(state)) else f"{state} {detail}".rstrip()
-            log.info("%s rank %d: %s", spec.replica_id, spec.rank, words)
-        update = ShardUpdate(shard.report(), tail)
-        sent = self._send(update)
-        shard.unsent_failure = None if sent or state is not ShardState.FAILED else update
-
-    def _forget_later(self, shard: _Shard) -> None:
-        """A stopped shard has been reported; drop it so it is not re-registered forever."""
-        key = (shard.spec.replica_id, shard.spec.rank)
-        if self.shards.get(key) is shard:
-            del self.shards[key]
 
     # -- flags kept across restarts ---------------------------------------------
 
@@ -788,57 +535,6 @@ class Agent:
             os.replace(partial, self._flags_path())
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
-
-
-def engine_command(config: AgentConfig, spec: LaunchSpec) -> Command:
-    """How this node launches `spec`: listening on `bind_host` (by default the address it
-    advertises to routers, not every interface)."""
-    engine = config.engines[spec.engine]
-    return build_command(
-        engine.command,
-        EngineLaunch(
-            engine=spec.engine,
-            model=spec.hf_model,
-            served_name=spec.model_name,
-            host=config.bind_host,
-            port=spec.port,
-            gpu_indices=spec.gpu_indices,
-            tensor_parallel=spec.tensor_parallel,
-            pipeline_parallel=spec.pipeline_parallel,
-            args=spec.args,
-            env=tuple(sorted({**engine.env, **spec.env}.items())),
-            nnodes=spec.nnodes,
-            node_rank=spec.rank,
-            master_addr=spec.head_address,
-            master_port=spec.dist_port,
-            api_key=spec.api_key,
-            key_file=str(records.key_path(config.state_dir, spec)),
-            max_model_len=spec.max_model_len,
-            lora=spec.lora,
-            max_lora_rank=spec.max_lora_rank,
-            kv_events_port=spec.ports[2] if spec.kv_events else 0,
-            kv_replay_port=spec.ports[3] if spec.kv_events else 0,
-        ),
-    )
-
-
-def _shm_before(record: records.ShardRecord) -> frozenset[str] | None:
-    return None if record.shm_before is None else frozenset(record.shm_before)
-
-
-async def _clean_shm(record: records.ShardRecord) -> None:
-    """What an engine that ended while the agent was away left in /dev/shm (its group is
-    gone by now)."""
-    before = _shm_before(record)
-    if before is not None:
-        await trio.to_thread.run_sync(clean_after, record.pid, before)
-
-
-async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
-    """A nursery that outlives every connection: the engines' home."""
-    async with trio.open_nursery() as nursery:
-        task_status.started(nursery)
-        await trio.sleep_forever()
 
 
 def _short(exc: BaseException) -> str:
