@@ -11,7 +11,7 @@ import h11
 import trio
 
 from llmgw_core.openai_errors import error_body
-from llmgw_http import coarse_timeouts, sockio
+from llmgw_http import coarse_timeouts, serving, sockio
 from llmgw_http.h1 import JSON
 from llmgw_http.limits import (
     BODY_FREE_PIECES,
@@ -22,15 +22,7 @@ from llmgw_http.limits import (
 )
 from llmgw_http.request import Request, RequestRejected
 from llmgw_http.responder import H11Responder, Responder
-from llmgw_http.serving import (
-    CLIENT_GONE,
-    BodyPace,
-    ConnectionTerms,
-    Drain,
-    run_handler,
-    send_refusal,
-    serve_requests,
-)
+from llmgw_http.serving import CLIENT_GONE, BodyPace, run_handler, send_refusal, serve_requests
 
 _RECV = 65536
 # In a request head: a line that continues the one before (group 1), or the head's end
@@ -103,8 +95,8 @@ class H11Connection:
 
     def __init__(
         self,
-        terms: ConnectionTerms,
-        drain: Drain,
+        terms: serving.ConnectionTerms,
+        drain: serving.Drain,
         stream: trio.abc.Stream,
         received: bytes = b"",
         first: bool = True,

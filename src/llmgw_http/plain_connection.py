@@ -9,21 +9,13 @@ from typing import Literal
 
 import trio
 
-from llmgw_http import coarse_timeouts, sockio
+from llmgw_http import coarse_timeouts, serving, sockio
 from llmgw_http.h1 import REQUEST_HEAD_END, plain_request, refusal
 from llmgw_http.h11_connection import H11Connection
 from llmgw_http.limits import head_too_large, too_slow
 from llmgw_http.request import Request
 from llmgw_http.responder import PlainResponder, Responder
-from llmgw_http.serving import (
-    CLIENT_GONE,
-    BodyPace,
-    ConnectionTerms,
-    Drain,
-    run_handler,
-    send_refusal,
-    serve_requests,
-)
+from llmgw_http.serving import CLIENT_GONE, BodyPace, run_handler, send_refusal, serve_requests
 
 _RECV = 65536
 _Wait = Literal["", "idle", "head", "body"]
@@ -62,7 +54,11 @@ class PlainConnection:
     """
 
     def __init__(
-        self, terms: ConnectionTerms, drain: Drain, stream: trio.SocketStream, sock: socket.socket
+        self,
+        terms: serving.ConnectionTerms,
+        drain: serving.Drain,
+        stream: trio.SocketStream,
+        sock: socket.socket,
     ) -> None:
         self.terms = terms
         self.drain = drain
