@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import BALANCING, Balancing
 from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.policies import registered
 
 
 def replicas(n: int) -> list[Replica]:
@@ -66,8 +66,8 @@ def test_session_affinity_holds_while_healthy_then_moves() -> None:
     assert balancer.pick(session="s") is first
 
 
-@pytest.mark.parametrize("balancing", BALANCING)
-def test_sessions_agree_across_router_processes_in_every_mode(balancing: Balancing) -> None:
+@pytest.mark.parametrize("balancing", tuple(registered()))
+def test_sessions_agree_across_router_processes_in_every_mode(balancing: str) -> None:
     """Two balancers that share nothing (two router processes) send a session to one replica."""
     mine = Balancer(replicas(5), balancing=balancing)
     theirs = Balancer(replicas(5), balancing=balancing)

@@ -15,8 +15,14 @@ from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
 from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.load_signals import LoadSignal
-from llmgw_server.router.policies import Decision
-from llmgw_server.router.policies.cache_aware import CacheAware, load_of
+from llmgw_server.router.policies.cache_aware import (
+    CACHE_HIT,
+    FALLBACK,
+    LOAD_OVERRIDE,
+    CacheAware,
+    load_of,
+)
+from llmgw_server.router.policies.policy import SESSION
 from llmgw_server.router.prefix import PromptKey, prompt_key
 
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
@@ -68,12 +74,12 @@ def test_a_conversation_stays_on_its_replica() -> None:
     b = balancer(4)
     conversation = Conversation(rng)
     first = b.choose(prompt=conversation.key(), now=0)
-    assert first is not None and first.decision is Decision.FALLBACK
+    assert first is not None and first.decision is FALLBACK
     for turn in range(1, 8):
         conversation.answered()
         choice = b.choose(prompt=conversation.key(), now=turn)
         assert choice is not None and choice.replica is first.replica
-        assert choice.decision is Decision.CACHE_HIT and choice.matched_bytes > 0
+        assert choice.decision is CACHE_HIT and choice.matched_bytes > 0
 
 
 def test_a_loaded_holder_is_overridden_then_the_conversation_follows() -> None:
@@ -90,12 +96,12 @@ def test_a_loaded_holder_is_overridden_then_the_conversation_follows() -> None:
     conversation.answered()
     moved = b.choose(prompt=conversation.key(), now=2)
     assert moved is not None and moved.replica is not home
-    assert moved.decision is Decision.LOAD_OVERRIDE
+    assert moved.decision is LOAD_OVERRIDE
     # The new replica now holds the longer history: the next turn goes there.
     conversation.answered()
     after = b.choose(prompt=conversation.key(), now=3)
     assert after is not None and after.replica is moved.replica
-    assert after.decision is Decision.CACHE_HIT
+    assert after.decision is CACHE_HIT
 
 
 def test_a_replica_that_fails_is_not_counted_on_for_its_cache() -> None:
@@ -173,7 +179,7 @@ def test_completion_prompts_stick_by_conversation_and_a_hot_header_spreads() -> 
             prompts[i] = p = f"{p}\nA: {words(rng, 5)}\nQ: {words(rng, 4)}"
             choice = b.choose(prompt=prompt_key({"prompt": p}, False, 256), now=float(turn))
             assert choice is not None and choice.replica is homes[i]
-            assert choice.decision is Decision.CACHE_HIT
+            assert choice.decision is CACHE_HIT
     seen = Counter(
         id(b.pick(prompt=prompt_key({"prompt": f"{header}\nQ: {words(rng, 8)}"}, False, 256)))
         for _ in range(40)
@@ -201,14 +207,14 @@ def test_no_prompt_goes_to_the_least_loaded() -> None:
     b.replicas[0].outstanding, b.replicas[1].outstanding, b.replicas[2].outstanding = 2, 0, 1
     choice = b.choose(prompt=None, now=0)
     assert choice is not None and choice.replica is b.replicas[1]
-    assert choice.decision is Decision.FALLBACK
+    assert choice.decision is FALLBACK
 
 
 def test_sessions_use_rendezvous_and_keep_recording_nothing() -> None:
     b = balancer(3)
     rng = random.Random(5)
     choice = b.choose(session="alice", prompt=Conversation(rng).key(), now=0)
-    assert choice is not None and choice.decision is Decision.SESSION
+    assert choice is not None and choice.decision is SESSION
     choice.replica.outstanding = 50  # a session stays, however loaded
     assert b.pick(session="alice", now=1) is choice.replica
 
@@ -246,7 +252,7 @@ def test_never_an_unavailable_or_excluded_replica(
 def test_choose_alone_needs_a_candidate() -> None:
     b = balancer(2)
     choice = policy(b).choose(b.replicas, None, 0.0)
-    assert choice.replica in b.replicas and choice.decision is Decision.FALLBACK
+    assert choice.replica in b.replicas and choice.decision is FALLBACK
     assert choice.matched_bytes == 0
 
 
@@ -272,12 +278,14 @@ def test_two_routers_that_each_saw_half_the_traffic_agree(seed: int, replicas: i
 
 
 def router_config(text: str) -> Any:
+    """As the server reads its config: with its balancing policies."""
     import tomllib
 
     from llmgw_core.config import parse_config
+    from llmgw_server.router.policies import PolicyBook
 
     data = tomllib.loads(text + '\n[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:1"]\n')
-    return parse_config(data, "r.toml")
+    return parse_config(data, "r.toml", policies=PolicyBook())
 
 
 def test_the_config_defaults_to_cache_aware() -> None:
@@ -300,7 +308,7 @@ def test_config_mistakes_name_the_key() -> None:
 
     cases = {
         '[router]\nbalancing = "cache-aware"\n': "r.toml: router.balancing: must be one of "
-        "cache_aware, precise, least_outstanding, round_robin, not 'cache-aware' (did you mean "
+        "cache_aware, least_outstanding, precise, round_robin, not 'cache-aware' (did you mean "
         "'cache_aware'?)",
         "[router.cache_aware]\nblock_byte = 128\n": "router.cache_aware.block_byte: is not a "
         "known key (did you mean 'block_bytes'?)",
@@ -311,7 +319,7 @@ def test_config_mistakes_name_the_key() -> None:
         "[router.cache_aware]\nmetrics_interval_s = 5\n": "router.cache_aware.metrics_max_age_s: "
         "must be at least metrics_interval_s (5.0)",
         "[router]\ncache_aware = 3\n": "router.cache_aware: must be a table, not an integer",
-        # A closed set now (config.Balancing), read as any text first: the same messages.
+        # The policies' names (policies.registered), read as any text first: the same messages.
         "[router]\nbalancing = 3\n": "router.balancing: must be a string, not an integer",
         '[router]\nbalancing = " "\n': "router.balancing: must not be empty",
     }

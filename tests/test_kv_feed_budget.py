@@ -34,6 +34,7 @@ from llmgw_server.router.kv_feed import Subscription
 from llmgw_server.router.kv_index import SLICE_BLOCKS, KvIndex
 from llmgw_server.router.loop_share import LoopShare
 from llmgw_server.router.metrics import RouterMetrics
+from llmgw_server.router.policies.precise import kv_metrics
 from procs import free_port
 
 ENGINE = Endpoint("127.0.0.1", 9, kv_events="tcp://127.0.0.1:1")
@@ -201,7 +202,8 @@ async def test_past_its_backlog_messages_are_dropped_the_replica_stale_counted_s
     dropped = [r.getMessage() for r in caplog.records if "dropped (" in r.getMessage()]
     assert len(dropped) == 1 and "1 messages dropped" in dropped[0]
     assert "cleared and rebuilt" in dropped[0]
-    rendered = RouterMetrics().render({}, {}, kv=index).decode()
+    page = RouterMetrics().render({}, {}, policy_metrics=lambda urls: kv_metrics(index, urls))
+    rendered = page.decode()
     assert f'llmgw_kv_events_dropped_total{{endpoint="{NAME}",reason="backlog"}} 2' in rendered
     assert "# HELP llmgw_kv_events_dropped_total KV-cache event messages dropped" in rendered
 

@@ -8,13 +8,21 @@ import attrs
 import pytest
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import BALANCING, Balancing, CacheAwareSection
+from llmgw_core.config import CacheAwareSection
 from llmgw_core.kv_events import BlockStored, KvBatch
 from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.kv_index import KvIndex
-from llmgw_server.router.policies import Decision, policy_for
-from llmgw_server.router.policies.cache_aware import CacheAware
-from llmgw_server.router.policies.precise import Precise
+from llmgw_server.router.policies import Decision, policy_for, registered
+from llmgw_server.router.policies.cache_aware import FALLBACK, CacheAware
+from llmgw_server.router.policies.least_outstanding import LEAST_OUTSTANDING
+from llmgw_server.router.policies.precise import (
+    PRECISE_HIT,
+    PRECISE_LOAD_OVERRIDE,
+    PRECISE_MISS,
+    PRECISE_SPREAD,
+    Precise,
+)
+from llmgw_server.router.policies.round_robin import ROUND_ROBIN
 from llmgw_server.router.prefix import PromptKey, prompt_key
 
 
@@ -31,15 +39,18 @@ def prompt(text: str, system: str | None = None) -> PromptKey:
 
 # What each name's policy decides with no prompt and equal loads, and what it reads.
 EXPECTED: dict[str, tuple[Decision, bool]] = {
-    "cache_aware": (Decision.FALLBACK, True),
-    "precise": (Decision.FALLBACK, True),  # no token ids, no events: cache_aware's choice
-    "least_outstanding": (Decision.LEAST_OUTSTANDING, False),
-    "round_robin": (Decision.ROUND_ROBIN, False),
+    "cache_aware": (FALLBACK, True),
+    "precise": (FALLBACK, True),  # no token ids, no events: cache_aware's choice
+    "least_outstanding": (LEAST_OUTSTANDING, False),
+    "round_robin": (ROUND_ROBIN, False),
 }
 
 
+BALANCING = tuple(registered())  # every policy module of the package
+
+
 @pytest.mark.parametrize("name", BALANCING)
-def test_every_balancing_name_has_its_own_policy(name: Balancing) -> None:
+def test_every_balancing_name_has_its_own_policy(name: str) -> None:
     decision, reads = EXPECTED[name]
     policy = policy_for(name, CacheAwareSection(), random.Random(0))
     assert (policy.reads_prompt, policy.reads_engine_load) == (reads, reads)
@@ -117,30 +128,30 @@ def _stored(index: KvIndex, replica: Replica, tokens: list[int], seq: int) -> No
 
 def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     index = KvIndex()
-    balancer = Balancer([Replica(e) for e in endpoints(3)], balancing="precise", kv=index)
+    balancer = Balancer([Replica(e) for e in endpoints(3)], balancing="precise", shared=index)
     policy = balancer.policy
     assert isinstance(policy, Precise) and not policy.wants_tokens(balancer.replicas)
     a, b, c = balancer.replicas
     tokens = list(range(1, 33))  # 8 blocks of 4
     key = attrs.evolve(prompt("the conversation"), tokens=tuple(tokens))
     # No engine has published yet: cache_aware decides, as cache_aware.
-    assert balancer.choose(now=0.0, prompt=key).decision is Decision.FALLBACK  # type: ignore[union-attr]
+    assert balancer.choose(now=0.0, prompt=key).decision is FALLBACK  # type: ignore[union-attr]
     _stored(index, a, tokens[:16], 0)  # a holds 4 blocks
     _stored(index, b, tokens[:28], 0)  # b holds 7
     _stored(index, c, [99] * 8, 0)  # c holds something else
     assert policy.wants_tokens(balancer.replicas)  # their engines publish: tokenize
     choice = policy.choose(balancer.replicas, key, 0.0)
-    assert (choice.replica, choice.decision) == (b, Decision.PRECISE_HIT)
+    assert (choice.replica, choice.decision) == (b, PRECISE_HIT)
     assert choice.matched_bytes == key.size * 28 // 32  # 7 of its 8 blocks, in its bytes
     assert choice.matched_tokens == 28
     # b loaded past the bound (least + load_slack): the holder within it that holds most.
     b.outstanding = 10
     choice = policy.choose(balancer.replicas, key, 0.0)
-    assert (choice.replica, choice.decision) == (a, Decision.PRECISE_LOAD_OVERRIDE)
+    assert (choice.replica, choice.decision) == (a, PRECISE_LOAD_OVERRIDE)
     b.outstanding = 0
     # A prompt no engine holds a block of: placed as cache_aware would, counted as a miss.
     other = attrs.evolve(prompt("another one"), tokens=tuple(range(500, 540)))
-    assert policy.choose(balancer.replicas, other, 0.0).decision is Decision.PRECISE_MISS
+    assert policy.choose(balancer.replicas, other, 0.0).decision is PRECISE_MISS
     # ... by load: never the busy replica, whatever this router sent there before.
     b.outstanding = 10
     for text in ("x", "y", "z", "w"):
@@ -150,9 +161,9 @@ def test_precise_follows_the_engines_events_within_the_load_bound() -> None:
     # Chosen: held there speculatively until its events come (2 s).
     policy.chosen(c, other, 10.0)
     assert policy.choose(balancer.replicas, other, 11.0).replica is c
-    assert policy.choose(balancer.replicas, other, 12.5).decision is Decision.PRECISE_MISS
+    assert policy.choose(balancer.replicas, other, 12.5).decision is PRECISE_MISS
     # Without token ids (the engine could not tokenize): cache_aware decides.
-    assert policy.choose(balancer.replicas, prompt("x"), 0.0).decision is not Decision.PRECISE_HIT
+    assert policy.choose(balancer.replicas, prompt("x"), 0.0).decision is not PRECISE_HIT
     # The whole prompt held: the engine still computes its last token (one block less).
     _stored(index, c, tokens, 1)
     c.outstanding = -5  # the least loaded
@@ -175,9 +186,9 @@ def test_precise_lets_a_holder_carry_more_load_the_more_of_the_prompt_it_holds()
     _stored(index, b, tokens[:28], 0)  # b holds 7: 28 more
     _stored(index, c, [99] * 8, 0)
     for load, chosen, decision in [
-        (8, b, Decision.PRECISE_HIT),  # the bound: least (0) + load_slack (8)
-        (8 + 7, b, Decision.PRECISE_HIT),  # ... and its 7 blocks
-        (8 + 8, a, Decision.PRECISE_LOAD_OVERRIDE),  # past them: the next holder
+        (8, b, PRECISE_HIT),  # the bound: least (0) + load_slack (8)
+        (8 + 7, b, PRECISE_HIT),  # ... and its 7 blocks
+        (8 + 8, a, PRECISE_LOAD_OVERRIDE),  # past them: the next holder
     ]:
         b.outstanding = load
         choice = policy.choose(replicas, key, 0.0)
@@ -194,7 +205,7 @@ def test_precise_spreads_a_hot_prefix_requested_one_at_a_time() -> None:
     requests does, and past `max_share` times the even share the next replica takes it
     (and caches it): the issue's hot-prefix bound, 1.5x the even share at most."""
     index = KvIndex()
-    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", kv=index)
+    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", shared=index)
     policy = balancer.policy
     assert isinstance(policy, Precise)
     system = list(range(1, 401))  # the shared system prompt: 100 blocks of 4
@@ -213,8 +224,8 @@ def test_precise_spreads_a_hot_prefix_requested_one_at_a_time() -> None:
     assert max(counts.values()) <= 1.5 * 48 / 8, counts
     assert min(counts.values()) >= 1, counts  # every replica took it
     # Once a replica took it, it holds it: only the first request missed; seven spread it.
-    assert decisions.count(Decision.PRECISE_MISS) == 1, decisions
-    assert decisions.count(Decision.PRECISE_SPREAD) == 7, decisions
+    assert decisions.count(PRECISE_MISS) == 1, decisions
+    assert decisions.count(PRECISE_SPREAD) == 7, decisions
 
 
 def test_precise_keeps_a_prefix_only_some_requests_share_where_it_is() -> None:
@@ -222,7 +233,7 @@ def test_precise_keeps_a_prefix_only_some_requests_share_where_it_is() -> None:
     replica its first request went to (no share is past the bound), so that every
     replica caches one group's prefix, not all of them."""
     index = KvIndex()
-    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", kv=index)
+    balancer = Balancer([Replica(e) for e in endpoints(8)], balancing="precise", shared=index)
     policy = balancer.policy
     assert isinstance(policy, Precise)
     for r in balancer.replicas:

@@ -13,7 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llmgw_core.catalog import Endpoint
 from llmgw_server.router.balancer import Verdict, judge
-from llmgw_server.router.policies import Choice, Decision
+from llmgw_server.router.policies import Choice
+from llmgw_server.router.policies.cache_aware import FALLBACK
+from llmgw_server.router.policies.policy import STORED_RESPONSE
+from llmgw_server.router.policies.round_robin import ROUND_ROBIN
 from llmgw_server.router.replica import Replica
 from llmgw_server.router.request_plan import (
     RELAYED,
@@ -60,7 +63,7 @@ class RequestAttempts(RuleBasedStateMachine):
             assert step.attempt == len(self.sent)
             if self.pinned is not None:
                 assert step.choice.replica is self.pinned
-                assert step.choice.decision is Decision.STORED_RESPONSE
+                assert step.choice.decision is STORED_RESPONSE
             self.sent.append(step.choice.replica)
             self.awaiting = step.choice.replica
         elif isinstance(step, GiveUp):
@@ -76,7 +79,7 @@ class RequestAttempts(RuleBasedStateMachine):
     def balancer_picks_one_not_excluded(self, pick: int) -> None:
         def choose(exclude: Sequence[Replica]) -> Choice | None:
             left = [r for r in self.replicas if r not in exclude]
-            return Choice(left[pick % len(left)], Decision.ROUND_ROBIN) if left else None
+            return Choice(left[pick % len(left)], ROUND_ROBIN) if left else None
 
         self._next(choose)
 
@@ -84,7 +87,7 @@ class RequestAttempts(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 5))
     def balancer_picks_anything(self, pick: int) -> None:
         """A buggy policy: it may pick a replica already tried."""
-        self._next(lambda _: Choice(self.replicas[pick % len(self.replicas)], Decision.FALLBACK))
+        self._next(lambda _: Choice(self.replicas[pick % len(self.replicas)], FALLBACK))
 
     @precondition(lambda self: self.awaiting is None)
     @rule()
@@ -130,9 +133,7 @@ def test_gives_up_after_one_plus_retries_sends() -> None:
     plan = Attempts(3)
     sent = []
     while True:
-        step = plan.next(
-            lambda ex: Choice(next(r for r in fleet if r not in ex), Decision.FALLBACK)
-        )
+        step = plan.next(lambda ex: Choice(next(r for r in fleet if r not in ex), FALLBACK))
         if not isinstance(step, Send):
             break
         sent.append(step.choice.replica)

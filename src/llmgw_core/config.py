@@ -6,13 +6,12 @@ say what the file may hold, and `config_schema.structure` reads the file into it
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Protocol
 
 import attrs
 
@@ -153,20 +152,6 @@ class ServerSection:
     workers: int = attrs.field(default=1, metadata=rules(parse=_workers, min=1))
 
 
-Balancing = Literal["cache_aware", "precise", "least_outstanding", "round_robin"]
-BALANCING: tuple[Balancing, ...] = get_args(Balancing)
-
-
-def _balancing(value: object) -> Balancing:
-    # Read as text first, not by cattrs' Literal hook: the same messages as any text field.
-    text = read_text(value)
-    if text not in BALANCING:
-        close = difflib.get_close_matches(text, BALANCING, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise Problem(f"must be one of {', '.join(BALANCING)}, not {text!r}{hint}")
-    return text
-
-
 @attrs.frozen
 class CacheAwareSection:
     """`[router.cache_aware]`: engine load signals, the prefix index and the load bounds."""
@@ -212,8 +197,17 @@ def _cache_aware_rules(section: CacheAwareSection) -> None:
 
 @attrs.frozen
 class RouterSection:
-    balancing: Balancing = attrs.field(default="cache_aware", metadata=rules(parse=_balancing))
+    # A balancing policy's name: which ones there are is the server's business (its
+    # llmgw_server.router.policies, checked where it reads the file: `PolicyBook`).
+    balancing: str = "cache_aware"
+    # Engine load signals (read by every policy that reads engine load) and the prefix
+    # index: cache_aware's section, precise's too.
     cache_aware: CacheAwareSection = CacheAwareSection()
+    # The other policies' sections, `[router.<key>]` read by `PolicyBook.read`: (key,
+    # section) pairs.
+    policy_sections: tuple[tuple[str, object], ...] = attrs.field(
+        default=(), metadata=rules(in_file=False)
+    )
     # Further attempts on other replicas before the first byte.
     retries: int = attrs.field(default=2, metadata=rules(min=0))
     connect_timeout_s: float = attrs.field(default=3.0, metadata=rules(min=0.01))
@@ -240,9 +234,7 @@ class RouterSection:
     # worker has its own); past either, 503 with Retry-After too. A count alone let a
     # model hold 256 bodies of max_body_bytes (4 GiB at 16 MiB). A model's budget takes
     # at least one body of max_body_bytes: any request can wake its model.
-    hold_max_bytes_per_model: int = attrs.field(
-        default=128 * 1024 * 1024, metadata=rules(min=1024)
-    )
+    hold_max_bytes_per_model: int = attrs.field(default=128 * 1024 * 1024, metadata=rules(min=1024))
     hold_max_bytes: int = attrs.field(default=256 * 1024 * 1024, metadata=rules(min=1024))
 
 
@@ -365,6 +357,20 @@ class AdminSection:
     )
 
 
+class PolicyBook(Protocol):
+    """What reads `[router]`'s balancing policy part: the server's policies, which this
+    package never imports (llmgw_server.router.policies.PolicyBook)."""
+
+    def tables(self) -> frozenset[str]:
+        """The tables under `[router]` it reads, beside RouterSection's own."""
+        ...
+
+    def read(self, table: Table, router: RouterSection) -> RouterSection:
+        """`router` with its policy part checked and read from `table` (raises
+        ConfigError naming the key)."""
+        ...
+
+
 @attrs.frozen
 class Config:
     file: str
@@ -378,6 +384,9 @@ class Config:
     # False for a router apart, whose models come from the control plane it follows:
     # its file may declare none. Kept so that a reload reads the file by the same rule.
     models_required: bool = True
+    # The policies `[router]` was read with (None: its balancing name unchecked, no
+    # policy table known). Kept so that a reload reads the file by the same rule.
+    policies: PolicyBook | None = None
 
     @property
     def runs_control_plane(self) -> bool:
@@ -390,11 +399,14 @@ def load_config(
     *,
     environ: Mapping[str, str] | None = None,
     models_required: bool = True,
+    policies: PolicyBook | None = None,
 ) -> Config:
     """Read and validate a config file; raises ConfigError naming file, key path and problem."""
     file = str(path)
     data = load_toml(path)
-    return parse_config(data, file, environ=environ, models_required=models_required)
+    return parse_config(
+        data, file, environ=environ, models_required=models_required, policies=policies
+    )
 
 
 def parse_config(
@@ -403,8 +415,12 @@ def parse_config(
     *,
     environ: Mapping[str, str] | None = None,
     models_required: bool = True,
+    policies: PolicyBook | None = None,
 ) -> Config:
     """Validate config data; keys named by `env` are read from `environ` (os.environ).
+
+    `policies` reads `[router] balancing` and the policies' own tables (the server's);
+    without it the name is any text and no such table is known.
 
     `models_required=False` is a router apart's file (`llmgw-server router`): its models
     come from the control plane it follows, so it may declare none, and a key's `models`
@@ -415,7 +431,13 @@ def parse_config(
     server = read_table(root.table("server"), ServerSection, environ=environ)
     catalog = read_catalog(root, environ)
     router_table = root.table("router")
-    router = read_table(router_table, RouterSection)
+    if policies is None:
+        router = read_table(router_table, RouterSection)
+    else:
+        theirs = policies.tables()
+        mine = [k for k in router_table.data if k not in theirs]
+        router = policies.read(router_table, read_table(router_table, RouterSection, keys=mine))
+        router_table.finish()
     if router.hold_max_bytes_per_model < server.max_body_bytes:
         router_table.fail(
             "hold_max_bytes_per_model",
@@ -456,6 +478,7 @@ def parse_config(
         if (catalog.profiled and models_required) or root.has("agents")
         else AgentsTLS(),
         models_required=models_required,
+        policies=policies,
     )
     root.known("admin", "agents")  # absent or not, for the "did you mean" of a typo
     root.finish()

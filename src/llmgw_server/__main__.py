@@ -221,9 +221,11 @@ def run_cli(argv: list[str]) -> int:
     file = args.file if args.command == "check-config" else args.config
     if not file:
         parser.error("--config FILE is required")
+    from llmgw_server.router.policies import PolicyBook  # the balancing policies
+
     try:
         # A router apart may declare no model: the control plane it follows places them.
-        config = load_config(file, models_required=args.command != "router")
+        config = load_config(file, models_required=args.command != "router", policies=PolicyBook())
     except ConfigError as exc:
         print(f"llmgw-server: config error: {exc}", file=sys.stderr)
         return 2
@@ -301,8 +303,10 @@ def _admin(args: argparse.Namespace) -> int:
         return 2
     control, ca = args.control[-1] if args.control else None, args.ca  # the last one given
     if args.config and (control is None or ca is None):
+        from llmgw_server.router.policies import PolicyBook
+
         try:
-            config = load_config(args.config)
+            config = load_config(args.config, policies=PolicyBook())
         except ConfigError as exc:
             print(f"llmgw-server: config error: {exc}", file=sys.stderr)
             return 2

@@ -279,7 +279,11 @@ class Reloader:
         """Raises ConfigError (and changes nothing) when the file does not validate."""
         async with self._lock:
             try:
-                new = load_config(self.config.file, models_required=self.config.models_required)
+                new = load_config(
+                    self.config.file,
+                    models_required=self.config.models_required,
+                    policies=self.config.policies,  # as it was read first
+                )
             except ConfigError as exc:
                 log.error("reload refused, the running config stays: %s", exc)
                 raise

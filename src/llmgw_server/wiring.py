@@ -221,12 +221,12 @@ async def serve_router(
                 router.served.hold_at_start()
                 nursery.start_soon(_end_start_hold, router)
                 await nursery.start(http.serve, listeners)
-                if router.kv is not None:
-                    # balancing = "precise": what the engines hold, from their events
-                    # (pyzmq is imported by such a router alone).
-                    from llmgw_server.router.kv_feed import follow_kv_events
-
-                    await nursery.start(follow_kv_events, router.kv, router.served.endpoints)
+                feed = router.needs.feed()
+                if feed is not None:
+                    # The policy's own, as its module declares it (precise: what the
+                    # engines hold, from their KV-cache events; pyzmq is imported by
+                    # such a router alone).
+                    await nursery.start(feed, router.needs.shared, router.served.endpoints)
                 if followed is None:
                     await nursery.start(probe_forever, router, client)
                 else:

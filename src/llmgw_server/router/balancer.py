@@ -1,8 +1,8 @@
 """Choosing a replica: pure decisions, time passed in.
 
-Three ways to balance (`[router] balancing`), each a policy in policies/: cache_aware,
-least outstanding requests over available replicas (power of two choices once there are
-many), or round robin. In every mode a request with a session header goes to the
+Ways to balance (`[router] balancing`), each a policy in policies/ (one module each:
+cache_aware, precise, least outstanding requests over available replicas, round robin,
+and any other found there). In every mode a request with a session header goes to the
 replica that ranks highest for its session by rendezvous hashing: every router process
 sends a session to the same replica, with no memory shared or kept, and when that
 replica goes it moves to the next in its ranking (and back when it returns). Replicas
@@ -17,13 +17,13 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Collection, Container
+from typing import Any
 
 import attrs
 
 from llmgw_core.catalog import Endpoint
-from llmgw_core.config import Balancing, CacheAwareSection
-from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.policies import Choice, Decision, Policy, policy_for
+from llmgw_server.router.policies.policy import SESSION
 from llmgw_server.router.prefix import PromptKey, rendezvous, stable_hash
 from llmgw_server.router.replica import Replica
 
@@ -70,14 +70,16 @@ class Balancer:
     eject_cooldown_s: float = 10.0
     rng: random.Random = attrs.field(factory=random.Random)
     # A bare Balancer balances by least outstanding; the config's default is cache_aware.
-    balancing: Balancing = "least_outstanding"
-    tuning: CacheAwareSection = attrs.field(factory=CacheAwareSection)
-    kv: KvIndex | None = None  # what the engines hold, by their events (precise)
+    balancing: str = "least_outstanding"
+    tuning: Any = None  # the policy's config section (None: its defaults)
+    # The policy's per-process state (its needs' `shared`: precise's index of what the
+    # engines hold), None: a fresh one where it needs one.
+    shared: Any = None
     policy: Policy = attrs.field(init=False)
     _busy_until: float = 0.0  # the latest busy_until of any replica: no filter after it
 
     def __attrs_post_init__(self) -> None:
-        self.policy = policy_for(self.balancing, self.tuning, self.rng, self.kv)
+        self.policy = policy_for(self.balancing, self.tuning, self.rng, self.shared)
         self.policy.follow(self.replicas)
 
     def pick(
@@ -111,7 +113,7 @@ class Balancer:
         if session is not None:
             key = stable_hash(session)
             chosen = max(candidates, key=lambda r: rendezvous(key, r.rid))
-            choice = Choice(chosen, Decision.SESSION)
+            choice = Choice(chosen, SESSION)
         else:
             choice = self.policy.choose(candidates, prompt, now)
         self.policy.chosen(choice.replica, prompt, now)

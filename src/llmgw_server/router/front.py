@@ -29,9 +29,10 @@ from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.forwarding import Forwarder
 from llmgw_server.router.headers import client_key
 from llmgw_server.router.holding import Holds
-from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.outcomes import Outcomes
+from llmgw_server.router.policies import spec_of
+from llmgw_server.router.policy_needs import PolicyNeeds
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.recorder import LineWriter, RecordingResponder, new_request_id
 from llmgw_server.router.request_plan import Admission, admit
@@ -52,7 +53,6 @@ from llmgw_server.router.stored import (
     stored_path_id,
     with_response_id,
 )
-from llmgw_server.router.tokenizer import Tokenizer
 from llmgw_server.router.traffic_meter import TrafficMeter
 
 _CHAT = b"/v1/chat/completions"
@@ -98,13 +98,16 @@ class Router:
         self.keys = config.auth.keys  # digest -> the models it may use (None: all)
         self.routes = Routes(config.router.extra_paths)
         self.metrics = RouterMetrics()
-        # What each engine holds, by its own KV-cache events (router.kv_feed), for
-        # `balancing = "precise"`; with another policy, None.
-        self.kv = KvIndex() if config.router.balancing == "precise" else None
-        self.served = ServedModels(config, self.metrics, TrafficMeter(), self.kv)
+        # What the configured policy declares it needs (policies.policy.Needs): its
+        # per-process state (precise: what each engine holds, by its KV-cache events),
+        # the service that tokenizes prompts (None where it reads no token ids), the
+        # feed the wiring starts, its families on /metrics.
+        self.needs = PolicyNeeds(spec_of(config.router.balancing), self.metrics.tokenize_refused)
+        self.served = ServedModels(config, self.metrics, TrafficMeter(), self.needs.shared)
         self.forwarder = Forwarder(self.tuning, self.metrics, self.served)
         self.holds = Holds(self.tuning, self.metrics, self.served, self.forwarder.log_5xx)
-        self.tokenizer = Tokenizer(refused=self.metrics.tokenize_refused)
+        self.tokenizer = self.needs.tokens
+        self._policy_metrics = self.needs.metrics()
         self._tokenize_turn = 0
         self.ready = False  # the first health probe round is done
         self.draining = False
@@ -133,7 +136,7 @@ class Router:
             self.served.pools,
             trio.current_time(),
             self.tuning.cache_aware,
-            self.kv,
+            self._policy_metrics,
         )
 
     async def handle(self, request: Request, responder: Responder) -> None:
@@ -314,7 +317,8 @@ class Router:
         chat = path == _CHAT
         policy = balancer.policy
         prompt = policy.prompt_key(body, chat)
-        if prompt is None or not policy.wants_tokens(balancer.replicas):
+        tokenizer = self.tokenizer
+        if prompt is None or tokenizer is None or not policy.wants_tokens(balancer.replicas):
             return prompt
         # The prompt with its token ids, as an engine of the model tokenizes it (None
         # when none could say: the policy then decides without them).
@@ -324,7 +328,7 @@ class Router:
         # In turn: one engine does not tokenize the whole fleet's prompts.
         self._tokenize_turn += 1
         ask = self.served.pools[replicas[self._tokenize_turn % len(replicas)].endpoint]
-        tokens = await self.tokenizer.tokens(ask, model, body, chat, prompt)
+        tokens = await tokenizer.tokens(ask, model, body, chat, prompt)
         lora = model if model in self.served.adapters else None
         return attrs.evolve(prompt, tokens=tokens, lora=lora)
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
 from llmgw_core.prometheus import Histogram, family
 from llmgw_core.prometheus import labels as _labels
 from llmgw_server.router.balancer import Balancer, Choice
-from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.load_signals import LoadSignal
+from llmgw_server.router.policies import decisions_help
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.upstream import Pool
 
@@ -59,8 +59,10 @@ class RouterMetrics:
         pools: dict[Endpoint, Pool],
         now: float = 0.0,
         tuning: CacheAwareSection | None = None,
-        kv: KvIndex | None = None,
+        policy_metrics: Callable[[Sequence[str]], list[str]] | None = None,
     ) -> bytes:
+        """`policy_metrics`: the balancing policy's own families, given every replica's
+        URL (its needs' `metrics`)."""
         out: list[str] = []
 
         out += family(
@@ -162,7 +164,8 @@ class RouterMetrics:
             for r in balancer.replicas:
                 labels = _labels(model=model, endpoint=r.endpoint.url)
                 out.append(f"llmgw_replica_outstanding{labels} {r.outstanding}")
-        self._render_balancing(out, balancers, now, tuning or CacheAwareSection(), kv)
+        tuning = tuning or CacheAwareSection()
+        self._render_balancing(out, balancers, now, tuning, policy_metrics)
         return ("\n".join(out) + "\n").encode()
 
     def _render_access(self, out: list[str]) -> None:
@@ -189,17 +192,10 @@ class RouterMetrics:
         balancers: dict[str, Balancer],
         now: float,
         tuning: CacheAwareSection,
-        kv: KvIndex | None,
+        policy_metrics: Callable[[Sequence[str]], list[str]] | None,
     ) -> None:
-        out += family(
-            "llmgw_balancing_decisions_total",
-            "counter",
-            "Replica choices by kind: cache_hit (it holds the conversation so far), "
-            "load_override (the holder was loaded beyond the bound), fallback (nobody held it), "
-            "session (the session header), least_outstanding, round_robin; precise_hit, "
-            "precise_load_override, precise_spread (a hot prefix given one more replica), "
-            "precise_miss (no engine held a block of it).",
-        )
+        # Every policy's decisions, each as its module declares it.
+        out += family("llmgw_balancing_decisions_total", "counter", decisions_help())
         for (model, kind), n in sorted(self.decisions.items()):
             out.append(f"llmgw_balancing_decisions_total{_labels(model=model, kind=kind)} {n}")
         out += family(
@@ -242,25 +238,8 @@ class RouterMetrics:
                 if entries is not None:
                     labels = _labels(model=model, endpoint=r.endpoint.url)
                     out.append(f"llmgw_prefix_index_entries{labels} {entries}")
-        if kv is not None:
-            out += family(
-                "llmgw_kv_event_batches_total",
-                "counter",
-                "KV-cache event batches applied from each engine (balancing = precise).",
-            )
-            for url in sorted({r.endpoint.url for b in balancers.values() for r in b.replicas}):
-                batches = kv.batches(url)
-                out.append(f"llmgw_kv_event_batches_total{_labels(endpoint=url)} {batches}")
-            out += family(
-                "llmgw_kv_events_dropped_total",
-                "counter",
-                "KV-cache event messages dropped unapplied, by engine and reason: backlog "
-                "(more waited than the engine's share of the router's loop could apply), "
-                "replay (a replay past what an engine buffers); the engine's index entries "
-                "were cleared and rebuilt from the next message.",
-            )
-            for url, why, n in kv.drops():
-                out.append(f"llmgw_kv_events_dropped_total{_labels(endpoint=url, reason=why)} {n}")
+        if policy_metrics is not None:
+            out += policy_metrics([r.endpoint.url for b in balancers.values() for r in b.replicas])
         out += family(
             "llmgw_tokenize_refused_total",
             "counter",

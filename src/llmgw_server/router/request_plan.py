@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from llmgw_server.router.balancer import Verdict, judge
-from llmgw_server.router.policies import Choice, Decision
+from llmgw_server.router.policies import Choice
+from llmgw_server.router.policies.policy import STORED_RESPONSE
 from llmgw_server.router.replica import Replica
 
 
@@ -105,7 +106,7 @@ class Attempts:
             if self.pinned is None:
                 choice = choose(tried)
             elif not tried:
-                choice = Choice(self.pinned, Decision.STORED_RESPONSE)
+                choice = Choice(self.pinned, STORED_RESPONSE)
         if choice is None or choice.replica in tried:
             self.gave_up = True
             return GiveUp(self.last)

@@ -21,10 +21,10 @@ from llmgw_core.tomlshape import did_you_mean
 from llmgw_core.traffic import MODEL_ROW, Sample
 from llmgw_server.reload import ReloadPlan
 from llmgw_server.router.balancer import Balancer, Replica
-from llmgw_server.router.kv_index import KvIndex
 from llmgw_server.router.meter import ModelMeter
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.model_cards import plain_card
+from llmgw_server.router.policies import section_for, spec_of
 from llmgw_server.router.stored import Holder, model_tag
 from llmgw_server.router.traffic_meter import TrafficMeter
 from llmgw_server.router.upstream import Pool
@@ -32,14 +32,16 @@ from llmgw_server.router.upstream import Pool
 
 class ServedModels:
     def __init__(
-        self, config: Config, metrics: RouterMetrics, traffic: TrafficMeter, kv: KvIndex | None
+        self, config: Config, metrics: RouterMetrics, traffic: TrafficMeter, shared: object
     ) -> None:
         self.config = config
         self.tuning = config.router
         self.metrics = metrics
         self.traffic = traffic  # by model and replica, for the fleet page
-        # What each engine holds, by its own KV-cache events, for the precise policy.
-        self.kv = kv
+        # The policy's per-process state, every model's (precise: what each engine
+        # holds, by its own KV-cache events); None where it declares none.
+        self.shared = shared
+        self.section = section_for(spec_of(self.tuning.balancing), self.tuning)
         self.pools: dict[Endpoint, Pool] = {}
         self.balancers: dict[str, Balancer] = {}
         # Each model's description from its engines (health.py reads them): /v1/models.
@@ -76,8 +78,8 @@ class ServedModels:
                 eject_after_failures=self.tuning.eject_after_failures,
                 eject_cooldown_s=self.tuning.eject_cooldown_s,
                 balancing=self.tuning.balancing,
-                tuning=self.tuning.cache_aware,
-                kv=self.kv,
+                tuning=self.section,
+                shared=self.shared,
             )
         for endpoint in endpoints:
             if endpoint not in self.pools:

@@ -40,11 +40,15 @@ from collections.abc import Sequence
 import attrs
 
 from llmgw_core.config import CacheAwareSection
-from llmgw_server.router.policies.policy import Choice, Decision
+from llmgw_server.router.policies.policy import Choice, Decision, Given, Policy, PolicySpec
 from llmgw_server.router.prefix import PrefixIndex, PromptKey, prompt_key, rendezvous
 from llmgw_server.router.replica import Replica
 
 SHARE_WINDOW_PER_REPLICA = 8
+
+CACHE_HIT = Decision("cache_hit", "it holds the conversation so far")
+LOAD_OVERRIDE = Decision("load_override", "the holder was loaded beyond the bound")
+FALLBACK = Decision("fallback", "nobody held it: rendezvous, or load for a shared prefix")
 
 
 def load_of(replica: Replica, tuning: CacheAwareSection, now: float | None) -> float:
@@ -95,7 +99,7 @@ class CacheAware:
         loads = {r: load_of(r, tuning, now) for r in candidates}
         least = min(loads.values())
         if prompt is None:
-            return Choice(self._least_loaded(candidates, loads), Decision.FALLBACK)
+            return Choice(self._least_loaded(candidates, loads), FALLBACK)
         key = prompt
         at = 0.0 if now is None else now
         depths = {r: held[r].prefixes.depth(key, at) for r in candidates}
@@ -107,16 +111,16 @@ class CacheAware:
             best = [r for r in holders if depths[r] == top and loads[r] <= bound]
             if best:
                 chosen = self._least_loaded(best, loads)
-                return Choice(chosen, Decision.CACHE_HIT, key.ends[top - 1])
+                return Choice(chosen, CACHE_HIT, key.ends[top - 1])
             within = [r for r in candidates if loads[r] <= bound]
             deepest = max(depths[r] for r in within)
             chosen = self._least_loaded([r for r in within if depths[r] == deepest], loads)
-            return Choice(chosen, Decision.LOAD_OVERRIDE, _matched(key, deepest))
+            return Choice(chosen, LOAD_OVERRIDE, _matched(key, deepest))
 
         deepest = max(depths.values())
         if deepest and key.ends[deepest - 1] >= tuning.shared_prefix_ratio * key.size:
             chosen = self._least_loaded(candidates, loads)
-            return Choice(chosen, Decision.FALLBACK, _matched(key, depths[chosen]))
+            return Choice(chosen, FALLBACK, _matched(key, depths[chosen]))
 
         counts = {r: held[r].prefixes.conversations(at) for r in candidates}
         cap = math.ceil(tuning.max_share * (sum(counts.values()) + 1) / len(candidates)) + 1
@@ -126,7 +130,7 @@ class CacheAware:
             within = [r for r in candidates if loads[r] <= near]
         anchor = key.anchor_hash
         chosen = max(within, key=lambda r: rendezvous(anchor, r.rid))
-        return Choice(chosen, Decision.FALLBACK, _matched(key, depths[chosen]))
+        return Choice(chosen, FALLBACK, _matched(key, depths[chosen]))
 
     def _least_loaded(self, replicas: Sequence[Replica], loads: dict[Replica, float]) -> Replica:
         """The least loaded; among equals the one with the smallest recent share."""
@@ -165,3 +169,17 @@ class CacheAware:
 
 def _matched(key: PromptKey, depth: int) -> int:
     return key.ends[depth - 1] if depth else 0
+
+
+def _build(given: Given) -> Policy:
+    return CacheAware(given.section)
+
+
+# Its section, [router.cache_aware], is also RouterSection's own: its engine-load
+# settings are read by health and the metrics whatever the policy.
+POLICY = PolicySpec(
+    "cache_aware",
+    _build,
+    section=CacheAwareSection,
+    decisions=(CACHE_HIT, LOAD_OVERRIDE, FALLBACK),
+)

@@ -1,10 +1,12 @@
-"""What a balancing policy is: the interface the balancer drives, and what it answers."""
+"""What a balancing policy is: the interface the balancer drives, what it answers, and
+what its module declares (`PolicySpec`: its name, config section, decisions, needs).
+"""
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
-from typing import Protocol
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -12,20 +14,20 @@ from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.replica import Replica
 
 
-class Decision(enum.Enum):
-    """Why a replica was chosen, as counted on /metrics."""
+@attrs.frozen(slots=True, eq=False)
+class Decision:
+    """Why a replica was chosen, as counted on /metrics: `value` is its `kind` label there,
+    `help` what it means on the page's help. Each policy module declares its own (its
+    spec's `decisions`); compared by identity."""
 
-    CACHE_HIT = "cache_hit"  # it holds the conversation so far
-    LOAD_OVERRIDE = "load_override"  # another held it but was loaded beyond the bound
-    FALLBACK = "fallback"  # nobody held it: rendezvous, or load for a shared prefix
-    SESSION = "session"  # the session header's rendezvous
-    STORED_RESPONSE = "stored_response"  # the replica that stored the response it names
-    LEAST_OUTSTANDING = "least_outstanding"
-    PRECISE_HIT = "precise_hit"  # its engine says it holds the longest prefix
-    PRECISE_LOAD_OVERRIDE = "precise_load_override"  # a holder was loaded beyond the bound
-    PRECISE_SPREAD = "precise_spread"  # a hot prefix: one more replica takes it
-    PRECISE_MISS = "precise_miss"  # no engine holds a block of it: placed as cache_aware
-    ROUND_ROBIN = "round_robin"
+    value: str
+    help: str
+
+
+# The router's own, whatever the policy: a session header, a stored response.
+SESSION = Decision("session", "the session header's rendezvous")
+STORED_RESPONSE = Decision("stored_response", "the replica that stored the response it names")
+ROUTER_DECISIONS = (SESSION, STORED_RESPONSE)
 
 
 @attrs.frozen(slots=True)
@@ -105,3 +107,66 @@ class Oblivious:
 
     def remembered(self, replica: Replica) -> int | None:
         return None
+
+
+@attrs.frozen(slots=True)
+class Given:
+    """What a policy is built with, for one model's replicas."""
+
+    section: Any  # its config section, as read (its spec's `section` class)
+    rng: random.Random
+    # Its per-process state (its needs' `shared()`, one for all the models), None where
+    # it declares none.
+    shared: Any = None
+
+
+@attrs.frozen
+class Needs:
+    """What a policy needs from the router beyond the request, served generically.
+
+    The prompt and the engines' load are asked per request of the policy itself
+    (`Policy.reads_prompt`, `reads_engine_load`: the router hashes the prompt, health
+    reads the engines' /metrics); the rest, declared here, is set up once a process.
+    A service that does I/O is named as "module:attribute", imported by the router
+    or the wiring that starts it, never by the policy's module: the decisions take no
+    I/O (the lint contract on policies/).
+    """
+
+    # Its per-process state: made once, given to every model's policy (`Given.shared`),
+    # to the feed and to `metrics`.
+    shared: Callable[[], object] | None = None
+    # The prompt's token ids (`PromptKey.tokens`) where `Policy.wants_tokens`: the class
+    # the router asks them of, built as `cls(refused=Counter)` (its refusals, counted
+    # in llmgw_tokenize_refused_total), with `async tokens(pool, model, body, chat,
+    # prompt)`.
+    tokens: str | None = None
+    # A task the wiring starts beside the router: `await nursery.start(feed, shared,
+    # endpoints)`, `endpoints()` every replica's endpoint now.
+    feed: str | None = None
+    # The policy's own families on /metrics: `metrics(shared, urls)` -> lines, `urls`
+    # every replica's.
+    metrics: Callable[[Any, Sequence[str]], list[str]] | None = None
+
+
+@attrs.frozen
+class PolicySpec:
+    """A policy module's declaration, its module-level `POLICY`: what `[router]
+    balancing` names, what it reads of the config, what it counts, what it needs, and
+    how one is built. Every module of this package that has one is a policy
+    (policies.registered)."""
+
+    name: str  # `[router] balancing = "<name>"`
+    build: Callable[[Given], Policy]
+    # Its config section: the table `[router.<section_key>]` read into this attrs class
+    # (every field defaulted: an absent table is `section()`). None: it reads none.
+    section: type | None = None
+    section_key: str | None = None  # default: `name`
+    decisions: tuple[Decision, ...] = ()  # the ones its choices carry
+    needs: Needs = Needs()
+
+    @property
+    def table(self) -> str | None:
+        """The key of its table under `[router]`, None where it reads none."""
+        if self.section is None:
+            return None
+        return self.section_key or self.name

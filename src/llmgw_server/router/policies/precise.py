@@ -44,15 +44,30 @@ from collections import Counter, deque
 from collections.abc import Sequence
 
 from llmgw_core.config import CacheAwareSection
+from llmgw_core.prometheus import family, labels
 from llmgw_server.router.kv_index import KvIndex, block_chain
 from llmgw_server.router.policies.cache_aware import (
     SHARE_WINDOW_PER_REPLICA,
     CacheAware,
     load_of,
 )
-from llmgw_server.router.policies.policy import Choice, Decision
+from llmgw_server.router.policies.policy import (
+    Choice,
+    Decision,
+    Given,
+    Needs,
+    Policy,
+    PolicySpec,
+)
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.replica import Replica
+
+PRECISE_HIT = Decision("precise_hit", "its engine says it holds the longest prefix")
+PRECISE_LOAD_OVERRIDE = Decision(
+    "precise_load_override", "a holder was loaded beyond the bound: the one within it"
+)
+PRECISE_SPREAD = Decision("precise_spread", "a hot prefix given one more replica")
+PRECISE_MISS = Decision("precise_miss", "no engine held a block of it: placed as cache_aware would")
 
 
 class Precise:
@@ -104,7 +119,7 @@ class Precise:
             # by load alone measured 0.88-0.94x cache_aware's TTFT p90 on the saturated
             # evicting stage over three runs; this way 0.98x in one).
             chosen = self.approximate.choose(candidates, prompt, now).replica
-            return Choice(chosen, Decision.PRECISE_MISS, 0, 0)
+            return Choice(chosen, PRECISE_MISS, 0, 0)
         tuning = self.tuning
         loads = {r: load_of(r, tuning, now) for r in candidates}
         least = min(loads.values())
@@ -126,11 +141,11 @@ class Precise:
             # More of the model's last requests wanted this prefix than its holders'
             # share: one more replica takes it (and caches it), the least loaded without.
             chosen = min(others, key=lambda r: (loads[r], recent[r]))
-            return Choice(chosen, Decision.PRECISE_SPREAD, 0, 0)
+            return Choice(chosen, PRECISE_SPREAD, 0, 0)
         best = max((held.get(r, 0) for r in within), default=0)
         pool = [r for r in within if held.get(r, 0) == best]
         chosen = min(pool, key=lambda r: (loads[r], recent[r]))
-        decision = Decision.PRECISE_HIT if best == top else Decision.PRECISE_LOAD_OVERRIDE
+        decision = PRECISE_HIT if best == top else PRECISE_LOAD_OVERRIDE
         # The metrics count bytes of the prompt: its cached tokens' share of them.
         matched = prompt.size * held.get(chosen, 0) // max(len(tokens), 1)
         return Choice(chosen, decision, matched, held.get(chosen, 0))
@@ -203,3 +218,50 @@ class Precise:
 
     def remembered(self, replica: Replica) -> int | None:
         return self.index.held(replica.endpoint.url)
+
+
+def kv_metrics(index: KvIndex, urls: Sequence[str]) -> list[str]:
+    """Its families on /metrics: the event batches applied, the messages dropped."""
+    out: list[str] = []
+    out += family(
+        "llmgw_kv_event_batches_total",
+        "counter",
+        "KV-cache event batches applied from each engine (balancing = precise).",
+    )
+    for url in sorted(set(urls)):
+        out.append(f"llmgw_kv_event_batches_total{labels(endpoint=url)} {index.batches(url)}")
+    out += family(
+        "llmgw_kv_events_dropped_total",
+        "counter",
+        "KV-cache event messages dropped unapplied, by engine and reason: backlog "
+        "(more waited than the engine's share of the router's loop could apply), "
+        "replay (a replay past what an engine buffers); the engine's index entries "
+        "were cleared and rebuilt from the next message.",
+    )
+    for url, why, n in index.drops():
+        out.append(f"llmgw_kv_events_dropped_total{labels(endpoint=url, reason=why)} {n}")
+    return out
+
+
+def _build(given: Given) -> Policy:
+    return Precise(given.section, given.shared)
+
+
+# Its section is cache_aware's: it places as cache_aware where the events tell nothing.
+POLICY = PolicySpec(
+    "precise",
+    _build,
+    section=CacheAwareSection,
+    section_key="cache_aware",
+    decisions=(PRECISE_HIT, PRECISE_LOAD_OVERRIDE, PRECISE_SPREAD, PRECISE_MISS),
+    needs=Needs(
+        # What every engine holds, by its own events: one index a router process.
+        shared=KvIndex,
+        # The engine's own /tokenize (router.tokenizer), asked by the router.
+        tokens="llmgw_server.router.tokenizer:Tokenizer",
+        # Each engine's KV-cache events into the index (router.kv_feed: pyzmq is
+        # imported by such a router alone).
+        feed="llmgw_server.router.kv_feed:follow_kv_events",
+        metrics=kv_metrics,
+    ),
+)

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmgw_server.router.policies.policy import Choice, Decision, Oblivious
+from llmgw_server.router.policies.policy import (
+    Choice,
+    Decision,
+    Given,
+    Oblivious,
+    Policy,
+    PolicySpec,
+)
 from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.replica import Replica
+
+ROUND_ROBIN = Decision("round_robin", "the next replica in turn")
 
 
 class RoundRobin(Oblivious):
@@ -17,4 +26,11 @@ class RoundRobin(Oblivious):
         self, candidates: Sequence[Replica], prompt: PromptKey | None, now: float | None
     ) -> Choice:
         self._turn = (self._turn + 1) % len(candidates)
-        return Choice(candidates[self._turn], Decision.ROUND_ROBIN)
+        return Choice(candidates[self._turn], ROUND_ROBIN)
+
+
+def _build(given: Given) -> Policy:
+    return RoundRobin()
+
+
+POLICY = PolicySpec("round_robin", _build, decisions=(ROUND_ROBIN,))
