@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import attrs
 import pytest
 
+import llmgw_server
 from llmgw_core.catalog import Endpoint
 from llmgw_core.config import CacheAwareSection
 from llmgw_core.kv_events import BlockStored, KvBatch
@@ -247,3 +250,24 @@ def test_precise_keeps_a_prefix_only_some_requests_share_where_it_is() -> None:
         policy.chosen(choice.replica, key, 0.01 * i)
         homes.setdefault(group, set()).add(choice.replica)
     assert all(len(replicas) == 1 for replicas in homes.values()), homes
+
+
+def test_only_precise_names_its_index_its_feed_and_its_tokenizer() -> None:
+    """No module but policies/precise.py imports router.kv_index, kv_feed or tokenizer
+    (which import each other): the router and the wiring serve what precise declares it
+    needs (its Needs), as they would any policy's."""
+    theirs = {f"llmgw_server.router.{m}" for m in ("kv_index", "kv_feed", "tokenizer")}
+    src = Path(llmgw_server.__file__).parent.parent
+    importers = set()
+    for path in src.rglob("*.py"):
+        module = ".".join(path.relative_to(src).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                named = {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                named = {a.name for a in node.names}
+            else:
+                continue
+            if named & theirs:
+                importers.add(module)
+    assert importers - theirs == {"llmgw_server.router.policies.precise"}
