@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -110,15 +110,6 @@ def decisions_help() -> str:
             own = ", ".join(f"{d.value} ({d.help})" for d in spec.decisions)
             parts.append(f"{name}: {own}")
     return "Replica choices by kind: " + "; ".join(parts) + "."
-
-
-def every_decision() -> Sequence[Decision]:
-    """The router's own decisions and every policy's, each once."""
-    seen: dict[str, Decision] = {d.value: d for d in ROUTER_DECISIONS}
-    for spec in registered().values():
-        for d in spec.decisions:
-            seen.setdefault(d.value, d)
-    return list(seen.values())
 
 
 class PolicyBook:

@@ -18,7 +18,7 @@ from llmgw_server.router.prefix import PromptKey
 from llmgw_server.router.replica import Replica
 
 LEAST_OUTSTANDING = Decision(
-    "least_outstanding", "the fewest of this router's requests in flight (of two sampled)"
+    "least_outstanding", "the fewest of this router's requests in flight, of two sampled if many"
 )
 _P2C_ABOVE = 4  # below this many candidates a full scan is as cheap as sampling
 
