@@ -21,9 +21,10 @@ import httpx
 import pytest
 import trio
 
-from llmgw_core.config import load_config
+from llmgw_core.config import Config, load_config
 from llmgw_http.server import HTTPServer, ServerLimits
 from llmgw_server import __main__ as cli
+from llmgw_server.reload import Reloader, ReloadPlan
 from llmgw_server.router import policies
 from llmgw_server.router.front import Router
 from llmgw_server.router.policies import PolicyBook, registered
@@ -163,3 +164,19 @@ async def test_a_router_routes_by_it_and_counts_its_decisions(
     assert metric(page, "llmgw_pick_by_index_picks_total", endpoint=second) == 4
     assert metric(page, "llmgw_pick_by_index_picks_total", endpoint=engines[0].url) == 0
     assert replica.outstanding == 0 and replica.failures == 0
+
+
+async def test_a_reload_reads_the_file_with_the_policies_it_was_read_with(
+    written: Path, tmp_path: Path
+) -> None:
+    path = config_file(tmp_path, ["http://127.0.0.1:1"], f"[router.{NAME}]\nindex = 1\n")
+    config = load_config(path, policies=PolicyBook())
+    assert config.policies == PolicyBook()
+    applied: list[Config] = []
+
+    async def apply(new: Config, plan: ReloadPlan) -> None:
+        applied.append(new)
+
+    await Reloader(config, apply).reload()  # its table is known again
+    (section,) = [s for key, s in applied[0].router.policy_sections if key == NAME]
+    assert section == config.router.policy_sections[0][1] and section.index == 1  # type: ignore[attr-defined]
