@@ -13,8 +13,9 @@ import trio.testing
 
 from llmgw_core.agent_lane import come_back_s, not_leader_url
 from llmgw_core.config import parse_config
+from llmgw_server.control.hello_answer import HANDSHAKES_PER_LOST_LEADER, HandshakeBudget
 from llmgw_server.control_shell.election import Member, Standing
-from llmgw_server.control_shell.seat import HANDSHAKES_PER_LOST_LEADER, Seat
+from llmgw_server.control_shell.seat import Seat
 
 HERE = "ws://127.0.0.1:2"
 OTHER = "ws://127.0.0.1:3"
@@ -47,7 +48,7 @@ def seat_standing(
 def spend(seat: Seat, lost: int = 8) -> None:
     """The handshakes at once for agents that lost epoch `lost` are spent (the first
     hellos get theirs: a test below)."""
-    seat._handshakes_lost, seat._handshakes = lost, HANDSHAKES_PER_LOST_LEADER
+    seat.handshakes = HandshakeBudget(spent={lost: HANDSHAKES_PER_LOST_LEADER})
 
 
 def stand(seat: Seat, *, leading: bool, leader: str | None, epoch: int) -> None:
@@ -154,7 +155,7 @@ async def test_the_first_agents_that_lost_a_leader_get_their_handshake_at_once()
     wait for the election without one, or are sent to the leader. Agents that lost a
     later leadership have a budget of their own."""
     seat = seat_standing(leading=False, leader=None, epoch=8)
-    seat._handshakes_lost = -1
+    seat.handshakes = HandshakeBudget()
     for _ in range(HANDSHAKES_PER_LOST_LEADER - 1):
         assert await seat._answer_agent(8) is None
     assert seat.metrics.hellos_answered["handshake"] == HANDSHAKES_PER_LOST_LEADER - 1
@@ -168,3 +169,33 @@ async def test_the_first_agents_that_lost_a_leader_get_their_handshake_at_once()
     with trio.move_on_after(0.1) as waited:
         await standby._answer_agent(8)
     assert waited.cancelled_caught  # past the budget: waits for the election, no handshake
+
+
+async def test_a_hello_that_waits_asks_for_the_lost_leaders_check_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The store still names the leader the agent lost: its process is checked (at most
+    once a second per leadership, leader_gone), asked by the hello's first answer only,
+    not again each time the standing is read while the hello waits."""
+    seat = seat_standing(leading=False, leader=OTHER, epoch=8)
+    checked: list[tuple[str, int, float]] = []
+
+    async def check(election: object, leader: Member, epoch: int) -> None:
+        checked.append((leader.url, epoch, trio.current_time()))
+
+    seat._check_leader = check  # type: ignore[method-assign]  # no process to probe
+    answers: list[bytes | None] = []
+
+    async def ask() -> None:
+        answers.append(await seat._answer_agent(8))
+
+    async with trio.open_nursery() as nursery:
+        seat._nursery = nursery
+        nursery.start_soon(ask)
+        for _ in range(3):
+            await trio.sleep(0.6)
+            stand(seat, leading=False, leader=OTHER, epoch=8)  # read again: nothing newer
+    assert checked == [(OTHER, 8, 0.0)]
+    (line,) = answers
+    url, wait = said(line)
+    assert url is None and wait is not None and 0 < wait <= 0.5

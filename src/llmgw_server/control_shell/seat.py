@@ -24,13 +24,20 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from llmgw_core.agent_lane import come_back_line, not_leader_line
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Catalog
 from llmgw_core.config import Config
 from llmgw_core.store_config import StoreSection
 from llmgw_http.server import Request, Responder
 from llmgw_server.control.documents import ControlDoc, ControlPlaneDoc
+from llmgw_server.control.hello_answer import (
+    COME_BACK,
+    HandshakeBudget,
+    HelloAnswer,
+    HelloStanding,
+    LeaderChecks,
+    answer_hello,
+)
 from llmgw_server.control.persisted import Keeper
 from llmgw_server.control_shell.admin import AdminAPI
 from llmgw_server.control_shell.agents import AGENT_PATH
@@ -63,25 +70,11 @@ _HOLD_S = 8.0  # the longest a standby holds a stream for the election
 # registrations 2.8 s behind its election).
 _CAMPAIGN_DEFER_S = 0.25
 _MEMBERS_S = 1.0  # status waits this long for the store's list of control planes
-# When an agent that lost its leader comes back (agent_lane.come_back_line), plus its own
-# jitter: while nobody leads (an election takes a transaction or two), and while the store
-# still names the leader it lost (until that lease ends, at most this or a quarter lease).
-_ELECTION_COME_BACK_S = 0.2
-_NAMED_LOST_COME_BACK_S = 0.5
-# How long such a hello waits for the election before that answer (under the port's
-# ANSWER_WAIT_S), and how many wait at once (each a socket and a task; past that, at once).
+# How long an agent's hello that lost its leader waits for the election before it is told
+# to come back (under the port's ANSWER_WAIT_S), and how many wait at once (each a socket
+# and a task; past that, told at once).
 _ANSWER_HOLD_S = 2.0
 _ANSWERS_HELD_MAX = 16384
-# Of the agents that lost one leadership, how many a control plane takes through their
-# handshake at once (during the election, their streams then held, StandbyAnswers; or
-# after it, as their leader) before the rest wait without one and are sent to the leader:
-# handshakes done during the election are done when it ends, and one at the leader needs
-# no second dial (1,000 agents: all on the new leader 3.4-3.6 s after a SIGKILL, against
-# 4.3-5.1 s with every hello sent on), but a whole fleet's (10,000) on one standby starved
-# the machine, agents held by a standby that lost pay a second handshake, and a leader's
-# queue of 10,000 outlasts a failing-over agent's patience (a named leader's is whole).
-# About what a control plane's agents' lane has places for.
-HANDSHAKES_PER_LOST_LEADER = 2048
 _LOST_HELLOS_RECENT_S = 2.0  # hellos of agents that lost their leader this recent: campaign
 
 
@@ -146,13 +139,11 @@ class Seat:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.closing = False
-        self._checked: tuple[int, float] = (0, float("-inf"))  # (epoch, when) of the last check
+        self._leader_checks = LeaderChecks(RECHECK_S)  # of the leader the store names
         self.deposed = 0  # leaderships this control plane ended in the store (leader_gone)
         self._lost_hello_at = float("-inf")  # the last hello of an agent that lost its leader
         self._answers_held = 0  # such hellos waiting for the election (_answer_agent)
-        # Hellos of agents that lost the leadership of this epoch taken through their
-        # handshake at once (_handshake_for).
-        self._handshakes_lost, self._handshakes = -1, 0
+        self.handshakes = HandshakeBudget()  # given to them at once, per lost epoch
 
     # -- what others read ------------------------------------------------------
 
@@ -244,20 +235,24 @@ class Seat:
             await election.changed()
 
     def _suspect(self, url: str) -> None:
-        """A held stream's peer lost the leader the store names, at `url`: check whether
-        its process is gone (leader_gone), at most once a RECHECK_S per leadership."""
-        election, nursery = self.election, self._nursery
-        if election is None or nursery is None:
+        """A peer lost the leader the store names, at `url`: check whether its process is
+        gone (leader_gone), at most once a RECHECK_S per leadership."""
+        election = self.election
+        if election is None:
             return
         standing, now = election.standing, trio.current_time()
         leader = standing.leader
         if leader is None or standing.leading or leader.url != url:
             return
-        epoch, at = self._checked
-        if epoch == standing.epoch and now - at < RECHECK_S:
+        if self._leader_checks.due(standing.epoch, now):
+            self._check_leader_soon(leader, standing.epoch, now)
+
+    def _check_leader_soon(self, leader: Member, epoch: int, now: float) -> None:
+        election, nursery = self.election, self._nursery
+        if election is None or nursery is None:
             return
-        self._checked = (standing.epoch, now)
-        nursery.start_soon(self._check_leader, election, leader, standing.epoch)
+        self._leader_checks.checked(epoch, now)
+        nursery.start_soon(self._check_leader, election, leader, epoch)
 
     async def _check_leader(self, election: Election, leader: Member, epoch: int) -> None:
         url = leader.url
@@ -279,71 +274,56 @@ class Seat:
 
     async def _answer_agent(self, lost: int | None) -> bytes | None:
         """The line an agent's hello is answered with before any TLS (agent_lane), None to
-        serve it here. `lost`: the newest epoch the agent has seen, when it lost its
-        leader. Such an agent is sent to a leader of a newer epoch (this control plane
-        itself, when it leads: it dials again with a named leader's patience and is
-        queued for its one handshake as in a restart storm). While there is none (the
-        election is not over, or the store still names the leader it lost, whose process
-        is then checked, leader_gone), the first of them are served here (a handshake,
-        then their streams held through the election); the rest wait here, a socket and
-        no TLS, until there is, _ANSWER_HOLD_S at most, and are then told to come back
-        soon. A leader serves the first of them at once too (HANDSHAKES_PER_LOST_LEADER
-        in all). Any other
-        agent is sent to the leader a standby names, else served (and held through an
-        election)."""
+        serve it here (hello_answer.answer_hello decides). `lost`: the newest epoch the
+        agent has seen, when it lost its leader. Told to come back, such a hello first
+        waits here, a socket and no TLS, for the election to name a newer leader,
+        _ANSWER_HOLD_S at most. What the answer given says is done once: the lost leader
+        checked (asked of the first answer only), a handshake taken from the budget."""
+        now = trio.current_time()
         if lost is not None:
-            self._lost_hello_at = trio.current_time()
-        line, answer = self._answer_now(lost)
-        if answer == "come_back" and self._answers_held < _ANSWERS_HELD_MAX:
+            self._lost_hello_at = now
+        answer = self._answer_now(lost, now)
+        if answer.check_leader is not None:
+            self._check_leader_soon(self._named_leader(), self._standing().epoch, now)
+        if answer.answer == COME_BACK and self._answers_held < _ANSWERS_HELD_MAX:
             self._answers_held += 1
             try:
                 with trio.move_on_after(_ANSWER_HOLD_S):
-                    while answer == "come_back":
+                    while answer.answer == COME_BACK:
                         await self.changed()
-                        line, answer = self._answer_now(lost)
+                        answer = self._answer_now(lost, trio.current_time())
             finally:
                 self._answers_held -= 1
-        if answer is not None:
-            self.metrics.hellos_answered[answer] += 1
-        return line
+        if answer.spend is not None:
+            self.handshakes.spend(answer.spend)
+        if answer.answer is not None:
+            self.metrics.hellos_answered[answer.answer] += 1
+        return answer.line
 
-    def _answer_now(self, lost: int | None) -> tuple[bytes | None, str | None]:
-        """The line for an agent's hello as things stand, and which answer it is (the
-        label on /metrics; None: served here)."""
-        if lost is None:
-            url = self.leadership().leader_url
-            line = None if url is None else not_leader_line(url + AGENT_PATH.decode())
-            return line, None if line is None else "leader"
-        standing = self.election.standing if self.election is not None else None
-        leader = standing.leader if standing is not None else None
-        wait = _ELECTION_COME_BACK_S
-        if standing is not None and leader is not None and standing.store_ok:
-            if standing.epoch > lost:
-                here = standing.leading and self.plane is not None
-                if here and self._handshake_for(lost):
-                    return None, "handshake"  # served here, at once
-                line = not_leader_line((self.url if here else leader.url) + AGENT_PATH.decode())
-                if line is not None and (here or not standing.leading):
-                    return line, "this_leader" if here else "leader"
-            elif not standing.leading:
-                self._suspect(leader.url)
-                wait = min(_NAMED_LOST_COME_BACK_S, self.store.lease_ttl_s / 4)
-        if self._handshake_for(lost):
-            # Its handshake now, while the election runs, and its stream held through it
-            # (StandbyAnswers): served on that connection by this control plane's term if
-            # it wins, the campaign's likely winner (it campaigns first).
-            return None, "handshake"
-        return come_back_line(wait), "come_back"
+    def _answer_now(self, lost: int | None, now: float) -> HelloAnswer:
+        standing = self._standing()
+        leader = standing.leader
+        agents = AGENT_PATH.decode()
+        seen = HelloStanding(
+            here=self.url + agents,
+            leading=standing.leading,
+            term_begun=self.plane is not None,
+            epoch=standing.epoch,
+            leader=None if leader is None else leader.url + agents,
+            store_ok=standing.store_ok,
+            lease_ttl_s=self.store.lease_ttl_s,
+        )
+        return answer_hello(lost, seen, self.handshakes, self._leader_checks, now)
 
-    def _handshake_for(self, lost: int) -> bool:
-        """Whether an agent that lost the leadership of epoch `lost` is taken through its
-        handshake here now: the first HANDSHAKES_PER_LOST_LEADER of them are."""
-        if lost != self._handshakes_lost:
-            self._handshakes_lost, self._handshakes = lost, 0
-        if self._handshakes >= HANDSHAKES_PER_LOST_LEADER:
-            return False
-        self._handshakes += 1
-        return True
+    def _standing(self) -> Standing:
+        if self.election is None:
+            return Standing(False, 0, None, None, "the election has not started", False)
+        return self.election.standing
+
+    def _named_leader(self) -> Member:
+        leader = self._standing().leader
+        assert leader is not None  # an answer asks for a check only of a leader named
+        return leader
 
     def _campaign_delay_s(self) -> float:
         # Agents that lost the leader dial the control plane after it in their lists: that
