@@ -91,7 +91,6 @@ import trio
 from llmgw_core.agent_lane import (
     AGENT_ALPN,
     AGENT_QUEUE_S,
-    COME_BACK_PREFIX,
     LOST_LEADER_ALPN,
     MAX_COME_BACK_S,
     ROUTER_ALPN,
@@ -611,8 +610,6 @@ class Gate:
         # TLS (agent_lane: the leader's URL, or when to come back), None to serve it here.
         # It may take a while (an election under way): at most ANSWER_WAIT_S.
         self.redirect: Callable[[int | None], Awaitable[bytes | None]] | None = None
-        self.sent_to_leader = 0
-        self.told_to_come_back = 0  # agents' hellos answered so, without a handshake
 
     async def _leader_line(self, hello: bytes, scope: trio.CancelScope) -> bytes | None:
         """The line answering an agent's hello before any TLS, None to serve it here. An
@@ -623,12 +620,7 @@ class Gate:
         if LOST_LEADER_ALPN in offered:
             return None
         scope.deadline = max(scope.deadline, trio.current_time() + ANSWER_WAIT_S)
-        line = await self.redirect(lost_epoch(offered))
-        if line is not None and line.startswith(COME_BACK_PREFIX):
-            self.told_to_come_back += 1
-        elif line is not None:
-            self.sent_to_leader += 1
-        return line
+        return await self.redirect(lost_epoch(offered))
 
     async def reset_refused(self) -> None:
         """Reset the refused connections whose time has come, until cancelled (then all)."""
