@@ -1,0 +1,253 @@
+"""A control plane's port flooded with anonymous hellos that say they lost a leader
+(llmgw_core.agent_lane's lost-leader ALPN name, no client certificate, all from one
+address), over real loopback sockets: the port's per-address bound (per_source_pending,
+64) caps how many of them the seat holds for the election at once, and the budget
+(HANDSHAKES_PER_LOST_LEADER) caps the handshakes they take. One address can spend the
+whole budget: an agent that fails over afterwards gets no handshake at once, and takes
+the slower path (its hello waits for the election, without TLS, and is sent to the
+winner, where it dials again for its handshake), but it gets its answer and registers.
+
+The seat is a real one, its election a stand-in (the standing is all it reads); the
+port is the one every control plane serves (serve_control_listeners); the agent dials
+with the agent's own code (open_agent_stream), from an address of its own."""
+
+from __future__ import annotations
+
+import ssl
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw_core.agent_lane import AGENT_ALPN, come_back_s, lost_leader_alpn, not_leader_url
+from llmgw_core.certs import init_ca, issue_node
+from llmgw_core.config import Config, parse_config
+from llmgw_core.dial import ConnectFailed, open_agent_stream
+from llmgw_core.inventory import Gpu, Inventory
+from llmgw_core.wire import (
+    MAX_FRAME_BYTES,
+    PROTOCOL,
+    DownMessage,
+    Register,
+    Welcome,
+    decode_down,
+    encode,
+)
+from llmgw_http.tls_admission import AdmissionLimits
+from llmgw_server.control.hello_answer import HANDSHAKES_PER_LOST_LEADER
+from llmgw_server.control_shell.controlplane import ControlPlane
+from llmgw_server.control_shell.election import Member, Standing
+from llmgw_server.control_shell.port import serve_control_listeners
+from llmgw_server.control_shell.seat import Seat
+
+LOST = 41  # the epoch of the leadership the fleet lost
+WON = 57  # the next one's (epochs are the leader key's create revisions)
+PER_SOURCE_PENDING = AdmissionLimits().per_source_pending  # 64
+FLOODERS = 96  # connections at once, more than one address may hold
+
+
+@attrs.define
+class StandingOnly:
+    standing: Standing
+
+
+def config_for(certs: Path) -> Config:
+    return parse_config(
+        {
+            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
+            "control": {"store": {"endpoints": ["http://127.0.0.1:9"], "lease_ttl_s": 2}},
+            "agents": {
+                "ca": str(certs / "ca.crt"),
+                "cert": str(certs / "server.crt"),
+                "key": str(certs / "server.key"),
+            },
+            "models": [
+                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
+            ],
+        },
+        "<test>",
+    )
+
+
+def stand(seat: Seat, standing: Standing) -> None:
+    """The election changed: the seat is told, as its election follower tells it."""
+    seat.election = StandingOnly(standing)  # type: ignore[assignment]  # all it reads
+    seat._signal()
+
+
+def anonymous_hello(lost: int) -> bytes:
+    """A ClientHello as a failing-over agent's dial sends it, from a peer with no
+    certificate: Python's ssl (OpenSSL) writes it, and it is sent again on every
+    connection (the port reads no more of it than its ALPN names)."""
+    context = ssl.create_default_context()
+    context.set_alpn_protocols([AGENT_ALPN.decode(), lost_leader_alpn(lost).decode()])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    conn = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    try:
+        conn.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+def what_it_said(first: bytes) -> str:
+    if first[:1] == b"\x16":  # a TLS handshake record: the server's flight
+        return "handshake"
+    if come_back_s(first) is not None:
+        return "come_back"
+    if not_leader_url(first) is not None:
+        return "leader"
+    return "nothing"
+
+
+async def flood_hello(port: int, hello: bytes) -> str:
+    """One anonymous hello: what the port answered first; then gone, as a flooder is."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    try:
+        await stream.send_all(hello)
+        first = await stream.receive_some(512)
+    except trio.BrokenResourceError:
+        first = b""
+    finally:
+        await trio.aclose_forcefully(stream)
+    return what_it_said(first)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for `condition()` (under the caller's deadline)."""
+    while not condition():
+        await trio.sleep(0.01)
+
+
+async def fail_over(
+    url: str, lost: int, agent_tls: ssl.SSLContext, certs: Path, welcomed: Callable[[], bool]
+) -> tuple[DownMessage, bool, list[ConnectFailed]]:
+    """An agent that lost the leadership of `lost` dials `url` as the agent does, from
+    127.0.0.2 (a node of its own), follows what it is told, and registers: what welcomed
+    it, `welcomed()` while its stream is open, and the answers it had before."""
+    told: list[ConnectFailed] = []
+    inventory = Inventory(name="node-1", gpus=(Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500),))
+    lost_epoch: int | None = lost
+    while True:
+        try:
+            async with open_agent_stream(
+                url,
+                agent_tls,
+                ca=certs / "ca.crt",
+                connect_timeout_s=10,
+                disconnect_timeout_s=1,
+                max_message_size=MAX_FRAME_BYTES,
+                local_address="127.0.0.2",
+                lost_epoch=lost_epoch,
+            ) as ws:
+                await ws.send_message(encode(Register(PROTOCOL, "test", inventory)))
+                return decode_down(await ws.get_message()), welcomed(), told
+        except* ConnectFailed as group:
+            failed = group.exceptions[0]
+            assert isinstance(failed, ConnectFailed)
+            told.append(failed)
+        assert len(told) < 4, told
+        if failed.leader is not None:
+            url, lost_epoch = failed.leader, None  # named: dialled with a leader's patience
+        else:
+            assert failed.come_back_s is not None, failed
+            await trio.sleep(failed.come_back_s)  # the wait the port asked for
+
+
+async def test_a_flood_of_lost_leader_hellos_from_one_address_is_bounded_and_agents_register(
+    tmp_path: Path,
+) -> None:
+    certs = tmp_path / "certs"
+    init_ca(certs)
+    crt, key, _ = issue_node(certs, "node-1")
+    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    agent_tls.load_cert_chain(str(crt), str(key))
+    config = config_for(certs)
+    seat = Seat(config, None)
+    # The election under way: the store names nobody; the fleet lost epoch LOST.
+    stand(seat, Standing(False, 0, None, None, "no leader is elected now", True))
+    in_seat, most_in_seat = 0, 0
+    asked_after_flood = trio.Event()
+    flooding = True
+
+    async def answer(lost: int | None) -> bytes | None:
+        nonlocal in_seat, most_in_seat
+        if not flooding:
+            asked_after_flood.set()
+        in_seat += 1
+        most_in_seat = max(most_in_seat, in_seat)
+        try:
+            return await seat._answer_agent(lost)
+        finally:
+            in_seat -= 1
+
+    hello = anonymous_hello(LOST)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = await serve_control_listeners(
+                config, listeners, seat.handle, seat.upgrade, nursery=nursery,
+                leader_for_agents=answer,
+            )  # fmt: skip
+            seat.url = f"wss://127.0.0.1:{port}"
+
+            # 1. The flood, FLOODERS connections at a time, until the budget is spent.
+            said: Counter[str] = Counter()
+
+            async def flooder() -> None:
+                while seat.handshakes.left(LOST) > 0:
+                    said[await flood_hello(port, hello)] += 1
+
+            async with trio.open_nursery() as flood:
+                for _ in range(FLOODERS):
+                    flood.start_soon(flooder)
+            handshakes = seat.metrics.hellos_answered["handshake"]
+            assert handshakes == HANDSHAKES_PER_LOST_LEADER  # the whole budget, no more
+            assert 0 < said["handshake"] <= handshakes, said
+            assert seat.handshakes.left(LOST) == 0
+
+            # 2. With the budget spent, hellos wait for the election: from one address,
+            # the port lets per_source_pending of them reach the seat at once, and
+            # answers the rest at once (come back), no TLS.
+            at_once: Counter[str] = Counter()
+            more = 192
+
+            async def one_more() -> None:
+                at_once[await flood_hello(port, hello)] += 1
+
+            for _ in range(more):
+                nursery.start_soon(one_more)
+            await until(lambda: at_once.total() + in_seat == more)
+            assert 0 < in_seat <= PER_SOURCE_PENDING, (in_seat, at_once)
+            assert set(at_once) == {"come_back"}, at_once
+            assert most_in_seat <= PER_SOURCE_PENDING
+            assert seat.metrics.hellos_answered["handshake"] == handshakes
+
+            # 3. An agent that fails over now (from its own address) waits for the
+            # election too; it ends, this control plane leads, and the agent is sent
+            # to it, dials again and registers.
+            flooding = False
+            agent: list[tuple[DownMessage, bool, list[ConnectFailed]]] = []
+            plane = ControlPlane(config, heartbeat_interval_s=5.0, epoch=WON)
+
+            async def the_agent() -> None:
+                def registered() -> bool:
+                    return "node-1" in plane.agents.streams
+
+                url = seat.url + "/v1/agent"
+                agent.append(await fail_over(url, LOST, agent_tls, certs, registered))
+
+            nursery.start_soon(the_agent)
+            await asked_after_flood.wait()
+            await nursery.start(plane.run)
+            seat.plane = plane  # its term has begun
+            me = Member(id="me", url=seat.url, catalog_digest="", started_at=0)
+            stand(seat, Standing(True, WON, me, None, "elected", True))
+            await until(lambda: bool(agent))
+            ((welcome, registered, told),) = agent
+            assert isinstance(welcome, Welcome) and welcome.epoch == WON and registered
+            assert [(t.leader, t.come_back_s) for t in told] == [(seat.url + "/v1/agent", None)]
+            assert seat.metrics.hellos_answered["handshake"] == handshakes
+            nursery.cancel_scope.cancel()
