@@ -267,7 +267,7 @@ async def _shut_down(router: Router, http: HTTPServer, layout: Layout) -> None:
     cancels what is left)."""
     grace_s = router.config.server.shutdown_grace_s
     log.info("shutting down: no new connections; waiting up to %s s", grace_s)
-    router.draining = True
+    router.start_draining()
     layout.closing()
     if not await http.shutdown(grace_s):
         log.warning("requests still in flight after %s s: cancelling them", grace_s)

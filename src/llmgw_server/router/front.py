@@ -130,6 +130,10 @@ class Router:
         self.served.reload(self.config, plan)
         return plan
 
+    def start_draining(self) -> None:
+        """Shutting down: /readyz answers 503 from now on (load balancers stop sending)."""
+        self.draining = True
+
     def render_metrics(self) -> bytes:
         return self.metrics.render(
             self.served.balancers,
