@@ -1,11 +1,13 @@
 """A control plane's port flooded with anonymous hellos that say they lost a leader
-(llmgw_core.agent_lane's lost-leader ALPN name, no client certificate, all from one
-address), over real loopback sockets: the port's per-address bound (per_source_pending,
-64) caps how many of them the seat holds for the election at once, and the budget
-(HANDSHAKES_PER_LOST_LEADER) caps the handshakes they take. One address can spend the
-whole budget: an agent that fails over afterwards gets no handshake at once, and takes
-the slower path (its hello waits for the election, without TLS, and is sent to the
-winner, where it dials again for its handshake), but it gets its answer and registers.
+(llmgw_core.agent_lane's lost-leader ALPN name, no client certificate), over real
+loopback sockets. From one address: the port's per-address bound (per_source_pending,
+64) caps how many of them the seat holds for the election at once, and the budget gives
+that address its share of the handshakes (HANDSHAKES_PER_SOURCE), no more; an agent that
+fails over then, from an address of its own, still gets its handshake at once, its
+stream held through the election and served by the winner. From enough addresses the
+whole budget (HANDSHAKES_PER_LOST_LEADER) is spent, and no more: an agent that fails
+over then takes the slower path (its hello waits for the election, without TLS, and is
+sent to the winner, where it dials again for its handshake), and registers.
 
 The seat is a real one, its election a stand-in (the standing is all it reads); the
 port is the one every control plane serves (serve_control_listeners); the agent dials
@@ -36,7 +38,7 @@ from llmgw_core.wire import (
     encode,
 )
 from llmgw_http.tls_admission import AdmissionLimits
-from llmgw_server.control.hello_answer import HANDSHAKES_PER_LOST_LEADER
+from llmgw_server.control.hello_answer import HANDSHAKES_PER_LOST_LEADER, HANDSHAKES_PER_SOURCE
 from llmgw_server.control_shell.controlplane import ControlPlane
 from llmgw_server.control_shell.election import Member, Standing
 from llmgw_server.control_shell.port import serve_control_listeners
@@ -46,6 +48,8 @@ LOST = 41  # the epoch of the leadership the fleet lost
 WON = 57  # the next one's (epochs are the leader key's create revisions)
 PER_SOURCE_PENDING = AdmissionLimits().per_source_pending  # 64
 FLOODERS = 96  # connections at once, more than one address may hold
+FLOODER = "127.0.0.1"
+AGENT = "127.0.0.2"  # the failing-over agent's node
 
 
 @attrs.define
@@ -102,9 +106,9 @@ def what_it_said(first: bytes) -> str:
     return "nothing"
 
 
-async def flood_hello(port: int, hello: bytes) -> str:
+async def flood_hello(port: int, hello: bytes, source: str = FLOODER) -> str:
     """One anonymous hello: what the port answered first; then gone, as a flooder is."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
     try:
         await stream.send_all(hello)
         first = await stream.receive_some(512)
@@ -125,8 +129,8 @@ async def fail_over(
     url: str, lost: int, agent_tls: ssl.SSLContext, certs: Path, welcomed: Callable[[], bool]
 ) -> tuple[DownMessage, bool, list[ConnectFailed]]:
     """An agent that lost the leadership of `lost` dials `url` as the agent does, from
-    127.0.0.2 (a node of its own), follows what it is told, and registers: what welcomed
-    it, `welcomed()` while its stream is open, and the answers it had before."""
+    AGENT (a node of its own), follows what it is told, and registers: what welcomed it,
+    `welcomed()` while its stream is open, and the answers it had before."""
     told: list[ConnectFailed] = []
     inventory = Inventory(name="node-1", gpus=(Gpu(0, "GPU-0", "NVIDIA L4", 23034, 22500),))
     lost_epoch: int | None = lost
@@ -139,7 +143,7 @@ async def fail_over(
                 connect_timeout_s=10,
                 disconnect_timeout_s=1,
                 max_message_size=MAX_FRAME_BYTES,
-                local_address="127.0.0.2",
+                local_address=AGENT,
                 lost_epoch=lost_epoch,
             ) as ws:
                 await ws.send_message(encode(Register(PROTOCOL, "test", inventory)))
@@ -156,9 +160,51 @@ async def fail_over(
             await trio.sleep(failed.come_back_s)  # the wait the port asked for
 
 
-async def test_a_flood_of_lost_leader_hellos_from_one_address_is_bounded_and_agents_register(
-    tmp_path: Path,
-) -> None:
+@attrs.define
+class Port:
+    """A control plane's port, its seat standing by while an election runs: the seat's
+    answers counted as the gate asks for them."""
+
+    seat: Seat
+    config: Config
+    url: str = ""
+    number: int = 0  # the port's
+    in_seat: int = 0  # hellos the seat is answering now (waiting for the election)
+    most_in_seat: int = 0
+    agent_asked: trio.Event = attrs.field(factory=trio.Event)
+
+    async def answer(self, lost: int | None, source: str) -> bytes | None:
+        if source == AGENT:
+            self.agent_asked.set()
+        self.in_seat += 1
+        self.most_in_seat = max(self.most_in_seat, self.in_seat)
+        try:
+            return await self.seat._answer_agent(lost, source)
+        finally:
+            self.in_seat -= 1
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = await serve_control_listeners(
+            self.config, listeners, self.seat.handle, self.seat.upgrade, nursery=nursery,
+            leader_for_agents=self.answer,
+        )  # fmt: skip
+        self.number = port
+        self.seat.url = self.url = f"wss://127.0.0.1:{port}"
+
+    async def wins(self, nursery: trio.Nursery) -> ControlPlane:
+        """The election ends: this control plane leads, its term begun."""
+        plane = ControlPlane(self.config, heartbeat_interval_s=5.0, epoch=WON)
+        await nursery.start(plane.run)
+        self.seat.plane = plane
+        me = Member(id="me", url=self.url, catalog_digest="", started_at=0)
+        stand(self.seat, Standing(True, WON, me, None, "elected", True))
+        return plane
+
+
+def port_for(tmp_path: Path) -> tuple[Port, ssl.SSLContext, Path]:
+    """A seat standing by while an election runs (the store names nobody), and the TLS
+    context of the agent node-1."""
     certs = tmp_path / "certs"
     init_ca(certs)
     crt, key, _ = issue_node(certs, "node-1")
@@ -166,88 +212,122 @@ async def test_a_flood_of_lost_leader_hellos_from_one_address_is_bounded_and_age
     agent_tls.load_cert_chain(str(crt), str(key))
     config = config_for(certs)
     seat = Seat(config, None)
-    # The election under way: the store names nobody; the fleet lost epoch LOST.
     stand(seat, Standing(False, 0, None, None, "no leader is elected now", True))
-    in_seat, most_in_seat = 0, 0
-    asked_after_flood = trio.Event()
-    flooding = True
+    return Port(seat, config), agent_tls, certs
 
-    async def answer(lost: int | None) -> bytes | None:
-        nonlocal in_seat, most_in_seat
-        if not flooding:
-            asked_after_flood.set()
-        in_seat += 1
-        most_in_seat = max(most_in_seat, in_seat)
-        try:
-            return await seat._answer_agent(lost)
-        finally:
-            in_seat -= 1
 
+async def test_a_flood_from_one_address_takes_its_share_and_an_agent_still_gets_its_handshake(
+    tmp_path: Path,
+) -> None:
+    port, agent_tls, certs = port_for(tmp_path)
+    seat = port.seat
     hello = anonymous_hello(LOST)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            port = await serve_control_listeners(
-                config, listeners, seat.handle, seat.upgrade, nursery=nursery,
-                leader_for_agents=answer,
-            )  # fmt: skip
-            seat.url = f"wss://127.0.0.1:{port}"
+            await port.serve(nursery)
 
-            # 1. The flood, FLOODERS connections at a time, until the budget is spent.
+            # 1. The flood, FLOODERS connections at a time, until its share is spent.
             said: Counter[str] = Counter()
 
             async def flooder() -> None:
-                while seat.handshakes.left(LOST) > 0:
-                    said[await flood_hello(port, hello)] += 1
+                while seat.handshakes.left(LOST, FLOODER) > 0:
+                    said[await flood_hello(port.number, hello)] += 1
 
             async with trio.open_nursery() as flood:
                 for _ in range(FLOODERS):
                     flood.start_soon(flooder)
             handshakes = seat.metrics.hellos_answered["handshake"]
-            assert handshakes == HANDSHAKES_PER_LOST_LEADER  # the whole budget, no more
+            assert handshakes == HANDSHAKES_PER_SOURCE  # its share, no more
             assert 0 < said["handshake"] <= handshakes, said
-            assert seat.handshakes.left(LOST) == 0
+            assert seat.handshakes.left(LOST, AGENT) == HANDSHAKES_PER_SOURCE  # the rest kept
 
-            # 2. With the budget spent, hellos wait for the election: from one address,
-            # the port lets per_source_pending of them reach the seat at once, and
+            # 2. Its share spent, its hellos wait for the election: the port lets
+            # per_source_pending of them reach the seat at once from one address, and
             # answers the rest at once (come back), no TLS.
             at_once: Counter[str] = Counter()
             more = 192
 
             async def one_more() -> None:
-                at_once[await flood_hello(port, hello)] += 1
+                at_once[await flood_hello(port.number, hello)] += 1
 
             for _ in range(more):
                 nursery.start_soon(one_more)
-            await until(lambda: at_once.total() + in_seat == more)
-            assert 0 < in_seat <= PER_SOURCE_PENDING, (in_seat, at_once)
+            await until(lambda: at_once.total() + port.in_seat == more)
+            assert 0 < port.in_seat <= PER_SOURCE_PENDING, (port.in_seat, at_once)
             assert set(at_once) == {"come_back"}, at_once
-            assert most_in_seat <= PER_SOURCE_PENDING
+            assert port.most_in_seat <= PER_SOURCE_PENDING
             assert seat.metrics.hellos_answered["handshake"] == handshakes
 
-            # 3. An agent that fails over now (from its own address) waits for the
-            # election too; it ends, this control plane leads, and the agent is sent
-            # to it, dials again and registers.
-            flooding = False
+            # 3. An agent that fails over now, from its own address, gets its handshake
+            # at once; its stream is held through the election, and served by this
+            # control plane's term when it wins.
             agent: list[tuple[DownMessage, bool, list[ConnectFailed]]] = []
-            plane = ControlPlane(config, heartbeat_interval_s=5.0, epoch=WON)
+            plane: list[ControlPlane] = []
+
+            def registered() -> bool:
+                return "node-1" in plane[0].agents.streams
 
             async def the_agent() -> None:
-                def registered() -> bool:
-                    return "node-1" in plane.agents.streams
-
-                url = seat.url + "/v1/agent"
+                url = port.url + "/v1/agent"
                 agent.append(await fail_over(url, LOST, agent_tls, certs, registered))
 
             nursery.start_soon(the_agent)
-            await asked_after_flood.wait()
-            await nursery.start(plane.run)
-            seat.plane = plane  # its term has begun
-            me = Member(id="me", url=seat.url, catalog_digest="", started_at=0)
-            stand(seat, Standing(True, WON, me, None, "elected", True))
+            await until(lambda: seat.standby.held == 1)
+            assert seat.metrics.hellos_answered["handshake"] == handshakes + 1
+            plane.append(await port.wins(nursery))
             await until(lambda: bool(agent))
-            ((welcome, registered, told),) = agent
-            assert isinstance(welcome, Welcome) and welcome.epoch == WON and registered
-            assert [(t.leader, t.come_back_s) for t in told] == [(seat.url + "/v1/agent", None)]
+            ((welcome, was_registered, told),) = agent
+            assert isinstance(welcome, Welcome) and welcome.epoch == WON and was_registered
+            assert told == [] and seat.standby.adopted == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_floods_from_many_addresses_spend_the_budget_and_no_more_and_an_agent_registers(
+    tmp_path: Path,
+) -> None:
+    port, agent_tls, certs = port_for(tmp_path)
+    seat = port.seat
+    hello = anonymous_hello(LOST)
+    addresses = HANDSHAKES_PER_LOST_LEADER // HANDSHAKES_PER_SOURCE  # 32
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await port.serve(nursery)
+
+            # 1. The flood, from `addresses` addresses, until each one's share is spent.
+            said: Counter[str] = Counter()
+
+            async def flooder(source: str) -> None:
+                while seat.handshakes.left(LOST, source) > 0:
+                    said[await flood_hello(port.number, hello, source)] += 1
+
+            async with trio.open_nursery() as flood:
+                for n in range(FLOODERS):
+                    flood.start_soon(flooder, f"127.0.1.{1 + n % addresses}")
+            handshakes = seat.metrics.hellos_answered["handshake"]
+            assert handshakes == HANDSHAKES_PER_LOST_LEADER  # the whole budget, no more
+            assert 0 < said["handshake"] <= handshakes, said
+            assert seat.handshakes.left(LOST, AGENT) == 0
+
+            # 2. An agent that fails over now waits for the election (no handshake left);
+            # it ends, this control plane leads, and the agent is sent to it, dials it
+            # again and registers.
+            agent: list[tuple[DownMessage, bool, list[ConnectFailed]]] = []
+            plane: list[ControlPlane] = []
+
+            def registered() -> bool:
+                return "node-1" in plane[0].agents.streams
+
+            async def the_agent() -> None:
+                url = port.url + "/v1/agent"
+                agent.append(await fail_over(url, LOST, agent_tls, certs, registered))
+
+            nursery.start_soon(the_agent)
+            await port.agent_asked.wait()
+            plane.append(await port.wins(nursery))
+            await until(lambda: bool(agent))
+            ((welcome, was_registered, told),) = agent
+            assert isinstance(welcome, Welcome) and welcome.epoch == WON and was_registered
+            assert [(t.leader, t.come_back_s) for t in told] == [(port.url + "/v1/agent", None)]
             assert seat.metrics.hellos_answered["handshake"] == handshakes
+            assert seat.metrics.hellos_answered["this_leader"] >= 1
             nursery.cancel_scope.cancel()

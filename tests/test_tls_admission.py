@@ -883,9 +883,10 @@ async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
     """A port whose control plane answers agents' hellos (the seat's callback) writes the
     line it returns in place of its first TLS record: the leader's URL (the dial raises
     ConnectFailed naming it) or when to come back, no handshake begun. The callback is
-    given the epoch an agent says it lost (None for an agent that lost none); an agent
-    of a version whose hello says it lost a leader but not the epoch gets its handshake
-    (a standby may hold it for the election), and so do operators."""
+    given the epoch an agent says it lost (None for an agent that lost none) and the
+    address it came from; an agent of a version whose hello says it lost a leader but
+    not the epoch gets its handshake (a standby may hold it for the election), and so
+    do operators."""
     certs = tmp_path / "certs"
     init_ca(certs)
     issue_node(certs, "node-1")
@@ -894,7 +895,8 @@ async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
     leader = "wss://127.0.0.1:1/v1/agent"
     asked: list[int | None] = []
 
-    async def answer(lost: int | None) -> bytes | None:
+    async def answer(lost: int | None, source: str) -> bytes | None:
+        assert source == "127.0.0.1"
         asked.append(lost)
         await trio.sleep(0.05)  # it may take a while (an election)
         if lost is None:
@@ -925,7 +927,7 @@ async def test_a_standby_names_the_leader_to_an_agents_hello_before_any_tls(
             assert asked == [None, 6, 7] and agents.begun == 2
             assert await get(port, certs) == 200
             # No leader named: agents are served here as before.
-            async def serve_here(lost: int | None) -> bytes | None:
+            async def serve_here(lost: int | None, source: str) -> bytes | None:
                 return None
 
             server.tls_admission.redirect = serve_here

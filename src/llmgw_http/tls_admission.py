@@ -606,12 +606,15 @@ class Gate:
         self.refused_open: deque[tuple[float, trio.SocketStream]] = deque()
         self._pending_room = trio.lowlevel.ParkingLot()  # the accept loops, while it is full
         # Set on the port of a control plane among several: given the epoch an agent's
-        # hello says it lost (None: it lost none), the line to answer it with before any
-        # TLS (agent_lane: the leader's URL, or when to come back), None to serve it here.
-        # It may take a while (an election under way): at most ANSWER_WAIT_S.
-        self.redirect: Callable[[int | None], Awaitable[bytes | None]] | None = None
+        # hello says it lost (None: it lost none) and its source (source_key), the line to
+        # answer it with before any TLS (agent_lane: the leader's URL, or when to come
+        # back), None to serve it here. It may take a while (an election under way): at
+        # most ANSWER_WAIT_S.
+        self.redirect: Callable[[int | None, str], Awaitable[bytes | None]] | None = None
 
-    async def _leader_line(self, hello: bytes, scope: trio.CancelScope) -> bytes | None:
+    async def _leader_line(
+        self, hello: bytes, scope: trio.CancelScope, source: str
+    ) -> bytes | None:
         """The line answering an agent's hello before any TLS, None to serve it here. An
         agent of a version that says it lost a leader but not its epoch is served (it may
         be held for the election)."""
@@ -620,7 +623,7 @@ class Gate:
         if LOST_LEADER_ALPN in offered:
             return None
         scope.deadline = max(scope.deadline, trio.current_time() + ANSWER_WAIT_S)
-        return await self.redirect(lost_epoch(offered))
+        return await self.redirect(lost_epoch(offered), source)
 
     async def reset_refused(self) -> None:
         """Reset the refused connections whose time has come, until cancelled (then all)."""
@@ -745,7 +748,7 @@ class Gate:
         self._pending_room.unpark_all()
         source = ticket.source
         if lane == AGENTS and self.redirect is not None:
-            line = await self._leader_line(hello, ticket.scope)
+            line = await self._leader_line(hello, ticket.scope, source)
             if line is not None:
                 self._say_and_reset(stream, line)
                 return None

@@ -9,8 +9,9 @@ the leader it lost, whose process is then checked, leader_gone), the first of th
 taken through their handshake here (their streams then held through the election), the
 rest told to come back soon (the shell first holds such a hello for the election). A
 leader takes the first of them through their handshake too: one at the leader needs no
-second dial. `HANDSHAKES_PER_LOST_LEADER` of them in all, per lost epoch. Any other
-agent is sent to the leader a standby names, else served here.
+second dial. `HANDSHAKES_PER_LOST_LEADER` of them in all, per lost epoch, and
+`HANDSHAKES_PER_SOURCE` of those from one address. Any other agent is sent to the leader
+a standby names, else served here.
 
 Pure: the trio shell (control_shell/seat.py) reads the standing, asks `answer_hello`,
 and carries out what the answer says (spends from the budget, checks the lost leader)
@@ -19,6 +20,8 @@ standing changes.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import attrs
 
@@ -34,6 +37,14 @@ from llmgw_core.agent_lane import come_back_line, not_leader_line
 # queue of 10,000 outlasts a failing-over agent's patience (a named leader's is whole).
 # About what a control plane's agents' lane has places for.
 HANDSHAKES_PER_LOST_LEADER = 2048
+# Of those, how many go to hellos from one source address (the port's source_key: an
+# IPv6 /64): anonymous hellos that say they lost a leader, from one address, took the
+# whole budget in about 3 s (test_lost_leader_flood), and every agent then took the slower
+# path (its hello waits for the election without TLS, is sent to the winner, and dials it
+# again for its handshake: about a second more at 1,000 agents). Now that takes 32
+# addresses. Agents behind one address past these (a NAT) take that path too; as many
+# as the port lets one address have pending at once (per_source_pending).
+HANDSHAKES_PER_SOURCE = 64
 # Lost epochs whose counts are kept: agents report the leadership they lost, the newest
 # or one just before; any epoch may be claimed by an anonymous hello, so the memory is
 # bounded here, and an epoch older than those kept has nothing left.
@@ -68,24 +79,31 @@ class HelloStanding:
 @attrs.define
 class HandshakeBudget:
     """Handshakes given to agents that lost a leadership, per lost epoch: at most
-    `per_lost` each. Counts are kept for the `kept` newest lost epochs spent from; once
-    that many are kept, an older epoch has nothing left (the oldest count is dropped when
-    a newer epoch is spent from), so that claiming epochs never frees a budget spent."""
+    `per_lost` each, `per_source` of them to one source address. Counts are kept for the
+    `kept` newest lost epochs spent from; once that many are kept, an older epoch has
+    nothing left (the oldest counts are dropped when a newer epoch is spent from), so
+    that claiming epochs never frees a budget spent. Sources are counted only while they
+    have spent, at most `per_lost` of them an epoch."""
 
     per_lost: int = HANDSHAKES_PER_LOST_LEADER
+    per_source: int = HANDSHAKES_PER_SOURCE
     kept: int = LOST_EPOCHS_KEPT
     spent: dict[int, int] = attrs.field(factory=dict)
+    by_source: dict[int, Counter[str]] = attrs.field(factory=dict)
 
-    def left(self, lost: int) -> int:
+    def left(self, lost: int, source: str) -> int:
         if lost not in self.spent and len(self.spent) >= self.kept and lost < min(self.spent):
             return 0  # dropped, or older than every epoch kept
-        return self.per_lost - self.spent.get(lost, 0)
+        mine = self.by_source.get(lost, Counter[str]())[source]
+        return min(self.per_lost - self.spent.get(lost, 0), self.per_source - mine)
 
-    def spend(self, lost: int) -> None:
-        assert self.left(lost) > 0, lost
+    def spend(self, lost: int, source: str) -> None:
+        assert self.left(lost, source) > 0, (lost, source)
         self.spent[lost] = self.spent.get(lost, 0) + 1
+        self.by_source.setdefault(lost, Counter())[source] += 1
         if len(self.spent) > self.kept:
-            del self.spent[min(self.spent)]
+            oldest = min(self.spent)
+            del self.spent[oldest], self.by_source[oldest]
 
 
 @attrs.define
@@ -115,13 +133,15 @@ class HelloAnswer:
 
 def answer_hello(
     lost: int | None,
+    source: str,
     standing: HelloStanding,
     budget: HandshakeBudget,
     checks: LeaderChecks,
     now: float,
 ) -> HelloAnswer:
-    """The answer to an agent's hello as things stand. `lost`: the newest epoch the agent
-    has seen, when it lost its leader (None: it lost none)."""
+    """The answer to an agent's hello from `source` (its address, as the port counts
+    sources) as things stand. `lost`: the newest epoch the agent has seen, when it lost
+    its leader (None: it lost none)."""
     leader = standing.leader if standing.store_ok else None
     if lost is None:
         named = leader is not None and leader != standing.here and not standing.leading
@@ -132,7 +152,7 @@ def answer_hello(
     if leader is not None:
         if standing.epoch > lost:
             here = standing.leading and standing.term_begun
-            if here and budget.left(lost) > 0:
+            if here and budget.left(lost, source) > 0:
                 return HelloAnswer(None, HANDSHAKE, spend=lost)
             line = not_leader_line(standing.here if here else leader)
             if line is not None and (here or not standing.leading):
@@ -141,7 +161,7 @@ def answer_hello(
             if checks.due(standing.epoch, now):
                 check = leader
             wait = min(NAMED_LOST_COME_BACK_S, standing.lease_ttl_s / 4)
-    if budget.left(lost) > 0:
+    if budget.left(lost, source) > 0:
         # Its handshake now, while the election runs, and its stream held through it
         # (StandbyAnswers): served on that connection by this control plane's term if it
         # wins, the campaign's likely winner (it campaigns first).

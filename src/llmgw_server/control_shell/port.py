@@ -53,13 +53,14 @@ async def serve_control_listeners(
     upgrade: UpgradeHandler,
     *,
     nursery: trio.Nursery,
-    leader_for_agents: Callable[[int | None], Awaitable[bytes | None]] | None = None,
+    leader_for_agents: Callable[[int | None, str], Awaitable[bytes | None]] | None = None,
 ) -> int:
     """Serve the control port on `listeners` in `nursery`: every request and upgrade
     passes the gate, then goes to `handle` or `upgrade`; the port it listens on. With
     `leader_for_agents` (a control plane's among several), an agent's hello is answered
     with the line it returns, before any TLS (agent_lane: the leader's URL, or when to
-    come back), given the epoch the agent says it lost; it may wait for an election."""
+    come back), given the epoch the agent says it lost and the address it came from (the
+    gate's source_key); it may wait for an election."""
     s, tls = config.server, config.agents
     if tls.insecure:
         log.warning(

@@ -272,17 +272,18 @@ class Seat:
                 epoch,
             )
 
-    async def _answer_agent(self, lost: int | None) -> bytes | None:
+    async def _answer_agent(self, lost: int | None, source: str) -> bytes | None:
         """The line an agent's hello is answered with before any TLS (agent_lane), None to
         serve it here (hello_answer.answer_hello decides). `lost`: the newest epoch the
-        agent has seen, when it lost its leader. Told to come back, such a hello first
-        waits here, a socket and no TLS, for the election to name a newer leader,
-        _ANSWER_HOLD_S at most. What the answer given says is done once: the lost leader
-        checked (asked of the first answer only), a handshake taken from the budget."""
+        agent has seen, when it lost its leader; `source`: its address (source_key). Told
+        to come back, such a hello first waits here, a socket and no TLS, for the election
+        to name a newer leader, _ANSWER_HOLD_S at most. What the answer given says is done
+        once: the lost leader checked (asked of the first answer only), a handshake taken
+        from the budget."""
         now = trio.current_time()
         if lost is not None:
             self._lost_hello_at = now
-        answer = self._answer_now(lost, now)
+        answer = self._answer_now(lost, source, now)
         if answer.check_leader is not None:
             self._check_leader_soon(self._named_leader(), self._standing().epoch, now)
         if answer.answer == COME_BACK and self._answers_held < _ANSWERS_HELD_MAX:
@@ -291,16 +292,16 @@ class Seat:
                 with trio.move_on_after(_ANSWER_HOLD_S):
                     while answer.answer == COME_BACK:
                         await self.changed()
-                        answer = self._answer_now(lost, trio.current_time())
+                        answer = self._answer_now(lost, source, trio.current_time())
             finally:
                 self._answers_held -= 1
         if answer.spend is not None:
-            self.handshakes.spend(answer.spend)
+            self.handshakes.spend(answer.spend, source)
         if answer.answer is not None:
             self.metrics.hellos_answered[answer.answer] += 1
         return answer.line
 
-    def _answer_now(self, lost: int | None, now: float) -> HelloAnswer:
+    def _answer_now(self, lost: int | None, source: str, now: float) -> HelloAnswer:
         standing = self._standing()
         leader = standing.leader
         agents = AGENT_PATH.decode()
@@ -313,7 +314,7 @@ class Seat:
             store_ok=standing.store_ok,
             lease_ttl_s=self.store.lease_ttl_s,
         )
-        return answer_hello(lost, seen, self.handshakes, self._leader_checks, now)
+        return answer_hello(lost, source, seen, self.handshakes, self._leader_checks, now)
 
     def _standing(self) -> Standing:
         if self.election is None:
