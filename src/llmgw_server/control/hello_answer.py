@@ -47,7 +47,9 @@ HANDSHAKES_PER_LOST_LEADER = 2048
 HANDSHAKES_PER_SOURCE = 64
 # Lost epochs whose counts are kept: agents report the leadership they lost, the newest
 # or one just before; any epoch may be claimed by an anonymous hello, so the memory is
-# bounded here, and an epoch older than those kept has nothing left.
+# bounded here, and an epoch older than those kept has nothing left. (Hellos claiming
+# this many newer epochs so leave a fleet's own nothing: its agents take the slower path,
+# as they would with its budget spent; they still get their answer.)
 LOST_EPOCHS_KEPT = 8
 # When an agent that lost its leader comes back (agent_lane.come_back_line), plus its own
 # jitter: while nobody leads (an election takes a transaction or two), and while the store

@@ -9,6 +9,7 @@ from typing import Protocol
 from llmgw_core.prometheus import Histogram
 from llmgw_core.prometheus import family as family_header
 from llmgw_core.prometheus import labels as _labels
+from llmgw_server.control.hello_answer import COME_BACK, HANDSHAKE, LEADER, THIS_LEADER
 
 # The store's operations named on /metrics: a bounded set whatever the client calls.
 _OPS = frozenset({"grant", "keepalive", "revoke", "get", "range", "put", "delete", "txn", "watch"})
@@ -30,7 +31,7 @@ class SeatMetrics:
         self.store = defaultdict[str, Histogram](Histogram)
         self._recent: deque[float] = deque(maxlen=_RECENT)
         # Agents' hellos answered before any TLS (Seat._answer_agent), by answer.
-        self.hellos_answered = {"leader": 0, "this_leader": 0, "come_back": 0, "handshake": 0}
+        self.hellos_answered = dict.fromkeys((LEADER, THIS_LEADER, COME_BACK, HANDSHAKE), 0)
 
     def store_request(self, op: str, seconds: float) -> None:
         self.store[op if op in _OPS else "other"].observe(seconds)
