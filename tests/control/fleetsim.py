@@ -13,7 +13,7 @@ from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardReport, ShardState
 from llmgw_server.control.commands import DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.lifecycle import NodeStatus, NodeTransition
-from llmgw_server.control.reconciler import Reconciler, Step
+from llmgw_server.control.reconciler import Reconciler, Routes, Step
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-40GB"
@@ -130,6 +130,50 @@ class Agent:
         return []
 
 
+class Shell:
+    """What the trio shell keeps of the core, taken from the steps alone (as
+    `ControlPlane.apply` takes it), checked after every step against what the core's
+    queries say: the shell never reads back into the core, so a fact a step leaves out
+    is a fact the shell gets wrong."""
+
+    def __init__(self) -> None:
+        self.cp: Reconciler | None = None  # the control plane process it belongs to
+        self.routes: Routes | None = None
+        self.tails: set[str] = set()  # the replicas whose failure's output tail it keeps
+
+    def failed(self, cp: Reconciler, replica_id: str) -> None:
+        """A shard's failure came on its node's stream, with its output tail."""
+        self.restarted(cp)
+        self.tails.add(replica_id)
+
+    def restarted(self, cp: Reconciler) -> None:
+        if cp is not self.cp:  # a new process (a restart, a failover) keeps nothing
+            self.cp, self.routes, self.tails = cp, None, set()
+
+    def take(self, cp: Reconciler, step: Step) -> None:
+        self.restarted(cp)
+        if step.routes is not None:
+            assert step.routes != self.routes, "routes carried unchanged"
+            self.routes = step.routes
+        catalog = cp.catalog
+        entries = {name: catalog.get(name) for name in cp.scaling.specs}
+        autoscaled = {name: e.replicas for name, e in entries.items() if e is not None}
+        assert self.routes == Routes(
+            cp.serving(), dict(catalog.adapters), autoscaled, cp.awaiting
+        ), "the routes as the steps left them differ from the core's"
+        assert step.guard == cp.lifecycle.guard
+        drains = [c.replica_id for c in step.commands if isinstance(c, DrainShard) and c.rank == 0]
+        found = {rid: cp.endpoint(rid) for rid in drains}
+        heads = {h.replica_id: (h.model, h.endpoint) for h in step.drain_heads}
+        assert heads == {rid: e for rid, e in found.items() if e is not None}
+        assert all(catalog.get(m) is not None for m in step.failed)
+        assert not step.forgotten or step.reconciled
+        assert not any(cp.knows_replica(rid) for rid in step.forgotten)
+        self.tails -= step.forgotten
+        if step.reconciled:  # where the shell prunes: what it keeps is known
+            assert all(cp.knows_replica(rid) for rid in self.tails), self.tails
+
+
 class Fleet:
     """The control plane and its agents, wired the way the trio shell will wire them."""
 
@@ -159,10 +203,15 @@ class Fleet:
         self.guarded: set[str] = set()
         self.released: dict[str, float] = {}
         self.cp = Reconciler(settings, self.catalog, now=now, instance=instance)
+        # Set, every step is checked to carry what the shell needs (`Shell`): for tests
+        # that feed every step the control plane takes.
+        self.shell: Shell | None = None
 
     # -- wiring ----------------------------------------------------------------
 
     def feed(self, step: Step) -> Step:
+        if self.shell is not None:
+            self.shell.take(self.cp, step)
         self.last_step = step
         self.transitions += step.transitions
         just_lost = [t for t in step.transitions if t.new is NodeStatus.LOST]
@@ -260,6 +309,8 @@ class Fleet:
         shard = agent.shards[(rid, rank)]
         shard.state, shard.detail = state, detail
         if agent.connected:
+            if self.shell is not None and state is ShardState.FAILED:
+                self.shell.failed(self.cp, rid)
             self.feed(self.cp.shard_status(name, rid, rank, state, self.now, detail))
 
     def ready_all(self) -> None:

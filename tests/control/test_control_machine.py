@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from fleetsim import A100, H100, LIVE, Fleet, gpu_node, model
+from fleetsim import A100, H100, LIVE, Fleet, Shell, gpu_node, model
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -66,6 +66,7 @@ class ControlMachine(RuleBasedStateMachine):
         self.args: dict[str, tuple[str, ...]] = {name: () for name in MODELS}
         self.present = set(MODELS)  # the models in the catalog (a reload adds or removes)
         self.fleet = Fleet(SETTINGS, self.catalog(), now=1000.0, instance="i0")
+        self.fleet.shell = Shell()  # every step carries what the shell needs
         self.restarts = 0
         self.seen_lost = 0
 
@@ -419,7 +420,9 @@ def fits_one_more(f: Fleet, entry: ModelEntry | None) -> bool:
     return any(n >= p.pipeline_parallel for n in groups.values())
 
 
-ControlMachine.TestCase.settings = settings(max_examples=profile_times(2), stateful_step_count=50, deadline=None)
+ControlMachine.TestCase.settings = settings(
+    max_examples=profile_times(2), stateful_step_count=50, deadline=None
+)
 TestControlMachine = ControlMachine.TestCase
 
 

@@ -1,9 +1,10 @@
 """The reconcile pass: for each model whose replicas may be judged differently, keep
 the best `replicas` of them, restart, retire and place; it returns the commands.
 
-It reads what is known and writes to it only what it sends (`ShardStore.issued`),
-the records of stopped shards it drops, and the router's reported drains it has
-seen through (the replica is kept, or gone).
+It reads what is known and has Known record only what it sends (`Known.sent`), the
+records of stopped shards it drops (`Known.settle`), and the failures and the router's
+reported drains it has seen through. Its own state (`status`, the model records,
+`holding`, what awaits its nodes) it alone writes.
 What it decides per model is one `ModelRecord`, kept until the model is judged
 again, so that a pass costs O(replicas of the models it judges), plus placement
 (see `placing`); the rules are in docs/control-plane.md, "How the control core decides".
@@ -100,6 +101,9 @@ class Decider:
         self.grace_until = started_at + settings.lost_after_s
         self.shortfall = Shortfall(settings, started_at, known.work)
         self.status: dict[str, Status] = {}  # replica id -> how the last pass judged it
+        # Awaited replicas that left `awaited` since the reconciler last took them (the
+        # store a leader keeps no longer counts them as waiting).
+        self.touched: set[str] = set()
         self.models: dict[str, ModelRecord] = {}
         # The models with replicas to place (`missing` > 0): an index of `models`, kept
         # by `_set_missing` alone, so that placement looks at them without a pass over all.
@@ -158,7 +162,7 @@ class Decider:
             stored = self.awaited.pop(rid, None)
             if stored is None:
                 continue
-            self.known.store.touched.add(rid)
+            self.touched.add(rid)
             models.add(stored.model)
             of = self._awaited_of[stored.model]
             of.discard(rid)
@@ -196,12 +200,32 @@ class Decider:
         if self.awaited and now >= self.grace_until:
             # Their nodes never registered: replaced as a lost node's replicas are.
             out |= set(self._awaited_of)
-            self.known.store.touched.update(self.awaited)
+            self.touched.update(self.awaited)
             self.awaited, self._awaited_on, self._awaited_of = {}, {}, {}
         if self._settle_due is not None and now >= self._settle_due:
             self._settle_due = None
             out |= set(self._missing)
         return out
+
+    def forget(self, replicas: Iterable[str]) -> None:
+        """Replicas with no record left: judged no more (their models are judged anew)."""
+        for rid in replicas:
+            self.status.pop(rid, None)
+
+    def take_touched(self) -> frozenset[str]:
+        """The awaited replicas touched since the last call, forgotten here."""
+        touched = frozenset(self.touched)
+        self.touched.clear()
+        return touched
+
+    def grew(self, nodes: Iterable[str]) -> None:
+        """Nodes that may hold more than before: placement looks at them again."""
+        self.shortfall.grown.update(nodes)
+
+    def hold(self, holding: dict[str, int]) -> None:
+        """Autoscaled models whose autoscaler has not started -> the most running
+        replicas to keep meanwhile (control.scaling)."""
+        self.holding = holding
 
     def reconcile(self, catalog: Catalog, models: Iterable[str], now: float) -> Decided:
         """Judge `models` (and place where any model lacks replicas). O(their replicas),
@@ -330,7 +354,7 @@ class Decider:
         record.roll_held = rolling - placed_now
         for rid, records in keep:
             self.status[rid].kept = True
-            known.drained.discard(rid)  # a drain the router reported is over
+            known.kept(rid)
             if self.status[rid].classified.phase is Phase.FAILED:
                 sent, due, said = self._restart(rid, records, now)
                 out.commands += sent
@@ -338,9 +362,7 @@ class Decider:
                 if due is not None:
                     out.times.append(due)
             elif rid in known.failures and serves(self.status[rid], records):
-                # Serving again: no failure in a row. A crash soon after still backs off
-                # longer (known.failed counts from the attempt unless it served long).
-                del known.failures[rid]
+                known.served_again(rid)
         out.moving, out.kept, out.ready = moving + stale, len(keep), ready
         return out
 
@@ -363,33 +385,14 @@ class Decider:
         return notes
 
     def _settled(self, rid: str, now: float, notes: list[str]) -> list[ShardRecord]:
-        """A replica's records, those of stopped shards dropped (a failed replica keeps
-        them until it restarts), and those left unconfirmed until now (`shards.unconfirmed`:
-        what is left of the replica is then judged as one whose rank is gone); a replica
-        with none left is forgotten."""
-        known = self.known
-        records = []
-        for r in known.store.replica(rid):
-            if r.unconfirmed_until is None or now < r.unconfirmed_until:
-                records.append(r)
-                continue
-            known.store.remove(r.key)
-            self.shortfall.grown.add(r.node)
-            notes.append(
-                f"node {r.node} has not reported replica {rid} rank {r.spec.rank} since it "
-                f"registered without it {self.settings.lost_after_s:g} s ago: taken as gone"
-            )
-        if not any(r.state is ShardState.FAILED for r in records):
-            for r in records:
-                if r.state is ShardState.STOPPED:
-                    known.store.remove(r.key)
-                    self.shortfall.grown.add(r.node)
-            records = [r for r in records if r.state is not ShardState.STOPPED]
-            if not records:
-                known.failures.pop(rid, None)
-                known.drained.discard(rid)
-                self.status.pop(rid, None)
-        return records
+        """A replica's records, settled (`Known.settle`); one with none left is judged
+        no more."""
+        settled = self.known.settle(rid, now)
+        notes += settled.notes
+        self.shortfall.grown |= settled.freed
+        if not settled.records:
+            self.status.pop(rid, None)
+        return settled.records
 
     def _restart(
         self, rid: str, records: list[ShardRecord], now: float
@@ -509,8 +512,7 @@ class Decider:
         return keep_order(replica, self.status[replica[0]], self.abandoned, self._nodes)
 
     def _issue(self, commands: Iterable[Command], now: float) -> None:
-        for command in commands:
-            self.known.store.issued(command, now)
+        self.known.sent(commands, now)
 
 
 def endpoint(spec: LaunchSpec) -> Endpoint:

@@ -4,6 +4,10 @@ failures, drains the router reported, and flags an agent has yet to hear of.
 Events update it and say what they touched (`Change`): the models whose replicas
 may now be judged differently, and the nodes that may now hold more. Each event
 costs O(what it touches): the node and the replicas with a shard on it.
+
+Its methods are the one writer of all it holds: the reconciler calls them for events
+and time, the reconcile pass for what it sends and for the records it settles (its
+placements read, within the same pass, the GPUs and ports they take).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import attrs
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.capacity import NodeCapacity
-from llmgw_server.control.commands import MarkNode
+from llmgw_server.control.commands import Command, MarkNode
 from llmgw_server.control.launch import free_port
 from llmgw_server.control.lifecycle import Lifecycle, Node, NodeStatus, NodeTransition
 from llmgw_server.control.persisted import OperatorFlags
@@ -34,6 +38,15 @@ class Change:
     # The model of each shard newly reported failed, whichever way the report came (an
     # update, or a registration carrying a failure that happened while away).
     failed: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Settled:
+    """A replica's records as the reconcile pass judges them (`Known.settle`)."""
+
+    records: list[ShardRecord]
+    notes: list[str]
+    freed: set[str]  # nodes whose records went: they may hold more
 
 
 class Known:
@@ -131,6 +144,13 @@ class Known:
             gone,
             tuple(failed),
         )
+
+    def pace(self, node: str, heartbeat_interval_s: float) -> None:
+        self.lifecycle.pace(node, heartbeat_interval_s)
+
+    def advance(self, now: float) -> Change:
+        """Time passes: the nodes whose deadline came change status."""
+        return self.transitioned(self.lifecycle.advance(now))
 
     def heartbeat(self, node: str, now: float) -> Change | None:
         """O(1) when nothing changes (then None)."""
@@ -248,6 +268,58 @@ class Known:
         if self.stored_flags is None or name in self.unreadable_flags:
             return None
         return self.stored_flags.pop(name, None) or OperatorFlags()
+
+    # -- what the reconcile pass does ---------------------------------------------
+
+    def sent(self, commands: Iterable[Command], now: float) -> None:
+        """The pass sends these: started shards are pending, drains and stops sent."""
+        for command in commands:
+            self.store.issued(command, now)
+
+    def settle(self, rid: str, now: float) -> Settled:
+        """A replica's records, those of stopped shards dropped (a failed replica keeps
+        them until it restarts), and those left unconfirmed until now (`shards.unconfirmed`:
+        what is left of the replica is then judged as one whose rank is gone); a replica
+        with none left is forgotten, with its failures and a drain the router reported."""
+        store = self.store
+        records, notes, freed = [], [], set()
+        for r in store.replica(rid):
+            if r.unconfirmed_until is None or now < r.unconfirmed_until:
+                records.append(r)
+                continue
+            store.remove(r.key)
+            freed.add(r.node)
+            notes.append(
+                f"node {r.node} has not reported replica {rid} rank {r.spec.rank} since it "
+                f"registered without it {self.settings.lost_after_s:g} s ago: taken as gone"
+            )
+        if not any(r.state is ShardState.FAILED for r in records):
+            for r in records:
+                if r.state is ShardState.STOPPED:
+                    store.remove(r.key)
+                    freed.add(r.node)
+            records = [r for r in records if r.state is not ShardState.STOPPED]
+            if not records:
+                self.failures.pop(rid, None)
+                self.drained.discard(rid)
+        return Settled(records, notes, freed)
+
+    def kept(self, rid: str) -> None:
+        """The pass keeps the replica: a drain the router reported of it is over."""
+        self.drained.discard(rid)
+
+    def served_again(self, rid: str) -> None:
+        """The replica serves again after a failure: none in a row. A crash soon after
+        still backs off longer (`failed` counts from the attempt unless it served long)."""
+        self.failures.pop(rid, None)
+
+    def take_touched(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The replicas and nodes touched since the last call (for the store a leader
+        keeps: control.persisted), forgotten here."""
+        touched = frozenset(self.store.touched), frozenset(self.touched_nodes)
+        self.store.touched.clear()
+        self.touched_nodes.clear()
+        return touched
 
     # -- reading ------------------------------------------------------------------
 

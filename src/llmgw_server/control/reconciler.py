@@ -22,34 +22,27 @@ from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.control_config import ControlSection
 from llmgw_core.inventory import Inventory, ShardReport, ShardState
 from llmgw_server.control.autoscale import ModelLoad
-from llmgw_server.control.commands import Command
+from llmgw_server.control.commands import Command, DrainShard
 from llmgw_server.control.decide import Decider, endpoint
 from llmgw_server.control.drains import DrainRefused, Stuck, drain_notes, replicas_on, stuck
 from llmgw_server.control.known import Change, Known
-from llmgw_server.control.lifecycle import NodeTransition
 from llmgw_server.control.persisted import StoredReplica, Touched, read
 from llmgw_server.control.placement import Assignment, Explanation, explain
 from llmgw_server.control.scaling import Change as ScaleChange
 from llmgw_server.control.scaling import Scaling
+from llmgw_server.control.step import DrainHead, Routes, Step
 from llmgw_server.control.views import ControlView, control_view
 from llmgw_server.control.work import Work
 
-__all__ = ["DrainRefused", "Reconciler", "Step", "Stuck", "random_engine_key"]
-
-
-@attrs.frozen
-class Step:
-    commands: tuple[Command, ...] = ()
-    placements: tuple[Assignment, ...] = ()  # new replicas; `key` is the replica id
-    transitions: tuple[NodeTransition, ...] = ()
-    notes: tuple[str, ...] = ()  # for the log: guard changes, failures, adoption
-    # Call `tick` by then at the latest, even if no event comes.
-    wake_at: float | None = None
-    # A reconcile ran: which replicas serve may have changed even without a command.
-    reconciled: bool = False
-    failed: tuple[str, ...] = ()  # the model of each shard newly reported failed
-    # What may have changed of what a leader keeps in its store (control.persisted).
-    touched: Touched = attrs.field(factory=Touched)
+__all__ = [
+    "DrainHead",
+    "DrainRefused",
+    "Reconciler",
+    "Routes",
+    "Step",
+    "Stuck",
+    "random_engine_key",
+]
 
 
 _NOTHING = Touched()
@@ -91,7 +84,10 @@ class Reconciler:
         self._last_reconcile: float | None = None
         self._batch_at: float | None = None  # a burst of events is reconciled by then
         self._wake: float | None = None  # the last Step's wake_at, for steps that change nothing
-        self._decider.holding = self.scaling.unstarted()
+        self._routes: Routes | None = None  # the last Step's routes: None, none carried yet
+        self._catalog_changed = False  # since the last step: the routes' makings may differ
+        self._forgotten: set[str] = set()  # replicas known no more since the last reconcile
+        self._decider.hold(self.scaling.unstarted())
         # With no node and no shard yet this yields no command, only what is unplaced.
         self._decider.reconcile(catalog, [m.name for m in catalog.profiled], now)
 
@@ -171,12 +167,12 @@ class Reconciler:
     def heartbeat(self, node: str, now: float) -> Step:
         """O(1) when nothing changes: no reconcile unless the node comes back."""
         change = self.known.heartbeat(node, self._clock(now))
-        return Step(wake_at=self._wake) if change is None else self._step(self._now, change)
+        return self._quiet() if change is None else self._step(self._now, change)
 
     def paced(self, node: str, heartbeat_interval_s: float) -> Step:
         """The node's agent was told a new heartbeat interval: O(log nodes), no reconcile."""
-        self.known.lifecycle.pace(node, heartbeat_interval_s)
-        return Step(wake_at=self._wake)
+        self.known.pace(node, heartbeat_interval_s)
+        return self._quiet()
 
     def disconnected(self, node: str, now: float) -> Step:
         now = self._clock(now)
@@ -188,7 +184,9 @@ class Reconciler:
         now = self._clock(now)
         change = self.known.shard_status(node, replica_id, rank, state, now, detail)
         if change is None or not change.models:
-            return Step(notes=change.notes if change else (), wake_at=self._wake)
+            if replica_id not in self.known.store:  # a shard no record names: nothing kept of it
+                self._forgotten.add(replica_id)
+            return self._quiet(change.notes if change else ())
         return self._step(now, change)
 
     def replica_drained(self, replica_id: str, now: float) -> Step:
@@ -237,7 +235,8 @@ class Reconciler:
             for m in self.file_catalog.models
         )
         self.catalog = attrs.evolve(self.file_catalog, models=models)
-        self._decider.holding = self.scaling.unstarted()
+        self._catalog_changed = True
+        self._decider.hold(self.scaling.unstarted())
 
     def cordon(self, node: str, on: bool, now: float) -> Step:
         """No new placements on the node (raises KeyError for an unknown node)."""
@@ -353,12 +352,16 @@ class Reconciler:
         self._now = max(self._now, now)
         return self._now
 
+    def _quiet(self, notes: tuple[str, ...] = ()) -> Step:
+        """A step that changes nothing the shell acts on but what it logs."""
+        return Step(notes=notes, wake_at=self._wake, guard=self.lifecycle.guard)
+
     def _step(self, now: float, change: Change) -> Step:
         """Time passes, then whatever changed is reconciled (batched within
         `reconcile_interval_s`). O(what changed and the nodes whose deadline came)."""
         notes = [*self._decider.shortfall.settle_notes(now), *change.notes]
         guard = self.lifecycle.guard
-        timed = self.known.transitioned(self.lifecycle.advance(now))
+        timed = self.known.advance(now)
         transitions = [*change.transitions, *timed.transitions]
         if self.lifecycle.guard != guard:
             notes.append(
@@ -369,10 +372,9 @@ class Reconciler:
         notes += [f"node {t.node}: {t.old} -> {t.new} ({t.reason})" for t in transitions if t.old]
         commands: list[Command] = list(self.known.marks_due())
         decider = self._decider
-        for rid in change.gone:
-            decider.status.pop(rid, None)  # judged no more: its model is judged anew
+        decider.forget(change.gone)
         self._dirty |= change.models | timed.models
-        decider.shortfall.grown |= change.grown | timed.grown
+        decider.grew(change.grown | timed.grown)
         due = decider.due(now)
         self._dirty |= due
         placements: tuple[Assignment, ...] = ()
@@ -392,6 +394,10 @@ class Reconciler:
                 self._batch_at = soon if self._batch_at is None else min(self._batch_at, soon)
         times = (self._batch_at, decider.next_due(), self.lifecycle.next_deadline())
         self._wake = min((t for t in times if t is not None), default=None)
+        self._note_forgotten()
+        forgotten = frozenset(self._forgotten) if ran else frozenset()
+        if ran:
+            self._forgotten.clear()
         return Step(
             tuple(commands),
             placements,
@@ -399,19 +405,55 @@ class Reconciler:
             tuple(notes),
             self._wake,
             ran,
-            change.failed,
+            tuple(m for m in change.failed if self.catalog.get(m) is not None),
             self._touched(),
+            self.lifecycle.guard,
+            self._changed_routes(ran),
+            self._drain_heads(commands),
+            forgotten,
         )
+
+    def _changed_routes(self, ran: bool) -> Routes | None:
+        """The routes, when they may have changed and did. O(models) then, else O(1)."""
+        last, awaiting = self._routes, bool(self._decider.awaited)
+        if not (ran or self._catalog_changed or last is None or last.awaiting != awaiting):
+            return None
+        self._catalog_changed = False
+        catalog = self.catalog
+        specs = self.scaling.specs
+        autoscaled = {m.name: m.replicas for m in catalog.models if m.name in specs}
+        routes = Routes(self.serving(), dict(catalog.adapters), autoscaled, awaiting)
+        if routes == last:
+            return None
+        self._routes = routes
+        return routes
+
+    def _drain_heads(self, commands: Sequence[Command]) -> tuple[DrainHead, ...]:
+        """The head of each replica whose rank 0 `commands` drain. O(those)."""
+        heads = []
+        for c in commands:
+            if isinstance(c, DrainShard) and c.rank == 0:
+                found = self.endpoint(c.replica_id)
+                if found is not None:
+                    heads.append(DrainHead(c.replica_id, *found))
+        return tuple(heads)
+
+    def _note_forgotten(self) -> None:
+        """The replicas whose records changed since the last step, known now or no more.
+        O(those), before `_touched` takes them."""
+        store, forgotten = self.known.store, self._forgotten
+        for rid in store.touched:
+            if rid in store:
+                forgotten.discard(rid)
+            else:
+                forgotten.add(rid)
 
     def _touched(self) -> Touched:
         """What changed of what is stored since the last step; O(that)."""
-        store, known, scaling = self.known.store, self.known, self.scaling
-        if not (store.touched or known.touched_nodes or scaling.touched):
+        known, decider, scaling = self.known, self._decider, self.scaling
+        if not (known.store.touched or known.touched_nodes or decider.touched or scaling.touched):
             return _NOTHING
-        touched = Touched(
-            frozenset(store.touched), frozenset(known.touched_nodes), frozenset(scaling.touched)
-        )
-        store.touched.clear()
-        known.touched_nodes.clear()
+        replicas, nodes = known.take_touched()
+        touched = Touched(replicas | decider.take_touched(), nodes, frozenset(scaling.touched))
         scaling.touched.clear()
         return touched

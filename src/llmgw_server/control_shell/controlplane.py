@@ -1,5 +1,6 @@
 """The control plane's trio shell: it feeds the pure reconciler events and the clock,
-and carries out the commands each step returns.
+and carries out the commands each step returns, knowing the core only by its steps
+(what the route table is made of, the guard, the drains' endpoints, the replicas gone).
 
 Decisions stay in `control.reconciler`; this module only delivers them: start,
 drain and stop to agents over their streams, the route table to the routers that
@@ -30,8 +31,9 @@ from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
 from llmgw_server.control.history import History, Point
-from llmgw_server.control.reconciler import Reconciler, Step, random_engine_key
+from llmgw_server.control.reconciler import Reconciler, random_engine_key
 from llmgw_server.control.scaling import merge
+from llmgw_server.control.step import DrainHead, Routes, Step
 from llmgw_server.control_shell.agents import AgentService
 from llmgw_server.control_shell.fleet_feed import FleetFeed
 from llmgw_server.control_shell.metrics import ControlMetrics
@@ -95,6 +97,7 @@ class ControlPlane:
         self._wake_at: float | None = None  # when the reconciler asked to be ticked
         self._sleep_until = 0.0  # awake time, as the reconciler's deadlines
         self._draining: dict[str, tuple[str, Endpoint]] = {}  # replica id -> model, endpoint
+        self._routes = Routes()  # as the last step that carried them left them
         # Until then agents of a restarted control plane may still be registering: the
         # table says it is incomplete, and routers that serve a complete one keep it.
         self._settled_at = trio.current_time() + config.control.settle_after_start_s
@@ -194,7 +197,7 @@ class ControlPlane:
         interval = self.config.control.autoscale_interval_s
         held_shown: dict[str, int] = {}
         while True:
-            if self.reconciler.scaling.specs:
+            if self._routes.autoscaled:
                 self._run(self._autoscale_step)
                 if self.history.due(trio.current_time()):
                     self._record_history()
@@ -206,24 +209,22 @@ class ControlPlane:
             await trio.sleep(interval)
 
     def _record_history(self) -> None:
-        reconciler = self.reconciler
-        specs = reconciler.scaling.specs
-        serving = reconciler.serving()
-        desired = {m.name: m.replicas for m in reconciler.catalog.profiled}
+        routes = self._routes
+        autoscaled, serving = routes.autoscaled, routes.serving
         now, arrived = trio.current_time(), dict(self.routes.arrived)
         before_at, before = self._arrived_at_point or (now, arrived)
         self._arrived_at_point = now, arrived
         points = {}
-        for model in specs:
+        for model, desired in autoscaled.items():
             new = arrived.get(model, 0) - before.get(model, 0)
             points[model] = Point(
                 time.time(),
                 new / (now - before_at) if now > before_at else 0.0,
                 self.routes.ttft_peak(model, before_at),
                 len(serving.get(model, ())),
-                desired.get(model, 0),
+                desired,
             )
-        self.history.record(now, points, specs)
+        self.history.record(now, points, autoscaled)
         self.feed.bump()
 
     def _autoscale_step(self) -> Step:
@@ -334,6 +335,12 @@ class ControlPlane:
         self.apply(self.reconciler.restore(stored, self.now(), wall_minus_monotonic))
 
     def apply(self, step: Step) -> None:
+        # What the shell keeps of the core is its own, fenced or not: a step it missed
+        # would leave it stale for good.
+        if step.routes is not None:
+            self._routes = step.routes
+        if step.forgotten and self.output_tails:
+            self.output_tails.prune(lambda replica_id: replica_id not in step.forgotten)
         # A leadership that ended (its lease ran out while this process was paused, say)
         # carries out nothing of what it then decides, and does not log it as done.
         if self._fence_holds("a step of the reconciler"):
@@ -341,29 +348,25 @@ class ControlPlane:
         if self._keep is not None:
             self._keep(step)
         self.feed.stepped(step)
-        for model in step.failed:
-            # Only the catalog's names: an agent names what it reports, and each name
-            # would be a label kept for good.
-            if self.reconciler.catalog.get(model) is not None:
-                self.metrics.engine_failures[model] += 1
+        for model in step.failed:  # the catalog's names alone (a label is kept for good)
+            self.metrics.engine_failures[model] += 1
         for transition in step.transitions:
             if transition.old is None:  # the reconciler's notes tell every other transition
                 log.info("node %s joined (%s)", transition.node, escaped(transition.reason))
         for note in step.notes:  # they quote nodes' words (a failure's detail): escaped
             log.info("%s", escaped(note, limit=4000))
         # A node declared unreachable has a dead stream (unless the mass-loss guard holds).
-        self.agents.close_silent(step.transitions, self.reconciler.lifecycle.guard)
+        self.agents.close_silent(step.transitions, step.guard)
+        heads = {head.replica_id: head for head in step.drain_heads}
         for command in step.commands:
-            self._deliver(command)
+            self._deliver(command, heads)
         if step.reconciled:  # which replicas serve may have changed
             self._publish()
-            if self.output_tails:  # and which replicas are known
-                self.output_tails.prune(self.reconciler.knows_replica)
         self._wake_at = step.wake_at
         if step.wake_at is not None and step.wake_at < self._sleep_until:
             self._wake.set()
 
-    def _deliver(self, command: Command) -> None:
+    def _deliver(self, command: Command, heads: Mapping[str, DrainHead]) -> None:
         if self._fence_holds(type(command).__name__):
             return
         agents = self.agents
@@ -389,7 +392,7 @@ class ControlPlane:
                 command.node, Drain(agents.next_command_id(), command.replica_id, command.rank)
             )
             if command.rank == 0:
-                self._watch_drain(command.replica_id)
+                self._watch_drain(command.replica_id, heads.get(command.replica_id))
         elif isinstance(command, StopShard):
             log.info(
                 "stopping replica %s rank %d on %s", command.replica_id, command.rank, command.node
@@ -404,15 +407,14 @@ class ControlPlane:
         else:
             assert_never(command)
 
-    def _watch_drain(self, replica_id: str) -> None:
+    def _watch_drain(self, replica_id: str, head: DrainHead | None) -> None:
         """Publish the drain intent; tell the reconciler once no follower has a request
         in flight there."""
-        found = self.reconciler.endpoint(replica_id)
-        if found is not None:
-            self._draining[replica_id] = found
+        if head is not None:
+            self._draining[replica_id] = head.model, head.endpoint
         version = self._publish()
         assert self._nursery is not None
-        endpoint = None if found is None else found[1]
+        endpoint = None if head is None else head.endpoint
         self._nursery.start_soon(self._wait_drained, replica_id, endpoint, version)
 
     async def _wait_drained(self, replica_id: str, endpoint: Endpoint | None, version: int) -> None:
@@ -451,7 +453,8 @@ class ControlPlane:
         if self._fence_holds("the route table"):
             return self.routes.table.version
         # Each router logs what it serves ("<model> is served by ..."), not this.
-        models = dict(self.reconciler.serving())
+        routes = self._routes
+        models = dict(routes.serving)
         for model, endpoint in self._draining.values():
             if endpoint not in models.get(model, ()):
                 models[model] = (*models.get(model, ()), endpoint)
@@ -459,12 +462,14 @@ class ControlPlane:
         # Incomplete while agents may still be registering (the settle time), or while a
         # replica the store named waits for its nodes (a new leader): routers that serve
         # a complete table keep it meanwhile, rather than lose what still runs.
-        complete = trio.current_time() >= self._settled_at and not self.reconciler.awaiting
+        complete = trio.current_time() >= self._settled_at and not routes.awaiting
         # Each adapter is served by its model's replicas, under its own name.
-        adapters = self.reconciler.catalog.adapters
-        autoscaled = frozenset(self.reconciler.scaling.specs)
         return self.routes.publish(
-            models, draining, complete=complete, adapters=adapters, autoscaled=autoscaled
+            models,
+            draining,
+            complete=complete,
+            adapters=routes.adapters,
+            autoscaled=frozenset(routes.autoscaled),
         )
 
 
