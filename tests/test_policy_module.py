@@ -94,6 +94,9 @@ def written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     where = tmp_path / "more_policies"
     where.mkdir()
     (where / f"{NAME}.py").write_text(textwrap.dedent(MODULE))
+    # make test writes bytecode (its Makefile unsets PYTHONDONTWRITEBYTECODE): the import
+    # of the module would leave a __pycache__/ beside the one file this test writes.
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(policies, "__path__", [*policies.__path__, str(where)])
     yield where
     sys.modules.pop(f"{policies.__name__}.{NAME}", None)
