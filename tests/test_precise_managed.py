@@ -46,17 +46,25 @@ def test_placed_replicas_publish_their_kv_events_to_a_precise_router(fleet: Flee
         for prompt in prompts:  # the first time: nobody holds it
             assert client.post("/v1/chat/completions", json=body(prompt)).is_success
 
+        seen: list[tuple[list[float], float]] = []
+
         def fed() -> bool:  # every prompt's full blocks, as the engines' events say
             page = client.get("/metrics").text
             held = [metric(page, "llmgw_prefix_index_entries", model="chat", endpoint=r["url"])
                     for r in replicas]  # fmt: skip
             events = sum(metric(page, "llmgw_kv_event_batches_total", endpoint=r["url"])
                          for r in replicas)  # fmt: skip
+            seen.append((held, events))
             return sum(held) >= len(prompts) * (WORDS // 16) and events >= len(prompts)
 
         # Real time, on a machine CI shares with vLLM: 10 s ran out there once (the
         # events come at the engines' pace and the router's, both starved).
-        wait_until(fed, 60, what="the replicas' events")
+        try:
+            wait_until(fed, 60, what="the replicas' events")
+        except AssertionError:
+            server = fleet.server_proc.output() if fleet.server_proc else ""
+            feed = [line for line in server.splitlines() if "kv" in line.lower()]
+            raise AssertionError(f"held, batches: {seen[-3:]}; the server on its feeds: {feed[-20:]}")
         for prompt in prompts:  # again: where its engine says it is cached
             answer = client.post("/v1/chat/completions", json=body(prompt)).json()
             cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
