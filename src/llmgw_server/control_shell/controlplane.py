@@ -26,7 +26,7 @@ from llmgw_core.awake_time import AwakeTime
 from llmgw_core.catalog import Catalog, Endpoint
 from llmgw_core.config import Config
 from llmgw_core.inventory import ShardState
-from llmgw_core.logsafe import escaped
+from llmgw_core.logsafe import escaped, peer_address
 from llmgw_core.wire import Drain, Mark, Register, ShardUpdate, Start, Stop
 from llmgw_http.server import Request
 from llmgw_server.control.commands import Command, DrainShard, MarkNode, StartShard, StopShard
@@ -170,7 +170,7 @@ class ControlPlane:
             raw,
             router_digest=router_digest,
             admin_digest=self.config.admin.token_digest,
-            peer=_peer(raw),
+            peer=peer_address(raw)[1],
         )
 
     def _fence_holds(self, what: str) -> bool:
@@ -471,14 +471,6 @@ class ControlPlane:
             adapters=routes.adapters,
             autoscaled=frozenset(routes.autoscaled),
         )
-
-
-def _peer(stream: trio.abc.Stream) -> str:
-    try:
-        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return "an unknown peer"
-    return f"{host}:{port}"
 
 
 def _always() -> bool:
