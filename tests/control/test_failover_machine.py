@@ -26,8 +26,8 @@ from hypothesis_profiles import profile_times
 from llmgw_core.autoscaling import Autoscale
 from llmgw_core.catalog import Catalog
 from llmgw_server.control.autoscale import ModelLoad
-from llmgw_server.control.commands import StartShard
-from llmgw_server.control.persisted import Keeper, snapshot, window_step
+from llmgw_server.control.commands import DrainShard, StartShard, StopShard
+from llmgw_server.control.persisted import Keeper, replica_key, snapshot, window_step
 from llmgw_server.control.reconciler import Reconciler, Step
 
 AUTO = "one"  # the control machine's single-GPU model, autoscaled here
@@ -142,8 +142,15 @@ class FailoverMachine(ControlMachine):
         alive = [n for n in f.agents if n not in dead]
         order = data.draw(st.permutations(alive))
         gaps = data.draw(st.lists(st.sampled_from([0.0, 1.0, 4.0]), min_size=len(order)))
-        # A's kept replicas (while they still run on a node that lives on).
-        kept = {(r.model, r.replica_id) for r in a.view().replicas if r.kept}
+        # A's kept replicas (while they still run on a node that lives on), with each
+        # rank's node as the store names it.
+        kept = {
+            (r.model, r.replica_id): tuple(
+                rank["node"] for rank in json.loads(stored[replica_key(r.replica_id)])["ranks"]
+            )
+            for r in a.view().replicas
+            if r.kept
+        }
         stored_nodes = {
             node
             for key, value in stored.items()
@@ -186,28 +193,56 @@ class FailoverMachine(ControlMachine):
         self,
         instance: str,
         sent: int,
-        kept: set[tuple[str, str]],
+        kept: dict[tuple[str, str], tuple[str, ...]],
         dead: set[str],
         unheard: set[str],
         start: float,
     ) -> None:
         f = self.fleet
-        running = {
-            s.spec.replica_id
+        runs = {
+            (name, s.spec.replica_id, s.spec.rank)
             for name, agent in f.agents.items()
             if name not in dead
             for s in agent.shards.values()
         }
-        still = Counter(model for model, rid in kept if rid in running)
-        placed = Counter(
-            c.spec.model_name
+        running = {rid for _, rid, _ in runs}
+
+        def rank_gone(rid: str, nodes: tuple[str, ...]) -> bool:
+            """A rank whose node has registered with B without it: A kept the replica
+            (its start went to a node whose stream had broken unseen, or the rank ended
+            unheard), but it no longer runs whole. B gives it up as broken ("missing a
+            rank", docs/control-plane.md) and places a new one once the settle time is
+            over, as A would have at that registration: not a replica placed twice."""
+            return any(
+                node not in dead and node not in unheard and (node, rid, rank) not in runs
+                for rank, node in enumerate(nodes)
+            )
+
+        still = Counter(
+            model
+            for (model, rid), nodes in kept.items()
+            if rid in running and not rank_gone(rid, nodes)
+        )
+        starts = [
+            c.spec
             for c in f.commands[sent:]
             if isinstance(c, StartShard)
             and f"-{instance}-" in c.spec.replica_id
             and c.spec.rank == 0
             and c.spec.attempt == 0
-        )
-        for model, n in placed.items():
+        ]
+        placed = Counter(spec.model_name for spec in starts)
+        # A replica B placed and has since stopped or drained itself counts no more: it
+        # was checked here when placed, beside what still ran then (this runs after every
+        # registration and every gap). B retires its new replica as surplus when an agent
+        # reports one the store does not name (the store behind what runs, judged like any
+        # other: docs/high-availability.md), say a pipeline replica A forgot when its head
+        # exited while the node of its other rank was silent; when that one proves broken
+        # (its head's node registers without it), B places again: one more start, never
+        # more replicas at once than desired.
+        retired = {c.replica_id for c in f.commands[sent:] if isinstance(c, StopShard | DrainShard)}
+        standing = Counter(s.model_name for s in starts if s.replica_id not in retired)
+        for model, n in standing.items():
             entry = f.cp.catalog.get(model)
             desired = entry.replicas if entry is not None else 0
             assert still[model] + n <= desired, (model, still[model], n, desired)
