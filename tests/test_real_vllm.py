@@ -362,12 +362,14 @@ def test_the_router_sees_vllm_queueing_from_its_real_metrics(
     assert "llmgw_replica_ejections_total{" not in page, page
 
 
+@pytest.mark.long
 def test_the_tiny_model_and_its_adapter_are_made_the_same_twice(
     real_vllm: RealVllm, tmp_path: Path
 ) -> None:
     """tests/tiny_llama.py, run again in vLLM's virtualenv, makes the cache's files byte for
     byte: the seed fixes the weights, and the tokenizer's training and peft's files depend
-    on nothing else."""
+    on nothing else. A repeat of the cache's build (torch imported, the model made again:
+    about 20 s of a core), so `make test-long`'s."""
     generator = Path(__file__).parent / "tiny_llama.py"
     model, lora = tmp_path / "model", tmp_path / "lora"
     subprocess.run(
