@@ -185,44 +185,60 @@ class Pool:
             *self._auth,
             (b"content-length", str(len(body)).encode()),
         ]
-        target = self._prefix + target
+        wire = request_bytes(method, self._prefix + target, head, body)
         conn = self._reusable()
         if conn is not None:
-            exchange = Exchange(self, conn, method)
-            sent_at: float | None = None
-            coarse_timeouts.arm(conn, due)
-            try:
-                unsent = self._send(conn, method, target, head, body)
-                sent_at = trio.current_time()
-                await exchange.read_head(unsent)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                exchange.release()
-                if conn.expired:
-                    raise self._no_answer(first_byte_s) from None
-                self._stale()  # the engine had closed this idle connection
-            except UpstreamError as exc:
-                exchange.release()
-                if conn.expired:
-                    raise self._no_answer(first_byte_s) from None
-                # A close that answers the request at once is the engine's idle timer;
-                # one that comes later may follow work done, and is not sent again.
-                late = sent_at is not None and trio.current_time() - sent_at > _STALE_WITHIN_S
-                if not exc.silent or late:
-                    raise
-                self._stale()  # closed before a single byte: not a failure of the engine
-            except BaseException:  # cancelled (the client went away): close now
-                exchange.release()
-                raise
-            else:
+            exchange = await self._on_pooled(conn, method, wire, due, first_byte_s)
+            if exchange is not None:
                 return exchange
-            finally:
-                coarse_timeouts.disarm(conn)
+        return await self._on_new(method, wire, due, first_byte_s)
+
+    async def _on_pooled(
+        self, conn: _Conn, method: bytes, wire: bytes, due: float, first_byte_s: float
+    ) -> Exchange | None:
+        """The request on an idle pooled connection: its exchange, or None where the
+        engine had closed that connection before it was used (sent again on a new one)."""
+        exchange = Exchange(self, conn, method)
+        sent_at: float | None = None
+        coarse_timeouts.arm(conn, due)
+        try:
+            unsent = self._send(conn, wire)
+            sent_at = trio.current_time()
+            await exchange.read_head(unsent)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            exchange.release()
+            if conn.expired:
+                raise self._no_answer(first_byte_s) from None
+            self._stale()  # the engine had closed this idle connection
+        except UpstreamError as exc:
+            exchange.release()
+            if conn.expired:
+                raise self._no_answer(first_byte_s) from None
+            # A close that answers the request at once is the engine's idle timer;
+            # one that comes later may follow work done, and is not sent again.
+            late = sent_at is not None and trio.current_time() - sent_at > _STALE_WITHIN_S
+            if not exc.silent or late:
+                raise
+            self._stale()  # closed before a single byte: not a failure of the engine
+        except BaseException:  # cancelled (the client went away): close now
+            exchange.release()
+            raise
+        else:
+            return exchange
+        finally:
+            coarse_timeouts.disarm(conn)
+        return None
+
+    async def _on_new(
+        self, method: bytes, wire: bytes, due: float, first_byte_s: float
+    ) -> Exchange:
+        """The request on a new connection."""
         conn = await self._connect()
         exchange = Exchange(self, conn, method)
         coarse_timeouts.arm(conn, due)
         try:
             try:
-                unsent = self._send(conn, method, target, head, body)
+                unsent = self._send(conn, wire)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise UpstreamError(
                     f"sending to {self.endpoint} failed: {exc}", connect=True
@@ -246,12 +262,9 @@ class Pool:
         )
 
     @staticmethod
-    def _send(
-        conn: _Conn, method: bytes, target: bytes, head: list[tuple[bytes, bytes]], body: bytes
-    ) -> memoryview | None:
+    def _send(conn: _Conn, wire: bytes) -> memoryview | None:
         """Writes what the kernel takes at once; the rest (None: nothing) is sent while
         the answer is read (Exchange.read_head)."""
-        wire = request_bytes(method, target, head, body)
         sent = conn.transport.send_now(wire)
         return None if sent == len(wire) else memoryview(wire)[sent:]
 
@@ -359,57 +372,65 @@ class Exchange:
             raise failure
 
     async def _read_head(self) -> None:
+        endpoint = self._pool.endpoint
+        interim = 0
+        while True:
+            try:
+                status, http11, headers = parse_response_head(await self._head_bytes())
+            except BadHead as exc:
+                raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
+            if not 100 <= status < 200:
+                break
+            # Informational (100 Continue): the answer follows.
+            if status == 101:
+                raise UpstreamError(
+                    f"{endpoint} answered garbage: an unasked protocol switch", broken=True
+                )
+            interim += 1
+            if interim > _MAX_INTERIM:
+                raise UpstreamError(
+                    f"{endpoint} answered garbage: more than {_MAX_INTERIM} interim answers",
+                    broken=True,
+                )
+        self._take_head(status, http11, headers)
+
+    async def _head_bytes(self) -> bytes:
+        """The next head, up to its blank line; what follows stays in the connection's
+        buffer."""
         conn = self._conn
         endpoint = self._pool.endpoint
         buf: bytes | bytearray = conn.buf
         searched = 0  # where the search for the blank line goes on
-        interim = 0
-        while True:
-            end = RESPONSE_HEAD_END.search(buf, searched)
-            if end is None:
-                if len(buf) > MAX_RESPONSE_HEAD:
-                    raise UpstreamError(
-                        f"{endpoint} answered garbage: the head is too long", broken=True
-                    )
-                searched = max(0, len(buf) - 3)
-                data = await self._receive()
-                if not data:
-                    if not buf:
-                        raise UpstreamError(
-                            f"{endpoint} closed the connection without answering",
-                            silent=not self._received,
-                        )
-                    raise UpstreamError(
-                        f"{endpoint} answered garbage: it closed within the head", broken=True
-                    )
+        while (end := RESPONSE_HEAD_END.search(buf, searched)) is None:
+            if len(buf) > MAX_RESPONSE_HEAD:
+                raise UpstreamError(
+                    f"{endpoint} answered garbage: the head is too long", broken=True
+                )
+            searched = max(0, len(buf) - 3)
+            data = await self._receive()
+            if not data:
                 if not buf:
-                    buf = data
-                else:  # a head in pieces: appended, never joined again
-                    if isinstance(buf, bytes):
-                        buf = bytearray(buf)
-                    buf += data
-                continue
-            head = bytes(buf[: end.start()])
-            buf = bytes(buf[end.end() :])
-            searched = 0
-            try:
-                status, http11, headers = parse_response_head(head)
-            except BadHead as exc:
-                raise UpstreamError(f"{endpoint} answered garbage: {exc}", broken=True) from None
-            if 100 <= status < 200:  # informational (100 Continue): the answer follows
-                if status == 101:
                     raise UpstreamError(
-                        f"{endpoint} answered garbage: an unasked protocol switch", broken=True
+                        f"{endpoint} closed the connection without answering",
+                        silent=not self._received,
                     )
-                interim += 1
-                if interim > _MAX_INTERIM:
-                    raise UpstreamError(
-                        f"{endpoint} answered garbage: more than {_MAX_INTERIM} interim answers",
-                        broken=True,
-                    )
-                continue
-            break
-        conn.buf = buf
+                raise UpstreamError(
+                    f"{endpoint} answered garbage: it closed within the head", broken=True
+                )
+            if not buf:
+                buf = data
+            else:  # a head in pieces: appended, never joined again
+                if isinstance(buf, bytes):
+                    buf = bytearray(buf)
+                buf += data
+        conn.buf = bytes(buf[end.end() :])
+        return bytes(buf[: end.start()])
+
+    def _take_head(self, status: int, http11: bool, headers: list[tuple[bytes, bytes]]) -> None:
+        """The answer's head read: its status, headers, whether the connection is kept,
+        and how its body is framed."""
+        endpoint = self._pool.endpoint
+        conn = self._conn
         self.status = status
         self.headers = headers
         self.keep_alive = http11 and not any(
