@@ -83,6 +83,8 @@ class Forwarder:
                                     responder, stream)  # fmt: skip
             finally:
                 balancer.finished(replica)
+            if plan.relayed:  # as plan.next would say: the client has its answer
+                return
 
     async def _attempt(
         self,

@@ -14,7 +14,7 @@ import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import attrs
 import trio
@@ -74,8 +74,7 @@ def server_limits(s: ServerSection) -> ServerLimits:
     )
 
 
-@attrs.frozen(slots=True)
-class _Named:
+class _Named(NamedTuple):
     """A relayed request's model, and its JSON body parsed ({} for a form)."""
 
     model: str
@@ -290,7 +289,10 @@ class Router:
         metrics = self.metrics
         metrics.in_flight[model] += 1
         try:  # counted in llmgw_requests_total by handle, with the status sent
-            if admit(meter is not None, balancer.healthy_count) is Admission.HOLD:
+            # The serving replicas counted for a held model alone: a sum over the
+            # replicas that no other request pays for.
+            serving = balancer.healthy_count if meter is not None else 0
+            if admit(meter is not None, serving) is Admission.HOLD:
                 assert meter is not None
                 stream = body.get("stream") is True
                 # Held with its raw body alone, not beside its parsed form (about twice
