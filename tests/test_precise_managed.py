@@ -61,10 +61,12 @@ def test_placed_replicas_publish_their_kv_events_to_a_precise_router(fleet: Flee
         # events come at the engines' pace and the router's, both starved).
         try:
             wait_until(fed, 60, what="the replicas' events")
-        except AssertionError:
+        except AssertionError as exc:
             server = fleet.server_proc.output() if fleet.server_proc else ""
             feed = [line for line in server.splitlines() if "kv" in line.lower()]
-            raise AssertionError(f"held, batches: {seen[-3:]}; the server on its feeds: {feed[-20:]}")
+            raise AssertionError(
+                f"{exc}; held, batches: {seen[-3:]}; the server on its feeds: {feed[-20:]}"
+            ) from None
         for prompt in prompts:  # again: where its engine says it is cached
             answer = client.post("/v1/chat/completions", json=body(prompt)).json()
             cached = (answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
