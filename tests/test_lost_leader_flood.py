@@ -161,6 +161,22 @@ async def fail_over(
 
 
 @attrs.define
+class FailingOver:
+    """node-1, which lost the leadership of LOST, failing over to a port: its `answer`
+    once registered on the `plane` that won (appended by the test)."""
+
+    plane: list[ControlPlane] = attrs.Factory(list)
+    answer: list[tuple[DownMessage, bool, list[ConnectFailed]]] = attrs.Factory(list)
+
+    def registered(self) -> bool:
+        return "node-1" in self.plane[0].agents.streams
+
+    async def run(self, url: str, agent_tls: ssl.SSLContext, certs: Path) -> None:
+        welcome = await fail_over(url + "/v1/agent", LOST, agent_tls, certs, self.registered)
+        self.answer.append(welcome)
+
+
+@attrs.define
 class Port:
     """A control plane's port, its seat standing by while an election runs: the seat's
     answers counted as the gate asks for them."""
@@ -261,22 +277,13 @@ async def test_a_flood_from_one_address_takes_its_share_and_an_agent_still_gets_
             # 3. An agent that fails over now, from its own address, gets its handshake
             # at once; its stream is held through the election, and served by this
             # control plane's term when it wins.
-            agent: list[tuple[DownMessage, bool, list[ConnectFailed]]] = []
-            plane: list[ControlPlane] = []
-
-            def registered() -> bool:
-                return "node-1" in plane[0].agents.streams
-
-            async def the_agent() -> None:
-                url = port.url + "/v1/agent"
-                agent.append(await fail_over(url, LOST, agent_tls, certs, registered))
-
-            nursery.start_soon(the_agent)
+            agent = FailingOver()
+            nursery.start_soon(agent.run, port.url, agent_tls, certs)
             await until(lambda: seat.standby.held == 1)
             assert seat.metrics.hellos_answered["handshake"] == handshakes + 1
-            plane.append(await port.wins(nursery))
-            await until(lambda: bool(agent))
-            ((welcome, was_registered, told),) = agent
+            agent.plane.append(await port.wins(nursery))
+            await until(lambda: bool(agent.answer))
+            ((welcome, was_registered, told),) = agent.answer
             assert isinstance(welcome, Welcome) and welcome.epoch == WON and was_registered
             assert told == [] and seat.standby.adopted == 1
             nursery.cancel_scope.cancel()
@@ -311,21 +318,12 @@ async def test_floods_from_many_addresses_spend_the_budget_and_no_more_and_an_ag
             # 2. An agent that fails over now waits for the election (no handshake left);
             # it ends, this control plane leads, and the agent is sent to it, dials it
             # again and registers.
-            agent: list[tuple[DownMessage, bool, list[ConnectFailed]]] = []
-            plane: list[ControlPlane] = []
-
-            def registered() -> bool:
-                return "node-1" in plane[0].agents.streams
-
-            async def the_agent() -> None:
-                url = port.url + "/v1/agent"
-                agent.append(await fail_over(url, LOST, agent_tls, certs, registered))
-
-            nursery.start_soon(the_agent)
+            agent = FailingOver()
+            nursery.start_soon(agent.run, port.url, agent_tls, certs)
             await port.agent_asked.wait()
-            plane.append(await port.wins(nursery))
-            await until(lambda: bool(agent))
-            ((welcome, was_registered, told),) = agent
+            agent.plane.append(await port.wins(nursery))
+            await until(lambda: bool(agent.answer))
+            ((welcome, was_registered, told),) = agent.answer
             assert isinstance(welcome, Welcome) and welcome.epoch == WON and was_registered
             assert [(t.leader, t.come_back_s) for t in told] == [(port.url + "/v1/agent", None)]
             assert seat.metrics.hellos_answered["handshake"] == handshakes
