@@ -116,7 +116,11 @@ def serving_env(run: Path) -> dict[str, str]:
         # Stored responses (kept in the API server's memory), for previous_response_id.
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         "TMPDIR": str(run / "tmp"),
-        "VLLM_CACHE_ROOT": str(run / "cache"),
+        # One cache for every test's vLLM, as a host's engines share ~/.cache/vllm: vLLM
+        # keeps there what it learnt of the model's class (keyed by its module's hash),
+        # which it otherwise learns again in a process of its own at each start (8 s of
+        # CPU, three times in make test).
+        "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cache"),
     }
 
 

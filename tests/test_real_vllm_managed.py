@@ -49,7 +49,12 @@ ENGINE_UP_S = 420.0  # 35-143 s seen on this machine; a loaded one takes longer
 # by VERSION_TIMEOUT_S) is done; the rest (its start, registration, a health probe) is
 # seconds, given 60 more for a starved machine.
 ADOPT_S = VERSION_TIMEOUT_S + 60.0
-PACE_S = 0.5  # between the chat loop's requests
+# Between the chat loop's requests. vLLM's engine and its worker each read the other's
+# queue in /dev/shm by spinning (sched_yield) for a second after each message before they
+# sleep on a socket (shm_broadcast.SpinCondition): a request every half second kept both
+# spinning through the drain, each taking its share of the loaded cores from the
+# replacement that starts beside it. A few seconds apart, they sleep most of the time.
+PACE_S = 3.0
 PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
 # A model whose profile, once reloaded, has a typo in its args: vLLM 0.32.0 takes
 # --max-model-len, not this (argparse would refuse it only after a minute of imports).
@@ -393,8 +398,8 @@ class ChatLoop:
             except (openai.APIError, AssertionError) as exc:
                 self.errors.append(f"request {self.done}: {exc!r}")
             self.done += 1
-            # A client, not a load test: a few requests a second leave the cores to the
-            # replacement starting beside the engine that answers them.
+            # A client, not a load test: the cores are left to the replacement starting
+            # beside the engine that answers it (PACE_S).
             self._stop.wait(PACE_S)
 
 

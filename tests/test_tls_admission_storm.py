@@ -2,7 +2,8 @@
 ClientHello, read the control port's flight, say nothing more and dial again when cut;
 operators' admin requests, one a second, must each be answered within 5 s (before the
 fix: 0 of 18), and agents still register. The attacker runs in a process of its own,
-as it would on machines of its own: its event loop is not the server's."""
+as it would on machines of its own: its event loop is not the server's, nor, at the
+lowest priority, its CPU."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ ANSWER_WITHIN_S = 5.0
 # The attacker: argv = port, seconds. Prints "holding" once its first 16 flights are in
 # (the operators' lane has 16 places), then, at the end, its dials and flights read.
 ATTACKER = r"""
-import ssl, sys, trio
+import os, ssl, sys, trio
+
+# On machines of its own the attack would take none of the server's CPU; here it shares
+# the server's two cores with it (and with make test's other workers): at a lower
+# priority, what the test measures is the server's admission more than the kernel's
+# sharing of the cores. It still dials thousands of times in the attack's 30 s.
+os.nice(10)
 
 port, seconds = int(sys.argv[1]), float(sys.argv[2])
 
