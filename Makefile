@@ -59,18 +59,15 @@ browser:
 # HYPOTHESIS_PROFILE=dev make test runs the quick one.
 HYPOTHESIS_PROFILE ?= ci
 # pytest-xdist workers: the tests mostly wait on processes and timers, so more workers
-# than cores share two cores well. A mixed subset (129 tests), back to back on a busy
-# 2-core machine: 322 s in one process, 186 s with 2 workers, 147 s with 3; then 223 s in
-# one process, 131 s with 3 (load), 183 s with 3 (loadfile: whole modules, a long one
-# holds the end). The whole suite on an idle 2-core machine (December 2026): 415 s with
-# 3 workers (both cores busy for the first 3 minutes, about one after: short tests that
-# wait), 370 s with 4, 350, 348 and 343 s with 5 (where, in one of three runs, the
-# test of operators' answers under a TLS attack saw two resets: CPU too thin). Costly
-# fixtures are session-scoped where they can be: made once per worker. Each idle worker
-# takes the next test, longest first (tests/longest_first.py); the tests of a module that
-# share a costly fixture go to one worker together (their module's xdist_group).
-# TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 4
+# than cores share two cores well. The whole suite on an idle 2-core machine (December
+# 2026): 415 s with 3 workers (both cores busy for the first 3 minutes, about one after:
+# short tests that wait), 370 s with 4, 343-350 s with 5; then, once the tests took 616
+# s of CPU instead of 690 (docs/development.md), 391 s with 4 and 324-331 s with 6, both
+# cores busy to the end. Costly fixtures are session-scoped where they can be: made once
+# per worker. Each idle worker takes the next test, longest first (tests/longest_first.py);
+# the tests of a module that share a costly fixture go to one worker together (their
+# module's xdist_group). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 6
 
 # With PYTHONDONTWRITEBYTECODE set (as on CI's machines), no bytecode is cached: each of
 # the suite's hundreds of processes compiled llmgw from source again (0.13 s of CPU at a

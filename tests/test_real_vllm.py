@@ -303,11 +303,12 @@ def test_the_router_sees_vllm_queueing_from_its_real_metrics(
 ) -> None:
     router = procs.router(
         keyed_models(vllm_server, key_file(tmp_path))
-        + '\n[router]\nbalancing = "cache_aware"\n'
+        + '\n[router]\nbalancing = "cache_aware"\nconnect_timeout_s = 60\n'
         + "[router.cache_aware]\nmetrics_interval_s = 0.1\n",
         # 24 client threads beside vLLM on two cores: one was starved for the whole
-        # default 10 s between its connect and its request's head (a 408 in CI). Header
-        # timeouts are not this test's subject.
+        # default 10 s between its connect and its request's head (a 408 in CI), and the
+        # router once for the default 3 s of its connect to vLLM (a 502 under make test
+        # with 6 workers). Neither timeout is this test's subject.
         server="header_timeout_s = 60",
     )
     client = client_of(router).with_options(timeout=300)  # a stream waits until `seen`
