@@ -29,7 +29,7 @@ from llmgw_agent.agent import Agent
 from llmgw_agent.config import parse_agent_config
 from llmgw_agent.engine_flags import help_command, parse_help, refusals, unknown
 from llmgw_agent.engines import engine_command
-from llmgw_agent.flag_reader import FlagCache, Help, program_identity, read_help
+from llmgw_agent.flag_reader import FlagCache, FlagStore, Help, program_identity, read_help
 from llmgw_core.inventory import EngineInfo, Gpu, Inventory, LaunchSpec, ShardState
 from llmgw_core.tomlshape import ConfigError
 from llmgw_core.wire import PROTOCOL, Ack, ShardUpdate, Start, Stop, Welcome, decode_up, encode
@@ -297,6 +297,87 @@ async def _cancelled_launch(cache: FlagCache, reads: Reads, scope: trio.CancelSc
         await cache.flags(("k",), reads)
 
 
+# -- the flags kept across restarts (the agent's state directory) --------------------------
+
+KEY = ("vllm", ("/opt/vllm/bin/vllm",), "0.32.0", (64769, 42, 1000, 1700000000000000000))
+
+
+async def test_a_restarted_agents_cache_takes_the_flags_kept_and_another_version_reads(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    store = FlagStore(tmp_path / "engine-flags")
+    reads = Reads([Help(frozenset({"--a", "-tp"}))])
+    assert (await FlagCache(store=store).flags(KEY, reads)).flags == frozenset({"--a", "-tp"})
+    restarted = FlagCache(store=store)  # a new agent, the same state directory
+    assert (await restarted.flags(KEY, reads)).flags == frozenset({"--a", "-tp"}) and reads.calls == 1
+    upgraded = (*KEY[:2], "0.33.0", KEY[3])
+    await restarted.flags(upgraded, reads)
+    assert reads.calls == 2 and len(list(store.directory.glob("*.json"))) == 2
+
+
+async def test_a_failed_reading_is_not_kept_on_disk(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    store = FlagStore(tmp_path / "engine-flags")
+    await FlagCache(store=store).flags(KEY, Reads([Help(None, "timeout")]))
+    assert store.load(KEY) is None and not store.directory.exists()
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        b"",
+        b"{not json",
+        b'{"key": ["vllm"], "flags": ["--a"]}',  # another key's file under this name
+        b'{"flags": ["--a"]}',
+        b'{"key": KEY, "flags": "--a"}',
+        b'{"key": KEY, "flags": []}',
+        b'{"key": KEY, "flags": ["--a", 7]}',
+        b'{"key": KEY, "flags": ["--a", "not-a-flag"]}',
+        b'{"key": KEY, "flags": ["-' + b"x" * 200 + b'"]}',
+        b'["--a"]',
+        b'{"key": KEY, "flags": ["--a"], "pad": "' + b"x" * (4 * 1024 * 1024) + b'"}',
+    ],
+    ids=[
+        "empty", "not-json", "other-key", "no-key", "flags-a-string", "no-flags",
+        "a-number", "not-a-flag", "too-long-a-flag", "a-list", "larger-than-a-help",
+    ],
+)  # fmt: skip
+async def test_a_kept_file_that_is_not_this_programs_flags_is_read_again_and_rewritten(
+    tmp_path: Path, kept: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FlagStore(tmp_path / "engine-flags")
+    store.save(KEY, frozenset({"--b"}))
+    (path,) = store.directory.glob("*.json")
+    path.write_bytes(kept.replace(b"KEY", json.dumps(KEY).encode()))
+    reads = Reads([Help(frozenset({"--a"}))], delay_s=0)
+    assert (await FlagCache(store=store).flags(KEY, reads)).flags == frozenset({"--a"})
+    assert reads.calls == 1 and store.load(KEY) == frozenset({"--a"})
+    assert any(r.getMessage().endswith("reading the help again") for r in caplog.records)
+
+
+def test_the_store_keeps_the_last_entries_written(tmp_path: Path) -> None:
+    store = FlagStore(tmp_path / "engine-flags", entries=2)
+    keys = [(*KEY[:2], f"0.{n}.0", KEY[3]) for n in range(3)]
+    for n, key in enumerate(keys):
+        before = set(store.directory.glob("*.json"))
+        store.save(key, frozenset({"--a"}))
+        (written,) = set(store.directory.glob("*.json")) - before
+        os.utime(written, ns=(n * 10**9, n * 10**9))  # apart, whatever the clock's grain
+    assert [store.load(k) for k in keys] == [None, {"--a"}, {"--a"}]  # the first went
+    assert sorted(p.suffix for p in store.directory.iterdir()) == [".json", ".json"]
+
+
+def test_a_state_directory_that_cannot_be_written_keeps_nothing_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("")
+    store = FlagStore(tmp_path / "file" / "engine-flags")
+    store.save(KEY, frozenset({"--a"}))
+    assert store.load(KEY) is None
+    assert any(r.getMessage().startswith("cannot keep the flags read in ") for r in caplog.records)
+
+
 # -- the agent: refused before launch, reported to the control plane ------------------------
 
 FAKE_VLLM = """\
@@ -446,6 +527,14 @@ async def test_an_unknown_flag_is_refused_before_launch_and_the_help_read_once(t
     (launched,) = calls[1:]  # r-bad never started
     assert launched.startswith("serve org/m --host 127.0.0.1 --port ")
     assert launched.endswith("--max-model-len 2048 --enforce-eager")
+
+
+async def test_a_restarted_agent_launches_without_reading_the_help_again(tmp_path: Path) -> None:
+    updates, _ = await _run_agent(tmp_path, [_spec("r-1", ("--enforce-eager",))])
+    assert updates[-2].report.state is ShardState.READY
+    updates, _ = await _run_agent(tmp_path, [_spec("r-2", ("--max-modle-len", "2048"))])
+    assert updates[-1].report.detail.endswith("(did you mean --max-model-len?)")  # still checked
+    assert _calls(tmp_path).count("serve --help=all") == 1  # by the first agent only
 
 
 async def test_a_help_that_cannot_be_read_does_not_block_a_launch(

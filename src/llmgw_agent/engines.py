@@ -28,7 +28,7 @@ from llmgw_agent.adapters import Command, EngineLaunch, build_command
 from llmgw_agent.adoption import MARKER, Verdict, decide
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engine_flags import help_command, refusals
-from llmgw_agent.flag_reader import FlagCache, program_identity, read_help
+from llmgw_agent.flag_reader import FlagCache, FlagStore, program_identity, read_help
 from llmgw_agent.shm_leftovers import clean_after
 from llmgw_agent.supervisor import (
     LOG_FILES_KEPT,
@@ -84,7 +84,8 @@ class Engines:
         self._report = report
         self._nursery: trio.Nursery | None = None
         self._client: httpx.AsyncClient | None = None
-        self._flags = FlagCache()  # each engine program's flags, read once per version
+        # Each engine program's flags, read once per version, kept across restarts.
+        self._flags = FlagCache(store=FlagStore(config.state_dir / "engine-flags"))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Adopt the engines an earlier run left, then hold every engine until cancelled;

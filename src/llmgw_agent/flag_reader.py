@@ -12,10 +12,17 @@ a launch: the engine's own parser still judges its arguments, as it did before t
 check, and the agent logs why the check was skipped. Such a failure is kept for
 `RETRY_AFTER_S`, so a replica that fails over and over does not wait for the help each
 time, and a passing trouble (a loaded node) heals.
+
+The flags read are also kept in the agent's state directory (`FlagStore`), under the
+same key: a restarted agent's first launch does not wait for the help again (10 s of
+CPU for vLLM's, 47 s on a loaded 2-core machine). The version in the key is probed
+anew at every start of the agent, so an upgrade is read again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -23,6 +30,7 @@ import signal
 import subprocess
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 
 import attrs
 import trio
@@ -35,6 +43,8 @@ HELP_TIMEOUT_S = 120.0  # vLLM's help imports torch: 47 s on a loaded 2-core mac
 HELP_MAX_BYTES = 4 * 1024 * 1024  # vLLM 0.32.0's is 155 KB
 CACHE_ENTRIES = 16
 RETRY_AFTER_S = 600.0
+MAX_FLAG_CHARS = 200  # of one flag kept on disk; vLLM's longest is 48
+MAX_FLAGS = 20_000  # kept on disk for one program; vLLM 0.32.0 lists about 700
 _KILL_GRACE_S = 2.0
 
 
@@ -126,6 +136,74 @@ Key = tuple[object, ...]
 Reader = Callable[[], Awaitable[Help]]
 
 
+@attrs.frozen
+class FlagStore:
+    """The flags read, one file per key in `directory`, at most `entries` files (the
+    least recently written go first). A file that cannot be read, is larger than a help
+    may be, or holds another key or anything but flags counts as none: the help is read
+    again and the file written anew. Writes go to a temporary file renamed into place."""
+
+    directory: Path
+    entries: int = CACHE_ENTRIES
+
+    def load(self, key: Key) -> frozenset[str] | None:
+        named = _key_text(key)
+        if named is None:
+            return None
+        path = self._path(named)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(HELP_MAX_BYTES + 1)
+            kept = json.loads(raw) if len(raw) <= HELP_MAX_BYTES else None
+            flags = kept.get("flags") if isinstance(kept, dict) else None
+            if (
+                not isinstance(kept, dict)
+                or json.dumps(kept.get("key")) != named
+                or not isinstance(flags, list)
+                or not 0 < len(flags) <= MAX_FLAGS
+                or not all(_is_flag(f) for f in flags)
+            ):
+                raise ValueError("not the flags of this program")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("the flags kept in %s are not used (%s): reading the help again", path, exc)
+            return None
+        return frozenset(flags)
+
+    def save(self, key: Key, flags: frozenset[str]) -> None:
+        named = _key_text(key)
+        if named is None:
+            return
+        path = self._path(named)
+        partial = path.with_suffix(".partial")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(partial, "w") as f:
+                json.dump({"key": json.loads(named), "flags": sorted(flags)}, f)
+            os.replace(partial, path)
+            kept = sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+            for old in kept[: max(0, len(kept) - self.entries)]:
+                old.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot keep the flags read in %s: %s", self.directory, exc)
+
+    def _path(self, named: str) -> Path:
+        return self.directory / (hashlib.sha256(named.encode()).hexdigest()[:32] + ".json")
+
+
+def _key_text(key: Key) -> str | None:
+    """The key as JSON (tuples as lists); None for one that JSON cannot hold."""
+    try:
+        return json.dumps(key)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_flag(flag: object) -> bool:
+    return isinstance(flag, str) and flag.startswith("-") and 1 < len(flag) <= MAX_FLAG_CHARS
+
+
 @attrs.define
 class _Entry:
     done: trio.Event = attrs.field(factory=trio.Event)
@@ -140,6 +218,7 @@ class FlagCache:
 
     entries: int = CACHE_ENTRIES
     retry_after_s: float = RETRY_AFTER_S
+    store: FlagStore | None = None  # where flags read are kept across restarts
     _kept: OrderedDict[Key, _Entry] = attrs.field(factory=OrderedDict)
 
     async def flags(self, key: Key, read: Reader) -> Help:
@@ -156,8 +235,9 @@ class FlagCache:
             self._kept[key] = entry
             while len(self._kept) > self.entries:
                 self._kept.popitem(last=False)
+            kept = None if self.store is None or stale else self.store.load(key)
             try:
-                entry.help = await read()
+                entry.help = Help(kept) if kept is not None else await read()
             except BaseException:
                 # A cancelled reading is nobody's answer: the next launch reads again.
                 if self._kept.get(key) is entry:
@@ -165,6 +245,8 @@ class FlagCache:
                 entry.cancelled = True
                 entry.done.set()
                 raise
+            if self.store is not None and kept is None and entry.help.flags is not None:
+                self.store.save(key, entry.help.flags)
             entry.read_at = trio.current_time()
             entry.done.set()
         else:
