@@ -61,10 +61,10 @@ HYPOTHESIS_PROFILE ?= ci
 # pytest-xdist workers: the tests mostly wait on processes and timers, so more workers
 # than cores share two cores well. The whole suite on an idle 2-core machine (December
 # 2026): 415 s with 3 workers (both cores busy for the first 3 minutes, about one after:
-# short tests that wait), 370 s with 4, 343-350 s with 5; then, once the tests took 616
-# s of CPU instead of 690 (docs/development.md), 391 s with 4 and 324-331 s with 6, both
-# cores busy to the end. Costly fixtures are session-scoped where they can be: made once
-# per worker. Each idle worker takes the next test, longest first (tests/longest_first.py);
+# short tests that wait), 370 s with 4, 343-350 s with 5; later 391 s with 4 and 367 s
+# with 6 (about 700 s of CPU); once the tests took 616-627 s of CPU (docs/development.md),
+# 324-346 s with 6 in five runs, one a fresh clone's: both cores busy almost to the end.
+# Costly fixtures are session-scoped where they can be: made once per worker. Each idle worker takes the next test, longest first (tests/longest_first.py);
 # the tests of a module that share a costly fixture go to one worker together (their
 # module's xdist_group). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 6
