@@ -160,7 +160,9 @@ def test_a_restart_fails_no_request_and_delays_none_past_the_bound(fleet: Fleet)
         wait_until(lambda: answers(fleet.port, "/healthz") == 200, what="the server")
         # A backoff of up to a minute (the default's, 2 s doubling to 60 s, after a few
         # failures): told of the restart, the agent comes back within half a second anyway.
-        fleet.agent("gpu-1", "node-2xl4.toml", env=SLOW, reconnect="base_s = 60.0\ncap_s = 60.0")
+        agent = fleet.agent(
+            "gpu-1", "node-2xl4.toml", env=SLOW, reconnect="base_s = 60.0\ncap_s = 60.0"
+        )
         wait_until(lambda: len(fleet.serving("chat")) == 2, what="two replicas", timeout=30)
         wait_until(lambda: answers(fleet.port, "/readyz") == 200, what="the router to follow")
         with traffic_on(fleet.port) as traffic:
@@ -173,7 +175,14 @@ def test_a_restart_fails_no_request_and_delays_none_past_the_bound(fleet: Fleet)
             servers.append(ActivatedServer(sock, config, log))
             listening_at = control_port_listening(log, deadline=restarted_at + 30)
             # Until the agent is back on the new control plane, and a while of traffic after.
-            wait_until(lambda: len(fleet.serving("chat")) == 2, what="both replicas back")
+            try:
+                wait_until(lambda: len(fleet.serving("chat")) == 2, what="both replicas back")
+            except AssertionError as exc:  # once in CI (6 workers): what each side said
+                agent_tail = "\n".join(agent.output().splitlines()[-30:])
+                server_tail = "\n".join(log.read_text().splitlines()[-30:])
+                raise AssertionError(
+                    f"{exc}\nthe agent:\n{agent_tail}\nthe control plane:\n{server_tail}"
+                ) from None
             back = len(traffic.outcomes)
             wait_until(lambda: len(traffic.outcomes) >= back + 20, what="traffic after")
         outcomes = traffic.outcomes
