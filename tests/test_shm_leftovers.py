@@ -127,10 +127,16 @@ with open("/dev/shm/sem.llmgw-test-" + tag, "r+b") as f:
 open(out + "/" + kind, "w").close()
 time.sleep(600)
 '''
-with open("/dev/shm/llmgw-test-" + tag + "-buf", "wb") as f:
-    f.write(b"\\0" * 1024 * 1024)
-with open("/dev/shm/sem.llmgw-test-" + tag, "wb") as f:
-    f.write(b"\\0" * 32)
+# Created and held, as vLLM's creator holds its segments while its processes open them:
+# written and closed, the files were nobody's until the children opened them, so another
+# test's agent cleaning up after its own killed engine could take them for leftovers
+# (the likely cause of one failure in make test with six workers: both children found
+# no file).
+held = [open("/dev/shm/llmgw-test-" + tag + "-buf", "wb"), open("/dev/shm/sem.llmgw-test-" + tag, "wb")]
+held[0].write(b"\\0" * 1024 * 1024)
+held[1].write(b"\\0" * 32)
+for f in held:
+    f.flush()
 os.chmod("/dev/shm/llmgw-test-" + tag + "-buf", 0o600)
 os.chmod("/dev/shm/sem.llmgw-test-" + tag, 0o600)
 children = [subprocess.Popen([sys.executable, "-c", CHILD, kind, tag, out]) for kind in ("polite", "stubborn")]
