@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
+from pathlib import Path
 from typing import assert_never
 
 import attrs
@@ -34,6 +34,7 @@ import trio_websocket
 from llmgw_agent.config import AgentConfig
 from llmgw_agent.engines import Engines
 from llmgw_agent.following import ControlPlanes, Ended, lost_after, stale
+from llmgw_agent.private_files import write_private
 from llmgw_core import __version__
 from llmgw_core.agent_lane import AGENT_DIAL_PATIENCE_S, MAX_COME_BACK_S
 from llmgw_core.dial import ConnectFailed, open_agent_stream
@@ -509,8 +510,8 @@ class Agent:
 
     # -- flags kept across restarts ---------------------------------------------
 
-    def _flags_path(self) -> str:
-        return str(self.config.state_dir / "flags.json")
+    def _flags_path(self) -> Path:
+        return self.config.state_dir / "flags.json"
 
     def _load_flags(self) -> None:
         try:
@@ -528,11 +529,7 @@ class Agent:
         """Written whole, then renamed: a crash mid-write must not lose the epoch."""
         flags = {"cordoned": self.cordoned, "draining": self.draining, "epoch": self.epoch}
         try:
-            self.config.state_dir.mkdir(parents=True, exist_ok=True)
-            partial = self._flags_path() + ".partial"
-            with open(partial, "w") as f:
-                json.dump(flags, f)
-            os.replace(partial, self._flags_path())
+            write_private(self._flags_path(), json.dumps(flags))
         except OSError as exc:
             log.error("cannot keep the node's flags in %s: %s", self.config.state_dir, exc)
 

@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from llmgw_agent.engine_flags import parse_help
+from llmgw_agent.private_files import write_private
 
 log = logging.getLogger("llmgw.agent.flags")
 
@@ -176,12 +177,8 @@ class FlagStore:
         if named is None:
             return
         path = self._path(named)
-        partial = path.with_suffix(".partial")
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            with open(partial, "w") as f:
-                json.dump({"key": json.loads(named), "flags": sorted(flags)}, f)
-            os.replace(partial, path)
+            write_private(path, json.dumps({"key": json.loads(named), "flags": sorted(flags)}))
             kept = sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
             for old in kept[: max(0, len(kept) - self.entries)]:
                 old.unlink(missing_ok=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import attrs
 import cattrs
 
 from llmgw_agent.adoption import Identity
+from llmgw_agent.private_files import write_private
 from llmgw_core.inventory import LaunchSpec
 from llmgw_core.wire import converter
 
@@ -60,18 +60,6 @@ def key_path(state_dir: Path, spec: LaunchSpec) -> Path:
 
 def _path(state_dir: Path, spec: LaunchSpec) -> Path:
     return _dir(state_dir) / f"{spec.replica_id}.{spec.rank}.json"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only the agent's user can read, whole or not at all (a crash never
-    leaves half a record or half a key file)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # a leftover .tmp keeps its old mode otherwise
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def save(state_dir: Path, record: ShardRecord) -> None:

@@ -46,7 +46,7 @@ import trio
 
 from llmgw_agent import procinfo
 from llmgw_agent.adoption import MARKER, Identity, Verdict, decide
-from llmgw_agent.shard_records import write_private
+from llmgw_agent.private_files import write_private
 from llmgw_agent.shm_leftovers import SHM, clean_after, snapshot
 
 log = logging.getLogger("llmgw.agent.supervisor")
