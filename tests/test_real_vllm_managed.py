@@ -224,10 +224,11 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     assert running(pid)  # vLLM serves on without its agent
     restarted_at = time.monotonic()
     agent = start_agent(fleet, fleet.procs.tmp / "cpu-1.toml", "cpu-1 again")
-    # Adoption comes after the agent's inventory probe, which runs `vllm --version`
-    # (vLLM's imports: seconds idle, past 20 s on a busy machine; the probe's own bound
-    # is VERSION_TIMEOUT_S): waited for as long as the agent itself would wait, from
-    # before the agent's start, and told with what the agent said if it never comes.
+    # Adoption comes after the agent's inventory probe, which runs `vllm --version` (the
+    # launcher answers it without vLLM's imports; a real vLLM's takes seconds idle, past
+    # 20 s on a busy machine, and the probe's own bound is VERSION_TIMEOUT_S): waited for
+    # as long as the agent itself would wait, from before the agent's start, and told
+    # with what the agent said if it never comes.
     adopting = f"adopting engine pid {pid}"
     until_adopted(agent, lambda: adopting in agent.output(), restarted_at, "adoption")
 
@@ -294,8 +295,8 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     # serves until the new one does, then is stopped; a client that never retries
     # meets no error throughout.
     second = fleet.agent("cpu-2", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
-    # The agent registers once its inventory probe ran `vllm --version` (torch and vLLM
-    # imported: up to VERSION_TIMEOUT_S on a busy machine, as for adoption below).
+    # The agent registers once its inventory probe ran `vllm --version` (a real vLLM's
+    # imports: up to VERSION_TIMEOUT_S on a busy machine, as for adoption above).
     wait_until(
         lambda: fleet.node("cpu-2")["status"] == "reachable",
         timeout=ADOPT_S,
