@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -19,6 +19,11 @@ import pytest
 from llmgw_mock_engine.responses_api import ResponseStore
 from llmgw_server.router.stored import holder_of
 from procs import Procs, metric, models_toml
+
+# anthropic is imported by the tests that use it: at the top, each of pytest-xdist's six
+# workers imported it to collect this module (1.5 s of CPU), most of them for nothing.
+if TYPE_CHECKING:
+    import anthropic
 
 RESPONSE_EVENTS = [
     "response.created",
@@ -51,6 +56,8 @@ def chat_answer(url: str, messages: Sequence[Mapping[str, object]]) -> str:
 
 
 def text_of(content: Sequence[object]) -> str:
+    import anthropic
+
     block = content[0]
     assert isinstance(block, anthropic.types.TextBlock), content
     return block.text
@@ -107,6 +114,8 @@ def test_a_streamed_response_has_vllms_events_in_order(procs: Procs) -> None:
 
 
 def test_messages_and_count_tokens_as_vllm_answers_them(procs: Procs) -> None:
+    import anthropic
+
     engine = procs.mock("m", "--mock-tokens", "4")
     claude = anthropic.Anthropic(base_url=engine.url, api_key="none", max_retries=0)
     ask: anthropic.types.MessageParam = {"role": "user", "content": "Hi there"}
@@ -153,6 +162,8 @@ def completion_tokens(router_url: str) -> float:
 
 
 def test_through_a_router_the_chain_stays_on_the_replica_the_id_names(procs: Procs) -> None:
+    import anthropic
+
     engines = [procs.mock("m", "--mock-tokens", "4") for _ in range(2)]
     router = procs.router(
         '[router]\nbalancing = "round_robin"\n'
@@ -216,6 +227,8 @@ def test_the_store_drops_its_oldest_past_its_count_or_its_bytes() -> None:
 
 
 def test_with_the_scheduler_model_they_report_cached_tokens_as_chat_does(procs: Procs) -> None:
+    import anthropic
+
     engine = procs.mock(
         "m", "--mock-tokens", "4", "--mock-kv-blocks", "64", "--mock-block-size", "2"
     )
