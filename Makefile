@@ -55,9 +55,10 @@ browser:
 	  fi; \
 	  apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver); }
 
-# CI's Hypothesis profile (tests/hypothesis_profiles.py): every test's full example count.
-# HYPOTHESIS_PROFILE=dev make test runs the quick one.
-HYPOTHESIS_PROFILE ?= ci
+# make test's Hypothesis profile (tests/hypothesis_profiles.py): half of every property
+# test's example count, whose full count make test-long runs (HYPOTHESIS_PROFILE=ci make
+# test runs it here; HYPOTHESIS_PROFILE=dev, a fifth).
+HYPOTHESIS_PROFILE ?= half
 # pytest-xdist workers: the tests mostly wait on processes and timers, so more workers
 # than cores share two cores well. The whole suite on an idle 2-core machine (December
 # 2026): 415 s with 3 workers (both cores busy for the first 3 minutes, about one after:
@@ -76,9 +77,10 @@ TEST_WORKERS ?= 6
 test: venv real-engine real-vllm browser
 	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -m "not long" -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
 
-# The long stage: repeats and soaks (`@pytest.mark.long`), after `make test` in CI.
+# The long stage, after `make test` in CI: repeats and soaks (`@pytest.mark.long`), and
+# every property test again (Hypothesis marks them) with its full example count.
 test-long: venv real-engine real-vllm
-	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -m long
+	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "long or hypothesis"
 
 # import-linter in its own virtualenv: it brings rich, and with rich installed every
 # process that imports httpx also imports httpx's command line (rich, click, pygments),
