@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -294,6 +295,11 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     # A drain moves the replica to a second node make-before-break: the old engine
     # serves until the new one does, then is stopped; a client that never retries
     # meets no error throughout.
+    # cpu-2's state directory starts with the engine flags cpu-1's agent kept: the same
+    # vLLM program and version, whose help (10 s of CPU) cpu-1's first launch read and
+    # its restarted agent took from the store; cpu-2 reading it too would repeat that.
+    flags_read = fleet.procs.tmp / "cpu-1" / "engine-flags"
+    shutil.copytree(flags_read, fleet.procs.tmp / "cpu-2" / "engine-flags")
     second = fleet.agent("cpu-2", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
     # The agent registers once its inventory probe ran `vllm --version` (a real vLLM's
     # imports: up to VERSION_TIMEOUT_S on a busy machine, as for adoption above).
@@ -326,7 +332,7 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     earlier |= now
 
     # A profile whose args name a flag this vLLM does not take is refused before launch,
-    # from the help the second agent read for its own launch: one replica of the typo
+    # from the flags of the help the second agent's launch used: one replica of the typo
     # model asked for by a reload, placed on cpu-2 (cpu-1 is drained), never started.
     config = fleet.procs.tmp / "server.toml"
     text = config.read_text()
