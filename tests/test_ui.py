@@ -535,11 +535,13 @@ def test_the_page_shows_each_models_traffic_and_a_replica_answering_500s_stands_
             client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
         shown = traffic()
         chat = shown["models"].get("chat")
-        return shown if chat and chat["failing"] and shown["placement_failing"] else None
+        # Every failing replica, and only those: the page may show the first to fail
+        # before the router has sent the other one a request (a CI run met that).
+        failing = set(chat["failing"]) if chat else set()
+        return shown if failing == bad_urls and set(shown["placement_failing"]) == bad else None
 
-    shown = wait_until(stands_out, 90, what="the page to show chat's traffic and its failing replica")
+    shown = wait_until(stands_out, 90, what="the page to show chat's failing replicas, and only those")
     chat = shown["models"]["chat"]
-    assert set(chat["failing"]) == bad_urls and set(shown["placement_failing"]) == bad
     assert chat["badge"] == f"{len(bad)} answering 5xx"
     assert set(chat["replicas"]) == {r["url"] for r in fleet.serving("chat")}
     assert re.fullmatch(r"\d+(\.\d+)? req/s", chat["rps"]) and chat["rps"] != "0 req/s"
