@@ -54,8 +54,10 @@ ADOPT_S = VERSION_TIMEOUT_S + 60.0
 # queue in /dev/shm by spinning (sched_yield) for a second after each message before they
 # sleep on a socket (shm_broadcast.SpinCondition): a request every half second kept both
 # spinning through the drain, each taking its share of the loaded cores from the
-# replacement that starts beside it. A few seconds apart, they sleep most of the time.
-PACE_S = 3.0
+# replacement that starts beside it. A few seconds apart, they sleep most of the time:
+# at 3 s the old engine's worker still spun 20 s of CPU through a drain in make test. At
+# 6 s, a drain as short as an idle machine's vLLM start (35 s) still meets 5 requests.
+PACE_S = 6.0
 PROFILE_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
 # A model whose profile, once reloaded, has a typo in its args: vLLM 0.32.0 takes
 # --max-model-len, not this (argparse would refuse it only after a minute of imports).
