@@ -55,10 +55,10 @@ browser:
 	  fi; \
 	  apt-get install -y -q chromium chromium-driver || (apt-get update -q && apt-get install -y -q chromium chromium-driver); }
 
-# make test's Hypothesis profile (tests/hypothesis_profiles.py): half of every property
+# make test's Hypothesis profile (tests/hypothesis_profiles.py): a quarter of every property
 # test's example count, whose full count make test-long runs (HYPOTHESIS_PROFILE=ci make
 # test runs it here; HYPOTHESIS_PROFILE=dev, a fifth).
-HYPOTHESIS_PROFILE ?= half
+HYPOTHESIS_PROFILE ?= quarter
 # pytest-xdist workers: the tests mostly wait on processes and timers, so more workers
 # than cores share two cores well. The whole suite on an idle 2-core machine (December
 # 2026): 415 s with 3 workers (both cores busy for the first 3 minutes, about one after:

@@ -4,8 +4,9 @@ to the chosen one.
 - `ci`: the counts CI has always run (Hypothesis's default of 100 examples per test, and
   each test's own multiple of it). A `CI` variable selects it, and `make test-long` runs
   every property test again with it (after `make test`, in CI).
-- `half`: half of that, `make test`'s: its property tests took 90 of its 630 s of CPU
-  with `ci`. CI runs both stages, so it runs every example it ran before, and half again.
+- `quarter`: a quarter of that, `make test`'s: its property tests took 90 of its 630 s of
+  CPU with `ci`. CI runs both stages, so it runs every example it ran before, and a
+  quarter again.
 - `dev`: a fifth of `ci`, for a quick run while working on the code.
 
 `HYPOTHESIS_PROFILE` names one explicitly (`HYPOTHESIS_PROFILE=ci pytest tests/test_wire.py`
@@ -22,14 +23,14 @@ from collections.abc import Mapping
 from hypothesis import HealthCheck, settings
 
 CI = "ci"
-HALF = "half"
+QUARTER = "quarter"
 DEV = "dev"
 
 # No wall-clock limits: an example's time or a strategy's speed measured on a machine
 # whose cores the other test workers share says how busy it was, not whether the code
 # is right (a strategy's "too slow" check failed CI once, at the start of a run); speed
 # is for the benchmarks.
-for _name, _examples in ((CI, 100), (HALF, 50), (DEV, 20)):
+for _name, _examples in ((CI, 100), (QUARTER, 25), (DEV, 20)):
     settings.register_profile(
         _name, max_examples=_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )
@@ -55,7 +56,7 @@ def load(environ: Mapping[str, str] = os.environ) -> str:
 def profile_times(factor: float) -> int:
     """`factor` times the loaded profile's examples per test, at least one: a test whose
     input space needs more (or is too slow for as many) says so relative to the profile,
-    so that `dev` and `half` stay quick and `ci` keeps every test's count."""
+    so that `dev` and `quarter` stay quick and `ci` keeps every test's count."""
     loaded = settings.default
     assert loaded is not None  # None only while Hypothesis itself is being imported
     return max(1, round(loaded.max_examples * factor))

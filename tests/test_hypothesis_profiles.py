@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from hypothesis_profiles import CI, DEV, HALF, chosen, profile_times
+from hypothesis_profiles import CI, DEV, QUARTER, chosen, profile_times
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,17 +32,17 @@ def test_the_environment_chooses_the_profile(environ: dict[str, str], profile: s
     assert chosen(environ) == profile
 
 
-def test_ci_runs_todays_counts_half_and_dev_fewer() -> None:
+def test_ci_runs_todays_counts_quarter_a_quarter_and_dev_fewer() -> None:
     assert settings.get_profile(CI).max_examples == 100  # Hypothesis's default, as before
-    assert settings.get_profile(HALF).max_examples == 50
-    assert settings.get_profile(DEV).max_examples < settings.get_profile(HALF).max_examples
+    assert settings.get_profile(QUARTER).max_examples == 25
+    assert settings.get_profile(DEV).max_examples < settings.get_profile(QUARTER).max_examples
 
 
 def test_counts_are_relative_to_the_loaded_profile() -> None:
     # The session's profile, whichever it is, comes back afterwards.
     settings.register_profile("before-this-test", parent=settings.default)
     try:
-        for name in (CI, HALF, DEV):
+        for name in (CI, QUARTER, DEV):
             settings.load_profile(name)
             base = settings.get_profile(name).max_examples
             assert profile_times(1) == base
@@ -53,8 +53,8 @@ def test_counts_are_relative_to_the_loaded_profile() -> None:
         settings.load_profile("before-this-test")
 
 
-def test_make_test_runs_half_the_counts_and_the_long_stage_all_of_them() -> None:
-    """`make -n test` prints the command: `make test` selects the half profile unless
+def test_make_test_runs_a_quarter_of_the_counts_and_the_long_stage_all_of_them() -> None:
+    """`make -n test` prints the command: `make test` selects the quarter profile unless
     told otherwise, and `make test-long` runs every property test with CI's counts."""
     make = shutil.which("make")
     if make is None:
@@ -68,7 +68,7 @@ def test_make_test_runs_half_the_counts_and_the_long_stage_all_of_them() -> None
             env={"PATH": "/usr/bin:/bin"},
         ).stdout
 
-    assert "HYPOTHESIS_PROFILE=half " in dry_run()
+    assert "HYPOTHESIS_PROFILE=quarter " in dry_run()
     assert "HYPOTHESIS_PROFILE=dev " in dry_run("HYPOTHESIS_PROFILE=dev")
     long_stage = dry_run(target="test-long")
     assert "HYPOTHESIS_PROFILE=ci " in long_stage and '-m "long or hypothesis"' in long_stage
