@@ -136,6 +136,10 @@ class Fleet:
             f"[engines.vllm]\nenv = {{ {env} }}\n".replace("'", '"')
             # JSON's strings are TOML's basic strings: a command may hold quotes.
             + f"command = {json.dumps(list(command))}\n"
+            # The agent's inventory probes sglang with this interpreter, not the default's
+            # `python3` on PATH: pyenv's bash shim on these machines, twice the CPU at
+            # every agent's start (about 100 starts in make test).
+            + f"[engines.sglang]\ncommand = {json.dumps([sys.executable, '-m', 'sglang.launch_server'])}\n"
         )
         proc = Proc([sys.executable, "-m", "llmgw_agent", "--config", str(path)], 0)
         self.procs.all.append(proc)
