@@ -575,25 +575,30 @@ async def test_40_silent_connections_leave_the_admin_api_and_new_agents_served(
 def control_plane_with_a_node(certs: Path) -> tuple[Config, ssl.SSLContext]:
     """A fleet CA in `certs`, a control plane's config over mutual TLS (one placed model),
     and the TLS context of an agent with a certificate for the node `new-node`."""
+    table, agent_tls = control_plane_table(certs)
+    return parse_config(table, "<test>"), agent_tls
+
+
+def control_plane_table(
+    certs: Path, listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0"
+) -> tuple[dict[str, object], ssl.SSLContext]:
+    """`control_plane_with_a_node`'s config as its TOML table, on the addresses given."""
     init_ca(certs)
     crt, key, _ = issue_node(certs, "new-node")
-    config = parse_config(
-        {
-            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
-            "agents": {
-                "ca": str(certs / "ca.crt"),
-                "cert": str(certs / "server.crt"),
-                "key": str(certs / "server.key"),
-            },
-            "models": [
-                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
-            ],
+    table: dict[str, object] = {
+        "server": {"listen": listen, "control_listen": control_listen},
+        "agents": {
+            "ca": str(certs / "ca.crt"),
+            "cert": str(certs / "server.crt"),
+            "key": str(certs / "server.key"),
         },
-        "<test>",
-    )
+        "models": [
+            {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
+        ],
+    }
     agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
     agent_tls.load_cert_chain(str(crt), str(key))
-    return config, agent_tls
+    return table, agent_tls
 
 
 async def agent_handshake(port: int, certs: Path) -> trio.SSLStream[trio.SocketStream]:
