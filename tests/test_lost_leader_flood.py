@@ -43,6 +43,7 @@ from llmgw_server.control_shell.controlplane import ControlPlane
 from llmgw_server.control_shell.election import Member, Standing
 from llmgw_server.control_shell.port import serve_control_listeners
 from llmgw_server.control_shell.seat import Seat
+from test_tls_admission import control_table
 
 LOST = 41  # the epoch of the leadership the fleet lost
 WON = 57  # the next one's (epochs are the leader key's create revisions)
@@ -58,21 +59,8 @@ class StandingOnly:
 
 
 def config_for(certs: Path) -> Config:
-    return parse_config(
-        {
-            "server": {"listen": "127.0.0.1:0", "control_listen": "127.0.0.1:0"},
-            "control": {"store": {"endpoints": ["http://127.0.0.1:9"], "lease_ttl_s": 2}},
-            "agents": {
-                "ca": str(certs / "ca.crt"),
-                "cert": str(certs / "server.crt"),
-                "key": str(certs / "server.key"),
-            },
-            "models": [
-                {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
-            ],
-        },
-        "<test>",
-    )
+    store = {"store": {"endpoints": ["http://127.0.0.1:9"], "lease_ttl_s": 2}}
+    return parse_config({**control_table(certs), "control": store}, "<test>")
 
 
 def stand(seat: Seat, standing: Standing) -> None:

@@ -585,7 +585,17 @@ def control_plane_table(
     """`control_plane_with_a_node`'s config as its TOML table, on the addresses given."""
     init_ca(certs)
     crt, key, _ = issue_node(certs, "new-node")
-    table: dict[str, object] = {
+    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    agent_tls.load_cert_chain(str(crt), str(key))
+    return control_table(certs, listen, control_listen), agent_tls
+
+
+def control_table(
+    certs: Path, listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0"
+) -> dict[str, object]:
+    """A control plane's config table over mutual TLS with the fleet CA in `certs` (made
+    already), placing one model."""
+    return {
         "server": {"listen": listen, "control_listen": control_listen},
         "agents": {
             "ca": str(certs / "ca.crt"),
@@ -596,9 +606,6 @@ def control_plane_table(
             {"name": "m", "profile": {"engine": "vllm", "model": "org/m", "gpu_model": "B300"}},
         ],
     }
-    agent_tls = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-    agent_tls.load_cert_chain(str(crt), str(key))
-    return table, agent_tls
 
 
 async def agent_handshake(port: int, certs: Path) -> trio.SSLStream[trio.SocketStream]:
