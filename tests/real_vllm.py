@@ -51,6 +51,7 @@ LAUNCHER = """\
 # itself reads as its CPU build. Set before vLLM is imported, and in every process it
 # spawns (each runs this file again, as __mp_main__).
 import importlib.metadata as _metadata
+import os
 import sys
 
 _version = _metadata.version
@@ -70,6 +71,18 @@ if __name__ == "__main__":
         # as above), without first importing the CLI: 9 s of CPU at every agent's start.
         print(_version_of("vllm"))
         sys.exit(0)
+    if sys.argv[1:] == ["serve", "--help=all"] and "COLUMNS" not in os.environ and not sys.stdout.isatty():
+        # What this vLLM printed for it when the build asked it the same way (to a pipe,
+        # so argparse's 80 columns), without importing the CLI: 10 s of CPU at an agent's
+        # first launch of each vLLM version. Without the record, vLLM answers.
+        try:
+            with open({help!r}, "rb") as recorded:
+                answer = recorded.read()
+        except OSError:
+            answer = b""
+        if answer:
+            sys.stdout.buffer.write(answer)
+            sys.exit(0)
     from vllm.entrypoints.cli.main import main
 
     sys.exit(main())
@@ -88,6 +101,11 @@ class RealVllm:
     def vllm(self) -> Path:
         """The launcher: `vllm serve MODEL ...`, as the real `vllm` is run."""
         return self.root / "bin" / "vllm"
+
+    @property
+    def help_record(self) -> Path:
+        """What `vllm serve --help=all` printed to a pipe (the build's record)."""
+        return self.root / "serve-help-all.txt"
 
     @property
     def model(self) -> Path:
@@ -143,6 +161,24 @@ def vllm_cache_root() -> Path:
 MODEL_INFO = "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"
 
 
+def _record_help(v: RealVllm) -> None:
+    """vLLM's own `serve --help=all`, asked as an agent asks it (its output to a pipe, no
+    COLUMNS), recorded for the launcher to answer with."""
+    if v.help_record.is_file():
+        return
+    env = {k: val for k, val in os.environ.items() if k != "COLUMNS"}
+    env |= {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(vllm_cache_root())}
+    print("+", v.vllm, "serve --help=all >", v.help_record, flush=True)
+    answer = subprocess.run(
+        [str(v.vllm), "serve", "--help=all"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, check=True
+    ).stdout
+    if b"--max-model-len" not in answer:
+        raise SystemExit(f"{v.vllm} serve --help=all printed no help: {answer[:200]!r}")
+    partial = v.help_record.with_name("serve-help-all.tmp")
+    partial.write_bytes(answer)
+    partial.rename(v.help_record)
+
+
 def _learn_model_class(v: RealVllm) -> None:
     """What vLLM learns of the tiny model's class, learnt by the build: the first vLLM
     started on a fresh cache otherwise inspects the class in a process of its own (9-14 s
@@ -172,7 +208,7 @@ def _engine_is_built() -> bool:
 
 def _launcher_is_current(v: RealVllm) -> bool:
     try:
-        return v.vllm.read_text() == LAUNCHER.format(python=v.python)
+        return v.vllm.read_text() == LAUNCHER.format(python=v.python, help=str(v.help_record))
     except OSError:
         return False
 
@@ -185,7 +221,7 @@ def _write_launcher(v: RealVllm) -> None:
     """Written whole, then renamed: a test starting vLLM never reads half of it."""
     v.vllm.parent.mkdir(exist_ok=True)
     partial = v.vllm.with_name("vllm.tmp")
-    partial.write_text(LAUNCHER.format(python=v.python))
+    partial.write_text(LAUNCHER.format(python=v.python, help=str(v.help_record)))
     partial.chmod(0o755)
     partial.rename(v.vllm)
 
@@ -232,6 +268,7 @@ def build() -> Path:
     if not _launcher_is_current(v):
         _write_launcher(v)
     _learn_model_class(v)
+    _record_help(v)
     return built
 
 
