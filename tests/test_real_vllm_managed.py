@@ -13,8 +13,8 @@ resource tracker) left alive, nothing of the killed engines left in /dev/shm (vL
 processes share memory there: two segments and a semaphore, which its resource tracker
 removes only when it is not killed first), the engine key in no log; a drain that moves
 the replica to a second node make-before-break while a client that never retries keeps
-asking (the second node's vLLM runs its one-process executor: a worker process less to
-start); and a profile flag this vLLM's `serve --help=all` does not list, refused before
+asking (vLLM's one-process executor, a worker process less to start, for the second
+node's engines and, in make test, for those of cpu-1's restarted agent); and a profile flag this vLLM's `serve --help=all` does not list, refused before
 any launch (the agents read that help once for their own launches; the check reuses it).
 
 Collected by every run (make test and CI); it fails, never skips, without the vLLM cache.
@@ -181,7 +181,17 @@ def test_a_managed_vllm_killed_five_times(fleet: Fleet, real_vllm: RealVllm, tmp
 
 def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     fleet.server(models(real_vllm.model, real_vllm.lora))
-    env = ", ".join(f"{k} = {json.dumps(v)}" for k, v in serving_env(tmp_path).items())
+    env = engine_env(serving_env(tmp_path))
+    # vLLM's one-process executor (taken by vLLM for CPU with its V1 multiprocessing
+    # off): the model runs in the engine process, with no worker process of its own, so
+    # a start imports torch and vLLM once less (12-20 s of CPU in make test) and no
+    # worker spins on its /dev/shm queue beside a drain's replacement. cpu-2's agent
+    # gives it to its engines, and in make test (one kill) so does cpu-1's restarted
+    # agent: the kill walked there is the adopted engine's, started by the first agent
+    # with vLLM's default executor, whose processes and /dev/shm segments are checked.
+    # The soak's later kills are of the restarted agent's own engines, with the default.
+    one_process = engine_env(serving_env(tmp_path) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    restarted_one_process = kills == 1
     # Its engines get the environment vLLM needs here, from [engines.vllm] env.
     agent = fleet.agent("cpu-1", "node-2xl4.toml", env=env, command=[str(real_vllm.vllm)])
     replica: dict[str, Any] = wait_until(lambda: serving(fleet), ENGINE_UP_S, "a ready vLLM")
@@ -227,7 +237,12 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     assert agent.popen.wait(30) == 0
     assert running(pid)  # vLLM serves on without its agent
     restarted_at = time.monotonic()
-    agent = start_agent(fleet, fleet.procs.tmp / "cpu-1.toml", "cpu-1 again")
+    config_1 = fleet.procs.tmp / "cpu-1.toml"
+    if restarted_one_process:
+        text = config_1.read_text()
+        assert text.count(env) == 1, text
+        config_1.write_text(text.replace(env, one_process))
+    agent = start_agent(fleet, config_1, "cpu-1 again")
     # Adoption comes after the agent's inventory probe, which runs `vllm --version` (the
     # launcher answers it without vLLM's imports; a real vLLM's takes seconds idle, past
     # 20 s on a busy machine, and the probe's own bound is VERSION_TIMEOUT_S): waited for
@@ -292,7 +307,8 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
         assert chat_streamed(fleet, MODEL)
         now = held(pid)
         assert not (earlier & shm()), (earlier, shm())  # nothing of a killed engine is left
-        assert len(now) == len(first_run), (first_run, now)  # the running one's own
+        if not restarted_one_process:
+            assert len(now) == len(first_run), (first_run, now)  # the running one's own
         earlier |= now
 
     # A drain moves the replica to a second node make-before-break: the old engine
@@ -303,14 +319,7 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     # its restarted agent took from the store; cpu-2 reading it too would repeat that.
     flags_read = fleet.procs.tmp / "cpu-1" / "engine-flags"
     shutil.copytree(flags_read, fleet.procs.tmp / "cpu-2" / "engine-flags")
-    # cpu-2's engines run the model in vLLM's engine process (its "uni" executor, which
-    # vLLM for CPU takes with its V1 multiprocessing off), without a worker process of
-    # its own: one import of torch and vLLM less (12-20 s of CPU in make test) and no
-    # worker spinning on its queue beside the engine that serves the drain. cpu-1's
-    # engines, whose kills are checked above, run vLLM's default executor.
-    one_process = serving_env(tmp_path) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env_2 = ", ".join(f"{k} = {json.dumps(v)}" for k, v in one_process.items())
-    second = fleet.agent("cpu-2", "node-2xl4.toml", env=env_2, command=[str(real_vllm.vllm)])
+    second = fleet.agent("cpu-2", "node-2xl4.toml", env=one_process, command=[str(real_vllm.vllm)])
     # The agent registers once its inventory probe ran `vllm --version` (a real vLLM's
     # imports: up to VERSION_TIMEOUT_S on a busy machine, as for adoption above).
     wait_until(
@@ -338,8 +347,7 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     wait_until(lambda: not group_alive(pid), 60.0, "the drained engine's group stopped")
     pid = engine_pid(second)
     assert not (earlier & shm()), (earlier, shm())  # nothing of the drained engine is left
-    # cpu-2's own (its executor makes fewer segments than cpu-1's), for the check at the end
-    earlier |= held(pid)
+    earlier |= held(pid)  # cpu-2's own, for the check at the end
 
     # A profile whose args name a flag this vLLM does not take is refused before launch,
     # from the flags of the help the second agent's launch used: one replica of the typo
@@ -375,6 +383,11 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     os.killpg(pid, signal.SIGTERM)
     wait_until(lambda: not group_alive(pid), 60.0, "the last vLLM's group stopped")
     assert not (earlier & shm()), (earlier, shm())
+
+
+def engine_env(env: dict[str, str]) -> str:
+    """An agent's [engines.vllm] env, as TOML's inline table holds it."""
+    return ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items())
 
 
 class ChatLoop:
