@@ -51,7 +51,7 @@ LAUNCHER = """\
 # itself reads as its CPU build. Set before vLLM is imported, and in every process it
 # spawns (each runs this file again, as __mp_main__).
 import importlib.metadata as _metadata
-import os
+import shutil
 import sys
 
 _version = _metadata.version
@@ -71,10 +71,11 @@ if __name__ == "__main__":
         # as above), without first importing the CLI: 9 s of CPU at every agent's start.
         print(_version_of("vllm"))
         sys.exit(0)
-    if sys.argv[1:] == ["serve", "--help=all"] and "COLUMNS" not in os.environ and not sys.stdout.isatty():
-        # What this vLLM printed for it when the build asked it the same way (to a pipe,
-        # so argparse's 80 columns), without importing the CLI: 10 s of CPU at an agent's
-        # first launch of each vLLM version. Without the record, vLLM answers.
+    if sys.argv[1:] == ["serve", "--help=all"] and shutil.get_terminal_size().columns == 80:
+        # What this vLLM printed for it when the build asked it at the same width (the
+        # width argparse reads: COLUMNS, else the terminal's, else 80, as to the agent's
+        # pipe), without importing the CLI: 10 s of CPU at an agent's first launch of
+        # each vLLM version. Without the record, vLLM answers.
         try:
             with open({help!r}, "rb") as recorded:
                 answer = recorded.read()
@@ -163,7 +164,7 @@ MODEL_INFO = "modelinfos/vllm-model_executor-models-llama-LlamaForCausalLM.json"
 
 def _record_help(v: RealVllm) -> None:
     """vLLM's own `serve --help=all`, asked as an agent asks it (its output to a pipe, no
-    COLUMNS), recorded for the launcher to answer with."""
+    COLUMNS: 80 columns), recorded for the launcher to answer with at that width."""
     if v.help_record.is_file():
         return
     env = {k: val for k, val in os.environ.items() if k != "COLUMNS"}
