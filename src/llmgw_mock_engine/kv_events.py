@@ -44,9 +44,9 @@ from typing import Any, Final
 import attrs
 import msgpack
 
+from llmgw_mock_engine.options import ENCODINGS
 from llmgw_mock_engine.scheduler import CacheCleared, CacheEvent, RemovedBlocks, StoredBlocks
 
-ENCODINGS: Final = ("map", "array")
 MEDIUM: Final = "GPU"
 SPEC_KIND: Final = "full_attention"
 _UINT64: Final = (1 << 64) - 1
