@@ -76,10 +76,12 @@ TEST_WORKERS ?= 6
 # collect). The test run writes it (__pycache__/, ignored by git), compiled first in one
 # process: in a fresh checkout, six workers and their daemons compiled the same modules at
 # once (0.8 s of CPU in one process; nothing once compiled), and each worker rewrote every
-# test module's asserts (5 s of CPU each; one collection, when none was rewritten yet).
+# test module's asserts (5 s of CPU each; tests/rewrite_asserts.py writes pytest's cache of
+# them first, as pytest would: 3.6 s of one core in a fresh checkout, where a collection
+# took 7-9 s, and 0.1 s once written).
 test: venv real-engine real-vllm browser
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m compileall -q src tests bench
-	ls tests/__pycache__/conftest.*-pytest-*.pyc >/dev/null 2>&1 || env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null || true
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/rewrite_asserts.py
 	env -u PYTHONDONTWRITEBYTECODE HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(BIN)/python -m pytest -q -m "not long" -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist loadgroup --no-loadscope-reorder)
 
 # The long stage, after `make test` in CI: repeats and soaks (`@pytest.mark.long`), and
