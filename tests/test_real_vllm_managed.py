@@ -270,6 +270,9 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     server = fleet.server_proc
     assert server is not None
     earlier = set(first_run)
+    # What an engine holds there, by executor: each engine holds as many as the first of
+    # its kind did (the one-process executor's engines as many as each other).
+    held_by_kind = {"default": len(first_run)}
     for attempt in range(1, kills + 1):
         group = group_members(pid)
         # The API server and its EngineCore at least: the check below means something.
@@ -307,8 +310,8 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
         assert chat_streamed(fleet, MODEL)
         now = held(pid)
         assert not (earlier & shm()), (earlier, shm())  # nothing of a killed engine is left
-        if not restarted_one_process:
-            assert len(now) == len(first_run), (first_run, now)  # the running one's own
+        kind = "one process" if restarted_one_process else "default"
+        assert held_by_kind.setdefault(kind, len(now)) == len(now), (held_by_kind, now)
         earlier |= now
 
     # A drain moves the replica to a second node make-before-break: the old engine
@@ -347,7 +350,9 @@ def walk(fleet: Fleet, real_vllm: RealVllm, tmp_path: Path, kills: int) -> None:
     wait_until(lambda: not group_alive(pid), 60.0, "the drained engine's group stopped")
     pid = engine_pid(second)
     assert not (earlier & shm()), (earlier, shm())  # nothing of the drained engine is left
-    earlier |= held(pid)  # cpu-2's own, for the check at the end
+    now = held(pid)  # cpu-2's own
+    assert held_by_kind.setdefault("one process", len(now)) == len(now), (held_by_kind, now)
+    earlier |= now
 
     # A profile whose args name a flag this vLLM does not take is refused before launch,
     # from the flags of the help the second agent's launch used: one replica of the typo
