@@ -849,6 +849,20 @@ class Bench:
             out["long_waits"] = waits
             out["sim_failures"] = sims.failure_counts()
             sims.send("stop")
+            if args.storm_beside:
+                # The same storm, with everything but the simulated fleet still running:
+                # etcd, the three control planes (their leader now without its fleet), the
+                # routers apart and their request loop, the real agents.
+                for p in sims_procs:
+                    p.terminate()
+                    p.wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.poll)
+                    nursery.start_soon(self.loop.run)
+                    progress("storm beside the rest: a store-less control plane")
+                    out["beside"] = await storm(args, self.work / "storm-beside", self.certs)
+                    out["beside_failed"] = len(self.loop.failed)
+                    nursery.cancel_scope.cancel()
         finally:
             for p in sims_procs:
                 if p.poll() is None:
@@ -1102,6 +1116,20 @@ def report(
             f"    {t - bench.faults[0].at if bench.faults else t:8.2f} s {url} {why}"
             for t, url, why in loop.failed[:20]
         ]
+    beside = out.get("beside")
+    if beside is not None:
+        back = beside.get("storm_s")
+        lines.append("")
+        lines.append(
+            f"plain restart storm beside the rest (etcd, the three control planes, the routers "
+            f"apart and the request loop still running), the same {n:,} agents: "
+            + (
+                f"every agent back {back:.1f} s after the server's start"
+                if back is not None
+                else f"{beside['storm_back']:,} of {n:,} back in {args.cap:g} s"
+            )
+            + f"; requests failed over the whole run: {out['beside_failed']}"
+        )
     if storm_out is not None:
         back = storm_out.get("storm_s")
         lines += [
@@ -1156,6 +1184,11 @@ def main() -> None:
         help="mutual TLS between agents and control planes (only on: the bench needs it)",
     )
     parser.add_argument("--storm", action="store_true", help="also a plain restart storm")
+    parser.add_argument(
+        "--storm-beside",
+        action="store_true",
+        help="also the plain restart storm with everything but the fleet still running",
+    )
     parser.add_argument("--lease", type=float, default=2.0, help="[control.store] lease_ttl_s")
     parser.add_argument("--rate", type=float, default=200.0, help="requests a second")
     parser.add_argument("--boot", type=float, default=10.0, help="agents boot over this long")
