@@ -102,7 +102,7 @@ def test_logfmt_line_has_every_field_in_order() -> None:
     assert line == (
         "time=2026-12-02T20:32:13.042Z request_id=abc-1 method=POST path=/v1/chat/completions "
         "model=m status=200 replica=http://10.0.0.5:8000 duration_ms=12.346 ttfb_ms=2.100 "
-        "bytes=399 key_id=f77894fd prompt_tokens=7 completion_tokens=16 queued_ms=- "
+        "bytes=399 key_id=f77894fd tenant=- prompt_tokens=7 completion_tokens=16 queued_ms=- "
         "cached_predicted=-\n"
     )
 
@@ -144,6 +144,7 @@ def test_json_line_matches_the_logfmt_fields() -> None:
         "ttfb_ms": None,
         "bytes": 399,
         "key_id": "f77894fd",
+        "tenant": None,
         "prompt_tokens": 7,
         "completion_tokens": 16,
         "queued_ms": None,
@@ -282,6 +283,7 @@ def test_one_line_per_request_field_by_field(procs: Procs) -> None:
         "ttfb_ms",
         "bytes",
         "key_id",
+        "tenant",
         "prompt_tokens",
         "completion_tokens",
         "queued_ms",

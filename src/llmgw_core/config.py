@@ -32,8 +32,9 @@ from llmgw_core.config_schema import (
 )
 from llmgw_core.config_schema import digest_of as digest_of  # imported from here by others
 from llmgw_core.control_config import ControlSection
+from llmgw_core.tenancy_config import DEFAULT_TENANT, TenantBook, key_tenant, tenant_name
 from llmgw_core.tls_config import AgentsTLS, read_agents_tls
-from llmgw_core.tomlshape import Table, load_toml
+from llmgw_core.tomlshape import Table, closest, load_toml
 
 
 @attrs.frozen
@@ -236,6 +237,19 @@ class RouterSection:
     # at least one body of max_body_bytes: any request can wake its model.
     hold_max_bytes_per_model: int = attrs.field(default=128 * 1024 * 1024, metadata=rules(min=1024))
     hold_max_bytes: int = attrs.field(default=256 * 1024 * 1024, metadata=rules(min=1024))
+    # Tenancy ([[tenants]]). A request that names no max_tokens reserves this many output
+    # tokens of its tenant's tokens_per_minute, settled with the engine's usage at its end.
+    reserve_output_tokens: int = attrs.field(default=512, metadata=rules(min=1))
+    # The most requests this router process sends one replica at once (0: no bound). When
+    # every replica of a model has as many, its requests wait here in per-tenant fair
+    # queues (strict priority, then weighted deficit round robin) rather than in the
+    # engines' own first-come queues: set it near the engine's batch (vLLM's
+    # --max-num-seqs) divided by the router processes in front of it.
+    replica_max_in_flight: int = attrs.field(default=0, metadata=rules(min=0))
+    # A tenant's requests waiting in one model's fair queue, and how long each may wait;
+    # past either, 429 with Retry-After.
+    queue_max_per_tenant: int = attrs.field(default=256, metadata=rules(min=1, max=100_000))
+    queue_max_wait_s: float = attrs.field(default=30.0, metadata=rules(min=0.01, max=3600.0))
 
 
 @rule_after(RouterSection)
@@ -274,6 +288,8 @@ class KeyEntry:
     model_names: tuple[str, ...] | None = attrs.field(
         default=None, metadata=rules(key="models", check=_some_models)
     )
+    # The `[[tenants]]` entry whose limits it shares; None: a tenant of its own.
+    tenant: str | None = attrs.field(default=None, metadata=rules(parse=tenant_name))
 
     @property
     def models(self) -> frozenset[str] | None:
@@ -284,6 +300,13 @@ class KeyEntry:
 def _digest_or_env(data: Mapping[str, object]) -> None:
     if ("digest" in data) == ("env" in data):
         raise Problem("give either digest (a stored digest) or env (a variable holding the key)")
+
+
+def _tenants_by_digest(section: AuthSection) -> dict[str, str]:
+    tenants = dict.fromkeys(section.api_keys, DEFAULT_TENANT)
+    for entry in section.entries:
+        tenants[entry.digest] = entry.tenant or key_tenant(entry.digest[:8])
+    return tenants
 
 
 def _keys_by_digest(section: AuthSection) -> dict[str, frozenset[str] | None]:
@@ -305,6 +328,10 @@ class AuthSection:
     keys: Mapping[str, frozenset[str] | None] = attrs.field(
         init=False, default=attrs.Factory(_keys_by_digest, takes_self=True)
     )
+    # Digest -> its tenant (tenancy_config): requests without a key are DEFAULT_TENANT's.
+    tenant_of: Mapping[str, str] = attrs.field(
+        init=False, default=attrs.Factory(_tenants_by_digest, takes_self=True)
+    )
 
     @property
     def required(self) -> bool:
@@ -325,6 +352,28 @@ def _each_key_once(section: AuthSection) -> None:
         if digest in where:
             raise Problem(f"is the same key as {where[digest]}: give each key once", path)
         where[digest] = f"auth.{path}"
+
+
+def _check_tenants(
+    auth: AuthSection, book: TenantBook, catalog: Catalog, root: Table, models: bool
+) -> None:
+    declared = list(book.by_name)
+    for i, entry in enumerate(auth.entries):
+        if entry.tenant is not None and entry.tenant not in book.by_name:
+            hint = closest(entry.tenant, declared)
+            root.table("auth").fail(
+                f"keys[{i}].tenant",
+                f"{entry.tenant!r} is not a [[tenants]] name"
+                + (f" (did you mean {hint!r}?)" if hint else ": declare it in [[tenants]]"),
+            )
+    if not models:
+        return
+    known = {m.name for m in catalog.models} | catalog.adapters.keys()
+    for i, tenant in enumerate(book.tenants):
+        for j, limits in enumerate(tenant.models):
+            if limits.model not in known:
+                where = f"tenants[{i}].models[{j}].model"
+                root.fail(where, f"{limits.model!r} is not a model of this config")
 
 
 def _check_auth_models(auth: AuthSection, catalog: Catalog, t: Table) -> None:
@@ -379,6 +428,7 @@ class Config:
     auth: AuthSection
     catalog: Catalog
     control: ControlSection = attrs.field(factory=ControlSection)
+    tenants: TenantBook = attrs.field(factory=TenantBook)
     admin: AdminSection = attrs.field(factory=AdminSection)
     agents: AgentsTLS = attrs.field(factory=AgentsTLS)  # TLS for the agent stream
     # False for a router apart, whose models come from the control plane it follows:
@@ -448,6 +498,8 @@ def parse_config(
     auth = read_table(auth_table, AuthSection, environ=environ)
     if models_required:
         _check_auth_models(auth, catalog, auth_table)
+    tenants = read_table(root, TenantBook, keys=("tenants",))
+    _check_tenants(auth, tenants, catalog, root, models_required)
     control_table = root.table("control")
     control = read_table(control_table, ControlSection)
     if control.store is not None and server.workers > 1:
@@ -470,6 +522,7 @@ def parse_config(
         auth=auth,
         catalog=catalog,
         control=control,
+        tenants=tenants,
         admin=admin,
         # Read whenever a control plane runs (it then must say how agents connect; a
         # router apart runs none, whatever its profiles), and whenever present, so that

@@ -1,6 +1,8 @@
 """Reloading the config file without a restart (SIGHUP, `POST /v1/admin/reload`).
 
-What a reload applies: the API keys (`[auth]`), the metrics token, the static models
+What a reload applies: the API keys (`[auth]`), the tenants and their limits
+(`[[tenants]]`: requests in flight finish and are settled where they are; a tenant's
+use so far counts against its new limits), the metrics token, the static models
 (`[[models]]` with `endpoints`: added, removed, their endpoints changed) and, where a
 control plane runs, the profiled models: added (placed as a change of `replicas` from
 0 would be), removed (drained, then stopped, as a change to 0 would be), and the profile
@@ -59,6 +61,8 @@ class ReloadPlan:
     # Those whose [models.autoscale] changed (bounds, targets, windows; or one added or
     # removed): their autoscalers follow, keeping their counts within the new bounds.
     autoscale_changed: tuple[str, ...] = ()
+    # Tenants added, removed or with other limits, priority or weight.
+    tenants_changed: tuple[str, ...] = ()
     needs_restart: tuple[str, ...] = ()  # such as "server.listen", "models.chat (profile)"
 
     @property
@@ -68,6 +72,7 @@ class ReloadPlan:
             or self.keys_removed
             or self.keys_changed
             or self.metrics_token_changed
+            or self.tenants_changed
             or self.models_added
             or self.models_changed
             or self.models_removed
@@ -94,6 +99,8 @@ class ReloadPlan:
             )
         if self.metrics_token_changed:
             parts.append("the metrics token changed")
+        if self.tenants_changed:
+            parts.append(f"tenants changed: {', '.join(self.tenants_changed)}")
         for what, names in (
             ("added", self.models_added),
             ("changed", self.models_changed),
@@ -122,6 +129,7 @@ class ReloadPlan:
                 "changed": self.keys_changed,
             },
             "metrics_token_changed": self.metrics_token_changed,
+            "tenants_changed": list(self.tenants_changed),
             "models": {
                 "added": sorted(self.models_added),
                 "changed": sorted(self.models_changed),
@@ -141,6 +149,8 @@ def plan_reload(old: Config, new: Config, *, plane: bool | None = None) -> Reloa
     whether this process runs a control plane (None: whether `old` has profiled models;
     one that started keeps running when a reload removes every profiled model)."""
     old_keys, new_keys = old.auth.keys, new.auth.keys
+    old_tenant, new_tenant = old.auth.tenant_of, new.auth.tenant_of
+    old_tenants, new_tenants = old.tenants.by_name, new.tenants.by_name
     old_static, new_static = _static(old.catalog), _static(new.catalog)
     old_profiled, new_profiled = _profiled(old.catalog), _profiled(new.catalog)
     restart = [*_differing_fields(old, new)]
@@ -170,7 +180,9 @@ def plan_reload(old: Config, new: Config, *, plane: bool | None = None) -> Reloa
         keys_added=len(new_keys.keys() - old_keys.keys()),
         keys_removed=len(old_keys.keys() - new_keys.keys()),
         keys_changed=sum(
-            1 for k in old_keys.keys() & new_keys.keys() if old_keys[k] != new_keys[k]
+            1
+            for k in old_keys.keys() & new_keys.keys()
+            if old_keys[k] != new_keys[k] or old_tenant[k] != new_tenant[k]
         ),
         metrics_token_changed=old.server.metrics_token_digest != new.server.metrics_token_digest,
         models_added={
@@ -192,6 +204,13 @@ def plan_reload(old: Config, new: Config, *, plane: bool | None = None) -> Reloa
         profiles_changed=tuple(rolled),
         replicas_changed=replicas,
         autoscale_changed=tuple(autoscaled),
+        tenants_changed=tuple(
+            sorted(
+                name
+                for name in old_tenants.keys() | new_tenants.keys()
+                if old_tenants.get(name) != new_tenants.get(name)
+            )
+        ),
         needs_restart=tuple(restart),
     )
 
@@ -217,7 +236,8 @@ def reloaded_config(old: Config, new: Config, *, plane: bool | None = None) -> C
         if e.name not in handed and (e.profile is not None or e.name in new_profiled)
     ]
     server = attrs.evolve(old.server, metrics_token_digest=new.server.metrics_token_digest)
-    return attrs.evolve(old, server=server, auth=new.auth, catalog=Catalog(models=tuple(models)))
+    catalog = Catalog(models=tuple(models))
+    return attrs.evolve(old, server=server, auth=new.auth, tenants=new.tenants, catalog=catalog)
 
 
 def _handed(old: Config, new: Config, plane: bool | None) -> set[str]:

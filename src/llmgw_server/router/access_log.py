@@ -31,6 +31,7 @@ class AccessRecord:
     method: str
     path: str
     key_id: str | None = None  # see key_id_of; None: the client sent no key
+    tenant: str | None = None  # whose limits it counts against (tenancy_config); None: unrouted
     model: str | None = None  # as the client asked for it, None until read
     replica: str | None = None  # the engine's URL, None when none was tried
     status: int = 0  # 0: the client went away before the answer ended
@@ -39,7 +40,7 @@ class AccessRecord:
     bytes_sent: int = 0  # body bytes written to the client
     prompt_tokens: int | None = None  # from the engine's usage, when it sent one
     completion_tokens: int | None = None
-    queued_s: float | None = None  # held while no replica served its model (autoscaling)
+    queued_s: float | None = None  # held while no replica served its model, or in a fair queue
     # The prompt tokens the chosen engine should find cached, by its KV-cache events
     # (balancing = "precise"); None otherwise.
     cached_predicted: int | None = None
@@ -119,7 +120,8 @@ def format_logfmt(record: AccessRecord) -> str:
         f"model={_repeating(_bounded(record.model))} status={record.status} "
         f"replica={_repeating(record.replica)} duration_ms={_ms(record.duration_s)} "
         f"ttfb_ms={_ms(record.ttfb_s)} bytes={record.bytes_sent} "
-        f"key_id={_repeating(record.key_id)} prompt_tokens={_count(record.prompt_tokens)} "
+        f"key_id={_repeating(record.key_id)} tenant={_repeating(record.tenant)} "
+        f"prompt_tokens={_count(record.prompt_tokens)} "
         f"completion_tokens={_count(record.completion_tokens)} "
         f"queued_ms={_ms(record.queued_s)} cached_predicted={_count(record.cached_predicted)}\n"
     )
@@ -139,6 +141,7 @@ def format_json(record: AccessRecord) -> str:
         "ttfb_ms": None if ttfb is None else round(ttfb * 1000, 3),
         "bytes": record.bytes_sent,
         "key_id": record.key_id,
+        "tenant": record.tenant,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "queued_ms": None if record.queued_s is None else round(record.queued_s * 1000, 3),
