@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import attrs
 
@@ -40,6 +40,7 @@ class AccessRecord:
     bytes_sent: int = 0  # body bytes written to the client
     prompt_tokens: int | None = None  # from the engine's usage, when it sent one
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, where the engine's usage says (unlogged)
     queued_s: float | None = None  # held while no replica served its model, or in a fair queue
     # The prompt tokens the chosen engine should find cached, by its KV-cache events
     # (balancing = "precise"); None otherwise.
@@ -153,9 +154,21 @@ def format_json(record: AccessRecord) -> str:
 FORMATTERS = {"logfmt": format_logfmt, "json": format_json}
 
 
+class Usage(NamedTuple):
+    prompt: int | None
+    completion: int | None
+    cached: int | None = None  # prompt tokens the engine found cached, where it says
+
+
 def usage_in(data: bytes) -> tuple[int | None, int | None] | None:
-    """(prompt, completion) token counts from the last `"usage": {...}` in `data`, a JSON
-    answer or some server-sent events; None when there is none or it is cut off.
+    """(prompt, completion) token counts: `usage_of`'s without the cached count."""
+    usage = usage_of(data)
+    return None if usage is None else (usage.prompt, usage.completion)
+
+
+def usage_of(data: bytes) -> Usage | None:
+    """The token counts from the last `"usage": {...}` in `data`, a JSON answer or some
+    server-sent events; None when there is none or it is cut off.
 
     Chat and completions count `prompt_tokens` / `completion_tokens`; the Responses and
     Messages APIs `input_tokens` / `output_tokens`. Either count may be missing: an
@@ -166,19 +179,21 @@ def usage_in(data: bytes) -> tuple[int | None, int | None] | None:
     """
     prompt: int | None = None
     completion: int | None = None
+    cached: int | None = None
     at = data.rfind(_USAGE_KEY)
     while at >= 0 and (prompt is None or completion is None):
         found = _usage_at(data, at + len(_USAGE_KEY))
         if found is not None:  # the latest count of each kind (events may share a write)
-            prompt = found[0] if prompt is None else prompt
-            completion = found[1] if completion is None else completion
-            if found[0] is not None and found[1] is not None:
+            if prompt is None and found.prompt is not None:
+                prompt, cached = found.prompt, found.cached
+            completion = found.completion if completion is None else completion
+            if found.prompt is not None and found.completion is not None:
                 break  # one object with both: what chat and completions send, once
         at = data.rfind(_USAGE_KEY, 0, at)
-    return None if prompt is None and completion is None else (prompt, completion)
+    return None if prompt is None and completion is None else Usage(prompt, completion, cached)
 
 
-def _usage_at(data: bytes, after_key: int) -> tuple[int | None, int | None] | None:
+def _usage_at(data: bytes, after_key: int) -> Usage | None:
     window = data[after_key : after_key + _USAGE_WINDOW]
     stripped = window.lstrip()
     if stripped[:1] != b":":
@@ -202,7 +217,17 @@ def _usage_at(data: bytes, after_key: int) -> tuple[int | None, int | None] | No
             return None
     prompt = given_in if prompt is None else prompt
     completion = given_out if completion is None else completion
-    return None if prompt is None and completion is None else (prompt, completion)
+    if prompt is None and completion is None:
+        return None
+    # vLLM's (--enable-prompt-tokens-details) and OpenAI's prompt_tokens_details; the
+    # Responses API's input_tokens_details; Anthropic's cache_read_input_tokens.
+    details = get("prompt_tokens_details") or get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if cached is None:
+        cached = get("cache_read_input_tokens")
+    if not _is_count(cached) or prompt is None or cached > prompt:
+        cached = None
+    return Usage(prompt, completion, cached)
 
 
 def _is_count(value: object) -> TypeGuard[int]:

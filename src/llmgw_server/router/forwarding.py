@@ -49,16 +49,25 @@ class Forwarder:
         *,
         pinned: Replica | None = None,
         body_for: Callable[[Replica], bytes] | None = None,
+        full: Callable[[Replica], bool] | None = None,
     ) -> None:
         """Relay the request to a replica, retrying others before the first byte. A
         `pinned` replica is tried alone (it holds what the request names); `body_for`
-        gives the body each replica tried is sent, the request's own by default."""
+        gives the body each replica tried is sent, the request's own by default; `full`
+        says which replicas are at their load bound (router.fair_gate)."""
         headers = end_to_end(request.headers)
         plan = Attempts(1 + self.tuning.retries, pinned)
 
         def choose(tried: Sequence[Replica]) -> Choice | None:
+            exclude: Sequence[Replica] = tried
+            if full is not None and not tried:
+                # The first attempt goes to a replica below its load bound (the fair
+                # queue let the request through because one is); a retry to any.
+                busy = [r for r in balancer.replicas if full(r)]
+                if busy and len(busy) < len(balancer.replicas):
+                    exclude = busy
             return balancer.choose(
-                exclude=tried, session=session, now=trio.current_time(), prompt=prompt
+                exclude=exclude, session=session, now=trio.current_time(), prompt=prompt
             )
 
         while True:

@@ -22,13 +22,15 @@ import trio
 from llmgw_core.config import Config, ServerSection
 from llmgw_core.openai_errors import ANTHROPIC
 from llmgw_core.tomlshape import closest
-from llmgw_http.server import Request, Responder, ServerLimits
+from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
 from llmgw_server.router.access_log import FORMATTERS, AccessRecord, key_id_of, valid_request_id
 from llmgw_server.router.balancer import Balancer, Replica
+from llmgw_server.router.fair_gate import QUEUE_RETRY_S, Entry, ModelGate
 from llmgw_server.router.forwarding import Forwarder
 from llmgw_server.router.headers import client_key
 from llmgw_server.router.holding import Holds
+from llmgw_server.router.meter import ModelMeter
 from llmgw_server.router.metrics import RouterMetrics
 from llmgw_server.router.outcomes import Outcomes
 from llmgw_server.router.policies import spec_of
@@ -52,6 +54,16 @@ from llmgw_server.router.stored import (
     mint,
     stored_path_id,
     with_response_id,
+)
+from llmgw_server.router.tenancy import (
+    Admitted,
+    Refused,
+    Tenancy,
+    charged_tokens,
+    refusal_message,
+    render_tenancy,
+    reservation,
+    retry_headers,
 )
 from llmgw_server.router.traffic_meter import TrafficMeter
 
@@ -116,6 +128,8 @@ class Router:
             LineWriter(FORMATTERS[s.access_log_format], s.access_log_file) if s.access_log else None
         )
         self.outcomes = Outcomes(self.metrics, self.served, self.keys, self.access_log)
+        self.tenancy = Tenancy(config)
+        self.gates: dict[str, ModelGate] = {}  # model -> its fair queue (replica_max_in_flight)
         self.metrics_page = metrics_page
         self.answer_headers = answer_headers
 
@@ -125,6 +139,7 @@ class Router:
         plan = plan_reload(self.config, config)
         self.config = reloaded_config(self.config, config)
         self.keys = self.outcomes.keys = self.config.auth.keys
+        self.tenancy.reload(self.config)
         self.metrics_token = self.config.server.metrics_token_digest
         self.served.reload(self.config, plan)
         return plan
@@ -134,13 +149,14 @@ class Router:
         self.draining = True
 
     def render_metrics(self) -> bytes:
-        return self.metrics.render(
+        page = self.metrics.render(
             self.served.balancers,
             self.served.pools,
             trio.current_time(),
             self.tuning.cache_aware,
             self._policy_metrics,
         )
+        return page + "".join(f"{line}\n" for line in render_tenancy(self.tenancy.counts)).encode()
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """Answer one request. Its id (the client's x-request-id, or a new one) goes to the
@@ -283,11 +299,73 @@ class Router:
         pinned, body_for = pin
         session_value = request.header(self.tuning.session_header.encode())
         session = session_value.decode("latin-1") if session_value else None
+        tenancy = self.tenancy
+        tenant = responder.record.tenant = tenancy.tenant(digest)
+        counts = tenancy.counts[tenant]
+        counts.requests += 1
+        limiters = tenancy.limiters(tenant, model)
+        admitted: Admitted | None = None
+        if limiters:
+            context = _context_of(served.cards.get(base))
+            prompt_tokens, output_tokens = reservation(
+                request.path, body, len(request.body), None, self.tuning.reserve_output_tokens,
+                context,
+            )  # fmt: skip
+            outcome = tenancy.admit(
+                tenant, limiters, prompt_tokens + output_tokens, trio.current_time()
+            )
+            if isinstance(outcome, Refused):
+                await _rate_limited(responder, tenant, outcome)
+                return
+            admitted = outcome
+            admitted.prompt = prompt_tokens
+            responder.add_headers(outcome.headers)
+            responder.count_events = body.get("stream") is True
+        counts.in_flight += 1
+        # The parsed body goes on in a box that _admitted empties: a held request keeps
+        # its raw body alone (see there), which this frame must not keep either.
+        box, body, named = [body], {}, None
+        try:
+            await self._admitted(
+                request, responder, model, base, balancer, meter, box, kind, pinned, body_for,
+                session, tenant,
+            )  # fmt: skip
+        finally:
+            counts.in_flight -= 1
+            record = responder.record
+            if record.prompt_tokens is not None:
+                counts.prompt_tokens += record.prompt_tokens
+            if record.completion_tokens is not None:
+                counts.completion_tokens += record.completion_tokens
+            if admitted is not None:
+                used = charged_tokens(record, responder.events, admitted)
+                tenancy.settle(admitted, used, trio.current_time())
+
+    async def _admitted(
+        self,
+        request: Request,
+        responder: RecordingResponder,
+        model: str,
+        base: str,
+        balancer: Balancer,
+        meter: ModelMeter | None,
+        box: list[dict[str, object]],
+        kind: Kind,
+        pinned: Replica | None,
+        body_for: Callable[[Replica], bytes] | None,
+        session: str | None,
+        tenant: str,
+    ) -> None:
+        """A request its tenant's limits admitted: held while its model has no replica,
+        queued while every replica is full, then its attempts."""
+        body = box.pop()
         prompt = None
         if balancer.policy.reads_prompt and session is None:
             prompt = await self._prompt(model, balancer, request.path, body)
         metrics = self.metrics
         metrics.in_flight[model] += 1
+        gate: ModelGate | None = None
+        cost = 0
         try:  # counted in llmgw_requests_total by handle, with the status sent
             # The serving replicas counted for a held model alone: a sum over the
             # replicas that no other request pays for.
@@ -298,7 +376,7 @@ class Router:
                 # Held with its raw body alone, not beside its parsed form (about twice
                 # its size) nor the prompt's whole text: parsed again once a replica may
                 # serve (`body_for` reads `body` then).
-                body, named = {}, None
+                body = {}
                 if prompt is not None:
                     prompt = attrs.evolve(prompt, text=prompt.text[: prompt.size])
                 size = len(request.body)
@@ -306,12 +384,67 @@ class Router:
                     return
                 if kind is Kind.JSON:
                     body = json.loads(request.body)  # valid: it was parsed before
+            if self.tuning.replica_max_in_flight and pinned is None:
+                gate = self._gate(base)
+                cost = sum(reservation(request.path, body, len(request.body), None,
+                                       self.tuning.reserve_output_tokens, None))  # fmt: skip
+                entry = await self._queue(gate, tenant, cost, balancer, meter, responder)
+                if entry is None:
+                    return
+                gate.taken(entry)
             await self.forwarder.forward(
                 model, balancer, request, responder, body.get("stream") is True, session,
-                prompt, pinned=pinned, body_for=body_for,
+                prompt, pinned=pinned, body_for=body_for, full=None if gate is None else gate.full,
             )  # fmt: skip
         finally:
             metrics.in_flight[model] -= 1
+            if gate is not None:
+                record = responder.record
+                if record.prompt_tokens is not None and record.completion_tokens is not None:
+                    uncached = record.prompt_tokens - (record.cached_tokens or 0)
+                    gate.settle(tenant, uncached + record.completion_tokens - cost)
+                gate.dispatch(balancer.replicas)
+
+    def _gate(self, base: str) -> ModelGate:
+        gate = self.gates.get(base)
+        if gate is None:
+            gate = self.gates[base] = ModelGate(self.tuning)
+        return gate
+
+    async def _queue(
+        self,
+        gate: ModelGate,
+        tenant: str,
+        cost: float,
+        balancer: Balancer,
+        meter: ModelMeter | None,
+        responder: RecordingResponder,
+    ) -> Entry | None:
+        """Wait in the model's fair queue while its replicas are full; None once answered
+        429 (the tenant's queue is full, or it waited queue_max_wait_s)."""
+        entry = self.tenancy.entry(tenant)
+        priority, weight = (0, 1.0) if entry is None else (entry.priority, entry.weight)
+        started = trio.current_time()
+        counts = self.tenancy.counts[tenant]
+        counts.queued += 1
+        if meter is not None:
+            meter.queued += 1
+        try:
+            outcome = await gate.enter(tenant, cost, balancer.replicas, priority, weight)
+        finally:
+            counts.queued -= 1
+            if meter is not None:
+                meter.queued -= 1
+        if outcome is Entry.WAITED:
+            waited = trio.current_time() - started
+            record = responder.record
+            record.queued_s = waited + (record.queued_s or 0.0)
+        if outcome is Entry.FULL or outcome is Entry.TIMEOUT:
+            why = "queue_full" if outcome is Entry.FULL else "queue_timeout"
+            self.tenancy.refused(tenant, why)
+            await _rate_limited(responder, tenant, Refused(why, QUEUE_RETRY_S, []))
+            return None
+        return outcome
 
     async def _prompt(
         self, model: str, balancer: Balancer, path: bytes, body: dict[str, object]
@@ -368,6 +501,21 @@ class Router:
             )
         finally:
             self.metrics.in_flight[model] -= 1
+
+
+def _context_of(card: dict[str, object] | None) -> int | None:
+    """The model's context length, as its engine's /v1/models said (model_cards checks
+    its type), None where no engine said."""
+    value = None if card is None else card.get("max_model_len")
+    return value if type(value) is int and value > 0 else None
+
+
+async def _rate_limited(responder: RecordingResponder, tenant: str, refused: Refused) -> None:
+    """429 in the path's API shape, with Retry-After (and -Ms) and the x-ratelimit-*."""
+    message = refusal_message(tenant, refused.which, refused.retry_after_s)
+    responder.message = message
+    headers = [*JSON, *retry_headers(refused.retry_after_s), *refused.headers]
+    await responder.whole(429, responder.errors.body(429, message, "rate_limit_exceeded"), headers)
 
 
 _Pin = tuple[Replica | None, Callable[[Replica], bytes] | None]

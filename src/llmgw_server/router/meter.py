@@ -27,6 +27,7 @@ class ModelMeter:
     def __init__(self) -> None:
         self.held = 0  # requests waiting for a replica to serve
         self.held_bytes = 0  # their bodies'
+        self.queued = 0  # requests waiting in its fair queue (router.fair_gate): load too
         self.last_request_at: float | None = None  # trio time of the latest arrival
         self._arrived = 0  # since the last report
         self._ttfb_s: deque[float] = deque(maxlen=MAX_TTFB_SAMPLES)
@@ -56,7 +57,8 @@ class ModelMeter:
             p90 = samples[min(len(samples) - 1, math.ceil(0.9 * len(samples)) - 1)] * 1000
         idle = None if self.last_request_at is None else max(now - self.last_request_at, 0.0)
         arrived, self._arrived = self._arrived, 0
-        return RouterLoad(max(in_flight - self.held, 0), self.held, p90, idle, kv_use, arrived)
+        waiting = self.held + self.queued
+        return RouterLoad(max(in_flight - waiting, 0), waiting, p90, idle, kv_use, arrived)
 
 
 def hold_refusal(

@@ -15,7 +15,7 @@ import trio
 
 from llmgw_core.openai_errors import OPENAI, ErrorShape
 from llmgw_http.server import JSON, Responder
-from llmgw_server.router.access_log import AccessRecord, usage_in
+from llmgw_server.router.access_log import AccessRecord, usage_of
 
 log = logging.getLogger("llmgw.router")
 
@@ -50,7 +50,17 @@ class RecordingResponder(Responder):
     Messages stream's first event counts its input, its last one its output.
     """
 
-    __slots__ = ("_added", "_arrived", "early", "errors", "inner", "message", "record")
+    __slots__ = (
+        "_added",
+        "_arrived",
+        "count_events",
+        "early",
+        "errors",
+        "events",
+        "inner",
+        "message",
+        "record",
+    )
 
     def __init__(
         self,
@@ -74,6 +84,14 @@ class RecordingResponder(Responder):
         self._arrived = arrived  # time.monotonic() when the request arrived
         # The request id, then the router's own (a worker's name): in every answer's head.
         self._added = ((_REQUEST_ID, record.request_id.encode()), *added)
+        # A limited tenant's stream: its events are counted, one token each, for an
+        # answer whose usage never comes (the client did not ask for it, or left).
+        self.count_events = False
+        self.events = 0
+
+    def add_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """More headers for the answer's head (a limited tenant's x-ratelimit-*)."""
+        self._added = (*self._added, *headers)
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         # An engine may echo the id too (vLLM's --enable-request-id-headers): sent once.
@@ -85,12 +103,15 @@ class RecordingResponder(Responder):
             record.ttfb_s = time.monotonic() - self._arrived
         if not self.head:
             record.bytes_sent += len(data)
+        if self.count_events:
+            self.events += data.count(b"data:") - data.count(b"data: [DONE]")
         if _USAGE_KEY in data:
-            usage = usage_in(data)
+            usage = usage_of(data)
             if usage is not None:
-                prompt, completion = usage
+                prompt, completion, cached = usage
                 if prompt is not None:
                     record.prompt_tokens = prompt
+                    record.cached_tokens = cached
                 if completion is not None:
                     record.completion_tokens = completion
 

@@ -1,0 +1,332 @@
+"""Each tenant's limits in this router process: the request plan's admission step
+(router.front calls it once a request's model is known, before any wait or attempt).
+
+Who a request belongs to is its key's business alone (`[[auth.keys]] tenant`,
+llmgw_core.tenancy_config); `Tenancy.tenant_of` says. A tenant with no limits costs a
+request two dictionary lookups and nothing else. A limited one's request reserves its
+expected tokens (`reservation`: its prompt's, counted by an engine's tokenizer where the
+balancing policy asked one, else estimated from the body's size; and `max_tokens`, or
+`[router] reserve_output_tokens` where it names none, within the model's context), is
+refused with 429 past a limit (`Refused`: which limit, and when it would fit), and is
+settled when its answer ends with what the engine's usage says was used (`settle`):
+a stream's own usage, else its events counted, one token each; a client that left is
+charged what was generated until then; an answer no engine gave (every replica refused,
+none reachable) is charged no tokens.
+
+Limits are kept per tenant and per tenant and model (`[[tenants.models]]`); a request
+must fit both. Cost: O(1) a request (llmgw_core.tenant_limits), whatever the number of
+tenants; memory: two windows of 61 slots per limited tenant, and per limited model of
+one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+
+import attrs
+
+from llmgw_core.config import Config
+from llmgw_core.prometheus import family, labels
+from llmgw_core.tenancy_config import DEFAULT_TENANT, LimitFields, TenantEntry
+from llmgw_core.tenant_limits import (
+    Limits,
+    RateHeaders,
+    Refusal,
+    TenantLimiter,
+    Ticket,
+    format_reset,
+    retry_after_values,
+)
+from llmgw_server.router.access_log import AccessRecord
+
+# Bytes of a request body per prompt token, for a prompt no tokenizer counted: English
+# text is about 4 bytes a token in the engines' tokenizers, and the body's JSON adds to
+# it, so this overestimates a little (the reservation is settled with the usage).
+BYTES_PER_TOKEN = 4
+# The answer lengths a body may name: chat's (and the newer name), the Responses API's,
+# the Messages API's is max_tokens too.
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# Paths whose answers generate tokens; the others (embeddings, rerank, tokenize, ...)
+# reserve their prompt's alone.
+GENERATING = frozenset(
+    {b"/v1/chat/completions", b"/v1/completions", b"/v1/responses", b"/v1/messages"}
+)
+REASONS = ("requests", "tokens", "in_flight", "queue_full", "queue_timeout")
+
+
+def reservation(
+    path: bytes,
+    body: dict[str, object],
+    size: int,
+    counted: int | None,
+    reserve_output: int,
+    context: int | None,
+) -> tuple[int, int]:
+    """(prompt tokens, output tokens) a request reserves: its prompt `counted` by a
+    tokenizer or estimated from its body's `size`, and the answer's bound as the body
+    names it (else `reserve_output`), within the model's `context` where it is known
+    (a huge max_tokens reserves no more than the model could ever generate)."""
+    prompt = counted if counted is not None else -(-size // BYTES_PER_TOKEN)
+    output = 0
+    if path in GENERATING:
+        output = reserve_output
+        for name in _OUTPUT_FIELDS:
+            named = body.get(name)
+            if type(named) is int and named >= 0:
+                output = named
+                break
+    if context is not None:
+        prompt = min(prompt, context)
+        output = min(output, max(context - prompt, 1))
+    return prompt, output
+
+
+def charged_tokens(record: AccessRecord, events: int, admitted: Admitted) -> int:
+    """What a request used, once its answer ended (or its client left): the engine's
+    usage where it sent one; else a stream's events relayed, one token each, beside its
+    prompt's reservation; nothing where no engine answered; the reservation for an
+    answer that said nothing of its usage."""
+    prompt, completion = record.prompt_tokens, record.completion_tokens
+    if prompt is not None and completion is not None:
+        return prompt + completion
+    if record.ttfb_s is None or record.replica is None or record.status >= 400:
+        return 0 if completion is None else (prompt or 0) + completion
+    if events:
+        return (prompt if prompt is not None else admitted.prompt) + events
+    return admitted.reserved if prompt is None else prompt + (completion or 0)
+
+
+def _limits(fields: LimitFields) -> Limits:
+    return Limits(fields.requests_per_minute, fields.tokens_per_minute, fields.max_in_flight)
+
+
+@attrs.define(slots=True, eq=False)
+class Admitted:
+    """A limited tenant's admitted request, until `Tenancy.settle`."""
+
+    tenant: str
+    reserved: int
+    holds: tuple[tuple[TenantLimiter, Ticket], ...]
+    headers: list[tuple[bytes, bytes]]
+    prompt: int = 0  # of `reserved`, the prompt's tokens (the rest: its answer's bound)
+
+
+@attrs.frozen
+class Refused:
+    """Past a limit: answer 429 with these headers (Retry-After and the x-ratelimit-*)."""
+
+    which: str  # one of REASONS
+    retry_after_s: float
+    headers: list[tuple[bytes, bytes]]
+
+
+@attrs.define
+class TenantCounts:
+    """One tenant's figures on /metrics (bounded: the config's tenants and keys)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    in_flight: int = 0
+    queued: int = 0
+    refused: defaultdict[str, int] = attrs.Factory(lambda: defaultdict(int))
+
+
+class Tenancy:
+    def __init__(self, config: Config) -> None:
+        self._limiters: dict[str, TenantLimiter] = {}
+        self._model_limiters: dict[tuple[str, str], TenantLimiter] = {}
+        # (tenant, model) -> the limiters its requests must fit: () for an unlimited one.
+        self._for: dict[tuple[str, str], tuple[TenantLimiter, ...]] = {}
+        self.counts: defaultdict[str, TenantCounts] = defaultdict(TenantCounts)
+        self.reload(config)
+
+    def reload(self, config: Config) -> None:
+        """New tenants and limits; what each has used, and what it has in flight, stays."""
+        self.tenant_of = config.auth.tenant_of
+        book = config.tenants
+        self.entries = book.by_name
+        for name, limiter in list(self._limiters.items()):
+            entry = book.entry(name)
+            if entry is None or not entry.limited:
+                del self._limiters[name]
+            else:
+                limiter.set_limits(_limits(entry))
+        for (name, model), limiter in list(self._model_limiters.items()):
+            entry = book.entry(name)
+            limits = None if entry is None else entry.for_model(model)
+            if limits is None or not limits.limited:
+                del self._model_limiters[(name, model)]
+            else:
+                limiter.set_limits(_limits(limits))
+        self._for.clear()
+        # Counts of tenants no longer named (a key removed) go with them.
+        known = set(book.by_name) | set(self.tenant_of.values()) | {DEFAULT_TENANT}
+        for name in [n for n in self.counts if n not in known]:
+            del self.counts[name]
+
+    def tenant(self, digest: str | None) -> str:
+        """The tenant of a request made with the key of `digest` (None: no key)."""
+        if digest is None:
+            return DEFAULT_TENANT
+        return self.tenant_of.get(digest, DEFAULT_TENANT)
+
+    def entry(self, tenant: str) -> TenantEntry | None:
+        return self.entries.get(tenant)
+
+    def limiters(self, tenant: str, model: str) -> tuple[TenantLimiter, ...]:
+        """What a request of `tenant` for `model` must fit (a model the router serves:
+        the keys of this cache are bounded by the config's tenants and models)."""
+        key = (tenant, model)
+        found = self._for.get(key)
+        if found is not None:
+            return found
+        entry = self.entries.get(tenant)
+        chosen: list[TenantLimiter] = []
+        if entry is not None:
+            if entry.limited:
+                limiter = self._limiters.get(tenant)
+                if limiter is None:
+                    limiter = self._limiters[tenant] = TenantLimiter(_limits(entry))
+                chosen.append(limiter)
+            model_limits = entry.for_model(model)
+            if model_limits is not None and model_limits.limited:
+                limiter = self._model_limiters.get(key)
+                if limiter is None:
+                    limiter = self._model_limiters[key] = TenantLimiter(_limits(model_limits))
+                chosen.append(limiter)
+        result = self._for[key] = tuple(chosen)
+        return result
+
+    def admit(
+        self, tenant: str, limiters: tuple[TenantLimiter, ...], tokens: int, now: float
+    ) -> Admitted | Refused:
+        """Admit a request reserving `tokens` against every one of `limiters` (not
+        empty), or refuse it (nothing charged) with the longest wait among them."""
+        holds: list[tuple[TenantLimiter, Ticket]] = []
+        for limiter in limiters:
+            outcome = limiter.admit(tokens, now)
+            if isinstance(outcome, Refusal):
+                for taken, ticket in holds:
+                    taken.cancel(ticket, now)
+                waits = [outcome.retry_after_s]
+                for other in limiters:
+                    if other is not limiter:
+                        other_wait = _would_wait(other, tokens, now)
+                        if other_wait > 0:
+                            waits.append(other_wait)
+                wait = max(waits)
+                self.counts[tenant].refused[outcome.which] += 1
+                return Refused(outcome.which, wait, _headers(limiters, now))
+            holds.append((limiter, outcome))
+        return Admitted(tenant, tokens, tuple(holds), _headers(limiters, now))
+
+    def settle(self, admitted: Admitted, tokens: int, now: float) -> None:
+        for limiter, ticket in admitted.holds:
+            limiter.settle(ticket, tokens, now)
+
+    def refused(self, tenant: str, why: str) -> None:
+        """A request refused after admission (its queue was full, or it waited too long)."""
+        self.counts[tenant].refused[why] += 1
+
+
+def _would_wait(limiter: TenantLimiter, tokens: int, now: float) -> float:
+    limits = limiter.limits
+    if limits.max_in_flight is not None and limiter.in_flight >= limits.max_in_flight:
+        return 1.0
+    return max(limiter.requests.wait(1, now), limiter.tokens.wait(tokens, now))
+
+
+def _headers(limiters: tuple[TenantLimiter, ...], now: float) -> list[tuple[bytes, bytes]]:
+    """OpenAI's x-ratelimit-* headers: of each kind, the limit with the least remaining."""
+    requests: tuple[int, int, float] | None = None
+    tokens: tuple[int, int, float] | None = None
+    for limiter in limiters:
+        values: RateHeaders = limiter.headers(now)
+        if values.limit_requests is not None:
+            assert values.remaining_requests is not None and values.reset_requests_s is not None
+            mine = (values.remaining_requests, values.limit_requests, values.reset_requests_s)
+            if requests is None or mine[0] < requests[0]:
+                requests = mine
+        if values.limit_tokens is not None:
+            assert values.remaining_tokens is not None and values.reset_tokens_s is not None
+            mine = (values.remaining_tokens, values.limit_tokens, values.reset_tokens_s)
+            if tokens is None or mine[0] < tokens[0]:
+                tokens = mine
+    out: list[tuple[bytes, bytes]] = []
+    for kind, found in ((b"requests", requests), (b"tokens", tokens)):
+        if found is not None:
+            remaining, limit, reset = found
+            out.append((b"x-ratelimit-limit-" + kind, str(limit).encode()))
+            out.append((b"x-ratelimit-remaining-" + kind, str(remaining).encode()))
+            out.append((b"x-ratelimit-reset-" + kind, format_reset(reset).encode()))
+    return out
+
+
+def retry_headers(seconds: float) -> list[tuple[bytes, bytes]]:
+    after, after_ms = retry_after_values(seconds)
+    return [(b"retry-after", after), (b"retry-after-ms", after_ms)]
+
+
+def refusal_message(tenant: str, which: str, seconds: float) -> str:
+    what = {
+        "requests": "requests per minute",
+        "tokens": "tokens per minute",
+        "in_flight": "requests in flight",
+        "queue_full": "requests waiting for this model",
+        "queue_timeout": "wait for this model's engines",
+    }[which]
+    return (
+        f"rate limit reached for the tenant {tenant!r}: {what}; try again in "
+        f"{math.ceil(seconds * 1000) / 1000:g} s"
+    )
+
+
+def render_tenancy(counts: Mapping[str, TenantCounts]) -> list[str]:
+    """The tenants' families on /metrics (their label set: the config's tenants and keys)."""
+    out: list[str] = []
+    rows = sorted(counts.items())
+    out += family(
+        "llmgw_tenant_requests_total",
+        "counter",
+        "Requests for a model this router serves, by tenant ([[tenants]], a key's own, or "
+        "default), admitted or not.",
+    )
+    out += [f"llmgw_tenant_requests_total{labels(tenant=t)} {c.requests}" for t, c in rows]
+    out += family(
+        "llmgw_tenant_tokens_total",
+        "counter",
+        "Tokens in the engines' usage reports, by tenant and kind (prompt or completion).",
+    )
+    for tenant, c in rows:
+        out.append(f"llmgw_tenant_tokens_total{labels(tenant=tenant, kind='prompt')} "
+                   f"{c.prompt_tokens}")  # fmt: skip
+        out.append(f"llmgw_tenant_tokens_total{labels(tenant=tenant, kind='completion')} "
+                   f"{c.completion_tokens}")  # fmt: skip
+    out += family(
+        "llmgw_tenant_requests_in_flight",
+        "gauge",
+        "A tenant's requests admitted and not yet answered (queued ones included).",
+    )
+    out += [f"llmgw_tenant_requests_in_flight{labels(tenant=t)} {c.in_flight}" for t, c in rows]
+    out += family(
+        "llmgw_tenant_requests_queued",
+        "gauge",
+        "A tenant's requests waiting now in a fair queue for a full model's replicas "
+        "([router] replica_max_in_flight).",
+    )
+    out += [f"llmgw_tenant_requests_queued{labels(tenant=t)} {c.queued}" for t, c in rows]
+    out += family(
+        "llmgw_tenant_refused_total",
+        "counter",
+        "Requests answered 429 for their tenant's limits, by reason: requests "
+        "(requests_per_minute), tokens (tokens_per_minute), in_flight (max_in_flight), "
+        "queue_full (queue_max_per_tenant), queue_timeout (queue_max_wait_s).",
+    )
+    for tenant, c in rows:
+        for reason in REASONS:
+            n = c.refused.get(reason, 0)
+            out.append(f"llmgw_tenant_refused_total{labels(tenant=tenant, reason=reason)} {n}")
+    return out
