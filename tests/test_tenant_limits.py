@@ -25,6 +25,7 @@ from llmgw_core.tenant_limits import (
     Limits,
     RateHeaders,
     Refusal,
+    Shares,
     SlidingWindow,
     TenantLimiter,
     Ticket,
@@ -746,3 +747,30 @@ class WindowTraffic(RuleBasedStateMachine):
 
 
 TestWindowTraffic = WindowTraffic.TestCase
+
+
+def test_a_processs_share_caps_each_limit_and_the_whole_limit_caps_the_share() -> None:
+    limiter = TenantLimiter(Limits(requests_per_minute=10, tokens_per_minute=1000, max_in_flight=4))
+    limiter.set_shares(Shares(requests=2, tokens=5000, in_flight=1))
+    first = limiter.admit(100, 0.0)
+    assert isinstance(first, Ticket)
+    assert limiter.admit(100, 0.0) == Refusal("in_flight", IN_FLIGHT_RETRY_S)
+    limiter.settle(first, 100, 0.5)
+    assert isinstance(limiter.admit(100, 1.0), Ticket)  # the second of its 2 requests
+    refused = limiter.admit(100, 1.0)
+    assert isinstance(refused, Refusal) and refused.which == "requests"
+    assert limiter.tokens.limit == 1000  # a share above the limit is the limit
+    # Back to the whole limits when the shares are given up (no hub to share with).
+    limiter.set_shares(None)
+    assert limiter.requests.limit == 10 and limiter.in_flight_cap == 4
+
+
+def test_a_share_of_almost_nothing_takes_one_request_a_window() -> None:
+    limiter = TenantLimiter(Limits(tokens_per_minute=1000))
+    limiter.set_shares(Shares(tokens=0.0))
+    ticket = limiter.admit(400, 0.0)  # an empty window takes one request, any size
+    assert isinstance(ticket, Ticket)
+    limiter.settle(ticket, 400, 1.0)
+    refused = limiter.admit(1, 2.0)
+    assert isinstance(refused, Refusal) and refused.which == "tokens"
+    assert refused.retry_after_s == pytest.approx(WINDOW_S + SLOT_S - 2.0)

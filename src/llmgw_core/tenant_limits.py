@@ -239,6 +239,26 @@ def _window_limit(limit: int | None) -> float:
     return math.inf if limit is None else float(limit)
 
 
+# The least share a process enforces: a window's limit must be above 0.
+SHARE_FLOOR = 1e-6
+
+
+@attrs.frozen
+class Shares:
+    """A process's shares of a tenant's limits (None: that limit's share is not known:
+    the whole limit)."""
+
+    requests: float | None = None
+    tokens: float | None = None
+    in_flight: float | None = None
+
+
+def _shared(limit: float, share: float | None) -> float:
+    if share is None:
+        return limit
+    return min(limit, max(share, SHARE_FLOOR))
+
+
 @attrs.define
 class Ticket:
     """An admitted request's hold on its tenant's limits, until `settle`."""
@@ -282,22 +302,46 @@ class TenantLimiter:
     requests: SlidingWindow = attrs.field(init=False)
     tokens: SlidingWindow = attrs.field(init=False)
     in_flight: int = attrs.field(init=False, default=0)
+    shares: Shares | None = attrs.field(init=False, default=None)
+    in_flight_cap: float = attrs.field(init=False, default=math.inf)
 
     def __attrs_post_init__(self) -> None:
         self.requests = SlidingWindow(_window_limit(self.limits.requests_per_minute))
         self.tokens = SlidingWindow(_window_limit(self.limits.tokens_per_minute))
+        self._enforce()
 
     def set_limits(self, limits: Limits) -> None:
         """New limits from now on; what was charged, and what is in flight, stays (a
         lower max_in_flight refuses until enough answers end)."""
         self.limits = limits
-        self.requests.limit = _window_limit(limits.requests_per_minute)
-        self.tokens.limit = _window_limit(limits.tokens_per_minute)
+        self._enforce()
+
+    def set_shares(self, shares: Shares | None) -> None:
+        """This process's shares of the limits, which other processes enforce together
+        with it (None: it enforces the whole limits itself). A share is never above its
+        limit, and never below SHARE_FLOOR: a window that holds nothing still takes one
+        request, whatever its size (see SlidingWindow), so a process with a share of
+        almost nothing admits at most one request a window beyond it."""
+        self.shares = shares
+        self._enforce()
+
+    def _enforce(self) -> None:
+        limits, shares = self.limits, self.shares
+        rpm, tpm = (
+            _window_limit(limits.requests_per_minute),
+            _window_limit(limits.tokens_per_minute),
+        )
+        cap = math.inf if limits.max_in_flight is None else float(limits.max_in_flight)
+        if shares is not None:
+            rpm = _shared(rpm, shares.requests)
+            tpm = _shared(tpm, shares.tokens)
+            cap = _shared(cap, shares.in_flight)
+        self.requests.limit, self.tokens.limit, self.in_flight_cap = rpm, tpm, cap
 
     def admit(self, tokens: int, now: float) -> Ticket | Refusal:
         """Admits a request reserving `tokens` (its prompt's, counted or estimated, and
         the most its answer may add), or says why not and for how long."""
-        full = self.limits.max_in_flight is not None and self.in_flight >= self.limits.max_in_flight
+        full = self.in_flight >= self.in_flight_cap
         requests_wait = self.requests.wait(1, now)
         tokens_wait = self.tokens.wait(tokens, now)
         if not full and requests_wait == 0 and tokens_wait == 0:

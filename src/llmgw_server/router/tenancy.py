@@ -31,6 +31,7 @@ from llmgw_core.config import Config
 from llmgw_core.prometheus import family, labels
 from llmgw_core.tenancy_config import DEFAULT_TENANT, LimitFields, TenantEntry
 from llmgw_core.tenant_limits import (
+    IN_FLIGHT_RETRY_S,
     Limits,
     RateHeaders,
     Refusal,
@@ -233,9 +234,8 @@ class Tenancy:
 
 
 def _would_wait(limiter: TenantLimiter, tokens: int, now: float) -> float:
-    limits = limiter.limits
-    if limits.max_in_flight is not None and limiter.in_flight >= limits.max_in_flight:
-        return 1.0
+    if limiter.in_flight >= limiter.in_flight_cap:
+        return IN_FLIGHT_RETRY_S
     return max(limiter.requests.wait(1, now), limiter.tokens.wait(tokens, now))
 
 
