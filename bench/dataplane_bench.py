@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 ENGINE_SRC = BENCH / "fast_engine"
 WRK_SCRIPT = BENCH / "wrk" / "dataplane.lua"
+BENCH_KEY = "sk-dataplane-bench"
 REQUIREMENTS = BENCH / "requirements-vllm-router.txt"
 RESULTS_DIR = BENCH / "results"
 LOG_DIR = RESULTS_DIR / "dataplane-logs"
@@ -310,6 +311,19 @@ def start_llmgw(
     config = LOG_DIR / f"{name}.toml"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     endpoints = ", ".join(f'"{u}"' for u in upstreams)
+    tenancy = ""
+    if args.tenant == "limited":
+        digest = "sha256:" + hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+        if src is None:
+            # Limits the bench never reaches: every request goes through admission,
+            # its reservation and its settlement, and is never refused.
+            tenancy = (
+                f'\n[[auth.keys]]\ndigest = "{digest}"\ntenant = "bench"\n'
+                '\n[[tenants]]\nname = "bench"\nrequests_per_minute = 1000000000\n'
+                "tokens_per_minute = 1000000000000\nmax_in_flight = 1000000\n"
+            )
+        else:  # the baseline, from before tenants: the same key, checked the same way
+            tenancy = f'\n[auth]\napi_keys = ["{digest}"]\n'
     config.write_text(
         "# written by bench/dataplane_bench.py\n"
         "[server]\n"
@@ -321,7 +335,7 @@ def start_llmgw(
         f'balancing = "{policy}"\n'
         "\n[[models]]\n"
         f'name = "{MODEL}"\n'
-        f"endpoints = [{endpoints}]\n"
+        f"endpoints = [{endpoints}]\n" + tenancy
     )
     proc = Proc(name, [sys.executable, "-m", "llmgw_server", "--config", str(config)],
                 env=_child_env(src or args.llmgw_src))
@@ -375,11 +389,17 @@ def chat_body(stream: bool) -> bytes:
 
 def answer_shape(base_url: str) -> tuple[str, int, bool]:
     """(plain answer's text, data events in a stream, whether it ended with [DONE])."""
-    status, _, data = http_request("POST", base_url + "/v1/chat/completions", chat_body(False))
+    # The key of --tenant limited (a gateway without keys takes any).
+    key = {"authorization": f"Bearer {BENCH_KEY}"}
+    status, _, data = http_request(
+        "POST", base_url + "/v1/chat/completions", chat_body(False), extra=key
+    )
     if status != 200:
         raise BenchError(f"a plain request to {base_url} answered {status}: {data[:300]!r}")
     text = str(json.loads(data)["choices"][0]["message"]["content"])
-    status, _, data = http_request("POST", base_url + "/v1/chat/completions", chat_body(True))
+    status, _, data = http_request(
+        "POST", base_url + "/v1/chat/completions", chat_body(True), extra=key
+    )
     if status != 200:
         raise BenchError(f"a stream from {base_url} answered {status}: {data[:300]!r}")
     events = sse_events(data)
@@ -421,6 +441,7 @@ def wrk_env(kind: str, args: argparse.Namespace) -> dict[str, str]:
         LLMGW_BENCH_STREAM="1" if kind == "paced" else "0",
         LLMGW_BENCH_DELAY_MS=f"{args.steady_delay_ms:g}" if kind == "steady" else "0",
         LLMGW_BENCH_CONVERSATIONS=str(args.conversations),
+        LLMGW_BENCH_KEY=BENCH_KEY if args.tenant == "limited" else "",
     )
 
 
@@ -855,6 +876,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also run llmgw from this code (as --llmgw-src), interleaved in the\n"
                    "same rounds: each llmgw row then gets its ratio to the baseline's")
     p.add_argument("--no-survival", action="store_true", help="skip the killed-worker check")
+    p.add_argument("--tenant", choices=("default", "limited"), default="default",
+                   help="whose requests: the default tenant's (no key, no limits), or a "
+                   "limited tenant's (a key, [[tenants]] limits never reached; the "
+                   "baseline gets the same key in api_keys)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: 1 round of 1 s, no warm-up (figures are noise)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "dataplane.json", help="results")

@@ -287,13 +287,18 @@ def chat_body(stream: bool, max_tokens: int | None = None) -> bytes:
 
 
 def http_request(
-    method: str, url: str, body: bytes | None = None, timeout: float = 10.0
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    timeout: float = 10.0,
+    extra: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     host, port = _split(url)
     path = urlsplit(url).path or "/"
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         headers = {"content-type": "application/json"} if body is not None else {}
+        headers.update(extra or {})
         conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
         data = response.read()

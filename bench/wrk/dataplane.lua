@@ -12,6 +12,7 @@
 --   LLMGW_BENCH_CONVERSATIONS  distinct conversations (default 64)
 --   LLMGW_BENCH_DELAY_MS       a pause before each request on a connection (default none):
 --                              a steady offered load below what the gateway can take
+--   LLMGW_BENCH_KEY            an API key sent as Authorization: Bearer (default none)
 
 local model = os.getenv("LLMGW_BENCH_MODEL") or "bench"
 local stream = os.getenv("LLMGW_BENCH_STREAM") == "1"
@@ -34,6 +35,10 @@ init = function(args)
     ["Content-Type"] = "application/json",
     ["Accept"] = stream and "text/event-stream" or "application/json",
   }
+  local key = os.getenv("LLMGW_BENCH_KEY") or ""
+  if key ~= "" then
+    headers["Authorization"] = "Bearer " .. key
+  end
   for k = 1, conversations do
     local body = string.format(
       '{"model": "%s", "messages": [{"role": "system", "content": "%s"}, '
