@@ -189,3 +189,38 @@ def test_a_full_model_serves_by_priority_then_fair_share(procs: Procs) -> None:
     page = httpx.get(router.url + "/metrics").text
     assert metric(page, "llmgw_tenant_refused_total", tenant="team-a", reason="queue_full") == 1
     assert metric(page, "llmgw_tenant_requests_queued", tenant="team-a") == 0
+
+
+def test_two_workers_enforce_one_limit_together(procs: Procs) -> None:
+    engine = procs.mock("m", "--mock-tokens", "2")
+    tenant = '[[tenants]]\nname = "team-a"\nrequests_per_minute = 8\n'
+    router = procs.router(
+        tenants_toml(tenant) + models_toml({"m": [engine.url]}), server="workers = 2"
+    )
+
+    def shares() -> list[float]:
+        page = httpx.get(router.url + "/metrics").text
+        return [
+            float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            if line.startswith("llmgw_tenant_limit{") and 'of="share"' in line
+        ]
+
+    # Each worker enforces a share from the parent's hub, the shares within the limit.
+    deadline = time.monotonic() + 20
+    while not (len(found := shares()) == 2 and sum(found) <= 8):
+        assert time.monotonic() < deadline, f"no shares within the limit: {found}"
+        time.sleep(0.1)
+    ok = refused = 0
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and ok < 12:
+        status = chat(router.url, KEY_A).status_code
+        assert status in (200, 429)
+        ok += status == 200
+        refused += status == 429
+        time.sleep(0.05)
+    # Together never past the limit (but for the one request a window each process's
+    # empty window takes beyond a share of almost nothing), and the limit's whole is
+    # used: the shares moved to where the requests were.
+    assert 7 <= ok <= 8 + 2, (ok, refused, shares())
+    assert refused > 0

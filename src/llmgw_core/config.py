@@ -196,6 +196,12 @@ def _cache_aware_rules(section: CacheAwareSection) -> None:
         )
 
 
+def _queue_cost(value: str) -> str:
+    if value not in ("uncached", "prompt"):
+        raise Problem(f"must be 'uncached' or 'prompt', not {value!r}")
+    return value
+
+
 @attrs.frozen
 class RouterSection:
     # A balancing policy's name: which ones there are is the server's business (its
@@ -250,6 +256,10 @@ class RouterSection:
     # past either, 429 with Retry-After.
     queue_max_per_tenant: int = attrs.field(default=256, metadata=rules(min=1, max=100_000))
     queue_max_wait_s: float = attrs.field(default=30.0, metadata=rules(min=0.01, max=3600.0))
+    # What a request costs its tenant in the fair queues, settled when it ends: its
+    # uncached prompt tokens and its output ("uncached"), or every prompt token alike
+    # ("prompt"; the engines' cache disregarded, as a plain token limiter counts).
+    queue_cost: str = attrs.field(default="uncached", metadata=rules(check=_queue_cost))
 
 
 @rule_after(RouterSection)

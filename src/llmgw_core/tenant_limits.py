@@ -254,7 +254,7 @@ class Shares:
 
 
 def _shared(limit: float, share: float | None) -> float:
-    if share is None:
+    if share is None or limit == math.inf:  # no share, or nothing to share
         return limit
     return min(limit, max(share, SHARE_FLOOR))
 
@@ -304,6 +304,15 @@ class TenantLimiter:
     in_flight: int = attrs.field(init=False, default=0)
     shares: Shares | None = attrs.field(init=False, default=None)
     in_flight_cap: float = attrs.field(init=False, default=math.inf)
+    # What was refused lately: the demand beyond this process's share, which its hub
+    # reads to move shares where they are wanted (in flight: over a few seconds).
+    refused_requests: SlidingWindow = attrs.field(
+        init=False, factory=lambda: SlidingWindow(math.inf)
+    )
+    refused_tokens: SlidingWindow = attrs.field(init=False, factory=lambda: SlidingWindow(math.inf))
+    refused_in_flight: SlidingWindow = attrs.field(
+        init=False, factory=lambda: SlidingWindow(math.inf, window_s=5.0)
+    )
 
     def __attrs_post_init__(self) -> None:
         self.requests = SlidingWindow(_window_limit(self.limits.requests_per_minute))
@@ -348,6 +357,10 @@ class TenantLimiter:
             self.requests.charge(1, now)
             self.in_flight += 1
             return Ticket(tokens, self.tokens.charge(tokens, now))
+        self.refused_requests.charge(1, now)
+        self.refused_tokens.charge(tokens, now)
+        if full:
+            self.refused_in_flight.charge(1, now)
         # It fits only when every limit lets it: the longest wait is the one to tell.
         which: Literal["requests", "tokens", "in_flight"] = "in_flight"
         wait = IN_FLIGHT_RETRY_S if full else 0.0

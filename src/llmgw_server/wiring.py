@@ -360,7 +360,7 @@ async def _follow_in_process(
     hub_end, router_end = local_pair()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(routes.serve, hub_end, "this process")
-        await (follower or Follower(router.served, "in-process")).follow(router_end)
+        await (follower or Follower(router.served, "in-process", shares=router)).follow(router_end)
 
 
 # How soon this process's router dials the leader's feed again after it ended.
@@ -371,7 +371,7 @@ async def _follow_leader(seat: Seat, router: Router) -> None:
     """Where control planes share a store, this process's router follows whichever leads:
     its own plane over memory channels, or the leader's route feed across the network
     with the token that leader put in the store; with none, it serves its last table."""
-    follower = Follower(router.served, "in-process")
+    follower = Follower(router.served, "in-process", shares=router)
     while True:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -450,7 +450,7 @@ class _Apart:
     async def start(self, nursery: trio.Nursery, router: Router) -> Follower | None:
         from llmgw_server.route_feed.remote import follow_forever
 
-        follower = Follower(router.served, f"{socket.gethostname()}:{self.port}")
+        follower = Follower(router.served, f"{socket.gethostname()}:{self.port}", shares=router)
         nursery.start_soon(
             follow_forever, follower, self.where, self.token, self.ssl_context, self.ca
         )
@@ -511,7 +511,7 @@ class _Worker:
             return None
         name = f"worker {worker.index} (pid {os.getpid()})"
         # What serves is logged once, by worker 0: every worker serves the same.
-        follower = Follower(router.served, name, log_changes=worker.index == 0)
+        follower = Follower(router.served, name, log_changes=worker.index == 0, shares=router)
         nursery.start_soon(_follow_parent, worker, follower)
         return follower if self.ready_after_table else None
 
@@ -627,7 +627,9 @@ async def workers_main(
     port = listeners[0].socket.getsockname()[1]
     plane = None if follow is not None else _control_plane(config)
     relay_hub = RouteHub(relays=True) if follow is not None else None
-    hub = relay_hub or (plane.routes if plane is not None else None)
+    # Without a control plane to follow, the workers still follow this process's hub:
+    # it hands out their shares of the tenants' limits (and no table).
+    hub = relay_hub or (plane.routes if plane is not None else RouteHub(relays=True))
     workers = Workers(
         config,
         [listener.socket.fileno() for listener in listeners],

@@ -47,12 +47,17 @@ from llmgw_server.route_feed.messages import (
     OLDEST_PROTOCOL,
     PROTOCOL,
     TRAFFIC_INTERVAL_S,
+    USAGE_INTERVAL_S,
+    FeedError,
     Hello,
     InFlight,
     Load,
+    Routes,
     RouteTable,
+    Shares,
     StaleEpoch,
     Traffic,
+    Usage,
     decode_down,
     encode,
     stale,
@@ -119,6 +124,22 @@ class TrafficSource(Protocol):
         ...
 
 
+class ShareTarget(Protocol):
+    """A router that enforces tenants' limits, shared with the hub's other followers
+    (router.front.Router, through its router.tenancy.Tenancy)."""
+
+    def share_usage(self) -> Usage | None:
+        """Its limits' use now, with the version of the grant it applied on this
+        connection; None when it has no limit to share."""
+        ...
+
+    def apply_shares(self, shares: Shares) -> None: ...
+
+    def shares_connection(self) -> None:
+        """A new feed: no grant of it applied yet."""
+        ...
+
+
 @runtime_checkable
 class RefusalCounter(Protocol):
     """A router that counts the tables it refused (router.front.Router, on /metrics)."""
@@ -130,12 +151,17 @@ Reporter = Callable[[Connection, trio.CancelScope], Awaitable[None]]
 
 
 async def run_feed(
-    connection: Connection, name: str, take: Callable[[RouteTable], None], report: Reporter
+    connection: Connection,
+    name: str,
+    take: Callable[[RouteTable], None],
+    report: Reporter,
+    take_shares: Callable[[Shares], None] | None = None,
 ) -> None:
     """One feed, as every follower runs it: `Hello` as `name`, then each table received
-    to `take` while `report` (given the scope to cancel when the peer is gone) sends the
-    reports, until the peer closes the connection. What the connection raises, or a
-    frame that cannot be used (FeedError), is raised as it is, not in a group."""
+    to `take` (and each grant of shares to `take_shares`) while `report` (given the
+    scope to cancel when the peer is gone) sends the reports, until the peer closes the
+    connection. What the connection raises, or a frame that cannot be used (FeedError),
+    is raised as it is, not in a group."""
     # The oldest protocol first: a control plane of protocol 1 takes that one alone.
     await connection.send(encode(Hello(OLDEST_PROTOCOL, name, PROTOCOL)))
     failure: BaseException | None = None
@@ -143,7 +169,13 @@ async def run_feed(
         nursery.start_soon(report, connection, nursery.cancel_scope)
         try:
             while True:
-                take(decode_down(await connection.receive()).table)
+                message = decode_down(await connection.receive())
+                if isinstance(message, Routes):
+                    take(message.table)
+                elif take_shares is None:
+                    raise FeedError("shares were sent to a follower that asked for none")
+                else:
+                    take_shares(message)
         except trio.EndOfChannel:
             pass
         except Exception as exc:
@@ -154,8 +186,16 @@ async def run_feed(
 
 
 class Follower:
-    def __init__(self, router: RouteTarget, name: str, *, log_changes: bool = True) -> None:
+    def __init__(
+        self,
+        router: RouteTarget,
+        name: str,
+        *,
+        log_changes: bool = True,
+        shares: ShareTarget | None = None,
+    ) -> None:
         self.router = router
+        self.shares = shares  # what enforces the tenants' limits, shared with the hub's others
         self.name = name  # how the control plane's log calls this router
         # "<model> is served by ..." on each change (one router of a process says it).
         self.log_changes = log_changes
@@ -177,7 +217,13 @@ class Follower:
         self._version = -1
         self._first_table = trio.Event()
         self._report_failure = None
-        await run_feed(connection, self.name, self._received_table, self._report_forever)
+        take_shares = None
+        if self.shares is not None:
+            self.shares.shares_connection()
+            take_shares = self.shares.apply_shares
+        await run_feed(
+            connection, self.name, self._received_table, self._report_forever, take_shares
+        )
         if self._report_failure is not None:
             raise self._report_failure
 
@@ -217,6 +263,9 @@ class Follower:
             if isinstance(self.router, TrafficSource):
                 rows = self.router.traffic_report
                 nursery.start_soon(report_traffic, connection, scope, lambda: self.table, rows)
+            if self.shares is not None:
+                usage = self.shares.share_usage
+                nursery.start_soon(report_usage, connection, scope, lambda: self.table, usage)
             await self._report_in_flight(connection, scope)
             nursery.cancel_scope.cancel()
 
@@ -283,6 +332,25 @@ async def report_load(
                 report = now()
             await connection.send(encode(Load(dict(report))))
             await trio.sleep(LOAD_MIN_GAP_S)  # held requests in a burst: one report
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        scope.cancel()  # the peer went: the receiving side says how
+
+
+async def report_usage(
+    connection: Connection,
+    scope: trio.CancelScope,
+    table: Callable[[], RouteTable | None],
+    usage: Callable[[], Usage | None],
+) -> None:
+    """Every USAGE_INTERVAL_S, the use of the limits this router enforces, to a hub that
+    hands out shares of them (its table says so); nothing while it has none to share."""
+    try:
+        while True:
+            current = table()
+            report = usage() if current is not None and current.shares else None
+            if report is not None:
+                await connection.send(encode(report))
+            await trio.sleep(USAGE_INTERVAL_S)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         scope.cancel()  # the peer went: the receiving side says how
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ import trio_websocket
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
+from llmgw_core.limit_shares import ShareBook
 from llmgw_core.logsafe import escaped
 from llmgw_core.traffic import Sample, TrafficStore
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
@@ -49,7 +51,9 @@ from llmgw_server.route_feed.messages import (
     Load,
     Routes,
     RouteTable,
+    Shares,
     Traffic,
+    Usage,
     decode_up,
     encode,
     spoken,
@@ -63,6 +67,9 @@ HELLO_TIMEOUT_S = 10.0
 KEEPALIVE_INTERVAL_S = 5.0  # a silent follower is pinged after 10 s and cut after 20 s
 _RATE = 100.0  # reports a second, sustained: a follower sends one per table and change
 _BURST = 1000
+# How long a follower that left keeps what it may hold counted (limit_shares): a router
+# cut off from its control plane serves on its last shares meanwhile.
+SHARE_HOLD_S = 120.0
 TTFT_KEPT = 256  # TTFT reports kept a model, all followers together (a minute of 2 s ones)
 
 
@@ -74,6 +81,14 @@ class _Follower:
     version: int = -1  # of the table its last report answers; -1: none yet
     counts: Mapping[str, int] = attrs.field(factory=dict)
     load: Mapping[str, RouterLoad] = attrs.field(factory=dict)  # its last Load
+    # Shares of the tenants' limits: the totals its config sets and the wanted it
+    # reported (by limit id), the grant waiting to be sent, the event that wakes its
+    # sender.
+    totals: Mapping[str, float] = attrs.field(factory=dict)
+    wanted: Mapping[str, float] = attrs.field(factory=dict)
+    grant: Shares | None = None
+    wake: trio.Event = attrs.field(factory=trio.Event)
+    in_book: bool = False
 
 
 class RouteHub:
@@ -89,7 +104,7 @@ class RouteHub:
         `epoch`: the leadership every table is stamped with (0: a single control plane);
         the next `publish` stamps a new one set here."""
         self.epoch = epoch
-        self.table = RouteTable(0, {}, frozenset(), complete=False, epoch=epoch)
+        self.table = RouteTable(0, {}, frozenset(), complete=False, epoch=epoch, shares=True)
         self._followers: dict[int, _Follower] = {}
         self._ids = itertools.count()
         self._published = trio.Event()
@@ -105,6 +120,15 @@ class RouteHub:
         self._wall_clock = wall_clock
         self._relays = relays
         self._pending: dict[tuple[str, str], Sample] = {}  # since take_traffic, relays only
+        # The followers' shares of the tenants' limits (llmgw_core.limit_shares), made at
+        # the first report of use. A control plane's hub may have had a predecessor (a
+        # restart, another leader) whose followers still hold shares: it raises none for
+        # a book's hold at first. A relay's workers started with it: none are held.
+        self.shares: ShareBook | None = None
+        self.share_totals: dict[str, float] = {}  # limit id -> the least total reported
+        # A relay's own shares from the control plane it follows (None: none yet, each
+        # limit whole): the totals its workers share are capped by them.
+        self.share_caps: dict[str, float] | None = None
 
     @property
     def followers(self) -> int:
@@ -131,10 +155,12 @@ class RouteHub:
             return old.version
         self.table = RouteTable(
             old.version + 1, dict(models), draining, complete, adapters, autoscaled, True,
-            self.epoch,
+            self.epoch, True,
         )  # fmt: skip
         self._published.set()
         self._published = trio.Event()
+        for follower in self._followers.values():
+            follower.wake.set()
         return self.table.version
 
     def in_flight(self, endpoint: Endpoint) -> int:
@@ -232,9 +258,9 @@ class RouteHub:
         failure: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_tables, connection, nursery.cancel_scope)
+                nursery.start_soon(self._send, connection, follower, nursery.cancel_scope)
                 try:
-                    await self._receive_reports(connection, follower)
+                    await self._receive_reports(connection, follower, key)
                 except trio.EndOfChannel:
                     pass
                 except Exception as exc:
@@ -242,25 +268,100 @@ class RouteHub:
                 nursery.cancel_scope.cancel()
         finally:
             del self._followers[key]
+            if follower.in_book and self.shares is not None:
+                self.shares.left(key, trio.current_time())
+                self._recount_totals()
             self._notify()
             log.info("router %s (%s) no longer follows", follower.name, peer)
         if failure is not None:
             raise failure
 
-    async def _send_tables(self, connection: Connection, scope: trio.CancelScope) -> None:
+    async def _send(
+        self, connection: Connection, follower: _Follower, scope: trio.CancelScope
+    ) -> None:
+        """The one sender to a follower: each new table, and each grant of shares."""
         sent = -1
         try:
             while True:
                 table = self.table
-                if table.version == sent:
-                    await self._published.wait()
+                grant, follower.grant = follower.grant, None
+                if grant is not None:
+                    await connection.send(encode(grant))
+                if table.version != sent:
+                    await connection.send(encode(Routes(table)))
+                    sent = table.version
                     continue
-                await connection.send(encode(Routes(table)))
-                sent = table.version
+                if follower.grant is None:
+                    await follower.wake.wait()
+                    follower.wake = trio.Event()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             scope.cancel()  # gone: the receiving side ends the feed
 
-    async def _receive_reports(self, connection: Connection, follower: _Follower) -> None:
+    # -- shares of the tenants' limits -----------------------------------------------
+
+    def _usage(self, key: int, follower: _Follower, usage: Usage, now: float) -> None:
+        """A follower's use of its limits: the book hears it, and its grant is queued."""
+        book = self.shares
+        if book is None:
+            quiet = -math.inf if self._relays else now + SHARE_HOLD_S
+            book = self.shares = ShareBook(hold_s=SHARE_HOLD_S, quiet_until=quiet)
+        if not follower.in_book:
+            follower.in_book = True
+            book.join(key, now)
+        if usage.totals != follower.totals:
+            follower.totals = dict(usage.totals)
+            self._recount_totals()
+        follower.wanted = dict(usage.wanted)
+        book.report(key, usage.applied, usage.have, usage.used, usage.wanted, now)
+        grant = book.grant(key, now)
+        if grant is not None:
+            follower.grant = Shares(grant.version, grant.shares, grant.full)
+            follower.wake.set()
+
+    def _recount_totals(self) -> None:
+        """Each limit's total: the least any follower's config sets (and, for a relay,
+        within its own share from the control plane)."""
+        totals: dict[str, float] = {}
+        for follower in self._followers.values():
+            for limit, total in follower.totals.items():
+                known = totals.get(limit)
+                totals[limit] = total if known is None else min(known, total)
+        caps = self.share_caps
+        if caps is not None:
+            totals = {limit: min(total, caps.get(limit, 0.0)) for limit, total in totals.items()}
+        if totals != self.share_totals and self.shares is not None:
+            self.shares.set_totals(totals)
+        self.share_totals = totals
+
+    def set_share_caps(self, shares: Shares) -> None:
+        """A relay's grant from the control plane: what its workers share, at most."""
+        if shares.full or self.share_caps is None:
+            self.share_caps = {}
+        self.share_caps.update(shares.shares)
+        self._recount_totals()
+
+    def relay_usage(self, applied: int) -> Usage | None:
+        """A relay's report up: its workers' limits, their use summed as the book counts
+        it (what each may be using), what they would use, and what it enforces."""
+        book, totals = self.shares, self.share_totals
+        if book is None or not totals:
+            return None
+        raw: dict[str, float] = {}
+        wanted: dict[str, float] = {}
+        for follower in self._followers.values():
+            for limit, total in follower.totals.items():
+                known = raw.get(limit)
+                raw[limit] = total if known is None else min(known, total)
+            for limit, amount in follower.wanted.items():
+                wanted[limit] = wanted.get(limit, 0.0) + amount
+        caps = self.share_caps
+        have = {
+            limit: total if caps is None else caps.get(limit, 0.0) for limit, total in raw.items()
+        }
+        used = {limit: book.committed(limit) for limit in raw}
+        return Usage(applied, raw, have, used, {k: wanted.get(k, 0.0) for k in raw})
+
+    async def _receive_reports(self, connection: Connection, follower: _Follower, key: int) -> None:
         tokens, at = float(_BURST), trio.current_time()
         while True:
             message = decode_up(await connection.receive())
@@ -273,6 +374,9 @@ class RouteHub:
             tokens -= 1
             if isinstance(message, Traffic):
                 self._traffic(message)
+                continue
+            if isinstance(message, Usage):
+                self._usage(key, follower, message, now)
                 continue
             if isinstance(message, Load):
                 # Only the models the table autoscales: what a follower names is bounded.

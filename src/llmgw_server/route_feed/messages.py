@@ -56,6 +56,9 @@ LOAD_INTERVAL_S = 2.0  # how often a router reports its autoscaled models' load
 MAX_LOAD_MODELS = 10_000  # models one load frame may name
 TRAFFIC_INTERVAL_S = 5.0  # how often a router reports what it served (the page's traffic)
 MAX_TRAFFIC_ROWS = 4096  # models and replicas one traffic frame may name
+USAGE_INTERVAL_S = 0.25  # how often a router reports its limited tenants' use (shares)
+MAX_SHARE_LIMITS = 100_000  # limits one usage or shares frame may name (~60 bytes each)
+MAX_LIMIT_ID = 512  # a limit's id: "tenant/kind" or "tenant/kind/model"
 
 
 class FeedError(Exception):
@@ -99,6 +102,8 @@ class RouteTable:
     close the feed on an unknown message: its tables lack the field, False).
     `epoch`: the leadership of the control plane that sent it (0: a single control
     plane, or one from before epochs; never fenced).
+    `shares`: the hub hands out shares of the tenants' limits (`Usage` up, `Shares`
+    down); one from before tenants lacks the field, False, and is sent no usage.
     """
 
     version: int
@@ -109,6 +114,7 @@ class RouteTable:
     autoscaled: frozenset[str] = frozenset()
     traffic: bool = False
     epoch: int = 0
+    shares: bool = False
 
 
 EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
@@ -120,6 +126,16 @@ EMPTY_TABLE = RouteTable(0, {}, frozenset(), complete=False)
 @attrs.frozen
 class Routes:
     table: RouteTable
+
+
+@attrs.frozen
+class Shares:
+    """This router's shares of the tenants' limits (llmgw_core.limit_shares: a Grant),
+    by limit id. `full`: the whole map (a limit not named: 0); else the named change."""
+
+    version: int
+    shares: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+    full: bool = False
 
 
 # Up: router -> control plane
@@ -169,18 +185,34 @@ class Traffic:
     rows: tuple[Sample, ...] = ()
 
 
-UpMessage = Hello | InFlight | Load | Traffic
-DownMessage = Routes
+@attrs.frozen
+class Usage:
+    """Each limit of this router's limited tenants, by id: its `total` as the router's
+    config sets it, the share it enforces (`have`), what it has `used` (its window's, or
+    in flight) and would have used (`wanted`: refused or queued demand too), after it
+    applied the `applied` version of Shares on this connection (-1: none yet)."""
+
+    applied: int
+    totals: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+    have: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+    used: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+    wanted: Mapping[str, float] = attrs.field(factory=dict, hash=False)
+
+
+UpMessage = Hello | InFlight | Load | Traffic | Usage
+DownMessage = Routes | Shares
 
 _TAGS: dict[type, str] = {
     Hello: "hello",
     InFlight: "in_flight",
     Load: "load",
     Traffic: "traffic",
+    Usage: "usage",
     Routes: "routes",
+    Shares: "shares",
 }
-_UP_TAGS = frozenset({"hello", "in_flight", "load", "traffic"})
-_DOWN_TAGS = frozenset({"routes"})
+_UP_TAGS = frozenset({"hello", "in_flight", "load", "traffic", "usage"})
+_DOWN_TAGS = frozenset({"routes", "shares"})
 
 
 converter = make_converter(forbid_extra_keys=False)
@@ -208,13 +240,13 @@ def _number(value: object, _: type) -> float:
 
 converter.register_structure_hook(float, _number)
 configure_tagged_union(UpMessage, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
+configure_tagged_union(DownMessage, converter, tag_generator=_TAGS.__getitem__, tag_name="type")
 _frames = TaggedFrames(converter, FeedError, "the route feed", MAX_FRAME_BYTES)
 
 
 def encode(message: UpMessage | DownMessage) -> str:
-    if isinstance(message, Routes):
-        data = converter.unstructure(message)
-        data["type"] = "routes"
+    if isinstance(message, Routes | Shares):
+        data = converter.unstructure(message, DownMessage)
     else:
         data = converter.unstructure(message, UpMessage)
     return json.dumps(data, separators=(",", ":"))
@@ -222,14 +254,19 @@ def encode(message: UpMessage | DownMessage) -> str:
 
 def decode_down(frame: str | bytes) -> DownMessage:
     message = _frames.decode(frame, DownMessage, _DOWN_TAGS)
-    assert isinstance(message, Routes)
-    _check_table(message.table)
+    assert isinstance(message, Routes | Shares)
+    if isinstance(message, Routes):
+        _check_table(message.table)
+    else:
+        if message.version < 0:
+            raise FeedError(f"a shares frame's version must not be negative: {message.version}")
+        _check_amounts("shares", message.shares)
     return message
 
 
 def decode_up(frame: str | bytes) -> UpMessage:
     message = _frames.decode(frame, UpMessage, _UP_TAGS)
-    assert isinstance(message, Hello | InFlight | Load | Traffic)
+    assert isinstance(message, Hello | InFlight | Load | Traffic | Usage)
     if isinstance(message, Hello):
         _check_hello(message)
     if isinstance(message, InFlight):
@@ -242,7 +279,22 @@ def decode_up(frame: str | bytes) -> UpMessage:
         _check_load(message)
     if isinstance(message, Traffic):
         _check_traffic(message)
+    if isinstance(message, Usage):
+        if message.applied < -1:
+            raise FeedError(f"a usage frame's applied version is below -1: {message.applied}")
+        for what in ("totals", "have", "used", "wanted"):
+            _check_amounts(what, getattr(message, what))
     return message
+
+
+def _check_amounts(what: str, amounts: Mapping[str, float]) -> None:
+    if len(amounts) > MAX_SHARE_LIMITS:
+        raise FeedError(f"a frame's {what} name {len(amounts)} limits, over {MAX_SHARE_LIMITS}")
+    for limit, amount in amounts.items():
+        if not limit or len(limit) > MAX_LIMIT_ID:
+            raise FeedError(f"a limit id must be 1-{MAX_LIMIT_ID} characters: {limit[:80]!r}")
+        if amount < 0:
+            raise FeedError(f"an amount must not be negative: {limit[:80]!r} in {what}")
 
 
 def _check_hello(hello: Hello) -> None:

@@ -9,9 +9,9 @@ import trio
 
 from llmgw_core.autoscaling import RouterLoad, combine
 from llmgw_server.route_feed.connection import Connection
-from llmgw_server.route_feed.follower import report_load, report_traffic, run_feed
+from llmgw_server.route_feed.follower import report_load, report_traffic, report_usage, run_feed
 from llmgw_server.route_feed.hub import RouteHub
-from llmgw_server.route_feed.messages import InFlight, RouteTable, StaleEpoch, encode, stale
+from llmgw_server.route_feed.messages import InFlight, RouteTable, Shares, StaleEpoch, encode, stale
 
 
 class TableRelay:
@@ -35,12 +35,21 @@ class TableRelay:
         self._wake = trio.Event()
         self._first_table = trio.Event()  # of the current connection
         self._arrived_before: dict[str, int] = {}  # hub.arrived when load() last read it
+        self.shares_version = -1  # of the control plane's last grant, on this connection
 
     async def follow(self, connection: Connection) -> None:
         """Follow until the peer closes the connection (see route_feed.follower)."""
         self._versions = {}
         self._first_table = trio.Event()
-        await run_feed(connection, self.name, self._received_table, self._report_forever)
+        self.shares_version = -1
+        await run_feed(
+            connection, self.name, self._received_table, self._report_forever, self._shares
+        )
+
+    def _shares(self, shares: Shares) -> None:
+        """The control plane's grant to this router: what its workers share at most."""
+        self.hub.set_share_caps(shares)
+        self.shares_version = shares.version
 
     def _received_table(self, table: RouteTable) -> None:
         if stale(table.epoch, self.epoch):
@@ -100,6 +109,8 @@ class TableRelay:
             nursery.start_soon(report_load, connection, scope, table, load, held, self._first_table)
             nursery.start_soon(self._wake_on_reports)
             nursery.start_soon(report_traffic, connection, scope, table, self.hub.take_traffic)
+            usage = lambda: self.hub.relay_usage(self.shares_version)  # noqa: E731
+            nursery.start_soon(report_usage, connection, scope, table, usage)
             try:
                 while True:
                     await self._wake.wait()

@@ -24,6 +24,7 @@ from llmgw_core.openai_errors import ANTHROPIC
 from llmgw_core.tomlshape import closest
 from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
+from llmgw_server.route_feed.messages import Shares, Usage
 from llmgw_server.router.access_log import FORMATTERS, AccessRecord, key_id_of, valid_request_id
 from llmgw_server.router.balancer import Balancer, Replica
 from llmgw_server.router.fair_gate import QUEUE_RETRY_S, Entry, ModelGate
@@ -144,6 +145,27 @@ class Router:
         self.served.reload(self.config, plan)
         return plan
 
+    # -- shares of the tenants' limits (route_feed.follower.ShareTarget) ------------
+
+    def share_usage(self) -> Usage | None:
+        totals, have, used, wanted = self.tenancy.usage(trio.current_time())
+        if not totals:
+            return None
+        return Usage(self.tenancy.shares_version, totals, have, used, wanted)
+
+    def apply_shares(self, shares: Shares) -> None:
+        self.tenancy.apply_shares(shares.version, shares.shares, shares.full)
+
+    def shares_connection(self) -> None:
+        self.tenancy.new_connection()
+
+    def dispatch_queues(self) -> None:
+        """Hand every model's free slots to its waiting requests (router.fair_gate)."""
+        for base, gate in self.gates.items():
+            balancer = self.served.balancers.get(base)
+            if balancer is not None:
+                gate.dispatch(balancer.replicas)
+
     def start_draining(self) -> None:
         """Shutting down: /readyz answers 503 from now on (load balancers stop sending)."""
         self.draining = True
@@ -156,7 +178,12 @@ class Router:
             self.tuning.cache_aware,
             self._policy_metrics,
         )
-        return page + "".join(f"{line}\n" for line in render_tenancy(self.tenancy.counts)).encode()
+        return (
+            page
+            + "".join(
+                f"{line}\n" for line in render_tenancy(self.tenancy, trio.current_time())
+            ).encode()
+        )
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """Answer one request. Its id (the client's x-request-id, or a new one) goes to the
@@ -401,7 +428,9 @@ class Router:
             if gate is not None:
                 record = responder.record
                 if record.prompt_tokens is not None and record.completion_tokens is not None:
-                    uncached = record.prompt_tokens - (record.cached_tokens or 0)
+                    uncached = record.prompt_tokens
+                    if self.tuning.queue_cost == "uncached":
+                        uncached -= record.cached_tokens or 0
                     gate.settle(tenant, uncached + record.completion_tokens - cost)
                 gate.dispatch(balancer.replicas)
 

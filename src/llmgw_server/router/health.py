@@ -116,6 +116,9 @@ async def _health_forever(
         live = {(m, r.endpoint) for m, b in router.served.balancers.items() for r in b.replicas}
         for gone in cards_read.keys() - live:
             del cards_read[gone]
+        # A replica back (or new from the route table) frees slots with no request
+        # ending: the requests waiting in the fair queues look again.
+        router.dispatch_queues()
         if first:
             router.ready = True
             task_status.started()

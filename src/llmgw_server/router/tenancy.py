@@ -35,6 +35,7 @@ from llmgw_core.tenant_limits import (
     Limits,
     RateHeaders,
     Refusal,
+    Shares,
     TenantLimiter,
     Ticket,
     format_reset,
@@ -103,6 +104,14 @@ def _limits(fields: LimitFields) -> Limits:
     return Limits(fields.requests_per_minute, fields.tokens_per_minute, fields.max_in_flight)
 
 
+def _kept(limiter: TenantLimiter | None, fields: LimitFields) -> TenantLimiter:
+    """The limiter of `fields`: the one there was, with its history, if any."""
+    if limiter is None:
+        return TenantLimiter(_limits(fields))
+    limiter.set_limits(_limits(fields))
+    return limiter
+
+
 @attrs.define(slots=True, eq=False)
 class Admitted:
     """A limited tenant's admitted request, until `Tenancy.settle`."""
@@ -137,11 +146,16 @@ class TenantCounts:
 
 class Tenancy:
     def __init__(self, config: Config) -> None:
+        # Every limited tenant's limiter, and every limited (tenant, model)'s, made as the
+        # config is read: a process reports every limit to its hub from its start.
         self._limiters: dict[str, TenantLimiter] = {}
         self._model_limiters: dict[tuple[str, str], TenantLimiter] = {}
         # (tenant, model) -> the limiters its requests must fit: () for an unlimited one.
         self._for: dict[tuple[str, str], tuple[TenantLimiter, ...]] = {}
         self.counts: defaultdict[str, TenantCounts] = defaultdict(TenantCounts)
+        # Shares of the limits from a hub (None: this process enforces the whole limits).
+        self.shares: dict[str, float] | None = None
+        self.shares_version = -1  # the version applied on the current connection
         self.reload(config)
 
     def reload(self, config: Config) -> None:
@@ -149,20 +163,18 @@ class Tenancy:
         self.tenant_of = config.auth.tenant_of
         book = config.tenants
         self.entries = book.by_name
-        for name, limiter in list(self._limiters.items()):
-            entry = book.entry(name)
-            if entry is None or not entry.limited:
-                del self._limiters[name]
-            else:
-                limiter.set_limits(_limits(entry))
-        for (name, model), limiter in list(self._model_limiters.items()):
-            entry = book.entry(name)
-            limits = None if entry is None else entry.for_model(model)
-            if limits is None or not limits.limited:
-                del self._model_limiters[(name, model)]
-            else:
-                limiter.set_limits(_limits(limits))
+        limiters: dict[str, TenantLimiter] = {}
+        model_limiters: dict[tuple[str, str], TenantLimiter] = {}
+        for entry in book.tenants:
+            if entry.limited:
+                limiters[entry.name] = _kept(self._limiters.get(entry.name), entry)
+            for limits in entry.models:
+                if limits.limited:
+                    key = (entry.name, limits.model)
+                    model_limiters[key] = _kept(self._model_limiters.get(key), limits)
+        self._limiters, self._model_limiters = limiters, model_limiters
         self._for.clear()
+        self._apply_shares()
         # Counts of tenants no longer named (a key removed) go with them.
         known = set(book.by_name) | set(self.tenant_of.values()) | {DEFAULT_TENANT}
         for name in [n for n in self.counts if n not in known]:
@@ -182,24 +194,83 @@ class Tenancy:
         the keys of this cache are bounded by the config's tenants and models)."""
         key = (tenant, model)
         found = self._for.get(key)
-        if found is not None:
-            return found
-        entry = self.entries.get(tenant)
-        chosen: list[TenantLimiter] = []
-        if entry is not None:
-            if entry.limited:
-                limiter = self._limiters.get(tenant)
-                if limiter is None:
-                    limiter = self._limiters[tenant] = TenantLimiter(_limits(entry))
-                chosen.append(limiter)
-            model_limits = entry.for_model(model)
-            if model_limits is not None and model_limits.limited:
-                limiter = self._model_limiters.get(key)
-                if limiter is None:
-                    limiter = self._model_limiters[key] = TenantLimiter(_limits(model_limits))
-                chosen.append(limiter)
-        result = self._for[key] = tuple(chosen)
-        return result
+        if found is None:
+            chosen = [self._limiters.get(tenant), self._model_limiters.get(key)]
+            found = self._for[key] = tuple(x for x in chosen if x is not None)
+        return found
+
+    # -- shares of the limits, from a hub (route_feed: Usage up, Shares down) --------
+
+    def _each(self) -> list[tuple[str, str, TenantLimiter]]:
+        """(tenant, the limit id's tail: "" or "/<model>", limiter) of every limiter."""
+        out = [(name, "", limiter) for name, limiter in self._limiters.items()]
+        out += [(name, f"/{model}", lim) for (name, model), lim in self._model_limiters.items()]
+        return out
+
+    def usage(self, now: float) -> tuple[dict[str, float], ...]:
+        """(totals, have, used, wanted) of every limit, by id: "<tenant>/<kind>" for a
+        tenant's, "<tenant>/<kind>/<model>" for its model's; kind: requests, tokens or
+        in_flight. `have` is what this process enforces: its share, or the whole limit."""
+        totals: dict[str, float] = {}
+        have: dict[str, float] = {}
+        used: dict[str, float] = {}
+        wanted: dict[str, float] = {}
+        for name, tail, limiter in self._each():
+            limits = limiter.limits
+            for kind, total, in_use, effective, refused in (
+                ("requests", limits.requests_per_minute, limiter.requests.used(now),
+                 limiter.requests.limit, limiter.refused_requests.used(now)),
+                ("tokens", limits.tokens_per_minute, limiter.tokens.used(now),
+                 limiter.tokens.limit, limiter.refused_tokens.used(now)),
+                ("in_flight", limits.max_in_flight, float(limiter.in_flight),
+                 limiter.in_flight_cap, limiter.refused_in_flight.used(now)),
+            ):  # fmt: skip
+                if total is None:
+                    continue
+                limit_id = f"{name}/{kind}{tail}"
+                totals[limit_id] = float(total)
+                have[limit_id] = effective
+                used[limit_id] = in_use
+                wanted[limit_id] = in_use + refused
+        return totals, have, used, wanted
+
+    def apply_shares(self, version: int, shares: Mapping[str, float], full: bool) -> None:
+        """A hub's grant: every share (`full`: a limit it does not name has 0), or the
+        named changes."""
+        if full or self.shares is None:
+            self.shares = {}
+        self.shares.update(shares)
+        self.shares_version = version
+        self._apply_shares(default=0.0 if full else None)
+
+    def new_connection(self) -> None:
+        """A feed to a hub (re)opened: no grant of it applied yet (the shares in effect
+        stay until one is)."""
+        self.shares_version = -1
+
+    def _apply_shares(self, default: float | None = None) -> None:
+        """Each limiter's shares from `self.shares`; a limit it does not name: `default`
+        (0 after a full grant), or the share it had (None)."""
+        shares = self.shares
+        for name, tail, limiter in self._each():
+            if shares is None:
+                limiter.set_shares(None)
+                continue
+            had = limiter.shares or Shares()
+
+            def share(kind: str, current: float | None) -> float | None:
+                found = shares.get(f"{name}/{kind}{tail}")  # noqa: B023
+                if found is not None:
+                    return found
+                return default if default is not None else current
+
+            limiter.set_shares(
+                Shares(
+                    share("requests", had.requests),
+                    share("tokens", had.tokens),
+                    share("in_flight", had.in_flight),
+                )
+            )
 
     def admit(
         self, tenant: str, limiters: tuple[TenantLimiter, ...], tokens: int, now: float
@@ -284,9 +355,23 @@ def refusal_message(tenant: str, which: str, seconds: float) -> str:
     )
 
 
-def render_tenancy(counts: Mapping[str, TenantCounts]) -> list[str]:
+def render_tenancy(tenancy: Tenancy, now: float) -> list[str]:
     """The tenants' families on /metrics (their label set: the config's tenants and keys)."""
+    counts = tenancy.counts
     out: list[str] = []
+    totals, have, _, _ = tenancy.usage(now)
+    out += family(
+        "llmgw_tenant_limit",
+        "gauge",
+        "Each limit of a tenant ([[tenants]]; per model with a model label) as the config "
+        "sets it, and what this process enforces of it (`share`: the whole limit, or its "
+        "share where router processes enforce the limit together).",
+    )
+    for limit_id in sorted(totals):
+        tenant, kind, *model = limit_id.split("/", 2)
+        named = {"tenant": tenant, "kind": kind, **({"model": model[0]} if model else {})}
+        out.append(f"llmgw_tenant_limit{labels(**named, of='total')} {totals[limit_id]:g}")
+        out.append(f"llmgw_tenant_limit{labels(**named, of='share')} {have[limit_id]:g}")
     rows = sorted(counts.items())
     out += family(
         "llmgw_tenant_requests_total",
