@@ -8,6 +8,8 @@ priority and fair share rather than by arrival."""
 from __future__ import annotations
 
 import hashlib
+import secrets
+import sys
 import threading
 import time
 from typing import Any
@@ -16,7 +18,9 @@ import httpx
 import openai
 import pytest
 
-from procs import Procs, metric, models_toml
+from fleet import Fleet, wait_until
+from llmgw_core.config import digest_of
+from procs import Proc, Procs, free_port, metric, models_toml
 
 KEY_A, KEY_B, KEY_FREE = "sk-team-a", "sk-team-b", "sk-free"
 
@@ -224,3 +228,50 @@ def test_two_workers_enforce_one_limit_together(procs: Procs) -> None:
     # used: the shares moved to where the requests were.
     assert 7 <= ok <= 8 + 2, (ok, refused, shares())
     assert refused > 0
+
+
+def test_the_control_plane_shares_a_limit_between_routers_and_shows_its_use(
+    fleet: Fleet,
+) -> None:
+    token = "router-" + secrets.token_hex(8)
+    admin = f'\n[admin]\nrouter_token_digest = "sha256:{digest_of(token)}"\nopen_status = true\n'
+    placed = '[[models]]\nname = "placed"\n[models.profile]\nengine = "vllm"\nmodel = "org/x"\n'
+    fleet.server(placed, control=admin)
+    engine = fleet.procs.mock("m", "--mock-tokens", "5")
+    tenant = '[[tenants]]\nname = "team-a"\ntokens_per_minute = 100000\n'
+    routers = []
+    for _ in range(2):
+        port = free_port()
+        path = fleet.procs.tmp / f"router-{port}.toml"
+        path.write_text(
+            f'[server]\nlisten = "127.0.0.1:{port}"\nworkers = 2\n'
+            + tenants_toml(tenant)
+            + models_toml({"m": [engine.url]})
+        )
+        argv = [sys.executable, "-m", "llmgw_server", "router", "--config", str(path),
+                "--control", fleet.control, "--ca", str(fleet.certs / "ca.crt")]  # fmt: skip
+        router = Proc(argv, port, env={"LLMGW_ROUTER_TOKEN": token})
+        fleet.procs.all.append(router)
+        routers.append(router)
+    for router in routers:
+        router.wait_http("/readyz", timeout=60)
+        assert chat(router.url, KEY_A).status_code == 200
+
+    def limit() -> dict[str, Any] | None:
+        rows = [t for t in fleet.status().get("tenants", ()) if t["tenant"] == "team-a"]
+        return rows[0] if rows else None
+
+    # The control plane hears both routers (each its workers' parent) and shares the
+    # limit between them: within it, with what they used counted.
+    wait_until(
+        lambda: (row := limit()) is not None and len(row["shares"]) == 2 and row["used"] > 0,
+        timeout=30,
+        what="the control plane to share team-a's limit between the two routers",
+    )
+    row = limit()
+    assert row is not None
+    assert (row["kind"], row["model"], row["limit"]) == ("tokens", None, 100000)
+    assert sum(row["shares"].values()) <= 100000
+    shown = fleet.cli("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "TENANT" in shown.stdout and "100000 tokens/min" in shown.stdout

@@ -174,8 +174,8 @@ def test_a_new_limit_applies_to_what_was_charged() -> None:
         window.limit = 0
     with pytest.raises(ValueError):
         window.limit = math.nan
-    with pytest.raises(attrs.exceptions.FrozenAttributeError):
-        window.window_s = 30.0
+    with pytest.raises(AttributeError):
+        window.window_s = 30.0  # type: ignore[misc]
 
 
 def test_a_clock_stepping_back_frees_nothing() -> None:

@@ -118,6 +118,24 @@ def render_status(status: StatusDoc) -> str:
         ],
     )
     out = [nodes, "", replicas, "", models]
+    if status.tenants:
+        per = {"requests": "/min", "tokens": "/min", "in_flight": " at once"}
+        out += [
+            "",
+            table(
+                ["TENANT", "LIMIT", "MODEL", "USED", "ROUTERS' SHARES"],
+                [
+                    [
+                        t.tenant,
+                        f"{t.limit:g} {t.kind}{per.get(t.kind, '')}",
+                        t.model or "-",
+                        f"{t.used:g} ({t.used / t.limit:.0%})" if t.limit else f"{t.used:g}",
+                        " ".join(f"{name}={share:g}" for name, share in t.shares.items()) or "-",
+                    ]
+                    for t in status.tenants
+                ],
+            ),
+        ]
     if status.guard:
         out += ["", f"mass-loss guard: {status.guard}"]
     if status.control is not None:

@@ -156,6 +156,20 @@ class ControlDoc:
 
 
 @attrs.define
+class TenantLimitDoc:
+    """One limit of a tenant as the routers enforce it together ([[tenants]]): the
+    limit, what they may be using of it now (in the last 60 s, or in flight), and each
+    router's share. Only limits some router reports: a router enforces them."""
+
+    tenant: str
+    kind: str  # requests (per minute), tokens (per minute), in_flight
+    model: str | None  # a [[tenants.models]] limit's model, None: the tenant's own
+    limit: float
+    used: float
+    shares: dict[str, float]  # router (its name on the route feed) -> its share
+
+
+@attrs.define
 class StatusDoc:
     """GET /v1/admin/status: the fleet, or a page of it (`page` only then)."""
 
@@ -165,6 +179,8 @@ class StatusDoc:
     guard: str | None  # why the mass-loss guard holds
     page: PageDoc | None = None
     control: ControlDoc | None = None  # where control planes share a store
+    # Newer than the status: a control plane before tenants sent none.
+    tenants: tuple[TenantLimitDoc, ...] = ()
 
 
 @attrs.define

@@ -47,6 +47,7 @@ from llmgw_server.control.documents import (
     ReplicaDoc,
     ShardDoc,
     StatusDoc,
+    TenantLimitDoc,
     UnplacedDoc,
     to_json,
 )
@@ -55,6 +56,7 @@ from llmgw_server.control.reconciler import DrainRefused
 from llmgw_server.control.scaling import ScaleView
 from llmgw_server.control.views import ControlView, NodeView, ReplicaView
 from llmgw_server.control_shell import ui_server
+from llmgw_server.route_feed.hub import ShareRow
 
 if TYPE_CHECKING:
     from llmgw_server.control_shell.controlplane import ControlPlane
@@ -180,7 +182,8 @@ class AdminAPI:
                 held=self.plane.held(),
             )
             control = None if self.seat is None else await self.seat.control_doc()
-            data = to_json(attrs.evolve(doc, page=page, control=control))
+            tenants = tenant_docs(self.plane.routes.share_rows())
+            data = to_json(attrs.evolve(doc, page=page, control=control, tenants=tenants))
             # Compact: with 10,000 nodes, indenting (Python's encoder, not C's) takes 4.5x longer.
             await responder.whole(200, json.dumps(data, separators=(",", ":")).encode())
         elif request.method == b"GET" and rest == ["stream"]:
@@ -188,12 +191,15 @@ class AdminAPI:
             await ui_server.stream(
                 plane.feed,
                 lambda: to_json(
-                    status_doc(
-                        plane.reconciler.view(),
-                        plane.output_tails,
-                        plane.now(),
-                        kept,
-                        held=plane.held(),
+                    attrs.evolve(
+                        status_doc(
+                            plane.reconciler.view(),
+                            plane.output_tails,
+                            plane.now(),
+                            kept,
+                            held=plane.held(),
+                        ),
+                        tenants=tenant_docs(plane.routes.share_rows()),
                     )
                 ),
                 responder,
@@ -478,3 +484,21 @@ def explain_doc(explanation: Explanation) -> ExplainDoc:
         fitting=explanation.fitting,
         passed_over=explanation.passed_over_text(),
     )
+
+
+def tenant_docs(rows: list[ShareRow]) -> tuple[TenantLimitDoc, ...]:
+    """The routers' shared limits as the status says them."""
+    docs = []
+    for row in rows:
+        tenant, kind, *model = row.limit.split("/", 2)
+        docs.append(
+            TenantLimitDoc(
+                tenant,
+                kind,
+                model[0] if model else None,
+                row.total,
+                round(row.committed, 3),
+                {name: round(share, 3) for name, share in sorted(row.shares.items())},
+            )
+        )
+    return tuple(docs)

@@ -91,6 +91,16 @@ class _Follower:
     in_book: bool = False
 
 
+@attrs.frozen
+class ShareRow:
+    """One limit as the hub shares it (for status and the fleet page)."""
+
+    limit: str  # "<tenant>/<kind>" or "<tenant>/<kind>/<model>"
+    total: float
+    committed: float  # what the followers may be using together
+    shares: Mapping[str, float]  # follower name -> its share
+
+
 class RouteHub:
     def __init__(
         self,
@@ -332,6 +342,23 @@ class RouteHub:
         if totals != self.share_totals and self.shares is not None:
             self.shares.set_totals(totals)
         self.share_totals = totals
+
+    def share_rows(self) -> list[ShareRow]:
+        """Every limit the followers share: its total, what they may be using together
+        (the book's committed sum), and each follower's share by its name."""
+        book = self.shares
+        if book is None:
+            return []
+        held = {f.name: book.shares_of(key) for key, f in self._followers.items() if f.in_book}
+        return [
+            ShareRow(
+                limit,
+                total,
+                book.committed(limit),
+                {name: got[limit] for name, got in held.items() if limit in got},
+            )
+            for limit, total in sorted(self.share_totals.items())
+        ]
 
     def set_share_caps(self, shares: Shares) -> None:
         """A relay's grant from the control plane: what its workers share, at most."""

@@ -104,7 +104,9 @@ class RecordingResponder(Responder):
         if not self.head:
             record.bytes_sent += len(data)
         if self.count_events:
-            self.events += data.count(b"data:") - data.count(b"data: [DONE]")
+            # Engines write each event at once (see above): a write is an event, counted
+            # without reading it (the last one, [DONE], counts one token too many).
+            self.events += 1
         if _USAGE_KEY in data:
             usage = usage_of(data)
             if usage is not None:

@@ -33,7 +33,6 @@ from llmgw_core.tenancy_config import DEFAULT_TENANT, LimitFields, TenantEntry
 from llmgw_core.tenant_limits import (
     IN_FLIGHT_RETRY_S,
     Limits,
-    RateHeaders,
     Refusal,
     Shares,
     TenantLimiter,
@@ -311,29 +310,59 @@ def _would_wait(limiter: TenantLimiter, tokens: int, now: float) -> float:
 
 
 def _headers(limiters: tuple[TenantLimiter, ...], now: float) -> list[tuple[bytes, bytes]]:
-    """OpenAI's x-ratelimit-* headers: of each kind, the limit with the least remaining."""
+    """OpenAI's x-ratelimit-* headers: of each kind, the limit with the least remaining
+    (what this process may still admit: its share, or the whole limit), the limit as the
+    config sets it, and when the window is empty again (in whole seconds, rounded up, or
+    milliseconds under one). On every answer of a limited tenant: kept cheap."""
     requests: tuple[int, int, float] | None = None
     tokens: tuple[int, int, float] | None = None
     for limiter in limiters:
-        values: RateHeaders = limiter.headers(now)
-        if values.limit_requests is not None:
-            assert values.remaining_requests is not None and values.reset_requests_s is not None
-            mine = (values.remaining_requests, values.limit_requests, values.reset_requests_s)
-            if requests is None or mine[0] < requests[0]:
-                requests = mine
-        if values.limit_tokens is not None:
-            assert values.remaining_tokens is not None and values.reset_tokens_s is not None
-            mine = (values.remaining_tokens, values.limit_tokens, values.reset_tokens_s)
-            if tokens is None or mine[0] < tokens[0]:
-                tokens = mine
+        limits = limiter.limits
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        after = limiter.after
+        if after is None or after.at != now:
+            after = None  # a refusal's headers: looked up
+        if rpm is not None:
+            window = limiter.requests
+            room = window.room(now) if after is None else after.requests_room
+            remaining = max(0, math.floor(room))
+            if requests is None or remaining < requests[0]:
+                reset = window.reset_s(now) if after is None else after.requests_reset_s
+                requests = (remaining, rpm, reset)
+        if tpm is not None:
+            window = limiter.tokens
+            room = window.room(now) if after is None else after.tokens_room
+            remaining = max(0, math.floor(room))
+            if tokens is None or remaining < tokens[0]:
+                reset = window.reset_s(now) if after is None else after.tokens_reset_s
+                tokens = (remaining, tpm, reset)
     out: list[tuple[bytes, bytes]] = []
-    for kind, found in ((b"requests", requests), (b"tokens", tokens)):
-        if found is not None:
-            remaining, limit, reset = found
-            out.append((b"x-ratelimit-limit-" + kind, str(limit).encode()))
-            out.append((b"x-ratelimit-remaining-" + kind, str(remaining).encode()))
-            out.append((b"x-ratelimit-reset-" + kind, format_reset(reset).encode()))
+    if requests is not None:
+        remaining, limit, reset = requests
+        out.append((b"x-ratelimit-limit-requests", b"%d" % limit))
+        out.append((b"x-ratelimit-remaining-requests", b"%d" % remaining))
+        out.append((b"x-ratelimit-reset-requests", _reset_text(reset)))
+    if tokens is not None:
+        remaining, limit, reset = tokens
+        out.append((b"x-ratelimit-limit-tokens", b"%d" % limit))
+        out.append((b"x-ratelimit-remaining-tokens", b"%d" % remaining))
+        out.append((b"x-ratelimit-reset-tokens", _reset_text(reset)))
     return out
+
+
+_RESETS: dict[int, bytes] = {}  # whole seconds -> as OpenAI writes them (at most 62)
+
+
+def _reset_text(seconds: float) -> bytes:
+    if seconds < 1:
+        return format_reset(seconds).encode()
+    whole = math.ceil(seconds)
+    text = _RESETS.get(whole)
+    if text is None:
+        text = format_reset(whole).encode()
+        if len(_RESETS) < 1024:
+            _RESETS[whole] = text
+    return text
 
 
 def retry_headers(seconds: float) -> list[tuple[bytes, bytes]]:

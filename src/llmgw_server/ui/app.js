@@ -15,6 +15,9 @@ const openDetails = new Set(); // engine output panes the operator opened
 let ages = []; // [{node, base}] silent nodes, aged between updates
 let receivedAt = 0;
 let history = {}; // model -> [{at, rps, ttft_p90_ms, serving, desired}], oldest first
+// tenant -> [{at, tps}]: its tokens per second over the last minute, as its limit's use
+// says at each update (tenants with a tokens_per_minute limit: the routers report those)
+let tenantHistory = {};
 
 // An element with properties (className, title, dataset) and children (text or nodes).
 function el(tag, props, ...children) {
@@ -238,6 +241,46 @@ function renderCharts() {
   );
 }
 
+// -- tenants: each limit's use against it, and tokens per second ------------------
+
+const PER = { requests: "/min", tokens: "/min", in_flight: " at once" };
+
+function tenantRow(t) {
+  const share = t.limit ? Math.round((t.used / t.limit) * 100) + "%" : "";
+  return el(
+    "tr",
+    { dataset: { tenant: t.tenant, kind: t.kind } },
+    el("td", { className: "name" }, text(t.tenant)),
+    el("td", { className: "limit" }, text(t.limit) + " " + text(t.kind) + (PER[t.kind] || "")),
+    el("td", {}, text(t.model || "all models")),
+    el("td", { className: "used" }, text(Math.round(t.used * 10) / 10) + " (" + share + ")"),
+    el("td", { className: "muted" }, pairs(t.shares)),
+  );
+}
+
+function renderTenants(tenants) {
+  const rows = tenants || [];
+  $("tenants").hidden = rows.length === 0;
+  replaceRows("tenant-limits", rows.map(tenantRow));
+  const now = Date.now() / 1000;
+  const named = new Set();
+  for (const t of rows) {
+    if (t.kind !== "tokens" || t.model) continue;
+    named.add(t.tenant);
+    const series = (tenantHistory[t.tenant] || []).concat([{ at: now, tps: t.used / 60 }]);
+    tenantHistory[t.tenant] = series.slice(Math.max(0, series.length - KEEP_POINTS));
+  }
+  for (const name of Object.keys(tenantHistory)) if (!named.has(name)) delete tenantHistory[name];
+  $("tenant-charts").replaceChildren(
+    ...Object.keys(tenantHistory).sort().map((name) =>
+      el("div", { className: "chart-row", dataset: { tenant: name } },
+        el("h3", {}, text(name)),
+        chart("tokens/s", tenantHistory[name], (p) => p.tps, "", now),
+      ),
+    ),
+  );
+}
+
 function takeHistory(update) {
   if (update.full) history = {};
   for (const [name, points] of Object.entries(update.models)) {
@@ -264,6 +307,7 @@ function render(line) {
   const scaled = new Set(status.models.filter((m) => m.autoscale).map((m) => m.name));
   for (const name of Object.keys(history)) if (!scaled.has(name)) delete history[name];
   renderCharts();
+  renderTenants(status.tenants);
   replaceRows("nodes", status.nodes.map((n) => nodeRow(n, users)));
   replaceRows("replicas", status.replicas.map(replicaRow));
   $("node-count").textContent = "(" + status.nodes.length + ")";

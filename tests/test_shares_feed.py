@@ -1,0 +1,104 @@
+"""Shares of the tenants' limits over the route feed (in one process, memory channels,
+autojump clock): a control plane's hub, a workers' parent relaying within its own share,
+and workers that report their use and apply their grants. The book's arithmetic is
+property-tested in test_limit_shares.py; here, what travels and who caps whom."""
+
+from __future__ import annotations
+
+import trio
+
+from llmgw_server.route_feed.connection import LocalConnection, local_pair
+from llmgw_server.route_feed.hub import SHARE_HOLD_S, RouteHub
+from llmgw_server.route_feed.messages import (
+    PROTOCOL,
+    USAGE_INTERVAL_S,
+    Hello,
+    Routes,
+    Shares,
+    Usage,
+    decode_down,
+    encode,
+)
+from llmgw_server.route_feed.relay import TableRelay
+
+LIMIT = "team-a/tokens"
+
+
+class Worker:
+    """A worker's side of the feed, by hand: it applies every grant and reports."""
+
+    def __init__(self, end: LocalConnection, name: str) -> None:
+        self.end = end
+        self.name = name
+        self.share: float | None = None  # None: no grant yet, the whole limit
+        self.applied = -1
+        self.wanted = 0.0
+
+    async def run(self, total: float) -> None:
+        await self.end.send(encode(Hello(PROTOCOL, self.name)))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive)
+            while True:
+                have = total if self.share is None else self.share
+                used = min(have, self.wanted)
+                usage = Usage(self.applied, {LIMIT: total}, {LIMIT: have}, {LIMIT: used},
+                              {LIMIT: self.wanted})  # fmt: skip
+                await self.end.send(encode(usage))
+                await trio.sleep(USAGE_INTERVAL_S)
+
+    async def _receive(self) -> None:
+        while True:
+            message = decode_down(await self.end.receive())
+            if isinstance(message, Shares):
+                if message.full:
+                    self.share = message.shares.get(LIMIT, 0.0)
+                elif LIMIT in message.shares:
+                    self.share = message.shares[LIMIT]
+                self.applied = message.version
+            else:
+                assert isinstance(message, Routes) and message.table.shares
+
+
+async def test_a_limit_is_shared_by_a_control_plane_parents_and_workers_within_its_total(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    control = RouteHub()  # the control plane's
+    parents = [TableRelay(RouteHub(relays=True), f"router {i}") for i in range(2)]
+    workers: list[Worker] = []
+    async with trio.open_nursery() as nursery:
+        for i, parent in enumerate(parents):
+            up_relay, up_control = local_pair()
+            nursery.start_soon(control.serve, up_control, f"router {i}")
+            nursery.start_soon(parent.follow, up_relay)
+            for j in range(2):
+                worker_end, parent_end = local_pair()
+                nursery.start_soon(parent.hub.serve, parent_end, f"worker {i}.{j}")
+                worker = Worker(worker_end, f"worker {i}.{j}")
+                workers.append(worker)
+                nursery.start_soon(worker.run, 1000.0)
+
+        def shares() -> list[float]:
+            return [1000.0 if w.share is None else w.share for w in workers]
+
+        # Every worker has a grant at once, and the four together hold the limit at most.
+        await trio.sleep(2)
+        assert all(w.share is not None for w in workers)
+        assert sum(shares()) <= 1000
+        assert control.shares is not None and control.shares.committed(LIMIT) <= 1000
+        # One worker is busy: once the control plane's quiet start is over, the shares
+        # move to it, through its parent's share.
+        workers[0].wanted = 5000.0
+        await trio.sleep(SHARE_HOLD_S + 5)
+        assert sum(shares()) <= 1000
+        assert shares()[0] >= 900, shares()
+        (row,) = control.share_rows()
+        assert (row.limit, row.total) == (LIMIT, 1000) and row.committed <= 1000
+        assert row.shares["router 0"] >= shares()[0] + shares()[1]
+        assert row.shares["router 1"] >= shares()[2] + shares()[3]
+        # The busy worker quiets and another gets busy: the shares follow.
+        workers[0].wanted = 0.0
+        workers[3].wanted = 5000.0
+        await trio.sleep(10)
+        assert sum(shares()) <= 1000
+        assert shares()[3] >= 900, shares()
+        nursery.cancel_scope.cancel()
