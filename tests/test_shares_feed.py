@@ -5,10 +5,15 @@ property-tested in test_limit_shares.py; here, what travels and who caps whom.""
 
 from __future__ import annotations
 
+import attrs
 import trio
 
+import status_docs
+from llmgw_server.admin_cli import render_status
+from llmgw_server.control.documents import TenantLimitDoc
+from llmgw_server.control_shell.admin import tenant_docs
 from llmgw_server.route_feed.connection import LocalConnection, local_pair
-from llmgw_server.route_feed.hub import SHARE_HOLD_S, RouteHub
+from llmgw_server.route_feed.hub import SHARE_HOLD_S, RouteHub, ShareRow
 from llmgw_server.route_feed.messages import (
     PROTOCOL,
     USAGE_INTERVAL_S,
@@ -102,3 +107,20 @@ async def test_a_limit_is_shared_by_a_control_plane_parents_and_workers_within_i
         assert sum(shares()) <= 1000
         assert shares()[3] >= 900, shares()
         nursery.cancel_scope.cancel()
+
+
+def test_the_status_says_each_shared_limit_and_the_cli_its_use_against_it() -> None:
+    hub = RouteHub()
+    assert tenant_docs(hub.share_rows()) == ()
+    rows = [
+        ShareRow("team-a/tokens", 100000.0, 25000.5, {"r1": 60000.0, "r2": 40000.0}),
+        ShareRow("team-a/requests/chat", 600.0, 12.0, {}),
+    ]
+    docs = tenant_docs(rows)
+    assert docs[0] == TenantLimitDoc("team-a", "tokens", None, 100000.0, 25000.5,
+                                     {"r1": 60000.0, "r2": 40000.0})  # fmt: skip
+    assert (docs[1].kind, docs[1].model) == ("requests", "chat")
+    shown = render_status(attrs.evolve(status_docs.status([]), tenants=docs))
+    line = next(x for x in shown.splitlines() if x.startswith("team-a") and "tokens" in x)
+    assert "100000 tokens/min" in line and "25000.5 (25%)" in line and "r1=60000 r2=40000" in line
+    assert "600 requests/min" in shown and "chat" in shown

@@ -38,7 +38,9 @@ What a follower must do (the book's arithmetic relies on it):
 - its `have` is the map in effect, its `used` its use now (window use, or in flight);
 - cut off from its hub (from losing the connection until it applies a grant on a new
   one), stop admitting on its shares soon enough that its window use is gone by
-  `hold_s` after it left: for a 60 s window and the default 120 s, after 60 s.
+  `hold_s` after it left: for a 60 s window and the default 120 s, after 60 s. It drops
+  them on a new connection: connected (its report unanswered), it closes that one first,
+  since the book would take a report sent before for what it holds.
 """
 
 from __future__ import annotations

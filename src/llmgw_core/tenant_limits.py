@@ -68,7 +68,17 @@ class SlidingWindow:
 
     # A plain class with slots, not attrs: attrs' __setattr__ (for the validated limit)
     # would run on each of the four fields every request writes, 13 us a request.
-    __slots__ = ("_amounts", "_head", "_latest", "_limit", "_slot_s", "_total", "_window_s")
+    __slots__ = (
+        "_amounts",
+        "_head",
+        "_latest",
+        "_limit",
+        "_plain",
+        "_slot_s",
+        "_span",
+        "_total",
+        "_window_s",
+    )
 
     def __init__(self, limit: float, window_s: float = WINDOW_S, slot_s: float = SLOT_S) -> None:
         for name, value in (("window_s", window_s), ("slot_s", slot_s)):
@@ -79,6 +89,11 @@ class SlidingWindow:
         # A window (now - window_s, now] intersects at most ceil(window_s / slot_s) + 1
         # slots: the ring holds slots head - len + 1 .. head.
         self._amounts = [0.0] * (math.ceil(window_s / slot_s) + 1)
+        # Slots of a second and a window of whole seconds (the limits' own shape): the
+        # window at any time in the newest slot intersects every slot of the ring, so
+        # what it holds is the ring's sum (floor(t - W) = floor(t) - W, exactly).
+        self._plain = slot_s == 1.0 and float(window_s).is_integer()
+        self._span = len(self._amounts) - 1
         self._total = 0.0  # the ring's sum
         self._head: int | None = None  # the newest slot
         self._latest = -math.inf  # the latest `now` seen
@@ -132,6 +147,8 @@ class SlidingWindow:
 
     def _used(self, head: int) -> tuple[float, int]:
         """The window's sum at the latest time seen, and its oldest slot."""
+        if self._plain:
+            return self._total, head - self._span
         first = self._first(self._latest, head)
         if first == head - len(self._amounts) + 1:
             return self._total, first
@@ -166,7 +183,8 @@ class SlidingWindow:
         late they are told) and a fall is dropped (nothing is left to free)."""
         head = self._advance(now)
         amounts = self._amounts
-        if self._first(self._latest, head) <= charge <= head:
+        first = head - self._span if self._plain else self._first(self._latest, head)
+        if first <= charge <= head:
             position = charge % len(amounts)
             before = amounts[position]
             after = max(0.0, before + delta)
