@@ -159,9 +159,9 @@ def test_max_in_flight_counts_a_tenants_requests_at_once(procs: Procs) -> None:
 
 
 def test_a_full_model_serves_by_priority_then_fair_share(procs: Procs) -> None:
-    # One replica taking one request at a time (its answer 0.5 s long): every other
-    # request waits at the router, in its tenant's queue.
-    engine = procs.mock("m", "--mock-tokens", "5", "--mock-tokens-per-second", "10")
+    # One replica taking one request at a time: every other request waits at the
+    # router, in its tenant's queue.
+    engine = procs.mock("m", "--mock-tokens", "30", "--mock-tokens-per-second", "10")
     tenants = '[[tenants]]\nname = "team-a"\n[[tenants]]\nname = "team-b"\npriority = 1\n'
     router = procs.router(
         tenants_toml(tenants, router="replica_max_in_flight = 1\nqueue_max_per_tenant = 4")
@@ -170,20 +170,27 @@ def test_a_full_model_serves_by_priority_then_fair_share(procs: Procs) -> None:
     done: list[tuple[str, int, float]] = []
     lock = threading.Lock()
 
-    def send(key: str, name: str) -> None:
-        answer = chat(router.url, key)
+    def send(key: str, name: str, tokens: int) -> None:
+        answer = chat(router.url, key, max_tokens=tokens)
         with lock:
             done.append((name, answer.status_code, time.monotonic()))
 
-    # team-a: one running and four waiting (its queue's bound), then a fifth refused.
-    threads = [threading.Thread(target=send, args=(KEY_A, f"a{i}")) for i in range(5)]
-    for thread in threads:
+    def gauge(name: str) -> float:
+        return metric(httpx.get(router.url + "/metrics").text, name, tenant="team-a")
+
+    # team-a: one running (3 s long), then four waiting (its queue's bound).
+    threads = [threading.Thread(target=send, args=(KEY_A, "a0", 30))]
+    threads[0].start()
+    wait_until(lambda: gauge("llmgw_tenant_requests_in_flight") == 1, what="a0 to run")
+    threads += [threading.Thread(target=send, args=(KEY_A, f"a{i}", 1)) for i in range(1, 5)]
+    for thread in threads[1:]:
         thread.start()
-        time.sleep(0.05)
-    overflow = chat(router.url, KEY_A)
+    wait_until(lambda: gauge("llmgw_tenant_requests_queued") == 4, what="4 to wait")
+    overflow = chat(router.url, KEY_A)  # a fifth waiting: refused
     assert overflow.status_code == 429 and "waiting" in overflow.json()["error"]["message"]
+    assert overflow.headers["retry-after"] == "1"
     # team-b arrives last, with a higher priority: next after the running one.
-    b = threading.Thread(target=send, args=(KEY_B, "b"))
+    b = threading.Thread(target=send, args=(KEY_B, "b", 1))
     b.start()
     for thread in [*threads, b]:
         thread.join(30)
@@ -268,10 +275,16 @@ def test_the_control_plane_shares_a_limit_between_routers_and_shows_its_use(
         timeout=30,
         what="the control plane to share team-a's limit between the two routers",
     )
+    # Each router enforced the whole limit until its first grant; the shares then come
+    # within it (a grant lowered counts until the router applied it).
+    wait_until(
+        lambda: (row := limit()) is not None and sum(row["shares"].values()) <= 100000,
+        timeout=30,
+        what="the routers' shares to come within the limit",
+    )
     row = limit()
     assert row is not None
     assert (row["kind"], row["model"], row["limit"]) == ("tokens", None, 100000)
-    assert sum(row["shares"].values()) <= 100000
     shown = fleet.cli("status")
     assert shown.returncode == 0, shown.stderr
     assert "TENANT" in shown.stdout and "100000 tokens/min" in shown.stdout
