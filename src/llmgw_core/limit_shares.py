@@ -79,6 +79,18 @@ class Grant:
     shares: dict[str, float]
     full: bool = False
 
+    def then(self, later: Grant) -> Grant:
+        """This grant and a later one as one message: what a follower that applied both
+        holds. For a sender still holding this one unsent when the later comes: sending
+        the later alone would lose this one's changes, which the book takes as applied
+        once the later is acknowledged (a lowering lost: more held than counted)."""
+        if later.full:
+            return later
+        shares = {**self.shares, **later.shares}
+        if self.full:
+            shares = {name: share for name, share in shares.items() if share > 0}
+        return Grant(later.version, shares, self.full)
+
 
 @attrs.define(eq=False)
 class _Limit:

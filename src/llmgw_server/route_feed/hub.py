@@ -35,7 +35,7 @@ import trio_websocket
 from llmgw_core.autoscaling import RouterLoad
 from llmgw_core.bearer import bearer_digest
 from llmgw_core.catalog import Endpoint
-from llmgw_core.limit_shares import ShareBook
+from llmgw_core.limit_shares import Grant, ShareBook
 from llmgw_core.logsafe import escaped
 from llmgw_core.traffic import Sample, TrafficStore
 from llmgw_core.ws_frames import Heard, cut_when_silent, read_frames, silence_bound
@@ -86,7 +86,7 @@ class _Follower:
     # sender.
     totals: Mapping[str, float] = attrs.field(factory=dict)
     wanted: Mapping[str, float] = attrs.field(factory=dict)
-    grant: Shares | None = None
+    grant: Grant | None = None  # not sent yet: a later one is merged into it
     wake: trio.Event = attrs.field(factory=trio.Event)
     in_book: bool = False
 
@@ -296,7 +296,7 @@ class RouteHub:
                 table = self.table
                 grant, follower.grant = follower.grant, None
                 if grant is not None:
-                    await connection.send(encode(grant))
+                    await connection.send(encode(Shares(grant.version, grant.shares, grant.full)))
                 if table.version != sent:
                     await connection.send(encode(Routes(table)))
                     sent = table.version
@@ -325,7 +325,9 @@ class RouteHub:
         book.report(key, usage.applied, usage.have, usage.used, usage.wanted, now)
         grant = book.grant(key, now)
         if grant is not None:
-            follower.grant = Shares(grant.version, grant.shares, grant.full)
+            # One not sent yet is merged, never replaced: the book counts every grant.
+            waiting = follower.grant
+            follower.grant = grant if waiting is None else waiting.then(grant)
             follower.wake.set()
 
     def _recount_totals(self) -> None:
