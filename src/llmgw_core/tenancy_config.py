@@ -85,13 +85,18 @@ class TenantEntry(LimitFields):
         return None
 
 
+def _once(names: list[str], what: str, at: str) -> None:
+    """Each of `names` once: a second one is a Problem at `at` with its index."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise Problem(f"{name!r} is given twice: give each {what} once", f"{at}[{i}]")
+        seen.add(name)
+
+
 @rule_after(TenantEntry)
 def _each_model_once(entry: TenantEntry) -> None:
-    seen: set[str] = set()
-    for i, limits in enumerate(entry.models):
-        if limits.model in seen:
-            raise Problem(f"names {limits.model!r} twice: give each model once", f"models[{i}]")
-        seen.add(limits.model)
+    _once([limits.model for limits in entry.models], "model", "models")
 
 
 def _by_name(book: TenantBook) -> dict[str, TenantEntry]:
@@ -113,11 +118,7 @@ class TenantBook:
 
 @rule_after(TenantBook)
 def _each_tenant_once(book: TenantBook) -> None:
-    seen: set[str] = set()
-    for i, entry in enumerate(book.tenants):
-        if entry.name in seen:
-            raise Problem(f"{entry.name!r} is declared twice: give each tenant once", f"[{i}]")
-        seen.add(entry.name)
+    _once([entry.name for entry in book.tenants], "tenant", "tenants")
 
 
 def key_tenant(key_id: str) -> str:

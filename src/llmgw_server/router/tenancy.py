@@ -435,23 +435,19 @@ def render_tenancy(tenancy: Tenancy, now: float) -> list[str]:
         "Tokens in the engines' usage reports, by tenant and kind (prompt or completion).",
     )
     for tenant, c in rows:
-        out.append(f"llmgw_tenant_tokens_total{labels(tenant=tenant, kind='prompt')} "
-                   f"{c.prompt_tokens}")  # fmt: skip
-        out.append(f"llmgw_tenant_tokens_total{labels(tenant=tenant, kind='completion')} "
-                   f"{c.completion_tokens}")  # fmt: skip
-    out += family(
-        "llmgw_tenant_requests_in_flight",
-        "gauge",
-        "A tenant's requests admitted and not yet answered (queued ones included).",
-    )
-    out += [f"llmgw_tenant_requests_in_flight{labels(tenant=t)} {c.in_flight}" for t, c in rows]
-    out += family(
-        "llmgw_tenant_requests_queued",
-        "gauge",
-        "A tenant's requests waiting now in a fair queue for a full model's replicas "
-        "([router] replica_max_in_flight).",
-    )
-    out += [f"llmgw_tenant_requests_queued{labels(tenant=t)} {c.queued}" for t, c in rows]
+        for kind, n in (("prompt", c.prompt_tokens), ("completion", c.completion_tokens)):
+            out.append(f"llmgw_tenant_tokens_total{labels(tenant=tenant, kind=kind)} {n}")
+    for name, help_text, field in (
+        ("llmgw_tenant_requests_in_flight",
+         "A tenant's requests admitted and not yet answered (queued ones included).",
+         "in_flight"),
+        ("llmgw_tenant_requests_queued",
+         "A tenant's requests waiting now in a fair queue for a full model's replicas "
+         "([router] replica_max_in_flight).",
+         "queued"),
+    ):  # fmt: skip
+        out += family(name, "gauge", help_text)
+        out += [f"{name}{labels(tenant=t)} {getattr(c, field)}" for t, c in rows]
     out += family(
         "llmgw_tenant_refused_total",
         "counter",
