@@ -43,6 +43,7 @@ from llmgw_server.route_feed.messages import (
     RouteTable,
     StaleEpoch,
     Traffic,
+    Usage,
     decode_up,
     encode,
 )
@@ -167,7 +168,7 @@ class Peer:
     async def table(self, table: RouteTable) -> None:
         await self.end.send(encode(Routes(table)))
 
-    async def next_up(self) -> Hello | InFlight | Load | Traffic:
+    async def next_up(self) -> Hello | InFlight | Load | Traffic | Usage:
         return decode_up(await self.end.receive())
 
 

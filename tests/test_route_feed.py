@@ -24,6 +24,7 @@ from llmgw_server.route_feed.messages import (
     Routes,
     RouteTable,
     decode_down,
+    decode_table,
     decode_up,
     encode,
 )
@@ -85,11 +86,11 @@ def test_a_table_carries_each_adapter_and_its_model_and_one_without_still_decode
     table = RouteTable(3, {"qwen": (endpoint,)}, frozenset(), adapters={"qwen-sql": "qwen"})
     frame = encode(Routes(table))
     assert json.loads(frame)["table"]["adapters"] == {"qwen-sql": "qwen"}
-    assert decode_down(frame).table.adapters == {"qwen-sql": "qwen"}
+    assert decode_table(frame).adapters == {"qwen-sql": "qwen"}
     # A control plane from before adapters sends none: the table decodes without them.
     older = json.loads(frame)
     del older["table"]["adapters"]
-    assert decode_down(json.dumps(older)).table == RouteTable(3, {"qwen": (endpoint,)}, frozenset())
+    assert decode_table(json.dumps(older)) == RouteTable(3, {"qwen": (endpoint,)}, frozenset())
 
 
 @settings(max_examples=profile_times(2))
@@ -101,7 +102,7 @@ def test_up_messages_round_trip(message: Hello | InFlight) -> None:
 def test_the_engine_key_travels_with_its_endpoint() -> None:
     endpoint = Endpoint("10.0.0.5", 8000, api_key="engine-secret")
     table = RouteTable(7, {"qwen": (endpoint,)}, frozenset({endpoint}))
-    decoded = decode_down(encode(Routes(table))).table
+    decoded = decode_table(encode(Routes(table)))
     assert decoded.models["qwen"][0].api_key == "engine-secret"
     assert decoded.draining == {endpoint}
 
@@ -114,7 +115,7 @@ def test_a_load_frame_and_an_autoscaling_table_round_trip() -> None:
     # A table from before autoscaling still decodes: it autoscales nothing.
     old = json.loads(encode(Routes(table)))
     del old["table"]["autoscaled"]
-    assert decode_down(json.dumps(old)).table.autoscaled == frozenset()
+    assert decode_table(json.dumps(old)).autoscaled == frozenset()
 
 
 async def test_the_hub_keeps_the_loads_of_autoscaled_models_only_and_hears_a_held_one(
@@ -296,7 +297,7 @@ async def test_a_workers_parent_forwards_its_workers_loads_combined_and_a_held_o
         for i, (worker, parent_end) in enumerate(workers):
             nursery.start_soon(relay.hub.serve, parent_end, f"worker {i}")
             await worker.send(encode(Hello(PROTOCOL, f"worker {i}")))
-            table = decode_down(await worker.receive()).table
+            table = decode_table(await worker.receive())
             assert table.autoscaled == frozenset({"chat"})  # relayed to the workers
             await worker.send(encode(InFlight(table.version, {})))
         await workers[0][0].send(encode(Load({"chat": RouterLoad(2, 0, 80.0, 3.0, None, 4)})))
@@ -337,7 +338,7 @@ async def test_a_workers_parent_refuses_a_stale_epoch_and_tells_a_new_leader_wha
             await trio.sleep(0.01)
         nursery.start_soon(relay.hub.serve, parent_end, "worker")
         await worker.send(encode(Hello(1, "worker", PROTOCOL)))
-        relayed = decode_down(await worker.receive()).table
+        relayed = decode_table(await worker.receive())
         await worker.send(encode(Load({"chat": RouterLoad(held=1, requests=1)})))
         await old.wait_held()
         up_control.outbox.close()  # the old leader is gone

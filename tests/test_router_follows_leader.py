@@ -42,7 +42,7 @@ from llmgw_server.route_feed.messages import (
     PROTOCOL,
     Hello,
     Routes,
-    decode_down,
+    decode_table,
     decode_up,
     encode,
     spoken,
@@ -460,7 +460,7 @@ async def test_a_hub_stamps_every_table_with_its_epoch() -> None:
     endpoint = Endpoint("127.0.0.1", 9001)
     version = hub.publish({"chat": (endpoint,)}, frozenset(), complete=True)
     assert hub.table.epoch == 4 and hub.table.version == version
-    assert decode_down(encode(Routes(hub.table))).table.epoch == 4
+    assert decode_table(encode(Routes(hub.table))).epoch == 4
     # A new leadership on the same hub: the same table goes out again, stamped anew.
     hub.epoch = 6
     assert hub.publish({"chat": (endpoint,)}, frozenset(), complete=True) == version + 1

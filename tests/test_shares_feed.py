@@ -6,6 +6,7 @@ property-tested in test_limit_shares.py; here, what travels and who caps whom.""
 from __future__ import annotations
 
 import attrs
+import pytest
 import trio
 
 import status_docs
@@ -15,13 +16,17 @@ from llmgw_server.control_shell.admin import tenant_docs
 from llmgw_server.route_feed.connection import LocalConnection, local_pair
 from llmgw_server.route_feed.hub import SHARE_HOLD_S, RouteHub, ShareRow
 from llmgw_server.route_feed.messages import (
+    MAX_SHARE_LIMITS,
     PROTOCOL,
     USAGE_INTERVAL_S,
+    FeedError,
     Hello,
     Routes,
     Shares,
     Usage,
     decode_down,
+    decode_table,
+    decode_up,
     encode,
 )
 from llmgw_server.route_feed.relay import TableRelay
@@ -124,3 +129,25 @@ def test_the_status_says_each_shared_limit_and_the_cli_its_use_against_it() -> N
     line = next(x for x in shown.splitlines() if x.startswith("team-a") and "tokens" in x)
     assert "100000 tokens/min" in line and "25000.5 (25%)" in line and "r1=60000 r2=40000" in line
     assert "600 requests/min" in shown and "chat" in shown
+
+
+def test_usage_and_shares_frames_round_trip_and_bad_ones_say_why() -> None:
+    usage = Usage(3, {LIMIT: 1000.0}, {LIMIT: 500.0}, {LIMIT: 20.0}, {LIMIT: 900.0})
+    assert decode_up(encode(usage)) == usage
+    shares = Shares(4, {LIMIT: 250.5}, full=True)
+    assert decode_down(encode(shares)) == shares
+    with pytest.raises(FeedError, match="expected a route table, got shares"):
+        decode_table(encode(shares))
+    bad = {
+        '{"type": "usage", "applied": -2}': "below -1",
+        '{"type": "usage", "applied": 0, "used": {"a/tokens": -1}}': "must not be negative",
+        '{"type": "usage", "applied": 0, "have": {"": 1}}': "a limit id must be",
+        '{"type": "shares", "version": -1}': "must not be negative",
+        '{"type": "shares", "version": 1, "shares": {"a/tokens": "x"}}': "shares",
+    }
+    for frame, says in bad.items():
+        with pytest.raises(FeedError, match=says):
+            (decode_down if '"shares"' in frame else decode_up)(frame)
+    many = {f"t{i}/tokens": 1.0 for i in range(MAX_SHARE_LIMITS + 1)}
+    with pytest.raises(FeedError, match="over"):
+        decode_up(encode(Usage(0, many)))

@@ -28,7 +28,7 @@ from llmgw_server.route_feed.messages import (
     FeedError,
     Hello,
     Traffic,
-    decode_down,
+    decode_table,
     decode_up,
     encode,
 )
@@ -185,10 +185,10 @@ def test_a_traffic_frame_round_trips_and_bad_ones_are_refused() -> None:
 def test_tables_say_the_control_plane_takes_traffic_and_older_ones_do_not() -> None:
     hub = RouteHub()
     hub.publish({"chat": ()}, frozenset(), complete=True)
-    assert decode_down(encode_routes(hub)).table.traffic
+    assert decode_table(encode_routes(hub)).traffic
     older = json.loads(encode_routes(hub))
     del older["table"]["traffic"]
-    assert not decode_down(json.dumps(older)).table.traffic
+    assert not decode_table(json.dumps(older)).traffic
 
 
 def encode_routes(hub: RouteHub) -> str:

@@ -264,6 +264,14 @@ def decode_down(frame: str | bytes) -> DownMessage:
     return message
 
 
+def decode_table(frame: str | bytes) -> RouteTable:
+    """A frame that must be a route table (not a grant of shares)."""
+    message = decode_down(frame)
+    if not isinstance(message, Routes):
+        raise FeedError(f"expected a route table, got {_TAGS[type(message)]}")
+    return message.table
+
+
 def decode_up(frame: str | bytes) -> UpMessage:
     message = _frames.decode(frame, UpMessage, _UP_TAGS)
     assert isinstance(message, Hello | InFlight | Load | Traffic | Usage)
