@@ -31,6 +31,7 @@ from llmgw_server.control.documents import (
     ReplicaDoc,
     ShardDoc,
     StatusDoc,
+    TenantLimitDoc,
     from_json,
     to_json,
 )
@@ -161,6 +162,7 @@ PAGE_NAMES: dict[str, type] = {
     "m": ModelDoc,
     "status": StatusDoc,
     "t": RecentDoc,  # render's `line.recent` (the stream's, beside the status)
+    "limit": TenantLimitDoc,  # renderTenants' `status.tenants`
 }
 # nodeRow's own `status` is a table cell, not the document.
 NOT_DOCUMENTS = {"status.append"}
@@ -186,7 +188,7 @@ def test_every_field_the_page_reads_is_in_the_documents() -> None:
     assert {
         "n.drain_forced", "n.last_seen_s_ago", "g.memory_free_mib", "r.restart_in_s",
         "s.retiring", "shard.output_tail", "m.unplaced.explanation", "status.guard",
-        "t.subject",
+        "t.subject", "limit.shares", "limit.used",
     } <= paths  # fmt: skip
     for path in sorted(paths):
         name, *fields = path.split(".")

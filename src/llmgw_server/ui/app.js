@@ -245,16 +245,16 @@ function renderCharts() {
 
 const PER = { requests: "/min", tokens: "/min", in_flight: " at once" };
 
-function tenantRow(t) {
-  const share = t.limit ? Math.round((t.used / t.limit) * 100) + "%" : "";
+function tenantRow(limit) {
+  const share = limit.limit ? Math.round((limit.used / limit.limit) * 100) + "%" : "";
   return el(
     "tr",
-    { dataset: { tenant: t.tenant, kind: t.kind } },
-    el("td", { className: "name" }, text(t.tenant)),
-    el("td", { className: "limit" }, text(t.limit) + " " + text(t.kind) + (PER[t.kind] || "")),
-    el("td", {}, text(t.model || "all models")),
-    el("td", { className: "used" }, text(Math.round(t.used * 10) / 10) + " (" + share + ")"),
-    el("td", { className: "muted" }, pairs(t.shares)),
+    { dataset: { tenant: limit.tenant, kind: limit.kind } },
+    el("td", { className: "name" }, text(limit.tenant)),
+    el("td", { className: "limit" }, text(limit.limit) + " " + text(limit.kind) + (PER[limit.kind] || "")),
+    el("td", {}, text(limit.model || "all models")),
+    el("td", { className: "used" }, text(Math.round(limit.used * 10) / 10) + " (" + share + ")"),
+    el("td", { className: "muted" }, pairs(limit.shares)),
   );
 }
 
@@ -264,11 +264,11 @@ function renderTenants(tenants) {
   replaceRows("tenant-limits", rows.map(tenantRow));
   const now = Date.now() / 1000;
   const named = new Set();
-  for (const t of rows) {
-    if (t.kind !== "tokens" || t.model) continue;
-    named.add(t.tenant);
-    const series = (tenantHistory[t.tenant] || []).concat([{ at: now, tps: t.used / 60 }]);
-    tenantHistory[t.tenant] = series.slice(Math.max(0, series.length - KEEP_POINTS));
+  for (const limit of rows) {
+    if (limit.kind !== "tokens" || limit.model) continue;
+    named.add(limit.tenant);
+    const series = (tenantHistory[limit.tenant] || []).concat([{ at: now, tps: limit.used / 60 }]);
+    tenantHistory[limit.tenant] = series.slice(Math.max(0, series.length - KEEP_POINTS));
   }
   for (const name of Object.keys(tenantHistory)) if (!named.has(name)) delete tenantHistory[name];
   $("tenant-charts").replaceChildren(
