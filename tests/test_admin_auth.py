@@ -23,6 +23,7 @@ from llmgw_http.server import HTTPServer, ServerLimits
 from llmgw_server.control.explanation import Explanation
 from llmgw_server.control.reconciler import DrainRefused, Reconciler, Stuck
 from llmgw_server.control_shell.admin import AdminAPI
+from llmgw_server.route_feed.hub import RouteHub
 
 TOKEN = "adm-secret-token"
 DIGEST = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()
@@ -91,6 +92,7 @@ class Plane:
         self.reconciler = Reconciler(config.control, config.catalog, now=0.0, instance="t")
         self.output_tails: dict[tuple[str, str, int], tuple[str, ...]] = {}
         self.actions: list[tuple[str, str, bool]] = []
+        self.routes = RouteHub()  # its route feed: the tenants' shared limits for status
 
     def now(self) -> float:
         return trio.current_time()
