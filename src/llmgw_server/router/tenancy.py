@@ -319,20 +319,12 @@ def _headers(limiters: tuple[TenantLimiter, ...], now: float) -> list[tuple[byte
         after = limiter.after
         if after is not None and after.at == now:  # admitted just now: nothing to look up
             limits = limiter.limits
-            fast: list[tuple[bytes, bytes]] = []
             rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+            fast: list[tuple[bytes, bytes]] = []
             if rpm is not None:
-                fast += (
-                    (b"x-ratelimit-limit-requests", b"%d" % rpm),
-                    (b"x-ratelimit-remaining-requests", b"%d" % max(0, after.requests_room)),
-                    (b"x-ratelimit-reset-requests", _reset_text(after.requests_reset_s)),
-                )
+                fast += _kind(b"requests", rpm, after.requests_room, after.requests_reset_s)
             if tpm is not None:
-                fast += (
-                    (b"x-ratelimit-limit-tokens", b"%d" % tpm),
-                    (b"x-ratelimit-remaining-tokens", b"%d" % max(0, after.tokens_room)),
-                    (b"x-ratelimit-reset-tokens", _reset_text(after.tokens_reset_s)),
-                )
+                fast += _kind(b"tokens", tpm, after.tokens_room, after.tokens_reset_s)
             return fast
     requests: tuple[int, int, float] | None = None
     tokens: tuple[int, int, float] | None = None
@@ -359,15 +351,20 @@ def _headers(limiters: tuple[TenantLimiter, ...], now: float) -> list[tuple[byte
     out: list[tuple[bytes, bytes]] = []
     if requests is not None:
         remaining, limit, reset = requests
-        out.append((b"x-ratelimit-limit-requests", b"%d" % limit))
-        out.append((b"x-ratelimit-remaining-requests", b"%d" % remaining))
-        out.append((b"x-ratelimit-reset-requests", _reset_text(reset)))
+        out += _kind(b"requests", limit, remaining, reset)
     if tokens is not None:
         remaining, limit, reset = tokens
-        out.append((b"x-ratelimit-limit-tokens", b"%d" % limit))
-        out.append((b"x-ratelimit-remaining-tokens", b"%d" % remaining))
-        out.append((b"x-ratelimit-reset-tokens", _reset_text(reset)))
+        out += _kind(b"tokens", limit, remaining, reset)
     return out
+
+
+def _kind(kind: bytes, limit: int, room: float, reset_s: float) -> tuple[tuple[bytes, bytes], ...]:
+    """One kind's three headers: the limit, what remains (whole, never below 0), the reset."""
+    return (
+        (b"x-ratelimit-limit-" + kind, b"%d" % limit),
+        (b"x-ratelimit-remaining-" + kind, b"%d" % max(0, room)),
+        (b"x-ratelimit-reset-" + kind, _reset_text(reset_s)),
+    )
 
 
 _RESETS: dict[int, bytes] = {}  # whole seconds -> as OpenAI writes them (at most 62)
