@@ -103,7 +103,7 @@ def test_logfmt_line_has_every_field_in_order() -> None:
         "time=2026-12-02T20:32:13.042Z request_id=abc-1 method=POST path=/v1/chat/completions "
         "model=m status=200 replica=http://10.0.0.5:8000 duration_ms=12.346 ttfb_ms=2.100 "
         "bytes=399 key_id=f77894fd tenant=- prompt_tokens=7 completion_tokens=16 queued_ms=- "
-        "cached_predicted=-\n"
+        "cached_predicted=- migrated=0\n"
     )
 
 
@@ -149,6 +149,7 @@ def test_json_line_matches_the_logfmt_fields() -> None:
         "completion_tokens": 16,
         "queued_ms": None,
         "cached_predicted": None,
+        "migrated": 0,
     }
     assert format_json(r).count("\n") == 1
 
@@ -288,6 +289,7 @@ def test_one_line_per_request_field_by_field(procs: Procs) -> None:
         "completion_tokens",
         "queued_ms",
         "cached_predicted",
+        "migrated",
     }
     assert plain["queued_ms"] == "-"  # never held: its model is not autoscaled
     logged_at = datetime.fromisoformat(plain["time"].replace("Z", "+00:00"))

@@ -260,6 +260,17 @@ class RouterSection:
     # uncached prompt tokens and its output ("uncached"), or every prompt token alike
     # ("prompt"; the engines' cache disregarded, as a plain token limiter counts).
     queue_cost: str = attrs.field(default="uncached", metadata=rules(check=_queue_cost))
+    # Streams that outlive their replica (router.continuation): a chat or completions
+    # stream whose engine dies after its head goes on from another replica as a
+    # continuation, at most this many times a request (0: never; the stream ends with an
+    # error event, as a broken one did before).
+    migrate_max: int = attrs.field(default=3, metadata=rules(min=0, max=16))
+    # The generated tokens one stream keeps for that (a longer one can no longer
+    # continue), and all streams of a router process together.
+    migrate_keep_tokens: int = attrs.field(default=32_768, metadata=rules(min=1))
+    migrate_keep_total_tokens: int = attrs.field(default=4_000_000, metadata=rules(min=1))
+    # A `: migrated` SSE comment where the stream goes on (clients skip comments).
+    migrate_seam_comment: bool = False
 
 
 @rule_after(RouterSection)

@@ -45,6 +45,8 @@ class AccessRecord:
     # The prompt tokens the chosen engine should find cached, by its KV-cache events
     # (balancing = "precise"); None otherwise.
     cached_predicted: int | None = None
+    # Times its stream went on from another replica after its engine broke it (0: never).
+    migrated: int = 0
 
 
 def key_id_of(digest_hex: str) -> str:
@@ -124,7 +126,8 @@ def format_logfmt(record: AccessRecord) -> str:
         f"key_id={_repeating(record.key_id)} tenant={_repeating(record.tenant)} "
         f"prompt_tokens={_count(record.prompt_tokens)} "
         f"completion_tokens={_count(record.completion_tokens)} "
-        f"queued_ms={_ms(record.queued_s)} cached_predicted={_count(record.cached_predicted)}\n"
+        f"queued_ms={_ms(record.queued_s)} cached_predicted={_count(record.cached_predicted)} "
+        f"migrated={record.migrated}\n"
     )
 
 
@@ -147,6 +150,7 @@ def format_json(record: AccessRecord) -> str:
         "completion_tokens": record.completion_tokens,
         "queued_ms": None if record.queued_s is None else round(record.queued_s * 1000, 3),
         "cached_predicted": record.cached_predicted,
+        "migrated": record.migrated,
     }
     return json.dumps(line, separators=(",", ":")) + "\n"
 

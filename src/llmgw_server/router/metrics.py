@@ -25,6 +25,8 @@ class RouterMetrics:
         self.requests: defaultdict[tuple[str, int], int] = defaultdict(int)
         self.in_flight: defaultdict[str, int] = defaultdict(int)
         self.retries: defaultdict[str, int] = defaultdict(int)
+        # Streams broken after their head: (model, cause, outcome) (router.forwarding).
+        self.migrations: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self.ejections: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.latency: defaultdict[str, Histogram] = defaultdict(Histogram)
         self.ttfb: defaultdict[str, Histogram] = defaultdict(Histogram)
@@ -125,6 +127,17 @@ class RouterMetrics:
         )
         for model, n in sorted(self.retries.items()):
             out.append(f"llmgw_upstream_retries_total{_labels(model=model)} {n}")
+        out += family(
+            "llmgw_stream_migrations_total",
+            "counter",
+            "Streams whose engine broke them after their head, by cause (broke, silent, "
+            "drain) and outcome: continued on another replica, or not: unsafe (see the "
+            "stream's error event), limit (migrate_max), failed (no replica continued it), "
+            "spent (its output budget was used: the stream ended).",
+        )
+        for (model, cause, outcome), n in sorted(self.migrations.items()):
+            labels = _labels(model=model, cause=cause, outcome=outcome)
+            out.append(f"llmgw_stream_migrations_total{labels} {n}")
         out += family(
             "llmgw_upstream_stale_connections_total",
             "counter",

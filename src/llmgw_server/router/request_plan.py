@@ -14,8 +14,12 @@ out by the router's shell (router.front, router.forwarding, router.holding):
    keeps it from choosing one already tried, and stops after `1 + retries`), send, and
    from the engine's answer head decide: relay it, or try another replica (a refusal
    kept as what the client gets if none does better). Once the client has had a byte
-   of an answer nothing is tried again.
-3. **give up**: with the last refusal, or 503 when no replica was available at all.
+   of an answer nothing is tried again, unless the answer is a stream that broke:
+3. **continue** (`Attempts.broke`): a stream whose engine died after its head goes on
+   from another replica, as a continuation (router.continuation), at most
+   `max_migrations` times a request; each continuation has its own `1 + retries`
+   attempts, never on the replica that broke the stream.
+4. **give up**: with the last refusal, or 503 when no replica was available at all.
 """
 
 from __future__ import annotations
@@ -90,10 +94,32 @@ class Attempts:
 
     limit: int
     pinned: Replica | None = None
+    max_migrations: int = 0
     tried: list[Replica] = attrs.Factory(list)
     last: Refusal | None = None
     relayed: bool = False
     gave_up: bool = False  # final: nothing is sent after a give-up
+    migrations: int = 0  # continuations begun: the client has had a stream's head
+    _per_turn: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self._per_turn = self.limit
+
+    def broke(self) -> bool:
+        """The relayed stream broke after its head: whether another replica may continue
+        it (the next steps send continuations; a give-up then ends the stream)."""
+        if not self.relayed or self.pinned is not None:
+            return False
+        if self.migrations >= self.max_migrations:
+            return False
+        self.migrations += 1
+        self.relayed = False
+        self.last = None
+        # Only the replica that broke it is passed over: one tried at an earlier seam may
+        # serve again (an engine restarted in its place); one that is down is not chosen.
+        self.tried = self.tried[-1:]
+        self.limit = 1 + self._per_turn
+        return True
 
     def next(self, choose: Chooser) -> Send | GiveUp | Relayed:
         """The next step: a send to the replica `choose` picks among those not tried

@@ -63,12 +63,14 @@ class UpstreamError(Exception):
         silent: bool = False,
         timed_out: bool = False,
         broken: bool = False,
+        idle: bool = False,
     ) -> None:
         super().__init__(message)
         self.connect = connect  # nothing reached the engine
         self.silent = silent  # the connection closed before the engine sent a byte
         self.timed_out = timed_out  # no answer's head within the first-byte limit
         self.broken = broken  # the engine's bytes break HTTP's framing: never relayed on
+        self.idle = idle  # the engine went silent mid-answer for read_idle_timeout_s
 
 
 class _Conn:
@@ -327,7 +329,7 @@ class Exchange:
                         self._received += len(data)
                         return data
                     raise UpstreamError(
-                        f"{self._pool.endpoint} sent nothing for {idle:g} s"
+                        f"{self._pool.endpoint} sent nothing for {idle:g} s", idle=True
                     ) from None
                 else:
                     await trio.lowlevel.cancel_shielded_checkpoint()
@@ -568,7 +570,7 @@ class Exchange:
                     raise UpstreamError(f"{endpoint} closed the connection mid-answer")
         if sending:
             raise trio.BrokenResourceError(f"the client read nothing for {idle:g} s")
-        raise UpstreamError(f"{endpoint} sent nothing for {idle:g} s")
+        raise UpstreamError(f"{endpoint} sent nothing for {idle:g} s", idle=True)
 
     async def read_body(self, limit: int) -> bytes:
         conn = self._conn

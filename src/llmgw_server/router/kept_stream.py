@@ -1,0 +1,250 @@
+"""What a stream has sent its client, kept so that another replica can continue it when
+its engine dies mid-answer (router.continuation builds the continued request). Pure:
+bytes in, what the client has out; no trio, no sockets.
+
+The hot path only keeps the bytes written to the client (a list append): most streams
+end whole and are never read. Once a stream's kept bytes pass `COMPACT_BYTES` they are
+read in one pass (the HTTP chunk framing taken off, the events split, their JSON parsed
+in one call) into what a continuation needs: each choice's text, the token ids where
+the engine gave them, the answer's id, created and model, and whether anything seen
+makes a continuation unsafe. So a long stream keeps about its text, not its events
+(vLLM's chat events are 150 to 250 bytes a token).
+
+Bounds: a stream keeps at most `max_tokens` generated tokens (one event with text
+counts one, or its token ids where it has them), and all streams of a process at most
+`KeepBudget.limit` together; past either the stream stops keeping (it can no longer
+continue: `seam` says why) and gives its share back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+
+from llmgw_http.chunked import ChunkDecoder, ChunkedError
+
+# Raw bytes a stream keeps before reading them: about 130 chat events of vLLM's, read in
+# one json.loads of their array rather than one call each.
+COMPACT_BYTES = 32 * 1024
+_EVENT_END = b"\n\n"
+_DATA = b"data:"
+_DONE = b"[DONE]"
+
+
+class KeepBudget:
+    """The generated tokens all kept streams of a process may hold together."""
+
+    __slots__ = ("kept", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = 0
+
+
+@attrs.define(slots=True)
+class Seam:
+    """What the client has of the answer when its engine's stream broke."""
+
+    id: object = None
+    created: object = None
+    model: object = None
+    fingerprint: object = None
+    text: str = ""  # choice 0's text so far (a chat's content, a completion's text)
+    token_ids: list[int] | None = None  # its token ids, where every event gave them
+    prompt_ids: list[int] | None = None  # the prompt as the engine tokenized it, if it said
+    tokens: int = 0  # generated tokens sent (ids counted where given, else text events)
+    finished: str | None = None  # the finish_reason, once one came
+    usage_sent: bool = False
+    done_sent: bool = False  # `data: [DONE]` went out: the stream is whole
+
+
+class KeptStream:
+    """One stream's sent bytes, as written to its client: `feed_framed` for bytes with
+    HTTP/1.1 chunk framing (relayed undecoded), `feed` for bare body bytes."""
+
+    __slots__ = (
+        "_budget",
+        "_decoder",
+        "_held",
+        "_raw",
+        "_raw_bytes",
+        "_tail",
+        "_text",
+        "max_tokens",
+        "seam",
+        "unsafe",
+    )
+
+    def __init__(self, max_tokens: int, budget: KeepBudget) -> None:
+        self.max_tokens = max_tokens
+        self._budget = budget
+        self._raw: list[bytes] = []
+        self._raw_bytes = 0
+        self._decoder: ChunkDecoder | None = None  # set by the first framed bytes
+        self._tail = b""  # the start of an event not yet whole
+        self._text: list[str] = []
+        self._held = 0  # tokens this stream counts in the budget
+        self.seam = Seam()
+        # Why this stream cannot be continued, once something says so (None: it can).
+        self.unsafe: str | None = None
+
+    def feed_framed(self, data: bytes) -> None:
+        if self._decoder is None:
+            if self._raw:  # bare bytes came first: read them before framed ones follow
+                self._compact()
+            self._decoder = ChunkDecoder()
+        self._keep(data)
+
+    def feed(self, data: bytes) -> None:
+        if self._decoder is not None:  # after a seam the continuation is written bare
+            self._compact()
+            self._decoder = None
+        self._keep(data)
+
+    def _keep(self, data: bytes) -> None:
+        if self.unsafe is not None:
+            return
+        self._raw.append(data)
+        self._raw_bytes += len(data)
+        if self._raw_bytes > COMPACT_BYTES:
+            self._compact()
+
+    def read(self) -> Seam | str:
+        """What the client has, or why the stream cannot be continued from it (its last
+        event came in part, it was too long to keep, something in it is unsafe)."""
+        self._compact()
+        if self.unsafe is not None:
+            return self.unsafe
+        if self._tail.strip():
+            return "the client has part of an event"
+        seam = self.seam
+        seam.text = "".join(self._text)
+        self._text = [seam.text]
+        return seam
+
+    def release(self) -> None:
+        """The stream ended: what it kept goes, and its tokens leave the budget."""
+        self._budget.kept -= self._held
+        self._held = 0
+        self._raw = []
+        self._text = []
+
+    def _compact(self) -> None:
+        raw = self._raw
+        if not raw:
+            return
+        data = b"".join(raw)
+        self._raw = []
+        self._raw_bytes = 0
+        if self.unsafe is not None:
+            return
+        if self._decoder is not None:
+            try:
+                data = self._decoder.feed(data)
+            except ChunkedError:
+                self._stop("the answer broke HTTP's chunk framing")
+                return
+        events = (self._tail + data).split(_EVENT_END)
+        self._tail = events.pop()
+        payloads = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(_DATA):
+                    payload = line[5:].strip()
+                    if payload == _DONE:
+                        self.seam.done_sent = True
+                    elif payload:
+                        payloads.append(payload)
+        if not payloads:
+            return
+        try:
+            parsed = json.loads(b"[" + b",".join(payloads) + b"]")
+        except (ValueError, UnicodeDecodeError):
+            self._stop("an event of the answer is not JSON")
+            return
+        for event in parsed:
+            self._take(event)
+            if self.unsafe is not None:
+                return
+
+    def _take(self, event: object) -> None:
+        if not isinstance(event, dict):
+            self._stop("an event of the answer is not a JSON object")
+            return
+        seam = self.seam
+        if "error" in event:
+            self._stop("the engine sent an error event")
+            return
+        if seam.id is None:
+            seam.id = event.get("id")
+            seam.created = event.get("created")
+            seam.model = event.get("model")
+            seam.fingerprint = event.get("system_fingerprint")
+        if event.get("usage") is not None:
+            seam.usage_sent = True
+        if seam.prompt_ids is None:  # vLLM's return_token_ids: a chat's on the event
+            seam.prompt_ids = _ids(event.get("prompt_token_ids"))
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return
+        for choice in choices:
+            if not isinstance(choice, dict):
+                self._stop("a choice is not a JSON object")
+                return
+            if choice.get("index", 0) != 0:
+                self._stop("more than one choice (n > 1)")
+                return
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("tool_calls") or delta.get("function_call"):
+                    self._stop("a tool call was being written")
+                    return
+                if delta.get("reasoning_content") or delta.get("reasoning"):
+                    self._stop("reasoning was being written")
+                    return
+                text = delta.get("content")
+            else:
+                text = choice.get("text")
+            ids = choice.get("token_ids")
+            if seam.prompt_ids is None:  # and a completion's on its choice
+                seam.prompt_ids = _ids(choice.get("prompt_token_ids"))
+            if isinstance(text, str) and text:
+                self._text.append(text)
+                self._count(ids if isinstance(ids, list) else None, 1)
+            elif isinstance(ids, list) and ids:
+                self._count(ids, 0)
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                seam.finished = str(finish)
+
+    def _count(self, ids: list[int] | None, events: int) -> None:
+        seam = self.seam
+        if ids is not None:
+            if seam.token_ids is None and seam.tokens == 0:
+                seam.token_ids = []
+            if seam.token_ids is not None:
+                seam.token_ids.extend(ids)
+            added = len(ids)
+        else:
+            seam.token_ids = None  # an event without ids: text alone from here
+            added = events
+        seam.tokens += added
+        self._held += added
+        self._budget.kept += added
+        if seam.tokens > self.max_tokens or self._budget.kept > self._budget.limit:
+            self._stop("the answer is longer than the router keeps")
+
+    def _stop(self, why: str) -> None:
+        self.unsafe = why
+        self._budget.kept -= self._held
+        self._held = 0
+        self._raw = []
+        self._text = []
+        self._tail = b""
+
+
+def _ids(value: object) -> list[int] | None:
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
+        return value
+    return None
