@@ -13,6 +13,7 @@ import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
+from llmgw_mock_engine.engine import answer_text
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello fleet"}]
 
@@ -213,7 +214,8 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
 ) -> None:
     """A stream longer than drain_timeout_s (2 s here) on a drained replica: the old
     engine serves it until the timeout, counted from when the replacement serves, and is
-    then stopped under it; the log says why."""
+    then stopped under it; the log says why, and the client's stream goes on from the
+    replacement (issue 39): a drain ends no request."""
     fleet.server(model("chat"))
     slow = 'LLMGW_MOCK_TPS = "20", LLMGW_MOCK_TOKENS = "400"'  # an answer: 20 s
     fleet.agent("gpu-1", "node-2xl4.toml", env=slow)
@@ -222,6 +224,7 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
     wait_until(lambda: fleet.node("gpu-2")["status"] == "reachable", what="gpu-2 to register")
     client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
     chunks: list[float] = []
+    words: list[str] = []
     broke: list[str] = []
     started = threading.Event()
 
@@ -230,8 +233,9 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
             stream = client.chat.completions.create(
                 model="chat", messages=CHAT, max_tokens=400, stream=True
             )
-            for _ in stream:
+            for chunk in stream:
                 chunks.append(time.monotonic())
+                words.extend(c.delta.content or "" for c in chunk.choices)
                 started.set()
         except openai.APIError as exc:
             broke.append(str(exc))
@@ -242,16 +246,19 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
     reader.start()
     assert started.wait(20) and not broke, broke
     drain = fleet.cli("drain", "gpu-1", timeout=60)
-    reader.join(30)
+    reader.join(40)
     assert drain.returncode == 0, drain.stderr
     assert f"{old['replica_id']} (chat): stopped, off gpu-1" in drain.stdout.splitlines()
     assert fleet.server_proc is not None
     log = fleet.server_proc.output()
     timed_out = f"replica {old['replica_id']}: drain_timeout_s (2 s) passed with requests still"
     assert timed_out in log, log
-    # Served for the 2 s after the replacement served, then cut: not 400 tokens, not at once.
-    assert broke and "the engine stream broke" in broke[0], broke
-    assert chunks[-1] - chunks[0] >= 2.0 and len(chunks) < 400, (len(chunks), chunks[-1] - chunks[0])
+    # Served past the drain's timeout, whole: the old engine's part, then the new one's.
+    assert not broke and not reader.is_alive(), broke
+    assert "".join(words) == answer_text({"messages": CHAT}, 400)
+    assert chunks[-1] - chunks[0] >= 2.0
+    page = httpx.get(fleet.url + "/metrics").text
+    assert 'llmgw_stream_migrations_total{model="chat",cause="drain",outcome="continued"} 1' in page, page
 
 
 def test_a_drain_that_would_take_a_model_offline_is_refused_unless_forced(fleet: Fleet) -> None:

@@ -177,10 +177,10 @@ def parse_args(argv: Sequence[str], env: dict[str, str]) -> MockSettings:
     return settings
 
 
-def _words(seed_text: str, count: int) -> Iterator[str]:
+def _words(seed_text: str, count: int, start: int = 0) -> Iterator[str]:
     """Generated one at a time: a long stream must not hold its whole answer in memory."""
     seed = zlib.crc32(seed_text.encode())
-    return (_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(count))
+    return (_WORDS[(seed + i * 7) % len(_WORDS)] for i in range(start, count))
 
 
 def answer_text(body: dict[str, Any], count: int, adapters: Collection[str] = ()) -> str:
@@ -206,6 +206,83 @@ def _prompt_of(body: dict[str, Any]) -> str:
         return "\n".join(parts)
     prompt = body.get("prompt", "")
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+_WORD_SET = frozenset(_WORDS)
+_LONGEST_WORD = max(map(len, _WORDS))
+
+
+def _chat_cut(
+    body: dict[str, Any], adapters: Collection[str], tokens: int
+) -> tuple[dict[str, Any], int] | None:
+    """With `continue_final_message`, a final assistant message that is the first k words
+    of the mock's own answer to the messages before it: that request and k. None
+    otherwise, and the request is answered afresh, from a seed of all its messages."""
+    messages = body.get("messages")
+    if not body.get("continue_final_message") or not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    text = last.get("content")
+    if not isinstance(text, str):
+        return None
+    original = {**body, "messages": messages[:-1]}
+    done = text.count(" ") + 1 if text else 0
+    if done > tokens or text != " ".join(_words(_seed_of(original, adapters), done)):
+        return None
+    return original, done
+
+
+def _completion_cut(
+    body: dict[str, Any], adapters: Collection[str], tokens: int
+) -> tuple[dict[str, Any], int] | None:
+    """A prompt P + G where G is the first k >= 1 words of the mock's own answer to P
+    (the first glued to P, as a completion follows its prompt): that request and the
+    longest such k. None when there is none: the prompt is answered afresh.
+
+    G can only be words of _WORDS joined by single spaces, so the split points are
+    found walking back at most `tokens` words, whatever the prompt's length."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        return None
+    after: list[str] = []  # the whole words that end the prompt, the last first
+    splits: list[tuple[int, str, int]] = []  # (len(P), G's first word, k), k growing
+    end = len(prompt)
+    while len(after) < tokens:
+        start = prompt.rfind(" ", 0, end) + 1
+        splits += [
+            (end - len(word), word, len(after) + 1)
+            for word in _WORD_SET
+            if end - start >= len(word) and prompt.endswith(word, start, end)
+        ]
+        whole = prompt[start:end] if end - start <= _LONGEST_WORD else ""
+        if start == 0 or whole not in _WORD_SET:
+            break
+        after.append(whole)
+        end = start - 1
+    for head, first, done in reversed(splits):
+        original = {**body, "prompt": prompt[:head]}
+        wanted = [first, *reversed(after[: done - 1])]
+        if list(_words(_seed_of(original, adapters), done)) == wanted:
+            return original, done
+    return None
+
+
+@attrs.frozen
+class _Plan:
+    """What a (chat) completion request gets: words [done, total) of the answer to the
+    request `seed` is drawn from (itself, or the one whose cut answer it continues)."""
+
+    seed: str
+    done: int
+    total: int
+    prompt_tokens: int  # with the scheduler model off
+    finish: str
+
+    @property
+    def count(self) -> int:
+        return self.total - self.done
 
 
 # vllm:time_to_first_token_seconds's buckets, as vLLM's PrometheusStatLogger declares them
@@ -503,19 +580,37 @@ class MockEngine:
         await responder.whole(200, json.dumps(answer).encode(), list(_JSON))
 
     async def _generate(self, chat: bool, body: dict[str, Any], responder: Responder) -> None:
-        count = self.settings.tokens
+        settings = self.settings
+        no_generation_prompt = chat and body.get("add_generation_prompt", True) is False
+        if chat and body.get("continue_final_message") and not no_generation_prompt:
+            message = "continue_final_message and add_generation_prompt cannot both be true"
+            await responder.error(400, message)
+            return
+        # A router that resumes a broken stream elsewhere sends the answer so far.
+        cut_of = _chat_cut if chat else _completion_cut
+        original, done = cut_of(body, settings.lora_modules, settings.tokens) or (body, 0)
+        total = settings.tokens
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        if isinstance(limit, int) and 0 < limit < count:
-            count = limit
+        if isinstance(limit, int) and limit > 0:
+            total = min(total, done + limit)
+        plan = _Plan(
+            seed=_seed_of(original, settings.lora_modules),
+            done=done,
+            total=total,
+            prompt_tokens=len(_prompt_of(original).split()) + done,
+            finish="length" if total == settings.tokens or total - done == limit else "stop",
+        )
         if self.modelled is None:
-            await self._answer(chat, body, responder, count, limit, None)
+            await self._answer(chat, body, responder, plan, None)
             return
         tokens = prompt_tokens(body)
+        if no_generation_prompt:
+            tokens.pop()  # as /tokenize: its <|assistant|> comes last
         model = body.get("model")
-        lora = model if isinstance(model, str) and model in self.settings.lora_modules else None
+        lora = model if isinstance(model, str) and model in settings.lora_modules else None
         try:
-            async with self._scheduled(self.modelled, tokens, count, lora) as turn:
-                await self._answer(chat, body, responder, count, limit, turn)
+            async with self._scheduled(self.modelled, tokens, plan.count, lora) as turn:
+                await self._answer(chat, body, responder, plan, turn)
         except PromptTooLong as exc:
             await responder.error(400, str(exc))
 
@@ -583,14 +678,13 @@ class MockEngine:
         chat: bool,
         body: dict[str, Any],
         responder: Responder,
-        count: int,
-        limit: object,
+        plan: _Plan,
         turn: _Turn | None,
     ) -> None:
         settings = self.settings
-        prompt = _prompt_of(body)
-        words = _words(_seed_of(body, settings.lora_modules), count)
-        prompt_tokens = turn.prompt_tokens if turn else len(prompt.split())
+        count = plan.count
+        words = _words(plan.seed, plan.total, plan.done)
+        prompt_tokens = turn.prompt_tokens if turn else plan.prompt_tokens
         self.counter += 1
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-mock-{self.counter}",
@@ -609,7 +703,7 @@ class MockEngine:
             # vLLM reports this with --enable-prompt-tokens-details.
             usage["prompt_tokens_details"] = {"cached_tokens": turn.cached_tokens}
             headers.append((b"x-mock-ttft-ms", f"{turn.ttft_s * 1000:.3f}".encode()))
-        finish = "length" if count == settings.tokens or count == limit else "stop"
+        finish = plan.finish
         if not body.get("stream"):
             if turn:
                 await trio.sleep_until(turn.token_at(count - 1))
@@ -617,7 +711,9 @@ class MockEngine:
                 words = iter(turn.emitted)
             else:
                 await self._pace(count)
-            text = "".join(" " + w for w in words).lstrip()
+            text = "".join(" " + w for w in words)
+            if not plan.done:
+                text = text.lstrip()  # a continuation's text follows its first part's
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -657,7 +753,7 @@ class MockEngine:
                 turn.emitted.append(word)
             else:
                 await self._pace(1)
-            piece = word if i == 0 else " " + word
+            piece = word if i == 0 and not plan.done else " " + word
             if chat:
                 await emit({"index": 0, "delta": {"content": piece}, "finish_reason": None})
             else:
