@@ -77,6 +77,56 @@ def test_seam_is_the_text_sent_however_the_bytes_came(
         kept_stream.COMPACT_BYTES = old
 
 
+@given(
+    pieces=st.lists(st.text(max_size=6), min_size=1, max_size=80),
+    ids=st.booleans(),
+    chat=st.booleans(),
+    spaced=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=100_000), max_size=8),
+)
+def test_skimmed_events_give_what_parsing_each_gives(
+    pieces: list[str], ids: bool, chat: bool, spaced: bool, cuts: list[int]
+) -> None:
+    """Events read past the first (kept_stream's skim) give the text, the token counts
+    and ids, and the finish that parsing each event gives: vLLM's compact JSON with and
+    without token ids, the mock's spaced JSON, texts with quotes, escapes and empty."""
+    old = kept_stream.COMPACT_BYTES
+    kept_stream.COMPACT_BYTES = 256
+    try:
+        dumps = (lambda e: json.dumps(e)) if spaced else (
+            lambda e: json.dumps(e, separators=(",", ":"), ensure_ascii=False))  # fmt: skip
+        events: list[dict[str, Any]] = []
+        expected_ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["delta"] = {"content": piece}
+            else:
+                choice["text"] = piece
+            choice["logprobs"] = None
+            choice["finish_reason"] = "length" if n == len(pieces) - 1 else None
+            if ids:
+                choice["token_ids"] = [n, n + 1] if piece else [n]
+                expected_ids += choice["token_ids"]
+            events.append({**BASE, "choices": [choice]})
+        events.append({**BASE, "choices": [], "usage": {"prompt_tokens": 3}})
+        wire = b"".join(b"data: " + dumps(e).encode() + b"\n\n" for e in events)
+        keeper = KeptStream(10**6, KeepBudget(10**6))
+        for read in split(wire, cuts):
+            keeper.feed(read)
+        seam = keeper.read()
+        assert isinstance(seam, Seam)
+        assert seam.text == "".join(pieces)
+        assert seam.finished == "length" and seam.usage_sent
+        if ids:
+            assert seam.token_ids == expected_ids and seam.tokens == len(expected_ids)
+        else:
+            assert seam.token_ids is None
+            assert seam.tokens == len([p for p in pieces if p])
+    finally:
+        kept_stream.COMPACT_BYTES = old
+
+
 def test_a_partial_event_is_not_a_seam() -> None:
     keeper = KeptStream(100, KeepBudget(100))
     data = b"".join(chat_events(["a", "b"]))

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from fleet import Fleet, wait_until
@@ -259,6 +260,62 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
     assert chunks[-1] - chunks[0] >= 2.0
     page = httpx.get(fleet.url + "/metrics").text
     assert 'llmgw_stream_migrations_total{model="chat",cause="drain",outcome="continued"} 1' in page, page
+
+
+@pytest.mark.long
+def test_a_stream_on_a_lost_node_goes_on_from_the_other_replica(fleet: Fleet) -> None:
+    """The serving node vanishes (its agent killed, its engine stopped mid-answer and
+    silent, as a host that loses power): once the control plane declares it lost, the
+    router cuts the stream it was reading from there and continues it on the other
+    replica, long before read_idle_timeout_s (issue 39)."""
+    fleet.server(model("chat", replicas=2), control="spread = true")
+    slow = 'LLMGW_MOCK_TPS = "20", LLMGW_MOCK_TOKENS = "300"'  # an answer: 15 s
+    agents = {name: fleet.agent(name, "node-2xl4.toml", env=slow) for name in ("gpu-1", "gpu-2")}
+    wait_until(lambda: len(fleet.serving("chat")) == 2, what="a replica on each node")
+    client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="x", max_retries=0)
+    wait_until(lambda: [m.id for m in client.models.list()] == ["chat"], what="the router to follow")
+    words: list[str] = []
+    broke: list[str] = []
+    started = threading.Event()
+
+    def long_stream() -> None:
+        try:
+            for chunk in client.chat.completions.create(model="chat", messages=CHAT, stream=True):
+                words.extend(c.delta.content or "" for c in chunk.choices)
+                started.set()
+        except openai.APIError as exc:
+            broke.append(str(exc))
+        finally:
+            started.set()
+
+    reader = threading.Thread(target=long_stream, daemon=True)
+    reader.start()
+    assert started.wait(20) and not broke, broke
+    serving = None
+    for replica in fleet.serving("chat"):
+        page = httpx.get(replica["url"] + "/metrics").text
+        running = [line for line in page.splitlines() if line.startswith("vllm:num_requests_running")]
+        if any(float(line.rsplit(" ", 1)[1]) > 0 for line in running):
+            serving = replica
+    assert serving is not None
+    node = serving["shards"][0]["node"]
+    (engine_pid,) = [
+        int(line.rsplit(" ", 1)[1]) for line in agents[node].output().splitlines()
+        if ": starting pid " in line
+    ]  # fmt: skip
+    agents[node].signal(signal.SIGKILL)
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        reader.join(40)
+        assert not broke and not reader.is_alive(), broke
+        assert "".join(words) == answer_text({"messages": CHAT}, 300)
+        assert fleet.node(node)["status"] == "lost"
+        page = httpx.get(fleet.url + "/metrics").text
+        lost = 'llmgw_stream_migrations_total{model="chat",cause="lost",outcome="continued"} 1'
+        assert lost in page, page
+    finally:
+        os.kill(engine_pid, signal.SIGKILL)
+        os.kill(engine_pid, signal.SIGCONT)
 
 
 def test_a_drain_that_would_take_a_model_offline_is_refused_unless_forced(fleet: Fleet) -> None:

@@ -135,7 +135,10 @@ async def chaos(procs: Procs, tmp_path: Path, extra: str) -> tuple[int, int, int
     (streams whose text came whole, client-visible errors, streams migrated)."""
     flags = ("--mock-tokens", "90", "--mock-tokens-per-second", "20")
     engines = [procs.mock("m", *flags) for _ in range(3)]
-    router = router_with(procs, tmp_path, [e.url for e in engines], extra)
+    # A killed replica is started again at once here, where an agent takes seconds:
+    # it is probed back into rotation within half a second, not after 10 s of ejection.
+    quick = "eject_cooldown_s = 0.5\nhealth_interval_s = 0.5\n"
+    router = router_with(procs, tmp_path, [e.url for e in engines], quick + extra)
     whole = errors = migrated = 0
     done = trio.Event()
 

@@ -161,11 +161,14 @@ class Rejoin:
     prompt once and every generated token once (and only where the client asked for it).
     Fed the continuation's body bytes as they come; gives back what to send on."""
 
-    __slots__ = ("_buffer", "_started", "chat", "seam", "usage_wanted")
+    __slots__ = ("_buffer", "_started", "chat", "seam", "sent", "usage_wanted")
 
     def __init__(self, chat: bool, seam: Seam, usage_wanted: bool) -> None:
         self.chat = chat
         self.seam = seam
+        # The tokens sent before the seam: the seam itself goes on counting what this
+        # continuation sends (kept for a later seam).
+        self.sent = seam.tokens
         self.usage_wanted = usage_wanted
         self._buffer = b""
         self._started = False  # an event with content went out
@@ -219,7 +222,7 @@ class Rejoin:
         return b"data: " + json.dumps(parsed, separators=(",", ":")).encode()
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
-        sent = self.seam.tokens
+        sent = self.sent
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
         if type(prompt) is not int or type(completion) is not int:

@@ -451,8 +451,11 @@ def _sse(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 def _cause(replica: Replica, exc: UpstreamError) -> str:
-    """Why a stream broke, as /metrics counts migrations: the replica was draining (its
-    drain's timeout ended the engine), the engine went silent, or it broke the stream."""
+    """Why a stream broke, as /metrics counts migrations: the replica was lost (the route
+    table dropped it undrained: its streams were cut), it was draining (its drain's
+    timeout ended the engine), the engine went silent, or it broke the stream."""
+    if replica.lost:
+        return "lost"
     if replica.draining:
         return "drain"
     return "silent" if exc.idle else "broke"

@@ -131,7 +131,7 @@ class RouterMetrics:
             "llmgw_stream_migrations_total",
             "counter",
             "Streams whose engine broke them after their head, by cause (broke, silent, "
-            "drain) and outcome: continued on another replica, or not: unsafe (see the "
+            "drain, lost) and outcome: continued on another replica, or not: unsafe (see the "
             "stream's error event), limit (migrate_max), failed (no replica continued it), "
             "spent (its output budget was used: the stream ended).",
         )

@@ -29,6 +29,7 @@ class Replica:
     probe_after: float = 0.0  # when an ejected replica may be probed again
     failures: int = 0  # consecutive
     draining: bool = False  # takes no new requests; those in flight finish
+    lost: bool = False  # gone from the route table without draining: its streams were cut
     busy_until: float = 0.0  # it answered 429/503 with Retry-After: others go first until then
     engine_load: LoadSignal | None = None  # the engine's last reading of its own load
     engine_load_at: float = 0.0  # when it was read

@@ -89,7 +89,15 @@ class ServedModels:
                     self.tuning.read_idle_timeout_s,
                     self.tuning.upstream_idle_s,
                 )
-        balancer.set_endpoints(endpoints)
+        removed = balancer.set_endpoints(endpoints)
+        if removed and model not in self.static_models():
+            # The control plane took it out without a drain: its node was lost, or its
+            # engine failed. Streams still read from it are cut, to go on elsewhere.
+            for replica in removed:
+                pool = self.pools.get(replica.endpoint)
+                if not replica.draining and pool is not None:
+                    replica.lost = True
+                    pool.cut()
         meter = self.meters.get(model)
         if meter is not None and endpoints:
             meter.may_serve()

@@ -119,6 +119,8 @@ class Pool:
         if not endpoint.api_key:
             self._auth = []
         self._idle: list[_Conn] = []
+        # Connections an exchange is using: cut at once where the replica is lost.
+        self._busy: set[_Conn] = set()
         self.closed = False
         self.stale_retries = 0  # requests sent again after a reused connection failed
 
@@ -276,6 +278,14 @@ class Pool:
             conn.close()
         self._idle.clear()
 
+    def cut(self) -> None:
+        """Close the connections in use too: their engine is gone (a lost replica), and a
+        stream read from one breaks now rather than after read_idle_timeout_s of silence
+        (a router's continuation then takes it elsewhere)."""
+        self.close()
+        for conn in list(self._busy):
+            conn.close()
+
 
 class Exchange:
     """One request's answer, read from its connection as the caller asks for it."""
@@ -296,6 +306,7 @@ class Exchange:
     )
 
     def __init__(self, pool: Pool, conn: _Conn, method: bytes = b"POST") -> None:
+        pool._busy.add(conn)
         self._pool = pool
         self._conn = conn
         self._head_only = method == b"HEAD"
@@ -591,6 +602,7 @@ class Exchange:
 
     def release(self) -> None:
         """Back to the pool if the exchange finished cleanly, otherwise closed."""
+        self._pool._busy.discard(self._conn)
         if self._done and self.keep_alive:
             self._pool._give_back(self._conn)
         else:
