@@ -333,7 +333,9 @@ def start_llmgw(
         "shutdown_grace_s = 2\n"
         "\n[router]\n"
         f'balancing = "{policy}"\n'
-        "\n[[models]]\n"
+        + (f"migrate_max = {args.migrate_max}\n" if args.migrate_max is not None and src is None
+           else "")
+        + "\n[[models]]\n"
         f'name = "{MODEL}"\n'
         f"endpoints = [{endpoints}]\n" + tenancy
     )
@@ -876,6 +878,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also run llmgw from this code (as --llmgw-src), interleaved in the\n"
                    "same rounds: each llmgw row then gets its ratio to the baseline's")
     p.add_argument("--no-survival", action="store_true", help="skip the killed-worker check")
+    p.add_argument("--migrate-max", type=int, default=None,
+                   help="[router] migrate_max of this checkout's llmgw (not the baseline's): "
+                   "0 turns stream migration off (default: the config's default)")
     p.add_argument("--tenant", choices=("default", "limited"), default="default",
                    help="whose requests: the default tenant's (no key, no limits), or a "
                    "limited tenant's (a key, [[tenants]] limits never reached; the "

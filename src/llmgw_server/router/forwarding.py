@@ -434,12 +434,7 @@ async def _relay_kept(
         if left:
             await responder.send(without_ids(left))
     elif not framed and exchange.chunked and responder.chunked:
-
-        async def send(chunks: bytes) -> None:
-            keeper.feed_framed(chunks)
-            await responder.send_chunks(chunks)
-
-        await exchange.relay_chunks(send)
+        await exchange.relay_chunks(responder.send_chunks, keeper.feed_framed)
     else:
         async for data in exchange.body():
             keeper.feed(data)

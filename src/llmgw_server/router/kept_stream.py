@@ -109,21 +109,21 @@ class KeptStream:
             if self._raw:  # bare bytes came first: read them before framed ones follow
                 self._compact()
             self._decoder = ChunkDecoder()
-        self._keep(data)
+        if self.unsafe is None:  # the hot path: one append a write
+            self._raw.append(data)
+            self._raw_bytes += len(data)
+            if self._raw_bytes > COMPACT_BYTES:
+                self._compact()
 
     def feed(self, data: bytes) -> None:
         if self._decoder is not None:  # after a seam the continuation is written bare
             self._compact()
             self._decoder = None
-        self._keep(data)
-
-    def _keep(self, data: bytes) -> None:
-        if self.unsafe is not None:
-            return
-        self._raw.append(data)
-        self._raw_bytes += len(data)
-        if self._raw_bytes > COMPACT_BYTES:
-            self._compact()
+        if self.unsafe is None:
+            self._raw.append(data)
+            self._raw_bytes += len(data)
+            if self._raw_bytes > COMPACT_BYTES:
+                self._compact()
 
     def read(self) -> Seam | str:
         """What the client has, or why the stream cannot be continued from it (its last

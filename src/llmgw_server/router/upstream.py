@@ -531,7 +531,11 @@ class Exchange:
             if not data:
                 raise UpstreamError(f"{endpoint} closed the connection mid-answer")
 
-    async def relay_chunks(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+    async def relay_chunks(
+        self,
+        send: Callable[[bytes], Awaitable[None]],
+        keep: Callable[[bytes], None] | None = None,
+    ) -> None:
         """A chunked body with its framing, checked and undecoded, the last chunk left out,
         each read's worth given to `send` as it comes (a chunk's data too, as it comes).
 
@@ -560,6 +564,8 @@ class Exchange:
                             f"{endpoint} broke the chunked framing: {exc}", broken=True
                         ) from None
                     if ready:
+                        if keep is not None:  # a stream kept for a continuation
+                            keep(ready)
                         sending = True
                         await send(ready)
                         sending = False
