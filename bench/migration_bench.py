@@ -73,10 +73,8 @@ import itertools
 import json
 import math
 import os
-import resource
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,6 +94,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from llmgw_mock_engine.engine import answer_text  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+from tenancy_bench import free_port, percentile, progress, raise_nofile  # noqa: E402
+
 RESULTS_DIR = HERE / "results"
 MODEL = "m"
 REPLICAS = 3
@@ -106,31 +107,7 @@ WARMUP_TOKENS = 8
 VARIANTS = ("on", "off")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def raise_nofile() -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def progress(text: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
-
-
 # -- arithmetic and parsing (pure; tests/test_migration_bench.py) -------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); nan if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def median(values: Sequence[float]) -> float:

@@ -28,12 +28,6 @@ def data(content: str | None = None, **extra: object) -> bytes:
     return b"data: " + json.dumps(event).encode()
 
 
-def test_percentiles_are_nearest_rank() -> None:
-    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert bench.percentile([float(x) for x in range(1, 101)], 99) == 99.0
-    assert math.isnan(bench.percentile([], 50))
-
-
 def test_events_are_split_on_blank_lines_and_a_part_is_kept() -> None:
     assert bench.split_events(b"data: 1\n\n: c\n\ndata: 2") == ([b"data: 1", b": c"], b"data: 2")
     assert bench.split_events(b"") == ([], b"")

@@ -100,10 +100,7 @@ class Attempts:
     relayed: bool = False
     gave_up: bool = False  # final: nothing is sent after a give-up
     migrations: int = 0  # continuations begun: the client has had a stream's head
-    _per_turn: int = 0
-
-    def __attrs_post_init__(self) -> None:
-        self._per_turn = self.limit
+    _per_turn: int = 0  # the attempts each continuation has: the first turn's limit
 
     def broke(self) -> bool:
         """The relayed stream broke after its head: whether another replica may continue
@@ -112,6 +109,8 @@ class Attempts:
             return False
         if self.migrations >= self.max_migrations:
             return False
+        if not self.migrations:
+            self._per_turn = self.limit
         self.migrations += 1
         self.relayed = False
         self.last = None
