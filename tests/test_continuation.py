@@ -93,8 +93,12 @@ def test_skimmed_events_give_what_parsing_each_gives(
     old = kept_stream.COMPACT_BYTES
     kept_stream.COMPACT_BYTES = 256
     try:
-        dumps = (lambda e: json.dumps(e)) if spaced else (
-            lambda e: json.dumps(e, separators=(",", ":"), ensure_ascii=False))  # fmt: skip
+
+        def dumps(event: dict[str, Any]) -> str:
+            if spaced:
+                return json.dumps(event)
+            return json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+
         events: list[dict[str, Any]] = []
         expected_ids: list[int] = []
         for n, piece in enumerate(pieces):
