@@ -398,6 +398,25 @@ class TenantLimiter:
             cap = _shared(cap, shares.in_flight)
         self.requests.limit, self.tokens.limit, self.in_flight_cap = rpm, tpm, cap
 
+    def below_limit(self, which: str) -> bool:
+        """Whether this process enforces less of the limit `which` than the whole: a
+        share of a limit that others enforce too, which its hub may raise."""
+        if self.shares is None:
+            return False
+        whole = {
+            "requests": _window_limit(self.limits.requests_per_minute),
+            "tokens": _window_limit(self.limits.tokens_per_minute),
+            "in_flight": math.inf
+            if self.limits.max_in_flight is None
+            else float(self.limits.max_in_flight),
+        }[which]
+        enforced = {
+            "requests": self.requests.limit,
+            "tokens": self.tokens.limit,
+            "in_flight": self.in_flight_cap,
+        }[which]
+        return enforced < whole
+
     def admit(self, tokens: int, now: float) -> Ticket | Refusal:
         """Admits a request reserving `tokens` (its prompt's, counted or estimated, and
         the most its answer may add), or says why not and for how long."""

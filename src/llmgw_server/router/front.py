@@ -21,6 +21,7 @@ import trio
 
 from llmgw_core.config import Config, ServerSection
 from llmgw_core.openai_errors import ANTHROPIC
+from llmgw_core.tenant_limits import TenantLimiter
 from llmgw_core.tomlshape import closest
 from llmgw_http.server import JSON, Request, Responder, ServerLimits
 from llmgw_server.reload import ReloadPlan, plan_reload, reloaded_config
@@ -73,6 +74,11 @@ _COMPLETIONS = b"/v1/completions"
 _REQUEST_ID = b"x-request-id"
 _CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 _NO_KEY = "a valid API key is required (Authorization: Bearer)"
+# A request refused by this process's share of a shared limit waits this long for its hub
+# to raise the share (reports go every 0.25 s; a grant follows the next), and at most
+# this many wait at once in a process.
+BORROW_WAIT_S = 1.5
+BORROW_MAX = 256
 
 
 def server_limits(s: ServerSection) -> ServerLimits:
@@ -130,6 +136,8 @@ class Router:
         )
         self.outcomes = Outcomes(self.metrics, self.served, self.keys, self.access_log)
         self.tenancy = Tenancy(config)
+        self._granted = trio.Event()  # set (and made anew) when a hub's grant applies
+        self._borrowing = 0  # requests waiting for a raised share (_borrow)
         self.gates: dict[str, ModelGate] = {}  # model -> its fair queue (replica_max_in_flight)
         self.metrics_page = metrics_page
         self.answer_headers = answer_headers
@@ -155,6 +163,36 @@ class Router:
 
     def apply_shares(self, shares: Shares) -> None:
         self.tenancy.apply_shares(shares.version, shares.shares, shares.full)
+        self._granted.set()
+        self._granted = trio.Event()
+
+    async def _borrow(
+        self,
+        tenant: str,
+        limiters: tuple[TenantLimiter, ...],
+        tokens: int,
+        refused: Refused,
+    ) -> Admitted | Refused:
+        """A request refused by this process's share of a limit that the router processes
+        enforce together: its refused demand goes to the hub in the next report (every
+        0.25 s), which raises this share where the others leave room. The request waits
+        for the grants of the next BORROW_WAIT_S, tried again after each, rather than
+        sending its client away while the fleet has room; at most BORROW_MAX wait at once
+        in a process (then 429 at once). Past the wait, the refusal as it stands then."""
+        if self._borrowing >= BORROW_MAX:
+            return refused
+        self._borrowing += 1
+        try:
+            outcome: Admitted | Refused = refused
+            with trio.move_on_after(BORROW_WAIT_S):
+                while isinstance(outcome, Refused):
+                    await self._granted.wait()
+                    outcome = self.tenancy.admit(
+                        tenant, limiters, tokens, trio.current_time(), again=True
+                    )
+            return outcome
+        finally:
+            self._borrowing -= 1
 
     def shares_connection(self) -> None:
         self.tenancy.new_connection()
@@ -341,6 +379,9 @@ class Router:
             outcome = tenancy.admit(
                 tenant, limiters, prompt_tokens + output_tokens, trio.current_time()
             )
+            if isinstance(outcome, Refused) and tenancy.shared(limiters, outcome.which):
+                outcome = await self._borrow(tenant, limiters, prompt_tokens + output_tokens,
+                                             outcome)  # fmt: skip
             if isinstance(outcome, Refused):
                 await _rate_limited(responder, tenant, outcome)
                 return

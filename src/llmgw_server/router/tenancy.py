@@ -272,10 +272,16 @@ class Tenancy:
             )
 
     def admit(
-        self, tenant: str, limiters: tuple[TenantLimiter, ...], tokens: int, now: float
+        self,
+        tenant: str,
+        limiters: tuple[TenantLimiter, ...],
+        tokens: int,
+        now: float,
+        again: bool = False,
     ) -> Admitted | Refused:
         """Admit a request reserving `tokens` against every one of `limiters` (not
-        empty), or refuse it (nothing charged) with the longest wait among them."""
+        empty), or refuse it (nothing charged) with the longest wait among them.
+        `again`: a request refused already, tried once more (not counted twice)."""
         holds: list[tuple[TenantLimiter, Ticket]] = []
         for limiter in limiters:
             outcome = limiter.admit(tokens, now)
@@ -289,10 +295,20 @@ class Tenancy:
                         if other_wait > 0:
                             waits.append(other_wait)
                 wait = max(waits)
-                self.counts[tenant].refused[outcome.which] += 1
+                if not again:
+                    self.counts[tenant].refused[outcome.which] += 1
                 return Refused(outcome.which, wait, _headers(limiters, now))
             holds.append((limiter, outcome))
         return Admitted(tenant, tokens, tuple(holds), _headers(limiters, now))
+
+    @staticmethod
+    def shared(limiters: tuple[TenantLimiter, ...], which: str) -> bool:
+        """Whether a refusal for `which` may be this process's share alone: a limit the
+        router processes enforce together, of which this one has less than the whole
+        (its hub raises a share where others leave room)."""
+        return which in ("requests", "tokens") and any(
+            limiter.below_limit(which) for limiter in limiters
+        )
 
     def settle(self, admitted: Admitted, tokens: int, now: float) -> None:
         for limiter, ticket in admitted.holds:
