@@ -75,10 +75,11 @@ _REQUEST_ID = b"x-request-id"
 _CLIENT_GONE = (trio.Cancelled, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 _NO_KEY = "a valid API key is required (Authorization: Bearer)"
 # A request refused by this process's share of a shared limit waits this long for its hub
-# to raise the share (reports go every 0.25 s; a grant follows the next), and at most
-# this many wait at once in a process.
+# to raise the share (reports go every 0.25 s; a grant follows the next), at most this
+# many at once in a process, their bodies (already read) within this many bytes.
 BORROW_WAIT_S = 1.5
 BORROW_MAX = 256
+BORROW_MAX_BYTES = 64 * 1024 * 1024
 
 
 def server_limits(s: ServerSection) -> ServerLimits:
@@ -138,6 +139,7 @@ class Router:
         self.tenancy = Tenancy(config)
         self._granted = trio.Event()  # set (and made anew) when a hub's grant applies
         self._borrowing = 0  # requests waiting for a raised share (_borrow)
+        self._borrowed_bytes = 0  # and their bodies
         self.gates: dict[str, ModelGate] = {}  # model -> its fair queue (replica_max_in_flight)
         self.metrics_page = metrics_page
         self.answer_headers = answer_headers
@@ -172,16 +174,19 @@ class Router:
         limiters: tuple[TenantLimiter, ...],
         tokens: int,
         refused: Refused,
+        size: int,
     ) -> Admitted | Refused:
         """A request refused by this process's share of a limit that the router processes
         enforce together: its refused demand goes to the hub in the next report (every
         0.25 s), which raises this share where the others leave room. The request waits
         for the grants of the next BORROW_WAIT_S, tried again after each, rather than
         sending its client away while the fleet has room; at most BORROW_MAX wait at once
-        in a process (then 429 at once). Past the wait, the refusal as it stands then."""
-        if self._borrowing >= BORROW_MAX:
+        in a process, their bodies within BORROW_MAX_BYTES (then 429 at once). Past the
+        wait, the refusal as it stands then."""
+        if self._borrowing >= BORROW_MAX or self._borrowed_bytes + size > BORROW_MAX_BYTES:
             return refused
         self._borrowing += 1
+        self._borrowed_bytes += size
         try:
             outcome: Admitted | Refused = refused
             with trio.move_on_after(BORROW_WAIT_S):
@@ -193,6 +198,7 @@ class Router:
             return outcome
         finally:
             self._borrowing -= 1
+            self._borrowed_bytes -= size
 
     def shares_connection(self) -> None:
         self.tenancy.new_connection()
@@ -381,7 +387,7 @@ class Router:
             )
             if isinstance(outcome, Refused) and tenancy.shared(limiters, outcome.which):
                 outcome = await self._borrow(tenant, limiters, prompt_tokens + output_tokens,
-                                             outcome)  # fmt: skip
+                                             outcome, len(request.body))  # fmt: skip
             if isinstance(outcome, Refused):
                 await _rate_limited(responder, tenant, outcome)
                 return
