@@ -261,6 +261,7 @@ def wait_for(what: str, proc: Proc, check: Any, timeout_s: float = 60.0) -> Any:
 def start_engine(binary: Path, replicas: int, args: argparse.Namespace) -> tuple[Proc, list[str]]:
     proc = Proc("fast-engine", [
         str(binary), "-model", MODEL, "-replicas", str(replicas), "-chunks", str(args.chunks),
+        "-owned-by", args.engine_owned_by,
         "-interval", f"{args.interval_ms}ms",
     ])
 
@@ -878,6 +879,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also run llmgw from this code (as --llmgw-src), interleaved in the\n"
                    "same rounds: each llmgw row then gets its ratio to the baseline's")
     p.add_argument("--no-survival", action="store_true", help="skip the killed-worker check")
+    p.add_argument("--engine-owned-by", default="bench",
+                   help="what the fast engine's /v1/models says it is: vllm makes this "
+                   "checkout's router ask it for token ids (return_token_ids, as it asks "
+                   "vLLM) to continue broken streams from, and take them out of the answers")
     p.add_argument("--migrate-max", type=int, default=None,
                    help="[router] migrate_max of this checkout's llmgw (not the baseline's): "
                    "0 turns stream migration off (default: the config's default)")

@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw_server.router import kept_stream
-from llmgw_server.router.continuation import Rejoin, Spent, Unsafe, continued_body
+from llmgw_server.router.continuation import (
+    Rejoin,
+    Spent,
+    Unsafe,
+    WholeEvents,
+    asking_ids,
+    continued_body,
+    without_ids,
+)
 from llmgw_server.router.kept_stream import KeepBudget, KeptStream, Seam
 from llmgw_server.router.policies import Choice
 from llmgw_server.router.policies.policy import STORED_RESPONSE
@@ -316,3 +324,24 @@ def test_attempts_go_on_after_a_break_up_to_the_limit() -> None:
     assert isinstance(unanswered.next(choose), Send)  # the continuation's one attempt
     unanswered.answered(503)
     assert isinstance(unanswered.next(choose), GiveUp)
+
+
+def test_the_ids_the_router_asked_for_are_asked_and_taken_out_whole() -> None:
+    assert asking_ids(b' {"model":"m"}') == b'{"return_token_ids":true,"model":"m"}'
+    assert asking_ids(b"{}") == b'{"return_token_ids":true}'
+    assert json.loads(asking_ids(b'{ "a": 1 }')) == {"return_token_ids": True, "a": 1}
+    chat = (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],'
+        b'"prompt_token_ids":[0,6,379],"prompt_text":null}\n\n'
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":" could"},'
+        b'"finish_reason":null,"token_ids":[3117]}]}\n\n'
+    )
+    plain = (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":" could"},'
+        b'"finish_reason":null}]}\n\n'
+    )
+    assert without_ids(chat) == plain
+    events = WholeEvents()
+    out = b"".join(events.feed(piece) for piece in split(chat, [40, 95, 96, 130]))
+    assert without_ids(out) == plain and events.left() == b""

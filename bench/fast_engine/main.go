@@ -34,6 +34,7 @@ import (
 
 type engine struct {
 	model    string
+	ownedBy  string // what its /v1/models says: "vllm" makes llmgw ask for token ids
 	chunks   int // data events per stream: a role chunk, chunks-2 tokens, a finish chunk
 	interval time.Duration
 	running  int64 // requests being answered now (vllm:num_requests_running)
@@ -56,6 +57,7 @@ type request struct {
 	StreamOptions struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
+	ReturnTokenIDs bool `json:"return_token_ids"` // as vLLM: ids on every event
 }
 
 var token = []string{"The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."}
@@ -80,7 +82,7 @@ func (rp replica) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusOK)
 	case "/v1/models":
 		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","created":0,"owned_by":"bench","max_model_len":4096}]}`, e.model)
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%q,"object":"model","created":0,"owned_by":%q,"max_model_len":4096}]}`, e.model, e.ownedBy)
 	case "/metrics":
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
 		running := atomic.LoadInt64(&e.running)
@@ -247,19 +249,32 @@ func (e *engine) generate(w http.ResponseWriter, r *http.Request, chat bool) {
 			}
 		}
 		var event string
+		// With return_token_ids, as vLLM writes them: the prompt's ids on the first event
+		// (a chat's beside its choices, a completion's in its choice), each token's own.
+		ids, promptIDs, chatPromptIDs := "", "", ""
+		if req.ReturnTokenIDs {
+			ids = fmt.Sprintf(`,"token_ids":[%d]`, 100+i)
+			if i == 0 && chat {
+				chatPromptIDs = `,"prompt_token_ids":[0,11,12,13,14,15,16,17]`
+			} else if i == 0 {
+				promptIDs = `,"prompt_token_ids":[0,11,12,13,14,15,16,17]`
+			} else {
+				promptIDs = `,"prompt_token_ids":null`
+			}
+		}
 		switch {
 		case i == 0 && chat:
-			event = head + `"delta":{"role":"assistant","content":""},"finish_reason":null}]}` + "\n\n"
+			event = head + `"delta":{"role":"assistant","content":""},"finish_reason":null}]` + chatPromptIDs + "}\n\n"
 		case i == 0:
-			event = head + `"text":"","finish_reason":null}]}` + "\n\n"
+			event = head + `"text":"","finish_reason":null` + promptIDs + `}]}` + "\n\n"
 		case i == tokens+1 && chat:
 			event = head + `"delta":{},"finish_reason":"length"}]}` + "\n\n"
 		case i == tokens+1:
-			event = head + `"text":"","finish_reason":"length"}]}` + "\n\n"
+			event = head + `"text":"","finish_reason":"length"` + promptIDs + `}]}` + "\n\n"
 		case chat:
-			event = head + fmt.Sprintf(`"delta":{"content":%q},"finish_reason":null}]}`, token[(i-1)%len(token)]) + "\n\n"
+			event = head + fmt.Sprintf(`"delta":{"content":%q},"finish_reason":null%s}]}`, token[(i-1)%len(token)], ids) + "\n\n"
 		default:
-			event = head + fmt.Sprintf(`"text":%q,"finish_reason":null}]}`, token[(i-1)%len(token)]) + "\n\n"
+			event = head + fmt.Sprintf(`"text":%q,"finish_reason":null%s%s}]}`, token[(i-1)%len(token)], promptIDs, ids) + "\n\n"
 		}
 		if _, err := io.WriteString(w, event); err != nil {
 			return
@@ -280,11 +295,12 @@ func main() {
 	port := flag.Int("port", 0, "first port (0: a free port per replica)")
 	chunks := flag.Int("chunks", 50, "data events per stream before [DONE] (role chunk, tokens, finish chunk)")
 	interval := flag.Duration("interval", time.Millisecond, "pause between stream events (0: none)")
+	ownedBy := flag.String("owned-by", "bench", "the owned_by of its /v1/models (vllm: as vLLM says)")
 	flag.Parse()
 	if *chunks < 2 || *replicas < 1 {
 		log.Fatal("need -chunks >= 2 and -replicas >= 1")
 	}
-	e := &engine{model: *model, chunks: *chunks, interval: *interval, paths: map[string]int64{}}
+	e := &engine{model: *model, ownedBy: *ownedBy, chunks: *chunks, interval: *interval, paths: map[string]int64{}}
 	errs := make(chan error, *replicas)
 	for i := 0; i < *replicas; i++ {
 		p := 0
