@@ -21,7 +21,7 @@ from llmgw_server.router.continuation import (
     continued_body,
     without_ids,
 )
-from llmgw_server.router.kept_stream import KeepBudget, KeptStream, Seam
+from llmgw_server.router.kept_stream import KeepBudget, KeptStream, Seam, blanked
 from llmgw_server.router.policies import Choice
 from llmgw_server.router.policies.policy import STORED_RESPONSE
 from llmgw_server.router.request_plan import Attempts, GiveUp, Send
@@ -345,3 +345,27 @@ def test_the_ids_the_router_asked_for_are_asked_and_taken_out_whole() -> None:
     events = WholeEvents()
     out = b"".join(events.feed(piece) for piece in split(chat, [40, 95, 96, 130]))
     assert without_ids(out) == plain and events.left() == b""
+
+
+def test_ids_written_over_keep_each_event_valid_and_as_long() -> None:
+    events = [
+        {"id": "c", "choices": [{"index": 0, "text": "", "prompt_token_ids": [0, 5]}]},
+        {
+            "id": "c",
+            "choices": [{"index": 0, "text": " a", "prompt_token_ids": None, "token_ids": [7]}],
+        },
+        {
+            "id": "c",
+            "choices": [{"index": 0, "delta": {}}],
+            "prompt_token_ids": [1],
+            "prompt_text": None,
+        },
+    ]
+    for event in events:
+        wire = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        out = blanked(wire)
+        assert len(out) == len(wire)
+        parsed = json.loads(out[6:])
+        assert "token_ids" not in json.dumps(parsed) and "prompt_text" not in parsed
+    plain = b'data: {"id":"c","choices":[{"index":0,"text":" a"}]}\n\n'
+    assert blanked(plain) is plain

@@ -30,12 +30,11 @@ written.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import attrs
 
-from llmgw_server.router.kept_stream import Seam
+from llmgw_server.router.kept_stream import IDS, Seam
 
 _GUIDED = (
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
@@ -240,14 +239,9 @@ class Rejoin:
         return fixed
 
 
-# The ids vLLM adds to a stream's events with `return_token_ids` (as pydantic writes
-# them: no spaces), which the router asks for to keep and the client did not.
-_IDS = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[0-9,]*\]|null)|,"prompt_text":null')
-
-
 def without_ids(events: bytes) -> bytes:
     """Whole events, the token ids the router asked for taken out."""
-    return _IDS.sub(b"", events)
+    return IDS.sub(b"", events)
 
 
 class WholeEvents:

@@ -421,9 +421,12 @@ async def _relay_kept(
     strip: bool,
     framed: bool,
 ) -> None:
-    """A stream relayed as it is written, kept for a continuation; without the ids the
-    router asked for where `strip`."""
-    if strip:
+    """A stream relayed as it is written, kept for a continuation; the ids the router
+    asked for (`strip`) written over with spaces, so that each chunk goes on as it came."""
+    if not framed and exchange.chunked and responder.chunked:
+        keep = keeper.feed_framed_blanked if strip else keeper.feed_framed
+        await exchange.relay_chunks(responder.send_chunks, keep)
+    elif strip:
         events = WholeEvents()
         async for data in exchange.body():
             whole = events.feed(data)
@@ -433,8 +436,6 @@ async def _relay_kept(
         left = events.left()
         if left:
             await responder.send(without_ids(left))
-    elif not framed and exchange.chunked and responder.chunked:
-        await exchange.relay_chunks(responder.send_chunks, keeper.feed_framed)
     else:
         async for data in exchange.body():
             keeper.feed(data)

@@ -104,7 +104,8 @@ class KeptStream:
         # Why this stream cannot be continued, once something says so (None: it can).
         self.unsafe: str | None = None
 
-    def feed_framed(self, data: bytes) -> None:
+    def feed_framed(self, data: bytes) -> bytes:
+        """Keeps `data` (with its chunk framing) and gives it back, to be sent on."""
         if self._decoder is None:
             if self._raw:  # bare bytes came first: read them before framed ones follow
                 self._compact()
@@ -114,6 +115,14 @@ class KeptStream:
             self._raw_bytes += len(data)
             if self._raw_bytes > COMPACT_BYTES:
                 self._compact()
+        return data
+
+    def feed_framed_blanked(self, data: bytes) -> bytes:
+        """Keeps `data` and gives it back with the token ids the router asked for (and the
+        client did not) written over with spaces: the JSON stays valid and every chunk
+        keeps its length, so the framing goes on untouched (an id list split between two
+        reads is left as it came, and the client sees its ids)."""
+        return blanked(self.feed_framed(data))
 
     def feed(self, data: bytes) -> None:
         if self._decoder is not None:  # after a seam the continuation is written bare
@@ -318,3 +327,19 @@ def _ids(value: object) -> list[int] | None:
     if isinstance(value, list) and value and all(type(v) is int for v in value):
         return value
     return None
+
+
+# The ids vLLM adds to a stream's events with `return_token_ids` (as pydantic writes
+# them: no spaces), which the router asks for to keep and the client did not.
+IDS = re.compile(rb',"(?:prompt_)?token_ids":(?:\[[0-9,]*\]|null)|,"prompt_text":null')
+
+
+def _spaces(match: re.Match[bytes]) -> bytes:
+    return b" " * (match.end() - match.start())
+
+
+def blanked(events: bytes) -> bytes:
+    """`events` with the router's token ids written over with as many spaces."""
+    if b'token_ids"' not in events and b'"prompt_text"' not in events:
+        return events
+    return IDS.sub(_spaces, events)

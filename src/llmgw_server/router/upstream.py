@@ -534,7 +534,7 @@ class Exchange:
     async def relay_chunks(
         self,
         send: Callable[[bytes], Awaitable[None]],
-        keep: Callable[[bytes], None] | None = None,
+        keep: Callable[[bytes], bytes] | None = None,
     ) -> None:
         """A chunked body with its framing, checked and undecoded, the last chunk left out,
         each read's worth given to `send` as it comes (a chunk's data too, as it comes).
@@ -565,7 +565,7 @@ class Exchange:
                         ) from None
                     if ready:
                         if keep is not None:  # a stream kept for a continuation
-                            keep(ready)
+                            ready = keep(ready)  # what goes on: the same bytes, or as long
                         sending = True
                         await send(ready)
                         sending = False
