@@ -218,7 +218,7 @@ def test_a_drain_stops_a_replica_still_streaming_once_drain_timeout_s_has_passed
     then stopped under it; the log says why, and the client's stream goes on from the
     replacement (issue 39): a drain ends no request."""
     fleet.server(model("chat"))
-    slow = 'LLMGW_MOCK_TPS = "20", LLMGW_MOCK_TOKENS = "400"'  # an answer: 20 s
+    slow = 'LLMGW_MOCK_TPS = "50", LLMGW_MOCK_TOKENS = "400"'  # an answer: 8 s
     fleet.agent("gpu-1", "node-2xl4.toml", env=slow)
     (old,) = wait_until(lambda: fleet.serving("chat"), what="the replica on gpu-1")
     fleet.agent("gpu-2", "node-2xl4.toml", env=slow)

@@ -185,10 +185,9 @@ class Forwarder:
             return None
         seam = keeper.read()
         body = json.loads(raw)  # valid: the request was parsed before it was sent
-        made = seam if isinstance(seam, str) else continued_body(chat, body, seam)
-        if isinstance(made, (str, Unsafe)) or isinstance(seam, str):
-            reason = made if isinstance(made, str) else getattr(made, "why", "")
-            why = f"{broke.why}; not continued: {reason}"
+        made = Unsafe(seam) if isinstance(seam, str) else continued_body(chat, body, seam)
+        if isinstance(made, Unsafe) or isinstance(seam, str):
+            why = f"{broke.why}; not continued: {made.why if isinstance(made, Unsafe) else ''}"
             await self._stream_broke(model, responder, why, broke, "unsafe")
             return None
         if isinstance(made, Spent):
