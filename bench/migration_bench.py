@@ -41,7 +41,7 @@ time.monotonic() when the bytes that complete it arrive.
 2. Keep (variants `on` and `off`, no kill): --keep-streams (S, 60) concurrent streams of
    --keep-tokens (2,000) tokens at --keep-rate (50) tokens/s, their starts spread over
    --keep-stagger-s (1.5 s, so that the streams' keepers do not all compact at once: a
-   kept stream reads its raw bytes once they pass 32 KiB, about 170 of the mock's chat
+   kept stream reads its raw bytes once they pass 8 KiB, about 40 of the mock's chat
    events). First a warm-up of S short streams (8 tokens), then the router's idle RSS
    (VmRSS of /proc/PID/status, summed over the router's process tree) and CPU time
    (utime + stime of /proc/PID/stat). While the streams run, the RSS is sampled every
