@@ -295,7 +295,10 @@ def test_a_stream_whose_vllm_is_killed_goes_on_token_for_token_on_the_other(
     reference = {**body, "return_token_ids": True}
     runs = [stream(v.url + path, reference, chat, ENGINE_AUTH) for v in (first, first, second)]
     whole = runs[0]
-    assert [r.token_ids() for r in runs] == [whole.token_ids()] * 3, [
+    # The ids alone, not how they were grouped into events: a busy vLLM puts two tokens in
+    # one event now and then (seen in CI's long stage), the same answer all the same.
+    answers = [[i for event in r.token_ids() for i in event] for r in runs]
+    assert answers == [answers[0]] * 3, [
         _first_difference(whole.token_ids(), r.token_ids()) for r in runs
     ]
     assert [r.text for r in runs] == [whole.text] * 3
